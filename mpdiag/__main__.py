@@ -1,0 +1,5 @@
+import sys
+
+from mpdiag.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Bundled model scripts (each defines ``build(device)``) and the data they train on."""

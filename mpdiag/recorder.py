@@ -1,0 +1,248 @@
+"""The Recorder: mpdiag's one instrumentation point, used by the CLI runner and by users' own loops.
+
+Call ``record(loss)`` once per optimizer step, after ``backward`` and before the optimizer (or scaler) step.
+The Recorder reads every parameter's ``.grad`` at that moment. What it learns only after the step - whether
+the optimizer step ran, the scale and growth tracker after ``update()`` - it reads at the next ``record`` (or
+at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict()``, never by re-deriving
+GradScaler's rule.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mpdiag.gradstats import GradStatsComputer
+from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
+from mpdiag.writer import BackgroundWriter
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: the CUDA caching allocator's peak on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _grads_already_unscaled(scaler) -> bool:
+    """True when ``scaler.unscale_(optimizer)`` already ran this step (e.g. for gradient clipping)."""
+    states = getattr(scaler, "_per_optimizer_states", {})  # GradScaler's own per-optimizer bookkeeping
+    return any(state.get("stage") is OptState.UNSCALED for state in states.values())
+
+
+class Recorder:
+    """Records per-step scalars and per-tensor gradient statistics of ``model`` into a store.
+
+    Args:
+        model: the module whose parameters' gradients are read.
+        store: a store path (default ``MPDIAG_STORE`` or ``mpdiag_runs.db``) or a :class:`Store`.
+        name: display name of the run.
+        scaler: a ``torch.amp.GradScaler`` (or an object with ``get_scale()``, ``state_dict()`` and
+            ``is_enabled()``), or None when the loss is not scaled.
+        optimizer: the optimizer whose ``step`` marks a completed step. When None, any optimizer holding
+            one of ``model``'s parameters counts.
+        every: record tensor statistics every ``every`` steps (scalars are recorded every step).
+        config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
+            settings, stored with the run.
+        run_id: attach to a run row created beforehand (the CLI runner does this) instead of creating one.
+        writer: a :class:`BackgroundWriter` to share (the runner's); one is created when None.
+        flush_interval_s: rows are committed at least this often (live readers lag at most this much).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        store: str | os.PathLike | Store | None = None,
+        name: str | None = None,
+        scaler=None,
+        optimizer: torch.optim.Optimizer | None = None,
+        every: int = 1,
+        config: dict[str, Any] | None = None,
+        run_id: int | None = None,
+        writer: BackgroundWriter | None = None,
+        flush_interval_s: float = 0.5,
+    ):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
+        self._owns_writer = writer is None
+        self._writer = writer or BackgroundWriter(path)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.every = every
+        self.flush_interval_s = flush_interval_s
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.device = self._params[0][1].device if self._params else torch.device("cpu")
+        if run_id is None:
+            run_id = self._create_run(name, config or {})
+        self.run_id = run_id
+        self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
+
+        self._stepped = False
+        self._hook = self._install_step_hook(optimizer)
+        self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
+        self._grad_dtype_known: set[int] = set()
+        self._step = 0
+        self._pending: list | None = None  # step row awaiting what happens after record()
+        self._step_rows: list[tuple] = []
+        self._tensor_rows_buf: list[tuple] = []
+        self._last_flush = time.monotonic()
+        self._last_record = time.perf_counter()
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def _create_run(self, name: str | None, config: dict[str, Any]) -> int:
+        fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
+        extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
+        fields.setdefault("opt_level", "custom")
+        fields.setdefault("every", self.every)
+        fields.setdefault("device", str(self.device))
+        fields.setdefault("torch_version", torch.__version__)
+        if self.scaler is not None:
+            state = self.scaler.state_dict()
+            fields.setdefault("init_scale", state.get("scale"))
+            for key in ("growth_factor", "backoff_factor", "growth_interval"):
+                fields.setdefault(key, state.get(key))
+        return self._writer.call(lambda w: w.create_run(name=name, config=extra, **fields))
+
+    def _tensor_rows(self) -> list[tuple]:
+        return [
+            (i, n, list(p.shape), p.numel(), _dtype_name(p.dtype), None)
+            for i, (n, p) in enumerate(self._params)
+        ]
+
+    def _install_step_hook(self, optimizer):
+        def mark_stepped(opt, args, kwargs):
+            self._stepped = True
+
+        if optimizer is not None:
+            return optimizer.register_step_post_hook(mark_stepped)
+        mine = {id(p) for _, p in self._params}
+
+        def mark_if_ours(opt, args, kwargs):
+            if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+                self._stepped = True
+
+        return register_optimizer_step_post_hook(mark_if_ours)
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def record(self, loss: torch.Tensor | float) -> None:
+        """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss."""
+        if self._closed:
+            raise RuntimeError("record() called on a closed Recorder")
+        now = time.perf_counter()
+        self._finish_pending(known=True)
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+        loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
+        step = self._step
+        if step % self.every == 0:
+            self._record_tensors(step, scale)
+        self._pending = [
+            step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device)
+        ]
+        self._last_record = now
+        self._step += 1
+        self._stepped = False
+        if time.monotonic() - self._last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def _record_tensors(self, step: int, scale: float) -> None:
+        present = tuple(i for i, (_, p) in enumerate(self._params) if p.grad is not None)
+        if not present:
+            return
+        computer = self._computers.get(present)
+        if computer is None:
+            numels = [self._params[i][1].numel() for i in present]
+            computer = self._computers[present] = GradStatsComputer(numels, self.device)
+        grads = [self._params[i][1].grad for i in present]
+        unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
+        stats = computer.compute(grads, scale, grads_are_scaled=not unscaled)
+        for k, i in enumerate(present):
+            self._tensor_rows_buf.append(
+                (
+                    step, i, encode_hist(stats.hist[k]),
+                    *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
+                    float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
+                    *(int(stats.counts[c][k]) for c in REPRESENTABILITY_COLUMNS),
+                )
+            )
+        unseen = [i for i in present if i not in self._grad_dtype_known]
+        if unseen:
+            self._note_grad_dtypes(unseen)
+
+    def _note_grad_dtypes(self, indices: Iterable[int]) -> None:
+        """Complete the tensors table with each tensor's grad dtype, known once its first grad exists."""
+        rows = []
+        for i in indices:
+            self._grad_dtype_known.add(i)
+            name, p = self._params[i]
+            rows.append((i, name, list(p.shape), p.numel(), _dtype_name(p.dtype), _dtype_name(p.grad.dtype)))
+        self._writer.submit(lambda w: w.add_tensors(self.run_id, rows))
+
+    def _finish_pending(self, known: bool) -> None:
+        """Complete the previous step's row with what happened after record(): skipped, scale, tracker.
+
+        ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'."""
+        if self._pending is None:
+            return
+        row, self._pending = self._pending, None
+        row[3] = 0 if self._stepped else (1 if known else None)
+        if self.scaler is not None:
+            state = self.scaler.state_dict()
+            row[4], row[5] = int(state.get("_growth_tracker", 0)), float(state["scale"])
+        else:
+            row[5] = row[2]
+        self._step_rows.append(tuple(row))
+
+    def flush(self) -> None:
+        """Hand buffered rows to the writer thread (committed there in one transaction)."""
+        steps, tensors = self._step_rows, self._tensor_rows_buf
+        self._step_rows, self._tensor_rows_buf = [], []
+        self._last_flush = time.monotonic()
+        if steps or tensors:
+            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+
+    # -- end ------------------------------------------------------------------------------------------------
+    def close(self, note: str | None = None) -> None:
+        """Write everything and mark the run finished (idempotent)."""
+        self._end(status="finished", error=None, note=note, known=True)
+
+    def fail(self, error: str, status: str = "failed") -> None:
+        """Write everything and mark the run failed with ``error``."""
+        self._end(status=status, error=error, note=None, known=False)
+
+    def _end(self, status: str, error: str | None, note: str | None, known: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        self._finish_pending(known=known)
+        self.flush()
+        fields = {"status": status, "finished_at": time.time(), "error": error}
+        if note:
+            fields["note"] = note
+        self._writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        if self._owns_writer:
+            self._writer.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.fail("".join(traceback.format_exception(exc_type, exc, tb)))

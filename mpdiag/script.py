@@ -1,0 +1,250 @@
+"""Model scripts: loading one and checking it keeps the contract.
+
+A model script is a Python file defining ``build(device)`` that returns a dict with keys
+
+* ``model``: a ``torch.nn.Module``;
+* ``optimizer``: a ``torch.optim.Optimizer`` over ``model.parameters()``, or a callable ``params -> Optimizer``;
+* ``batches``: an iterable of batches, or a callable ``step -> batch``;
+* ``loss_fn``: a callable ``(model, batch) -> scalar loss tensor``;
+* optionally ``name`` and ``description`` (strings).
+
+Every problem is reported as a :class:`ScriptError` whose message names the file and what to change; an
+exception raised by the script's own code carries the script's traceback lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import re
+import sys
+import traceback
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REQUIRED_KEYS = ("model", "optimizer", "batches", "loss_fn")
+
+
+class ScriptError(Exception):
+    """The model script is broken or breaks the contract; ``str()`` is the message for the user."""
+
+
+@dataclass(frozen=True)
+class ModelScript:
+    """A script's source with the name it is shown under (its path, or its stored file name)."""
+
+    filename: str
+    source: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelScript:
+        path = Path(path)
+        if not path.is_file():
+            raise ScriptError(f"{path}: no such file. Give the path of a model script (.py).")
+        if path.suffix != ".py":
+            raise ScriptError(f"{path}: a model script must be a .py file.")
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ScriptError(f"{path}: not UTF-8 text ({exc}).") from exc
+        return cls(filename=str(path), source=source)
+
+    def load_module(self) -> types.ModuleType:
+        """Execute the script as a fresh module. Tracebacks show its lines under ``filename``."""
+        try:
+            code = compile(self.source, self.filename, "exec")
+        except SyntaxError as exc:
+            raise ScriptError(
+                f"{self.filename}, line {exc.lineno}: syntax error: {exc.msg}\n    {(exc.text or '').rstrip()}"
+            ) from None
+        module_name = "mpdiag_script_" + re.sub(r"\W", "_", Path(self.filename).stem)
+        module = types.ModuleType(module_name)
+        module.__file__ = self.filename
+        linecache.cache[self.filename] = (len(self.source), None, self.source.splitlines(True), self.filename)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+        with script_errors(self, "while importing"):
+            exec(code, module.__dict__)
+        return module
+
+
+def script_traceback(exc: BaseException, filename: str) -> str:
+    """The frames of ``exc``'s traceback that lie in the script, then the exception line."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    lines = traceback.format_list(frames) if frames else []
+    return "".join(lines) + "".join(traceback.format_exception_only(type(exc), exc))
+
+
+class script_errors:
+    """Context manager turning any exception from script code into a ScriptError with its traceback."""
+
+    def __init__(self, script: ModelScript, where: str):
+        self.script, self.where = script, where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, ScriptError) or not isinstance(exc, Exception):
+            return False
+        raise ScriptError(
+            f"{self.script.filename}: the script raised {exc_type.__name__} {self.where}:\n"
+            + script_traceback(exc, self.script.filename)
+        ) from exc
+
+
+@dataclass
+class BuiltModel:
+    """What ``build(device)`` returned, checked and normalised."""
+
+    model: torch.nn.Module
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    batches: Callable[[], Iterator[Any]]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    name: str
+    description: str
+    optimizer_rebuildable: bool
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, filename: str):
+    """A factory that returns ``optimizer`` for the model's own parameters and rebuilds it (same class and
+    defaults) over any other parameters, e.g. FP32 master weights."""
+    own = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def make(params):
+        params = list(params)
+        if [id(p) for p in params] == [id(p) for p in own]:
+            return optimizer
+        try:
+            return type(optimizer)(params, **optimizer.defaults)
+        except Exception as exc:  # noqa: BLE001 - reported to the user with the fix
+            raise ScriptError(
+                f"{filename}: cannot rebuild {type(optimizer).__name__} over new parameters ({exc}). "
+                "Return 'optimizer' as a callable, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)."
+            ) from exc
+
+    return make
+
+
+def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
+    """Load the script, call ``build(device)`` and check the result against the contract."""
+    module = script.load_module()
+    fname = script.filename
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise ScriptError(f"{fname}: defines no function build(device). A model script must define it.")
+    with script_errors(script, "in build(device)"):
+        spec = build(device)
+    if not isinstance(spec, dict):
+        raise ScriptError(f"{fname}: build(device) returned {type(spec).__name__}; it must return a dict.")
+    missing = [k for k in REQUIRED_KEYS if k not in spec]
+    if missing:
+        raise ScriptError(
+            f"{fname}: build(device) returned a dict without {', '.join(repr(k) for k in missing)} "
+            f"(required keys: {', '.join(REQUIRED_KEYS)})."
+        )
+    model = spec["model"]
+    if not isinstance(model, torch.nn.Module):
+        raise ScriptError(f"{fname}: 'model' is a {type(model).__name__}; it must be a torch.nn.Module.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ScriptError(f"{fname}: the model has no trainable parameters.")
+
+    optimizer = spec["optimizer"]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        mine = {id(p) for p in model.parameters()}
+        if not all(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            raise ScriptError(f"{fname}: 'optimizer' holds parameters that are not the model's.")
+        make_optimizer, rebuildable = _rebuild_optimizer(optimizer, fname), False
+    elif callable(optimizer):
+        make_optimizer, rebuildable = _checked_factory(optimizer, script), True
+    else:
+        raise ScriptError(
+            f"{fname}: 'optimizer' is a {type(optimizer).__name__}; it must be a torch.optim.Optimizer "
+            "or a callable params -> Optimizer."
+        )
+
+    batches = spec["batches"]
+    if callable(batches):
+        def batch_iter(fn=batches):
+            step = 0
+            while True:
+                with script_errors(script, f"in batches({step})"):
+                    batch = fn(step)
+                yield batch
+                step += 1
+    elif isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
+        def batch_iter(it=batches):
+            iterator = iter(it)
+            while True:
+                with script_errors(script, "while producing a batch"):
+                    try:
+                        batch = next(iterator)
+                    except StopIteration:
+                        return
+                yield batch
+    else:
+        raise ScriptError(
+            f"{fname}: 'batches' is a {type(batches).__name__}; it must be an iterable of batches or a "
+            "callable step -> batch."
+        )
+
+    loss_fn = spec["loss_fn"]
+    if not callable(loss_fn):
+        raise ScriptError(f"{fname}: 'loss_fn' is a {type(loss_fn).__name__}; it must be a callable (model, batch) -> loss.")
+    for key in ("name", "description"):
+        if key in spec and not isinstance(spec[key], str):
+            raise ScriptError(f"{fname}: '{key}' must be a string, got {type(spec[key]).__name__}.")
+    return BuiltModel(
+        model=model,
+        make_optimizer=make_optimizer,
+        batches=batch_iter,
+        loss_fn=_checked_loss(loss_fn, script),
+        name=spec.get("name") or Path(fname).stem,
+        description=spec.get("description", ""),
+        optimizer_rebuildable=rebuildable,
+    )
+
+
+def _checked_factory(factory, script: ModelScript):
+    def make(params):
+        with script_errors(script, "in the optimizer factory"):
+            opt = factory(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ScriptError(
+                f"{script.filename}: the 'optimizer' callable returned {type(opt).__name__}; "
+                "it must return a torch.optim.Optimizer."
+            )
+        return opt
+
+    return make
+
+
+def _checked_loss(loss_fn, script: ModelScript):
+    def compute(model, batch):
+        with script_errors(script, "in loss_fn"):
+            loss = loss_fn(model, batch)
+        if not torch.is_tensor(loss):
+            raise ScriptError(
+                f"{script.filename}: loss_fn returned {type(loss).__name__}; it must return a scalar tensor."
+            )
+        if loss.numel() != 1:
+            raise ScriptError(
+                f"{script.filename}: loss_fn returned a tensor of shape {list(loss.shape)}; it must return a "
+                "scalar (reduce it, e.g. with .mean())."
+            )
+        if not loss.requires_grad:
+            raise ScriptError(
+                f"{script.filename}: the loss does not require grad (was it computed under torch.no_grad() "
+                "or from detached tensors?)."
+            )
+        return loss.reshape(())
+
+    return compute

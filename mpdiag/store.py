@@ -1,0 +1,372 @@
+"""The run store: one SQLite file in WAL mode. This module holds all of mpdiag's SQL.
+
+Readers (``Store``) open a short connection per call, so a dashboard never holds the file; a training
+process writes through one ``StoreWriter`` connection. Contracts that SQLite imposes:
+
+* SQLite cannot hold NaN (it stores NULL). Float columns that may be NaN (loss, absmax, l2, min_nonzero)
+  are read back with NULL -> NaN; ±inf round-trips as itself.
+* Histogram counts are one row per (run, step, tensor) with a BLOB (see :func:`encode_hist`).
+* A run whose status is ``running`` but whose process is gone is reported as ``crashed`` by every reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+
+from mpdiag.formats import EXP_MIN, N_EXP_BINS
+
+DEFAULT_STORE = "mpdiag_runs.db"
+SCHEMA_VERSION = 1
+STATUSES = ("running", "finished", "failed", "crashed")
+
+REPRESENTABILITY_COLUMNS = [
+    f"{fmt}_{cat}{suffix}"
+    for suffix in ("", "_at_scale")
+    for fmt in ("fp16", "bf16")
+    for cat in ("underflow", "subnormal", "overflow")
+]
+TENSOR_STAT_COLUMNS = ["numel", "zeros", "nan", "posinf", "neginf", "absmax", "min_nonzero", "l2"]
+STEP_COLUMNS = [
+    "step", "loss", "loss_scale", "skipped", "growth_tracker", "scale_after", "step_time_s", "peak_mem_bytes",
+]
+# Run columns a writer may set (run_id, status bookkeeping and process identity are managed here).
+RUN_FIELDS = [
+    "name", "script_path", "script_sha256", "opt_level", "init_scale", "growth_factor", "backoff_factor",
+    "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
+    "torch_version", "parent_run_id", "pair_run_id", "config",
+]
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS scripts (
+    sha256 TEXT PRIMARY KEY, filename TEXT NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT, script_path TEXT, script_sha256 TEXT REFERENCES scripts(sha256),
+    opt_level TEXT, init_scale REAL, growth_factor REAL, backoff_factor REAL, growth_interval INTEGER,
+    loss_scale REAL, min_scale REAL, max_scale REAL,
+    seed INTEGER, steps INTEGER, every INTEGER, device TEXT, gpu_name TEXT, torch_version TEXT,
+    status TEXT NOT NULL, error TEXT, note TEXT,
+    started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
+    pid INTEGER, host TEXT, process_started_at REAL,
+    parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
+    config TEXT);
+CREATE TABLE IF NOT EXISTS tensors (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
+    shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
+    PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS steps (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL,
+    loss REAL, loss_scale REAL, skipped INTEGER, growth_tracker INTEGER, scale_after REAL,
+    step_time_s REAL, peak_mem_bytes INTEGER,
+    PRIMARY KEY (run_id, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tensor_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
+    {", ".join(f"{c} {'REAL' if c in ('absmax', 'min_nonzero', 'l2') else 'INTEGER'}" for c in TENSOR_STAT_COLUMNS[1:])},
+    {", ".join(f"{c} INTEGER" for c in REPRESENTABILITY_COLUMNS)},
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
+"""
+
+
+class StoreError(RuntimeError):
+    """The store file is missing, unreadable or not an mpdiag store; the message says which and where."""
+
+
+def encode_hist(counts: np.ndarray) -> bytes:
+    """Pack an exponent histogram (length N_EXP_BINS) as: int16 first bin, then int64 counts up to the last
+    non-empty bin. Empty histograms pack to the 2-byte header alone."""
+    nonzero = np.flatnonzero(counts)
+    if nonzero.size == 0:
+        return np.int16(0).tobytes()
+    lo, hi = int(nonzero[0]), int(nonzero[-1])
+    return np.int16(lo).tobytes() + counts[lo : hi + 1].astype("<i8").tobytes()
+
+
+def decode_hist(blob: bytes) -> np.ndarray:
+    """Inverse of :func:`encode_hist`: a full-length int64 histogram."""
+    out = np.zeros(N_EXP_BINS, dtype=np.int64)
+    lo = int(np.frombuffer(blob[:2], dtype="<i2")[0])
+    body = np.frombuffer(blob[2:], dtype="<i8")
+    out[lo : lo + body.size] = body
+    return out
+
+
+def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
+    if readonly:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    else:
+        conn = sqlite3.connect(path, timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
+def _process_start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _process_is_alive(pid: int | None, host: str | None, started_at: float | None) -> bool:
+    """Whether the process that owns a running run still exists (checked on this host only)."""
+    if pid is None or host != socket.gethostname():
+        return True  # cannot tell from here; assume alive
+    created = _process_start_time(int(pid))
+    if created is None:
+        return False
+    return started_at is None or abs(created - started_at) < 1.0  # guards against a reused pid
+
+
+class Store:
+    """Read access to a store file, returning pandas DataFrames. Creating a Store creates the file's schema
+    if the file does not exist yet (``create=True``), so the CLI and the app can start on an empty path."""
+
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+        self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
+        if not self.path.exists():
+            if not create:
+                raise StoreError(f"No store at {self.path}: run `python -m mpdiag run SCRIPT` to create one.")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with closing(_connect(self.path, readonly=False)) as conn:
+                conn.executescript(_SCHEMA)
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                conn.commit()
+        self._check()
+
+    def _check(self) -> None:
+        try:
+            with closing(_connect(self.path, readonly=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path} is not an SQLite database ({exc}). Choose an mpdiag store file.") from exc
+        missing = {"runs", "steps", "tensors", "tensor_steps", "scripts"} - tables
+        if missing:
+            raise StoreError(
+                f"{self.path} is an SQLite file but not an mpdiag store (missing tables: {', '.join(sorted(missing))})."
+            )
+
+    def _query(self, sql: str, params: Sequence = ()) -> pd.DataFrame:
+        try:
+            with closing(_connect(self.path, readonly=True)) as conn:
+                return pd.read_sql_query(sql, conn, params=list(params))
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"Could not read {self.path}: {exc}") from exc
+
+    # -- runs -----------------------------------------------------------------------------------------------
+    def runs(self) -> pd.DataFrame:
+        """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised.
+        Status ``running`` is reported as ``crashed`` when the owning process no longer exists."""
+        df = self._query(
+            """SELECT r.*, COALESCE(s.steps_done, 0) AS steps_done, COALESCE(s.skipped_steps, 0) AS skipped_steps,
+                      s.peak_mem_bytes,
+                      (SELECT loss FROM steps WHERE run_id = r.run_id ORDER BY step DESC LIMIT 1) AS final_loss,
+                      (SELECT loss IS NULL FROM steps WHERE run_id = r.run_id ORDER BY step DESC LIMIT 1) AS final_loss_nan
+               FROM runs r LEFT JOIN (
+                   SELECT run_id, COUNT(*) AS steps_done, SUM(skipped) AS skipped_steps,
+                          MAX(peak_mem_bytes) AS peak_mem_bytes
+                   FROM steps GROUP BY run_id) s ON s.run_id = r.run_id
+               ORDER BY r.run_id DESC"""
+        )
+        if df.empty:
+            return df
+        df["final_loss"] = df["final_loss"].astype(float)
+        df.loc[df.pop("final_loss_nan") == 1, "final_loss"] = np.nan
+        df["median_step_time_s"] = [self._median_step_time(r) for r in df["run_id"]]
+        dead = (df["status"] == "running") & ~df.apply(
+            lambda r: _process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
+        )
+        df.loc[dead, "status"] = "crashed"
+        df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
+        for col in ("started_at", "finished_at", "heartbeat_at"):
+            df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+        return df
+
+    def _median_step_time(self, run_id: int) -> float:
+        """Median step time after the first step (warm-up), in seconds; NaN with fewer than 2 steps."""
+        times = self._query("SELECT step_time_s FROM steps WHERE run_id = ? AND step > 0", (int(run_id),))
+        return float(times["step_time_s"].median()) if len(times) else float("nan")
+
+    def run(self, run_id: int) -> pd.Series:
+        """One run's row, as in :meth:`runs`. Raises StoreError naming the id when it does not exist."""
+        runs = self.runs()
+        match = runs[runs["run_id"] == int(run_id)] if len(runs) else runs
+        if match.empty:
+            raise StoreError(f"No run {run_id} in {self.path}. `python -m mpdiag runs` lists the runs.")
+        return match.iloc[0]
+
+    def script_source(self, sha256: str) -> tuple[str, str]:
+        """(original file name, source text) of a stored script."""
+        df = self._query("SELECT filename, source FROM scripts WHERE sha256 = ?", (sha256,))
+        if df.empty:
+            raise StoreError(f"No stored script with hash {sha256} in {self.path}.")
+        return df.iloc[0]["filename"], df.iloc[0]["source"]
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def steps(self, run_id: int, since_step: int = -1) -> pd.DataFrame:
+        """Per-step records of a run (steps after ``since_step``), loss NaN restored from NULL.
+        ``skipped`` is 1 when the optimizer step did not run, 0 when it ran, NaN when unknown (the run stopped
+        inside that step); ``growth_tracker`` is NaN for runs without a scaler."""
+        df = self._query(
+            f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id = ? AND step > ? ORDER BY step",
+            (int(run_id), int(since_step)),
+        )
+        for col in ("loss", "loss_scale", "skipped", "growth_tracker", "scale_after"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def tensors(self, run_id: int) -> pd.DataFrame:
+        """The recorded parameter tensors: tensor_id, name (dotted), shape (list), numel, param and grad dtype."""
+        df = self._query(
+            "SELECT tensor_id, name, shape, numel, param_dtype, grad_dtype FROM tensors WHERE run_id = ? "
+            "ORDER BY tensor_id",
+            (int(run_id),),
+        )
+        df["shape"] = df["shape"].map(json.loads)
+        return df
+
+    def _tensor_steps(self, columns: str, run_id: int, tensor: str | None, since_step: int) -> pd.DataFrame:
+        """step, tensor and ``columns`` of tensor_steps rows after ``since_step``, one tensor or all."""
+        sql = (
+            f"SELECT ts.step, t.name AS tensor, {columns} FROM tensor_steps ts "
+            "JOIN tensors t ON t.run_id = ts.run_id AND t.tensor_id = ts.tensor_id WHERE ts.run_id = ? AND ts.step > ?"
+        )
+        params: list = [int(run_id), int(since_step)]
+        if tensor is not None:
+            sql += " AND t.name = ?"
+            params.append(tensor)
+        return self._query(sql + " ORDER BY ts.step, ts.tensor_id", params)
+
+    def tensor_stats(self, run_id: int, tensor: str | None = None, since_step: int = -1) -> pd.DataFrame:
+        """Per logged step and tensor: counts, absmax, min_nonzero, l2 and FP16/BF16 representability counts
+        of the unscaled gradient g, and the same six counts with suffix ``_at_scale`` for S*g."""
+        cols = ", ".join(f"ts.{c}" for c in TENSOR_STAT_COLUMNS[1:] + REPRESENTABILITY_COLUMNS)
+        df = self._tensor_steps(f"t.numel, {cols}", run_id, tensor, since_step)
+        for col in ("absmax", "min_nonzero", "l2"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def histogram_matrix(
+        self, run_id: int, tensor: str | None = None, since_step: int = -1
+    ) -> tuple[pd.DataFrame, np.ndarray]:
+        """(index, counts): index has step and tensor per row; counts[i, b] is the count of exponent bin
+        EXP_MIN + b for that row. The compact form for aggregation; :meth:`histograms` is the long form."""
+        df = self._tensor_steps("ts.hist", run_id, tensor, since_step)
+        counts = np.zeros((len(df), N_EXP_BINS), dtype=np.int64)
+        for i, blob in enumerate(df.pop("hist")):
+            counts[i] = decode_hist(blob)
+        return df, counts
+
+    def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
+        """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
+        index, counts = self.histogram_matrix(run_id, tensor)
+        rows, bins = np.nonzero(counts)
+        long = pd.DataFrame(
+            {
+                "step": index["step"].to_numpy()[rows],
+                "tensor": index["tensor"].to_numpy()[rows],
+                "exponent": (bins + EXP_MIN).astype(object),
+                "count": counts[rows, bins],
+            }
+        )
+        special = self.tensor_stats(run_id, tensor)[["step", "tensor", "zeros", "nan", "posinf", "neginf"]]
+        special = special.rename(columns={"zeros": "zero"}).melt(
+            id_vars=["step", "tensor"], var_name="exponent", value_name="count"
+        )
+        special = special[special["count"] > 0]
+        return pd.concat([long, special], ignore_index=True).sort_values(["step", "tensor"], kind="stable").reset_index(
+            drop=True
+        )
+
+    def max_step(self, run_id: int) -> int:
+        """Last recorded step of a run, -1 when none."""
+        df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))
+        value = df.iloc[0]["s"]
+        return -1 if pd.isna(value) else int(value)
+
+
+class StoreWriter:
+    """The single writing connection of a training process. Not thread-safe: one thread owns it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        Store(self.path)  # creates and validates the schema
+        self._conn = _connect(self.path, readonly=False)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def add_script(self, filename: str, source: str) -> str:
+        """Store a script's source under its SHA-256 (idempotent) and return the hash."""
+        sha = hashlib.sha256(source.encode()).hexdigest()
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR IGNORE INTO scripts VALUES (?, ?, ?, ?)", (sha, filename, source, time.time())
+            )
+        return sha
+
+    def create_run(self, **fields) -> int:
+        """Insert a run with status ``running``, owned by this process. Unknown field names are an error."""
+        unknown = set(fields) - set(RUN_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown run fields: {sorted(unknown)}")
+        if isinstance(fields.get("config"), dict):
+            fields["config"] = json.dumps(fields["config"], sort_keys=True, default=str)
+        now = time.time()
+        pid = os.getpid()
+        fields.update(
+            status="running", started_at=now, heartbeat_at=now, pid=pid, host=socket.gethostname(),
+            process_started_at=_process_start_time(pid),
+        )
+        names = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        with self._conn:
+            cur = self._conn.execute(f"INSERT INTO runs ({names}) VALUES ({marks})", list(fields.values()))
+        return int(cur.lastrowid)
+
+    def update_run(self, run_id: int, **fields) -> None:
+        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown run fields: {sorted(unknown)}")
+        if "status" in fields and fields["status"] not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._conn:
+            self._conn.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*fields.values(), int(run_id)])
+
+    def add_tensors(self, run_id: int, rows: Iterable[tuple]) -> None:
+        """rows: (tensor_id, name, shape list, numel, param_dtype, grad_dtype)."""
+        with self._conn:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(int(run_id), t, n, json.dumps(list(s)), int(k), p, g) for t, n, s, k, p, g in rows],
+            )
+
+    def write_batch(self, run_id: int, step_rows: list[tuple], tensor_rows: list[tuple]) -> None:
+        """Commit step rows (in STEP_COLUMNS order) and tensor rows (tensor_steps column order) together,
+        and refresh the run's heartbeat, in one transaction."""
+        n_tensor_cols = 4 + len(TENSOR_STAT_COLUMNS) - 1 + len(REPRESENTABILITY_COLUMNS)
+        with self._conn:
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO steps VALUES ({', '.join('?' * (len(STEP_COLUMNS) + 1))})",
+                [(int(run_id), *row) for row in step_rows],
+            )
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO tensor_steps VALUES ({', '.join('?' * n_tensor_cols)})",
+                [(int(run_id), *row) for row in tensor_rows],
+            )
+            self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), int(run_id)))

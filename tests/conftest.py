@@ -1,0 +1,40 @@
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "mpdiag" / "examples"
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def store_path(tmp_path, monkeypatch):
+    path = tmp_path / "runs.db"
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    return path
+
+
+@pytest.fixture
+def write_script(tmp_path):
+    """Write a model script from dedented source and return its path."""
+
+    def write(source: str, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write
+
+
+def run_cli(*args, cwd=None, timeout=300, env=None):
+    """Run `python -m mpdiag ...` in a child process; returns CompletedProcess."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "mpdiag", *map(str, args)],
+        cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )

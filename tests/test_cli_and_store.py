@@ -1,0 +1,134 @@
+"""CLI commands, store robustness, and durability when the training process is killed."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import EXAMPLES, ROOT, run_cli
+
+from mpdiag import Store
+from mpdiag.store import StoreError, decode_hist, encode_hist
+
+
+def test_run_runs_export(tmp_path, store_path):
+    result = run_cli("run", EXAMPLES / "mlp_digits.py", "--opt-level", "O1", "--init-scale", "65536",
+                     "--steps", "20", "--store", store_path)
+    assert result.returncode == 0, result.stderr
+    assert "run 1 (mlp_digits.py): finished, 20 steps, 0 skipped" in result.stdout
+    listing = run_cli("runs", "--store", store_path)
+    assert "mlp_digits.py" in listing.stdout and "finished" in listing.stdout
+    out = tmp_path / "export"
+    exported = run_cli("export", "1", "--out", out, "--store", store_path)
+    assert exported.returncode == 0, exported.stderr
+    steps = pd.read_parquet(out / "run1_steps.parquet")
+    assert len(steps) == 20 and steps["loss"].iloc[-1] < steps["loss"].iloc[0]
+    stats = pd.read_csv(out / "run1_tensor_stats.csv")
+    assert set(stats["tensor"]) == {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+    assert len(stats) == 20 * 6
+    hist = pd.read_parquet(out / "run1_histograms.parquet")
+    per_row = hist.groupby(["step", "tensor"])["count"].sum().reset_index()
+    merged = per_row.merge(stats[["step", "tensor", "numel"]], on=["step", "tensor"])
+    assert (merged["count"] == merged["numel"]).all()  # every element is in exactly one bin
+
+
+def test_device_cuda_without_gpu_is_a_clear_error(store_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_cli("run", EXAMPLES / "mlp_digits.py", "--device", "cuda", "--steps", "2", "--store", store_path)
+    assert result.returncode == 2
+    assert "--device cuda: this machine has no CUDA GPU" in result.stderr
+    assert not store_path.exists() or Store(store_path).runs().empty
+
+
+def test_bad_options_exit_2_with_message(store_path):
+    result = run_cli("run", EXAMPLES / "mlp_digits.py", "--opt-level", "O9", "--store", store_path)
+    assert result.returncode == 2 and "unknown opt level 'O9'" in result.stderr
+    result = run_cli("export", "42", "--out", store_path.parent / "x", "--store", store_path)
+    assert result.returncode == 2 and "No run 42" in result.stderr
+
+
+def test_failed_script_exit_1_and_recorded(write_script, store_path):
+    path = write_script("def build(device):\n    return None\n")
+    result = run_cli("run", path, "--steps", "2", "--store", store_path)
+    assert result.returncode == 1
+    assert "build(device) returned NoneType; it must return a dict" in result.stderr
+    assert Store(store_path).runs()["status"].tolist() == ["failed"]
+
+
+def test_store_that_is_not_sqlite(tmp_path):
+    bogus = tmp_path / "notes.db"
+    bogus.write_text("hello, not a database")
+    with pytest.raises(StoreError, match="is not an SQLite database"):
+        Store(bogus)
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("create table x(a)").connection.commit()
+    with pytest.raises(StoreError, match="not an mpdiag store"):
+        Store(other)
+    with pytest.raises(StoreError, match="No store at"):
+        Store(tmp_path / "missing.db", create=False)
+
+
+@pytest.mark.parametrize("counts", [np.zeros(277, dtype=np.int64), np.eye(277, dtype=np.int64)[5] * 3,
+                                    np.arange(277, dtype=np.int64) ** 3])
+def test_hist_blob_round_trip(counts):
+    assert (decode_hist(encode_hist(counts)) == counts).all()
+
+
+def _start_long_run(store_path, steps=100_000):
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpdiag", "run", str(EXAMPLES / "mlp_digits.py"), "--steps", str(steps),
+         "--store", str(store_path), "--device", "cpu"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for_steps(store_path, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if store_path.exists():
+            try:
+                runs = Store(store_path).runs()
+                if len(runs) and runs.iloc[0]["steps_done"] >= n:
+                    return runs.iloc[0]
+            except StoreError:
+                pass
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.2)
+    raise AssertionError("the run did not reach its steps in time")
+
+
+def test_kill_9_keeps_committed_steps_and_marks_crashed(store_path):
+    proc = _start_long_run(store_path)
+    try:
+        running = _wait_for_steps(store_path, 30, proc)
+        assert running["status"] == "running"
+    finally:
+        proc.kill()
+        proc.wait()
+    store = Store(store_path)
+    run = store.runs().iloc[0]
+    assert run["status"] == "crashed" and "exited without closing" in run["error"]
+    steps = store.steps(int(run["run_id"]))
+    assert len(steps) >= 30 and steps["step"].tolist() == list(range(len(steps)))
+    assert len(store.tensor_stats(int(run["run_id"]))) >= 30 * 6
+    with sqlite3.connect(store_path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_sigterm_marks_failed_with_reason(store_path):
+    proc = _start_long_run(store_path)
+    try:
+        _wait_for_steps(store_path, 5, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    run = Store(store_path).runs().iloc[0]
+    assert run["status"] == "failed" and "stopped by signal SIGTERM" in run["error"]

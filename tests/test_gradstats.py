@@ -1,0 +1,138 @@
+"""Exact gradient statistics against torch casting (the ground truth), not against mpdiag's own output."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
+from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting
+
+
+def up(x):
+    """The next fp32 value above x."""
+    return float(np.nextafter(np.float32(x), np.float32(np.inf)))
+
+
+def down(x):
+    """The next fp32 value below x."""
+    return float(np.nextafter(np.float32(x), np.float32(0)))
+
+
+BF16_OVERFLOW_EDGE = 2.0**127 * (2 - 2**-8)
+EDGES = [
+    2**-25, up(2**-25), down(2**-25),  # fp16 tie-to-zero edge
+    2**-24, 2**-14, 2**-14 * (2047 / 2048), down(2**-14 * (2047 / 2048)),  # fp16 subnormal / normal edge
+    65504.0, 65519.99, down(65520.0), 65520.0, 65536.0,  # fp16 overflow edge
+    2**-134, up(2**-134), 2**-133, 2**-126 * (255 / 256), down(2**-126 * (255 / 256)), 2**-149, 2**-127,
+    2**-126,  # bf16 edges inside fp32's subnormal range
+    down(BF16_OVERFLOW_EDGE), BF16_OVERFLOW_EDGE, 3.4e38,  # bf16 overflow edge
+    0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+]
+
+
+def sweep(n=100_000, seed=0):
+    """Edge values (both signs) plus log-uniform magnitudes over 2^-150 .. 2^128."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(-150, 128, generator=g))
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    edges = torch.tensor(EDGES, dtype=torch.float64)
+    return torch.cat([edges, -edges, mags * signs]).float()
+
+
+def reference_hist(x):
+    a = x.abs()
+    a = a[torch.isfinite(a) & (a > 0)]
+    exponents = torch.frexp(a).exponent.numpy() - 1
+    return np.bincount(exponents - EXP_MIN, minlength=N_EXP_BINS)
+
+
+def gradscaler_unscale(x, scale):
+    """What GradScaler.unscale_ computes: multiply by the fp32 reciprocal computed in fp64."""
+    return x * torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+
+
+def test_edges_cast_as_reference_says():
+    # The reference's rounding edges, checked once so a torch change cannot slip through silently.
+    assert torch.tensor(2**-25).half().item() == 0
+    assert torch.tensor(up(2**-25)).half().item() == 2**-24
+    assert math.isinf(torch.tensor(BF16_OVERFLOW_EDGE).bfloat16().item())
+    assert not math.isinf(torch.tensor(down(BF16_OVERFLOW_EDGE)).bfloat16().item())
+    assert torch.tensor(65519.99).half().item() == 65504
+    assert math.isinf(torch.tensor(65520.0).half().item())
+    assert torch.tensor(2**-134).bfloat16().item() == 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
+def test_counts_equal_casting(scale):
+    x = sweep()
+    stats = GradStatsComputer([x.numel()]).compute([x], scale, grads_are_scaled=True)
+    g = gradscaler_unscale(x, scale) if scale != 1.0 else x
+    for fmt in (FP16, BF16):
+        for values, suffix in ((g, ""), (x, "_at_scale")):
+            expected = category_counts_by_casting(values, fmt)
+            got = {k: int(stats.counts[f"{fmt.name}_{k}{suffix}"][0]) for k in expected}
+            assert got == expected, (fmt.name, suffix)
+    assert (stats.hist[0] == reference_hist(g)).all()
+    assert stats.counts["zeros"][0] == int((g == 0).sum())
+    assert stats.counts["nan"][0] == int(g.isnan().sum())
+    assert stats.counts["posinf"][0] == int((g == float("inf")).sum())
+    assert stats.counts["neginf"][0] == int((g == -float("inf")).sum())
+
+
+def test_every_edge_value_alone_matches_casting():
+    # One tensor per edge value makes an off-by-one at any single edge visible as a count of exactly 1.
+    values = [torch.tensor([v], dtype=torch.float32) for v in EDGES]
+    stats = GradStatsComputer([1] * len(values)).compute(values, 1.0)
+    for t, v in enumerate(values):
+        for fmt in (FP16, BF16):
+            expected = category_counts_by_casting(v, fmt)
+            got = {k: int(stats.counts[f"{fmt.name}_{k}"][t]) for k in expected}
+            assert got == expected, (EDGES[t], fmt.name)
+
+
+def test_already_unscaled_grads_give_scaled_counts_by_multiplying():
+    g = sweep(20_000, seed=1)
+    stats = GradStatsComputer([g.numel()]).compute([g], 2.0**10, grads_are_scaled=False)
+    scaled = g * 2.0**10
+    for fmt in (FP16, BF16):
+        expected = category_counts_by_casting(scaled, fmt)
+        assert {k: int(stats.counts[f"{fmt.name}_{k}_at_scale"][0]) for k in expected} == expected
+        expected = category_counts_by_casting(g, fmt)
+        assert {k: int(stats.counts[f"{fmt.name}_{k}"][0]) for k in expected} == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_grads_are_counted_exactly(dtype):
+    g = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e-3).to(dtype)
+    stats = GradStatsComputer([g.numel()]).compute([g], 1.0)
+    assert (stats.hist[0] == reference_hist(g.float())).all()
+    assert stats.counts["fp16_underflow"][0] == category_counts_by_casting(g.float(), FP16)["underflow"]
+
+
+def test_reductions_and_multiple_tensors():
+    a = torch.tensor([0.0, -3.0, 2.0**-140, 5.0])
+    b = torch.zeros(7)
+    c = torch.tensor([1.0, float("nan")])
+    stats = GradStatsComputer([4, 7, 2]).compute([a, b, c], 1.0)
+    assert stats.absmax[0] == 5.0 and stats.min_nonzero[0] == 2.0**-140
+    assert stats.l2[0] == pytest.approx(float(torch.linalg.vector_norm(a)))
+    assert math.isnan(stats.min_nonzero[1]) and stats.absmax[1] == 0 and stats.counts["zeros"][1] == 7
+    assert math.isnan(stats.absmax[2]) and stats.min_nonzero[2] == 1.0 and stats.counts["nan"][2] == 1
+    assert stats.hist[0][-140 - EXP_MIN] == 1  # an fp32 subnormal lands in its exact bin
+
+
+def test_workspace_is_reused_across_steps():
+    comp = GradStatsComputer([1000])
+    keys = comp._keys.data_ptr()
+    for seed in range(3):
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
+        stats = comp.compute([x], 2.0**8)
+        assert (stats.hist[0] == reference_hist(gradscaler_unscale(x, 2.0**8))).all()
+    assert comp._keys.data_ptr() == keys
+
+
+def test_wrong_sizes_are_refused():
+    with pytest.raises(ValueError, match="sizes"):
+        GradStatsComputer([3]).compute([torch.zeros(4)], 1.0)

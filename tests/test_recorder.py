@@ -1,0 +1,188 @@
+"""Recorder against ground truth: analytic gradients, and GradScaler's own state for scale and skips."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mpdiag import Recorder, Store
+from mpdiag.formats import BF16, FP16
+from mpdiag.gradstats import category_counts_by_casting
+from mpdiag.policies import ScalingConfig
+from mpdiag.runner import RunConfig, train
+from mpdiag.script import ModelScript
+
+# loss = sum(w * c) has dL/dw = c exactly; c spans fp16 underflow, subnormal, normal and overflow ranges.
+ANALYTIC_SCRIPT = """
+import torch
+
+C = torch.tensor([0.0, 2.0**-30, -2.0**-25, 2.0**-24, 3 * 2.0**-20, 2.0**-14, 0.5, -1.0, 1000.0, 70000.0, -2.0**40])
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(len(C)))
+        self.unused = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self):
+        return (self.w * C.to(self.w.device)).sum()
+
+
+def build(device):
+    return {
+        "model": Linear(),
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.0),
+        "batches": lambda step: None,
+        "loss_fn": lambda model, batch: model(),
+    }
+"""
+C = torch.tensor(
+    [0.0, 2.0**-30, -(2.0**-25), 2.0**-24, 3 * 2.0**-20, 2.0**-14, 0.5, -1.0, 1000.0, 70000.0, -(2.0**40)]
+)
+
+
+def test_analytic_gradients_value_for_value(write_script, store_path):
+    script = ModelScript.from_path(write_script(ANALYTIC_SCRIPT))
+    run_id = train(script, RunConfig(opt_level="O1", steps=3, device="cpu"), store_path)
+    store = Store(store_path)
+    assert store.run(run_id)["status"] == "finished"
+    stats = store.tensor_stats(run_id, tensor="w")
+    steps = store.steps(run_id)
+    assert list(stats["step"]) == [0, 1, 2]
+    for _, row in stats.iterrows():
+        scale = steps.set_index("step").loc[row["step"], "loss_scale"]
+        assert scale == 2.0**16  # lr 0 and no overflow: the scale stays at init for 3 steps
+        for fmt in (FP16, BF16):
+            for values, suffix in ((C, ""), (C * scale, "_at_scale")):
+                for cat, n in category_counts_by_casting(values, fmt).items():
+                    assert row[f"{fmt.name}_{cat}{suffix}"] == n, (fmt.name, cat, suffix)
+        assert row["zeros"] == 1 and row["nan"] == 0 and row["numel"] == len(C)
+        assert row["absmax"] == 2.0**40 and row["min_nonzero"] == 2.0**-30
+        assert row["l2"] == pytest.approx(float(torch.linalg.vector_norm(C.double())))
+    hist = store.histograms(run_id, tensor="w")
+    step0 = hist[(hist["step"] == 0) & hist["exponent"].map(lambda e: isinstance(e, int))]
+    expected = {int(math.frexp(abs(v))[1] - 1): 0 for v in C.tolist() if v != 0}
+    for v in C.tolist():
+        if v != 0:
+            expected[math.frexp(abs(v))[1] - 1] += 1
+    assert dict(zip(step0["exponent"], step0["count"], strict=True)) == expected
+    zero_bin = hist[(hist["step"] == 0) & (hist["exponent"] == "zero")]
+    assert zero_bin["count"].tolist() == [1]
+    # A parameter without a gradient gets no statistics rows; it is still listed as a tensor.
+    assert "unused" in set(store.tensors(run_id)["name"])
+    assert store.tensor_stats(run_id, tensor="unused").empty
+
+
+def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False):
+    """A user's own torch.amp loop with the Recorder; returns the ground truth seen from outside."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ran = []
+    opt.register_step_post_hook(lambda *a: ran.append(True))
+    truth = []
+    with Recorder(model, store=store_path, name="loop", scaler=scaler, flush_interval_s=0.0) as rec:
+        for step in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.ones(2, 4)).float().mean()
+            if step in overflow_steps:
+                loss = loss * float("inf")
+            scale_used = scaler.get_scale()
+            scaler.scale(loss).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            grad = model.weight.grad.clone()
+            rec.record(loss)
+            before = len(ran)
+            scaler.step(opt)
+            scaler.update()
+            state = scaler.state_dict()
+            truth.append(
+                dict(step=step, loss_scale=scale_used, skipped=int(len(ran) == before),
+                     scale_after=state["scale"], growth_tracker=state["_growth_tracker"], grad=grad)
+            )
+    return rec.run_id, truth
+
+
+def test_scale_trajectory_matches_gradscaler_state(store_path):
+    run_id, truth = _scaler_loop(store_path, overflow_steps={2, 3, 8})
+    steps = Store(store_path).steps(run_id)
+    for row, expected in zip(steps.to_dict("records"), truth, strict=True):
+        for key in ("step", "loss_scale", "skipped", "scale_after", "growth_tracker"):
+            assert row[key] == expected[key], (key, row, expected)
+    assert steps["skipped"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0]
+    assert math.isinf(steps.loc[2, "loss"])  # inf loss kept as such, never dropped
+    assert (steps["step_time_s"] > 0).all() and (steps["peak_mem_bytes"] > 0).all()
+    assert Store(store_path).run(run_id)["status"] == "finished"
+
+
+def test_grads_unscaled_before_record_are_recognised(store_path):
+    run_id, truth = _scaler_loop(store_path, overflow_steps=set(), steps=3, unscale_first=True)
+    store = Store(store_path)
+    row = store.tensor_stats(run_id, tensor="weight").iloc[0]
+    grad = truth[0]["grad"]  # already unscaled when read
+    assert row["absmax"] == float(grad.abs().max())
+    for cat, n in category_counts_by_casting(grad * truth[0]["loss_scale"], FP16).items():
+        assert row[f"fp16_{cat}_at_scale"] == n
+
+
+def test_nan_loss_round_trips_as_nan(store_path):
+    model = torch.nn.Linear(2, 1)
+    with Recorder(model, store=store_path) as rec:
+        loss = model(torch.ones(1, 2)).sum() * float("nan")
+        loss.backward()
+        rec.record(loss)
+    steps = Store(store_path).steps(rec.run_id)
+    assert math.isnan(steps.loc[0, "loss"])
+    stats = Store(store_path).tensor_stats(rec.run_id)
+    assert (stats["nan"] == stats["numel"]).all()
+
+
+def test_every_n_records_tensors_on_multiples_only(store_path):
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, store=store_path, optimizer=opt, every=3) as rec:
+        for _ in range(7):
+            opt.zero_grad()
+            loss = model(torch.ones(1, 2)).sum()
+            loss.backward()
+            rec.record(loss)
+            opt.step()
+    store = Store(store_path)
+    assert len(store.steps(rec.run_id)) == 7
+    assert sorted(set(store.tensor_stats(rec.run_id)["step"])) == [0, 3, 6]
+
+
+def test_failed_context_marks_run_failed_and_keeps_steps(store_path):
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with Recorder(model, store=store_path) as rec:
+            loss = model(torch.ones(1, 2)).sum()
+            loss.backward()
+            rec.record(loss)
+            raise RuntimeError("boom")
+    run = Store(store_path).run(rec.run_id)
+    assert run["status"] == "failed" and "boom" in run["error"]
+    steps = Store(store_path).steps(rec.run_id)
+    assert len(steps) == 1 and np.isnan(steps.loc[0, "skipped"])  # the step never completed: unknown
+
+
+def test_invalid_scaling_is_refused_before_training(store_path, write_script):
+    from mpdiag.policies import ConfigError
+
+    script = ModelScript.from_path(write_script(ANALYTIC_SCRIPT))
+    for bad, match in [
+        (ScalingConfig(init_scale=0), "init-scale"),
+        (ScalingConfig(growth_factor=1.0), "growth-factor"),
+        (ScalingConfig(backoff_factor=1.0), "backoff-factor"),
+        (ScalingConfig(growth_interval=0), "growth-interval"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            train(script, RunConfig(scaling=bad, device="cpu"), store_path)
+    with pytest.raises(ConfigError, match="unknown opt level"):
+        train(script, RunConfig(opt_level="O7", device="cpu"), store_path)
+    assert Store(store_path).runs().empty  # nothing was written
