@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.policies import POLICIES, ConfigError, ScalingConfig
-from mpdiag.runner import RunConfig, train
+from mpdiag.runner import RunConfig, rerun_plan, train, train_pair
 from mpdiag.script import ModelScript, ScriptError
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 
@@ -23,18 +24,37 @@ def _store_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_options(parser: argparse.ArgumentParser) -> None:
-    defaults = ScalingConfig()
-    parser.add_argument("--opt-level", default="O1", help=f"one of {', '.join(POLICIES)} (default O1)")
-    parser.add_argument("--init-scale", type=float, default=defaults.init_scale, help="initial loss scale (default 65536)")
-    parser.add_argument("--growth-factor", type=float, default=defaults.growth_factor)
-    parser.add_argument("--backoff-factor", type=float, default=defaults.backoff_factor)
-    parser.add_argument("--growth-interval", type=int, default=defaults.growth_interval)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--every", type=int, default=1, help="record tensor statistics every N steps (default 1)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
-    parser.add_argument("--name", default=None, help="display name of the run")
+def _loss_scale(text: str) -> str | float:
+    if text == "dynamic":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number, got {text!r}") from None
+
+
+def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None:
+    """Run options. With ``inherit`` (rerun) every option defaults to the parent run's value."""
+    d = ScalingConfig()
+
+    def add(flag, default, help_text, **kw):
+        parser.add_argument(flag, default=argparse.SUPPRESS if inherit else default,
+                            help=help_text + ("" if inherit else f" (default {default})"), **kw)
+
+    add("--opt-level", "O1", f"one of {', '.join(POLICIES)}")
+    add("--loss-scale", None, "'dynamic', or a number for a static scale; default: the level's own", type=_loss_scale)
+    add("--init-scale", d.init_scale, "initial dynamic loss scale", type=float)
+    add("--growth-factor", d.growth_factor, "dynamic scale growth factor", type=float)
+    add("--backoff-factor", d.backoff_factor, "dynamic scale backoff factor", type=float)
+    add("--growth-interval", d.growth_interval, "clean steps before the scale grows", type=int)
+    add("--min-scale", None, "lower bound of the dynamic scale", type=float)
+    add("--max-scale", None, "upper bound of the dynamic scale", type=float)
+    add("--steps", 200, "training steps", type=int)
+    add("--seed", 0, "seed for torch, numpy and random", type=int)
+    add("--every", 1, "record tensor statistics every N steps", type=int)
+    add("--device", "auto", "auto (CUDA when present), cpu or cuda[:N]")
+    add("--name", None, "display name of the run")
+    parser.add_argument("--pair", action="store_true", help="also run an O0 twin on identical weights and batches")
     _store_arg(parser)
 
 
@@ -46,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(run)
     runs = sub.add_parser("runs", help="list the runs in the store")
     _store_arg(runs)
+    rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
+    rerun.add_argument("run_id", type=int)
+    _run_options(rerun, inherit=True)
     export = sub.add_parser("export", help="write a run's records as Parquet and CSV")
     export.add_argument("run_id", type=int)
     export.add_argument("--out", required=True, help="output directory")
@@ -53,21 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(
-        opt_level=args.opt_level,
-        scaling=ScalingConfig(
-            init_scale=args.init_scale,
-            growth_factor=args.growth_factor,
-            backoff_factor=args.backoff_factor,
-            growth_interval=args.growth_interval,
-        ),
-        steps=args.steps,
-        seed=args.seed,
-        every=args.every,
-        device=args.device,
-        name=args.name,
-    )
+OPTION_NAMES = ("opt_level", "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "min_scale", "max_scale", "steps", "seed", "every", "device", "name")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    """The run options given on the command line (all of them for run, only those typed for rerun)."""
+    return {k: getattr(args, k) for k in OPTION_NAMES if hasattr(args, k)}
 
 
 def _progress(total: int):
@@ -95,13 +110,30 @@ def report(store: Store, run_id: int) -> int:
     return 0
 
 
+def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -> int:
+    print(f"mpdiag: running {script.filename} at {config.opt_level} into {store.path}", flush=True)
+    progress = _progress(config.steps)
+    if not pair:
+        return report(store, train(script, config, store.path, progress=progress))
+    mixed_id, fp32_id = train_pair(script, config, store.path, progress=progress)
+    code = max(report(store, mixed_id), report(store, fp32_id))
+    comparison = loss_comparison(store.steps(fp32_id), store.steps(mixed_id))
+    step = first_divergence(comparison)
+    where = "never" if step is None else f"first at step {step}"
+    print(f"loss vs FP32 twin: relative difference above {DIVERGENCE_RTOL:.0%} {where}")
+    return code
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     script = ModelScript.from_path(args.script)
-    config = _config(args)
-    store = Store(args.store)
-    print(f"mpdiag: running {script.filename} at {config.opt_level} into {store.path}", flush=True)
-    run_id = train(script, config, store.path, progress=_progress(config.steps))
-    return report(store, run_id)
+    config = RunConfig().with_options(**_options(args))
+    return _execute(script, config, Store(args.store), args.pair)
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    store = Store(args.store, create=False)
+    script, config = rerun_plan(store, args.run_id, **_options(args))
+    return _execute(script, config, store, args.pair)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -109,7 +141,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if runs.empty:
         print("no runs yet: python -m mpdiag run mpdiag/examples/mlp_digits.py")
         return 0
-    cols = ["run_id", "name", "opt_level", "init_scale", "device", "status", "steps_done", "skipped_steps", "final_loss", "started_at"]
+    cols = ["run_id", "name", "opt_level", "scaling", "init_scale", "device", "status", "steps_done", "skipped_steps",
+            "final_loss", "parent_run_id", "pair_run_id"]
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(runs[cols].to_string(index=False))
     return 0
@@ -141,7 +174,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

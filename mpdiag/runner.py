@@ -1,33 +1,36 @@
 """The training loop that runs a model script under a precision policy and records it.
 
 Data path: script -> :func:`mpdiag.script.build_model` -> policy (:mod:`mpdiag.policies`) -> this loop ->
-:class:`mpdiag.recorder.Recorder` -> store.
+:class:`mpdiag.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
+run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from mpdiag.policies import ConfigError, ScalingConfig, make_policy
+from mpdiag.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
 from mpdiag.recorder import Recorder
 from mpdiag.script import ModelScript, ScriptError, build_model
+from mpdiag.store import Store
 from mpdiag.writer import BackgroundWriter
 
 ProgressFn = Callable[[int, float], None]
 
 
 class RunStopped(Exception):
-    """The run was asked to stop (SIGTERM or SIGINT)."""
+    """The run was asked to stop (SIGTERM)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,25 @@ class RunConfig:
         device = resolve_device(self.device)
         make_policy(self.opt_level, device, self.scaling)
         return device
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        data = dict(data)
+        data["scaling"] = ScalingConfig(**data.get("scaling", {}))
+        return cls(**data)
+
+    def with_options(self, **options) -> RunConfig:
+        """A copy with run options and scaling options (by their field names) replaced."""
+        scaling_names = {f.name for f in dataclasses.fields(ScalingConfig)}
+        unknown = set(options) - scaling_names - {f.name for f in dataclasses.fields(RunConfig)}
+        if unknown:
+            raise ConfigError(f"unknown run options: {', '.join(sorted(unknown))}")
+        scaling = dataclasses.replace(self.scaling, **{k: v for k, v in options.items() if k in scaling_names})
+        rest = {k: v for k, v in options.items() if k not in scaling_names}
+        return dataclasses.replace(self, scaling=scaling, **rest)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -91,12 +113,43 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def _run_fields(script: ModelScript, config: RunConfig, device: torch.device, sha: str) -> dict:
+def batch_size_of(batch) -> int | None:
+    """Leading dimension of the first tensor in a (nested) batch."""
+    if torch.is_tensor(batch):
+        return int(batch.shape[0]) if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        size = batch_size_of(value)
+        if size is not None:
+            return size
+    return None
+
+
+def _nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy) -> dict:
+    """Bytes actually allocated for weights, gradients (model and master), master weights and optimizer
+    state, and the parameter count Psi; compare with the 16*Psi account for Adam (reference section 6)."""
+    params = list(model.parameters())
+    masters = policy.master_params()
+    return {
+        "params": sum(p.numel() for p in params),
+        "weights": _nbytes(params),
+        "gradients": _nbytes(p.grad for p in params) + _nbytes(m.grad for m in masters),
+        "master_weights": _nbytes(masters),
+        "optimizer_state": _nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)),
+    }
+
+
+def _run_fields(script: ModelScript, config: RunConfig, device: torch.device, sha: str, policy) -> dict:
     fields = dict(
         name=config.name or os.path.basename(script.filename),
         script_path=script.filename,
         script_sha256=sha,
         opt_level=config.opt_level,
+        scaling=policy.scaling_mode,
         seed=config.seed,
         steps=config.steps,
         every=config.every,
@@ -104,10 +157,14 @@ def _run_fields(script: ModelScript, config: RunConfig, device: torch.device, sh
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         torch_version=torch.__version__,
         parent_run_id=config.parent_run_id,
-        config={"run": {k: v for k, v in asdict(config).items() if k != "scaling"}},
+        config={"run": config.to_dict()},
     )
-    if make_policy(config.opt_level, device, config.scaling).scales_loss:
-        fields.update(asdict(config.scaling))
+    if policy.scaling_mode == "dynamic":
+        s = config.scaling
+        fields.update(init_scale=s.init_scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor,
+                      growth_interval=s.growth_interval, min_scale=s.min_scale, max_scale=s.max_scale)
+    elif policy.scaling_mode == "static":
+        fields.update(loss_scale=policy.scaler.static)
     return fields
 
 
@@ -127,19 +184,21 @@ def train(
     policy = make_policy(config.opt_level, device, config.scaling)
     writer = BackgroundWriter(store_path)
     recorder = None
+    on_main_thread = threading.current_thread() is threading.main_thread()
     try:
         sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-        run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha)))
-        previous = signal.signal(signal.SIGTERM, _raise_stop) if _main_thread() else None
+        run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha, policy)))
+        previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
         try:
             seed_everything(config.seed)
             built = build_model(script, device)
-            model = built.model.to(device)
-            model, optimizer = policy.prepare(model, built.make_optimizer)
+            model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
             recorder = Recorder(
                 model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer
             )
-            note = _loop(built, model, optimizer, policy, recorder, config, device, progress)
+            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id)
+            state = model_state_bytes(model, optimizer, policy)
+            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"]))
             recorder.close(note=note)
         except (ScriptError, RunStopped) as exc:
             _fail(writer, recorder, run_id, str(exc))
@@ -155,10 +214,6 @@ def train(
         writer.close()
 
 
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str) -> None:
     if recorder is not None:
         recorder.fail(error)
@@ -166,7 +221,7 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
         writer.submit(lambda w: w.update_run(run_id, status="failed", error=error, finished_at=time.time()))
 
 
-def _loop(built, model, optimizer, policy, recorder, config: RunConfig, device, progress) -> str | None:
+def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id) -> str | None:
     """Train for config.steps steps; returns a note when the batches ran out early."""
     batches = built.batches()
     for step in range(config.steps):
@@ -174,8 +229,11 @@ def _loop(built, model, optimizer, policy, recorder, config: RunConfig, device, 
             batch = next(batches)
         except StopIteration:
             return f"the script's batches ran out after {step} of {config.steps} steps"
+        if step == 0:
+            size = batch_size_of(batch)
+            writer.submit(lambda w, size=size: w.update_run(run_id, batch_size=size))
         batch = to_device(batch, device)
-        optimizer.zero_grad(set_to_none=True)
+        policy.zero_grad(optimizer)
         with policy.autocast():
             loss = built.loss_fn(model, batch)
         policy.backward(loss)
@@ -184,3 +242,51 @@ def _loop(built, model, optimizer, policy, recorder, config: RunConfig, device, 
         if progress is not None:
             progress(step, float(loss.detach()))
     return None
+
+
+def train_pair(
+    script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None
+) -> tuple[int, int]:
+    """Run ``config`` and an O0 twin (same seed, hence same initial weights and batches) and link them.
+    Returns (mixed run id, FP32 run id)."""
+    if config.opt_level == "O0":
+        raise ConfigError("--pair runs an O0 twin beside a mixed-precision run; choose another --opt-level")
+    twin = dataclasses.replace(config, opt_level="O0", scaling=ScalingConfig(),
+                               name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
+    twin.validate()
+    mixed_id = train(script, config, store_path, progress)
+    fp32_id = train(script, twin, store_path, progress)
+    writer = BackgroundWriter(store_path)
+    try:
+        writer.call(lambda w: (w.update_run(mixed_id, pair_run_id=fp32_id), w.update_run(fp32_id, pair_run_id=mixed_id)))
+    finally:
+        writer.close()
+    return mixed_id, fp32_id
+
+
+def rerun_plan(store: Store, run_id: int, **overrides) -> tuple[ModelScript, RunConfig]:
+    """The stored script source of ``run_id`` and its configuration with ``overrides`` applied; the new run
+    records ``run_id`` as its parent. Raises StoreError / ConfigError naming what is wrong."""
+    parent = store.run(run_id)
+    filename, source = store.script_source(parent["script_sha256"])
+    stored = parent["config"].get("run")
+    if not stored:
+        raise ConfigError(f"run {run_id} was recorded by a Recorder in a user's loop; only runs started by mpdiag can be rerun")
+    base = RunConfig.from_dict(stored)
+    level = overrides.get("opt_level", base.opt_level)
+    if level in POLICIES and POLICIES[level].default_scaling is None and "loss_scale" not in overrides:
+        overrides["loss_scale"] = None  # a level without loss scaling drops the parent's static scale
+    overrides.setdefault("name", f"{parent['name']} ↻ {overrides.get('opt_level', base.opt_level)}")
+    config = base.with_options(parent_run_id=int(run_id), **overrides)
+    config.validate()
+    return ModelScript(filename=parent["script_path"] or filename, source=source), config
+
+
+def rerun(store_path: str | os.PathLike, run_id: int, pair: bool = False, progress: ProgressFn | None = None,
+          **overrides) -> int:
+    """Run a stored run's script source again (not the file's current content) with the same seed and
+    steps unless overridden; returns the new run id (the mixed one when ``pair``)."""
+    script, config = rerun_plan(Store(store_path), run_id, **overrides)
+    if pair:
+        return train_pair(script, config, store_path, progress)[0]
+    return train(script, config, store_path, progress)

@@ -43,9 +43,10 @@ STEP_COLUMNS = [
 ]
 # Run columns a writer may set (run_id, status bookkeeping and process identity are managed here).
 RUN_FIELDS = [
-    "name", "script_path", "script_sha256", "opt_level", "init_scale", "growth_factor", "backoff_factor",
-    "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
-    "torch_version", "parent_run_id", "pair_run_id", "config",
+    "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
+    "backoff_factor", "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every",
+    "device", "gpu_name", "torch_version", "parent_run_id", "pair_run_id", "batch_size", "params",
+    "model_state", "config",
 ]
 
 _SCHEMA = f"""
@@ -56,13 +57,13 @@ CREATE TABLE IF NOT EXISTS runs (
     run_id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT, script_path TEXT, script_sha256 TEXT REFERENCES scripts(sha256),
     opt_level TEXT, init_scale REAL, growth_factor REAL, backoff_factor REAL, growth_interval INTEGER,
-    loss_scale REAL, min_scale REAL, max_scale REAL,
+    scaling TEXT, loss_scale REAL, min_scale REAL, max_scale REAL,
     seed INTEGER, steps INTEGER, every INTEGER, device TEXT, gpu_name TEXT, torch_version TEXT,
     status TEXT NOT NULL, error TEXT, note TEXT,
     started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
-    config TEXT);
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT);
 CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
@@ -193,6 +194,8 @@ class Store:
         df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
         for col in ("started_at", "finished_at", "heartbeat_at"):
             df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+        for col in ("config", "model_state"):
+            df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else {})
         return df
 
     def _median_step_time(self, run_id: int) -> float:
@@ -298,6 +301,14 @@ class Store:
         return -1 if pd.isna(value) else int(value)
 
 
+def _json_fields(fields: dict) -> dict:
+    """Serialise the JSON-valued run fields (config, model_state) given as dicts."""
+    return {
+        k: json.dumps(v, sort_keys=True, default=str) if k in ("config", "model_state") and isinstance(v, dict) else v
+        for k, v in fields.items()
+    }
+
+
 class StoreWriter:
     """The single writing connection of a training process. Not thread-safe: one thread owns it."""
 
@@ -323,8 +334,7 @@ class StoreWriter:
         unknown = set(fields) - set(RUN_FIELDS)
         if unknown:
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
-        if isinstance(fields.get("config"), dict):
-            fields["config"] = json.dumps(fields["config"], sort_keys=True, default=str)
+        fields = _json_fields(fields)
         now = time.time()
         pid = os.getpid()
         fields.update(
@@ -344,6 +354,7 @@ class StoreWriter:
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
         if "status" in fields and fields["status"] not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}")
+        fields = _json_fields(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._conn:
             self._conn.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*fields.values(), int(run_id)])

@@ -132,3 +132,18 @@ def test_sigterm_marks_failed_with_reason(store_path):
         proc.kill()
     run = Store(store_path).runs().iloc[0]
     assert run["status"] == "failed" and "stopped by signal SIGTERM" in run["error"]
+
+
+def test_cli_pair_and_rerun(store_path):
+    result = run_cli("run", EXAMPLES / "mlp_digits.py", "--opt-level", "O2", "--steps", "8", "--pair",
+                     "--store", store_path)
+    assert result.returncode == 0, result.stderr
+    assert "run 2 (mlp_digits.py (FP32 twin)): finished" in result.stdout
+    assert "loss vs FP32 twin: relative difference above 5% never" in result.stdout
+    result = run_cli("rerun", "1", "--opt-level", "O3", "--loss-scale", "dynamic", "--store", store_path)
+    assert result.returncode == 0, result.stderr
+    run = Store(store_path).run(3)
+    assert run["opt_level"] == "O3" and run["scaling"] == "dynamic" and run["parent_run_id"] == 1
+    assert run["steps"] == 8  # inherited from the parent
+    bad = run_cli("rerun", "1", "--loss-scale", "lots", "--store", store_path)
+    assert bad.returncode == 2 and "expected 'dynamic' or a number" in bad.stderr
