@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpdiag", description="Mixed-precision training diagnostics.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a model script and record it")
-    run.add_argument("script", help="path of a model script (.py) defining build(device)")
+    run.add_argument("script", help="path of a model script (.py) defining build(device), or sha256:HASH of a stored one")
     _run_options(run)
     runs = sub.add_parser("runs", help="list the runs in the store")
     _store_arg(runs)
@@ -124,10 +124,18 @@ def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -
     return code
 
 
+STORED_PREFIX = "sha256:"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    script = ModelScript.from_path(args.script)
+    store = Store(args.store)
+    if args.script.startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
+        filename, source = store.script_source(args.script.removeprefix(STORED_PREFIX))
+        script = ModelScript(filename=filename, source=source)
+    else:
+        script = ModelScript.from_path(args.script)
     config = RunConfig().with_options(**_options(args))
-    return _execute(script, config, Store(args.store), args.pair)
+    return _execute(script, config, store, args.pair)
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:

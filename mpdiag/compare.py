@@ -14,24 +14,28 @@ import pandas as pd
 DIVERGENCE_RTOL = 0.05
 
 
-def reference_run(runs: pd.DataFrame, run_id: int) -> int | None:
-    """The FP32 (O0) run that ``run_id`` should be compared with, or None (see module docstring)."""
+def reference_run(runs: pd.DataFrame, run_id: int, prefer: list[int] | None = None) -> int | None:
+    """The FP32 (O0) run that ``run_id`` should be compared with, or None (see module docstring).
+
+    Only finished O0 runs of the same script source and seed qualify; among them the ``--pair`` twin wins,
+    then the newest of ``prefer`` (e.g. the runs a user selected), then the newest overall.
+    """
     by_id = runs.set_index("run_id")
-    if run_id not in by_id.index:
+    if run_id not in by_id.index or by_id.loc[run_id, "opt_level"] == "O0":
         return None
     run = by_id.loc[run_id]
-    if run["opt_level"] == "O0":
-        return None
-    pair = run["pair_run_id"]
-    if pd.notna(pair) and int(pair) in by_id.index and by_id.loc[int(pair), "opt_level"] == "O0":
-        return int(pair)
     candidates = runs[
         (runs["opt_level"] == "O0")
         & (runs["script_sha256"] == run["script_sha256"])
         & (runs["seed"] == run["seed"])
         & (runs["status"] == "finished")
-    ]
-    return int(candidates["run_id"].max()) if len(candidates) else None
+    ]["run_id"].astype(int)
+    if candidates.empty:
+        return None
+    if pd.notna(run["pair_run_id"]) and int(run["pair_run_id"]) in set(candidates):
+        return int(run["pair_run_id"])
+    preferred = [c for c in candidates if c in set(prefer or [])]
+    return max(preferred) if preferred else int(candidates.max())
 
 
 def loss_comparison(reference_steps: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:

@@ -148,10 +148,10 @@ class Recorder:
         scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
         loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         step = self._step
-        if step % self.every == 0:
-            self._record_tensors(step, scale)
+        logged = step % self.every == 0 and self._record_tensors(step, scale)
         self._pending = [
-            step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device)
+            step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device),
+            int(logged),
         ]
         self._last_record = now
         self._step += 1
@@ -159,10 +159,11 @@ class Recorder:
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
 
-    def _record_tensors(self, step: int, scale: float) -> None:
+    def _record_tensors(self, step: int, scale: float) -> bool:
+        """Compute and buffer every present gradient's statistics; False when no parameter has a grad."""
         present = tuple(i for i, (_, p) in enumerate(self._params) if p.grad is not None)
         if not present:
-            return
+            return False
         computer = self._computers.get(present)
         if computer is None:
             numels = [self._params[i][1].numel() for i in present]
@@ -182,6 +183,7 @@ class Recorder:
         unseen = [i for i in present if i not in self._grad_dtype_known]
         if unseen:
             self._note_grad_dtypes(unseen)
+        return True
 
     def _note_grad_dtypes(self, indices: Iterable[int]) -> None:
         """Complete the tensors table with each tensor's grad dtype, known once its first grad exists."""

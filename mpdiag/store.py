@@ -41,6 +41,8 @@ TENSOR_STAT_COLUMNS = ["numel", "zeros", "nan", "posinf", "neginf", "absmax", "m
 STEP_COLUMNS = [
     "step", "loss", "loss_scale", "skipped", "growth_tracker", "scale_after", "step_time_s", "peak_mem_bytes",
 ]
+# Counts summed per (run, tensor) over all logged steps, maintained by the writer as rows are committed.
+TOTAL_COLUMNS = ["zeros", "nan", "posinf", "neginf", *REPRESENTABILITY_COLUMNS]
 # Run columns a writer may set (run_id, status bookkeeping and process identity are managed here).
 RUN_FIELDS = [
     "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
@@ -71,13 +73,18 @@ CREATE TABLE IF NOT EXISTS tensors (
 CREATE TABLE IF NOT EXISTS steps (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL,
     loss REAL, loss_scale REAL, skipped INTEGER, growth_tracker INTEGER, scale_after REAL,
-    step_time_s REAL, peak_mem_bytes INTEGER,
+    step_time_s REAL, peak_mem_bytes INTEGER, logged INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, step)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tensor_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
     {", ".join(f"{c} {'REAL' if c in ('absmax', 'min_nonzero', 'l2') else 'INTEGER'}" for c in TENSOR_STAT_COLUMNS[1:])},
     {", ".join(f"{c} INTEGER" for c in REPRESENTABILITY_COLUMNS)},
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS tensor_steps_by_tensor ON tensor_steps (run_id, tensor_id, step);
+CREATE TABLE IF NOT EXISTS tensor_totals (
+    run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
+    {", ".join(f"{c} INTEGER" for c in TOTAL_COLUMNS)},
+    PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID;
 """
 
 
@@ -97,10 +104,20 @@ def encode_hist(counts: np.ndarray) -> bytes:
 
 def decode_hist(blob: bytes) -> np.ndarray:
     """Inverse of :func:`encode_hist`: a full-length int64 histogram."""
-    out = np.zeros(N_EXP_BINS, dtype=np.int64)
-    lo = int(np.frombuffer(blob[:2], dtype="<i2")[0])
-    body = np.frombuffer(blob[2:], dtype="<i8")
-    out[lo : lo + body.size] = body
+    return decode_hists([blob])[0]
+
+
+def decode_hists(blobs: Sequence[bytes]) -> np.ndarray:
+    """Many :func:`encode_hist` blobs at once, as an (n, N_EXP_BINS) int64 matrix (vectorised)."""
+    out = np.zeros((len(blobs), N_EXP_BINS), dtype=np.int64)
+    if not blobs:
+        return out
+    first = np.array([int.from_bytes(b[:2], "little", signed=True) for b in blobs], dtype=np.int64)
+    lengths = np.array([(len(b) - 2) // 8 for b in blobs], dtype=np.int64)
+    values = np.frombuffer(b"".join(b[2:] for b in blobs), dtype="<i8")
+    rows = np.repeat(np.arange(len(blobs)), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[rows, np.repeat(first, lengths) + np.arange(values.size) - starts] = values
     return out
 
 
@@ -186,7 +203,8 @@ class Store:
             return df
         df["final_loss"] = df["final_loss"].astype(float)
         df.loc[df.pop("final_loss_nan") == 1, "final_loss"] = np.nan
-        df["median_step_time_s"] = [self._median_step_time(r) for r in df["run_id"]]
+        times = self._query("SELECT run_id, step_time_s FROM steps WHERE step > 0")  # step 0 is warm-up
+        df["median_step_time_s"] = df["run_id"].map(times.groupby("run_id")["step_time_s"].median()).astype(float)
         dead = (df["status"] == "running") & ~df.apply(
             lambda r: _process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
         )
@@ -197,11 +215,6 @@ class Store:
         for col in ("config", "model_state"):
             df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else {})
         return df
-
-    def _median_step_time(self, run_id: int) -> float:
-        """Median step time after the first step (warm-up), in seconds; NaN with fewer than 2 steps."""
-        times = self._query("SELECT step_time_s FROM steps WHERE run_id = ? AND step > 0", (int(run_id),))
-        return float(times["step_time_s"].median()) if len(times) else float("nan")
 
     def run(self, run_id: int) -> pd.Series:
         """One run's row, as in :meth:`runs`. Raises StoreError naming the id when it does not exist."""
@@ -241,37 +254,62 @@ class Store:
         df["shape"] = df["shape"].map(json.loads)
         return df
 
-    def _tensor_steps(self, columns: str, run_id: int, tensor: str | None, since_step: int) -> pd.DataFrame:
-        """step, tensor and ``columns`` of tensor_steps rows after ``since_step``, one tensor or all."""
+    def _tensor_steps(self, columns: str, run_id: int, tensor: str | None, since_step: int,
+                      until_step: int | None = None) -> pd.DataFrame:
+        """step, tensor and ``columns`` of tensor_steps rows after ``since_step`` (up to ``until_step``),
+        one tensor or all."""
         sql = (
             f"SELECT ts.step, t.name AS tensor, {columns} FROM tensor_steps ts "
             "JOIN tensors t ON t.run_id = ts.run_id AND t.tensor_id = ts.tensor_id WHERE ts.run_id = ? AND ts.step > ?"
         )
         params: list = [int(run_id), int(since_step)]
+        if until_step is not None:
+            sql += " AND ts.step <= ?"
+            params.append(int(until_step))
         if tensor is not None:
-            sql += " AND t.name = ?"
-            params.append(tensor)
+            # Filter on tensor_id so SQLite walks the (run_id, tensor_id, step) index, not every row of the run.
+            sql += " AND ts.tensor_id = (SELECT tensor_id FROM tensors WHERE run_id = ? AND name = ?)"
+            params += [int(run_id), tensor]
         return self._query(sql + " ORDER BY ts.step, ts.tensor_id", params)
 
-    def tensor_stats(self, run_id: int, tensor: str | None = None, since_step: int = -1) -> pd.DataFrame:
+    def tensor_totals(self, run_id: int) -> pd.DataFrame:
+        """Per tensor, counts summed over every logged step: numel (summed), zeros, nan, posinf, neginf and the
+        twelve representability counts; numel_per_step is the tensor's size. Read from running totals the
+        writer keeps, so its cost does not grow with the number of steps."""
+        sums = ", ".join(f"tt.{c}" for c in TOTAL_COLUMNS)
+        return self._query(
+            f"SELECT t.name AS tensor, t.numel AS numel_per_step, t.numel * tt.logged_steps AS numel, "
+            f"tt.logged_steps, {sums} FROM tensor_totals tt "
+            "JOIN tensors t ON t.run_id = tt.run_id AND t.tensor_id = tt.tensor_id WHERE tt.run_id = ? ORDER BY tt.tensor_id",
+            (int(run_id),),
+        )
+
+    def logged_steps(self, run_id: int) -> list[int]:
+        """Steps at which tensor statistics were recorded."""
+        df = self._query("SELECT step FROM steps WHERE run_id = ? AND logged = 1 ORDER BY step", (int(run_id),))
+        return df["step"].tolist()
+
+    def tensor_stats(
+        self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
+    ) -> pd.DataFrame:
         """Per logged step and tensor: counts, absmax, min_nonzero, l2 and FP16/BF16 representability counts
-        of the unscaled gradient g, and the same six counts with suffix ``_at_scale`` for S*g."""
+        of the unscaled gradient g, and the same six counts with suffix ``_at_scale`` for S*g; after
+        ``since_step``, or at exactly ``step``."""
         cols = ", ".join(f"ts.{c}" for c in TENSOR_STAT_COLUMNS[1:] + REPRESENTABILITY_COLUMNS)
-        df = self._tensor_steps(f"t.numel, {cols}", run_id, tensor, since_step)
+        df = self._tensor_steps(f"t.numel, {cols}", run_id, tensor, since_step if step is None else step - 1,
+                                until_step=step)
         for col in ("absmax", "min_nonzero", "l2"):
             df[col] = df[col].astype(float)
         return df
 
     def histogram_matrix(
-        self, run_id: int, tensor: str | None = None, since_step: int = -1
+        self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
     ) -> tuple[pd.DataFrame, np.ndarray]:
         """(index, counts): index has step and tensor per row; counts[i, b] is the count of exponent bin
-        EXP_MIN + b for that row. The compact form for aggregation; :meth:`histograms` is the long form."""
-        df = self._tensor_steps("ts.hist", run_id, tensor, since_step)
-        counts = np.zeros((len(df), N_EXP_BINS), dtype=np.int64)
-        for i, blob in enumerate(df.pop("hist")):
-            counts[i] = decode_hist(blob)
-        return df, counts
+        EXP_MIN + b for that row, for one tensor or all, after ``since_step`` or at exactly ``step``.
+        The compact form for aggregation; :meth:`histograms` is the long form."""
+        df = self._tensor_steps("ts.hist", run_id, tensor, since_step if step is None else step - 1, until_step=step)
+        return df, decode_hists(df.pop("hist").tolist())
 
     def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
         """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
@@ -368,16 +406,39 @@ class StoreWriter:
             )
 
     def write_batch(self, run_id: int, step_rows: list[tuple], tensor_rows: list[tuple]) -> None:
-        """Commit step rows (in STEP_COLUMNS order) and tensor rows (tensor_steps column order) together,
-        and refresh the run's heartbeat, in one transaction."""
+        """Commit step rows (STEP_COLUMNS order, then the logged flag) and tensor rows (tensor_steps column
+        order), add the tensor rows' counts to the running totals and refresh the run's heartbeat, in one
+        transaction. Each (step, tensor) must be written once: the totals would count a rewrite twice."""
         n_tensor_cols = 4 + len(TENSOR_STAT_COLUMNS) - 1 + len(REPRESENTABILITY_COLUMNS)
+        totals = _sum_counts(tensor_rows)
+        updates = ", ".join(f"{c} = {c} + excluded.{c}" for c in ["logged_steps", *TOTAL_COLUMNS])
         with self._conn:
             self._conn.executemany(
-                f"INSERT OR REPLACE INTO steps VALUES ({', '.join('?' * (len(STEP_COLUMNS) + 1))})",
+                f"INSERT INTO steps VALUES ({', '.join('?' * (len(STEP_COLUMNS) + 2))})",
                 [(int(run_id), *row) for row in step_rows],
             )
             self._conn.executemany(
-                f"INSERT OR REPLACE INTO tensor_steps VALUES ({', '.join('?' * n_tensor_cols)})",
+                f"INSERT INTO tensor_steps VALUES ({', '.join('?' * n_tensor_cols)})",
                 [(int(run_id), *row) for row in tensor_rows],
             )
+            self._conn.executemany(
+                f"INSERT INTO tensor_totals VALUES ({', '.join('?' * (3 + len(TOTAL_COLUMNS)))}) "
+                f"ON CONFLICT (run_id, tensor_id) DO UPDATE SET {updates}",
+                [(int(run_id), tensor_id, *sums) for tensor_id, sums in totals.items()],
+            )
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), int(run_id)))
+
+
+# Positions in a tensor_steps row (without run_id) of the columns summed into tensor_totals.
+_TOTAL_POSITIONS = [3, 4, 5, 6] + [3 + len(TENSOR_STAT_COLUMNS) - 1 + i for i in range(len(REPRESENTABILITY_COLUMNS))]
+
+
+def _sum_counts(tensor_rows: list[tuple]) -> dict[int, list[int]]:
+    """tensor_id -> [logged steps, *TOTAL_COLUMNS sums] over ``tensor_rows``."""
+    sums: dict[int, list[int]] = {}
+    for row in tensor_rows:
+        acc = sums.setdefault(row[1], [0] * (1 + len(TOTAL_COLUMNS)))
+        acc[0] += 1
+        for k, pos in enumerate(_TOTAL_POSITIONS, start=1):
+            acc[k] += row[pos]
+    return sums

@@ -147,3 +147,31 @@ def test_cli_pair_and_rerun(store_path):
     assert run["steps"] == 8  # inherited from the parent
     bad = run_cli("rerun", "1", "--loss-scale", "lots", "--store", store_path)
     assert bad.returncode == 2 and "expected 'dynamic' or a number" in bad.stderr
+
+
+def test_running_totals_equal_the_sum_of_recorded_rows(store_path):
+    from mpdiag.runner import RunConfig, train
+    from mpdiag.script import ModelScript
+    from mpdiag.store import TOTAL_COLUMNS
+
+    run_id = train(ModelScript.from_path(EXAMPLES / "cnn_digits.py"), RunConfig(opt_level="O1", steps=9, every=2,
+                                                                                 device="cpu"), store_path)
+    store = Store(store_path)
+    stats = store.tensor_stats(run_id)
+    expected = stats.groupby("tensor")[["numel", *TOTAL_COLUMNS]].sum()
+    totals = store.tensor_totals(run_id).set_index("tensor")
+    assert (totals.loc[expected.index, ["numel", *TOTAL_COLUMNS]] == expected).all().all()
+    assert set(totals["logged_steps"]) == {5}
+    assert store.logged_steps(run_id) == [0, 2, 4, 6, 8]
+
+
+def test_many_hist_blobs_decode_at_once():
+    from mpdiag.store import decode_hists
+
+    rng = np.random.default_rng(1)
+    hists = [np.zeros(277, dtype=np.int64) for _ in range(50)]
+    for h in hists[1:]:
+        lo, width = int(rng.integers(0, 270)), int(rng.integers(1, 8))
+        h[lo : lo + width] = rng.integers(0, 2**40, size=width)
+    decoded = decode_hists([encode_hist(h) for h in hists])
+    assert (decoded == np.stack(hists)).all()

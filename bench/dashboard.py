@@ -1,0 +1,135 @@
+"""Gradients page cost on a big run: 10k steps x 100 tensors, read + chart build, in server time.
+
+Builds (once, cached under bench/results/) a real recorded run: a 50-layer residual MLP on the digits data trained
+through the Recorder at every step, so the store holds 10k x 100 histogram rows. Then times what the
+Gradients page does for it, both called directly and as a whole page under streamlit's AppTest (cold:
+nothing cached), and writes JSON.
+
+    python bench/dashboard.py [--steps 10000] [--layers 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from mpdiag import Recorder, Store, charts, summaries  # noqa: E402
+from mpdiag.examples.data import digits  # noqa: E402
+
+
+class ResidualMLP(torch.nn.Module):
+    """``layers`` Linear layers; the hidden ones are residual so gradients reach every layer."""
+
+    def __init__(self, layers: int, width: int = 32):
+        super().__init__()
+        self.inp = torch.nn.Linear(64, width)
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers - 2))
+        self.out = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.hidden:
+            x = x + torch.relu(layer(x)) / len(self.hidden) ** 0.5
+        return self.out(x)
+
+
+def build_store(path: Path, steps: int, layers: int) -> int:
+    torch.manual_seed(0)
+    x, y, _, _ = digits(torch.device("cpu"))
+    x = x.reshape(len(x), -1)
+    model = ResidualMLP(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with Recorder(model, store=path, name=f"bench {steps} steps", scaler=scaler, optimizer=opt,
+                  config={"opt_level": "O1", "steps": steps}) as rec:
+        for step in range(steps):
+            idx = torch.randint(0, len(x), (32,))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x[idx]).float(), y[idx])
+            scaler.scale(loss).backward()
+            rec.record(loss)
+            scaler.step(opt)
+            scaler.update()
+            if step % 1000 == 0:
+                print(f"  building: step {step}", flush=True)
+    return rec.run_id
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def page_path(store: Store, run_id: int) -> dict:
+    """The reads and chart builds the Gradients page makes for one run and its worst tensor, timed."""
+    t = {}
+    runs, t["runs"] = timed(store.runs)
+    logged, t["logged_steps"] = timed(store.logged_steps, run_id)
+    totals, t["tensor_totals"] = timed(store.tensor_totals, run_id)
+    ranking, t["ranking"] = timed(summaries.tensor_ranking, totals)
+    tensor = ranking["tensor"].iloc[0]
+    steps, t["steps"] = timed(store.steps, run_id)
+    (index, counts), t["histograms of one tensor"] = timed(store.histogram_matrix, run_id, tensor)
+    cells, t["heatmap cells"] = timed(summaries.heatmap_cells, index, counts, steps)
+    spec, t["heatmap chart spec"] = timed(lambda: charts.exponent_heatmap(cells, summaries.format_lines()).to_dict())
+    stats, t["tensor stats of one tensor"] = timed(store.tensor_stats, run_id, tensor)
+    (step_index, step_counts), t["all tensors at one step"] = timed(store.histogram_matrix, run_id, None, -1, logged[-1])
+    _, t["what-if for all tensors"] = timed(lambda: [summaries.whatif_shares(h, 8) for h in step_counts])
+    _, t["loss-scale chart spec"] = timed(lambda: charts.loss_scale_panel(summaries.thin_steps(steps)).to_dict())
+    t["total"] = sum(t.values())
+    return {"seconds": t, "heatmap_marks": len(cells), "rows_in_run": int(len(index) * len(totals))}
+
+
+def apptest_page(store_path: Path, run_id: int) -> float:
+    from streamlit.testing.v1 import AppTest
+
+    os.environ["MPDIAG_STORE"] = str(store_path)
+    at = AppTest.from_file(str(ROOT / "pages/1_Gradients.py"), default_timeout=120)
+    at.query_params["run"] = str(run_id)
+    start = time.perf_counter()
+    at.run()
+    elapsed = time.perf_counter() - start
+    if at.exception:
+        raise SystemExit(f"page raised: {at.exception[0].value}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--layers", type=int, default=50, help="Linear layers (2 tensors each)")
+    parser.add_argument("--out", default=str(ROOT / "bench/results/dashboard.json"))
+    args = parser.parse_args()
+    store_path = ROOT / f"bench/results/dashboard_v2_{args.steps}x{2 * args.layers}.db"
+    store_path.parent.mkdir(parents=True, exist_ok=True)
+    if not store_path.exists():
+        print(f"building {store_path} ({args.steps} steps, {2 * args.layers} tensors) ...", flush=True)
+        _, secs = timed(build_store, store_path, args.steps, args.layers)
+        print(f"built in {secs:.0f} s")
+    store = Store(store_path)
+    run_id = int(store.runs()["run_id"].iloc[0])
+    direct = page_path(store, run_id)
+    whole_page = apptest_page(store_path, run_id)
+    print(f"store: {store_path.stat().st_size / 2**20:.0f} MB, {direct['rows_in_run']} (step, tensor) rows")
+    for name, secs in direct["seconds"].items():
+        print(f"  {name:<28}{secs * 1e3:>9.1f} ms")
+    print(f"heatmap marks sent to the browser: {direct['heatmap_marks']}")
+    print(f"whole Gradients page under AppTest (cold, incl. widgets): {whole_page * 1e3:.0f} ms")
+    result = {"steps": args.steps, "tensors": 2 * args.layers, **direct, "apptest_page_seconds": whole_page}
+    Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Pure chart functions: DataFrame in, Altair chart out. No Streamlit, no store access.
+
+Data is expected already aggregated (:mod:`mpdiag.summaries`), so no chart ships more than about 20k marks.
+"""
+
+from __future__ import annotations
+
+import altair as alt
+import numpy as np
+import pandas as pd
+
+#: Fixed colours for runs on the Compare page, by position of the run in the selection.
+RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+REGION_COLOURS = {
+    "underflow": "#d62728",
+    "subnormal": "#ff7f0e",
+    "normal": "#2ca02c",
+    "overflow": "#9467bd",
+    "zero / non-finite": "#7f7f7f",
+}
+LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4"}
+
+
+def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(lines)
+        .mark_rule(strokeDash=[6, 3], strokeWidth=1.5)
+        .encode(
+            y="log2:Q",
+            color=alt.Color("format:N", scale=alt.Scale(domain=list(LIMIT_COLOURS), range=list(LIMIT_COLOURS.values())),
+                            legend=alt.Legend(title="format limits")),
+            tooltip=["limit:N"],
+        )
+    )
+
+
+def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, title: str = "") -> alt.LayerChart:
+    """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
+    count on a log scale; dashed lines at the formats' min subnormal, min normal and max."""
+    heat = (
+        alt.Chart(cells)
+        .mark_rect()
+        .encode(
+            x=alt.X("step_start:Q", title="step"),
+            x2="step_end:Q",
+            y=alt.Y("log2_lo:Q", title="log2 |gradient|"),
+            y2="log2_hi:Q",
+            color=alt.Color("count:Q", scale=alt.Scale(type="log", scheme="viridis"), title="values"),
+            tooltip=[alt.Tooltip("step_start:Q", title="from step"), alt.Tooltip("step_end:Q", title="to step"),
+                     alt.Tooltip("log2_lo:Q", title="log2 lower edge"), "count:Q"],
+        )
+    )
+    return alt.layer(heat, _limit_rules(lines)).resolve_scale(color="independent").properties(title=title, height=360)
+
+
+def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
+    """Bars of one step's exponent histogram, coloured by the region the values fall in for the format;
+    zero / NaN / inf as separate bars on the right."""
+    order = list(bars["label"])
+    return (
+        alt.Chart(bars)
+        .mark_bar()
+        .encode(
+            x=alt.X("label:N", sort=order, title="exponent bin (|g| from 2^e to 2^(e+1)) and special values"),
+            y=alt.Y("count:Q", title="values"),
+            color=alt.Color("region:N", scale=alt.Scale(
+                domain=list(REGION_COLOURS) + [f"{r} (edge bin)" for r in ("subnormal", "normal")],
+                range=list(REGION_COLOURS.values()) + ["#ffbb78", "#98df8a"])),
+            tooltip=["label:N", "count:Q", "region:N"],
+        )
+        .properties(title=title, height=260)
+    )
+
+
+def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
+    """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
+    beneath, sharing the step axis."""
+    base = alt.Chart(steps).encode(x=alt.X("step:Q", title="step"))
+    scale = base.mark_line(interpolate="step-after").encode(
+        y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), title="loss scale (log2)"),
+        tooltip=["step:Q", "loss_scale:Q", "scale_after:Q", "skipped:Q"],
+    )
+    skipped = (
+        alt.Chart(steps[steps["skipped"] == 1])
+        .mark_point(shape="triangle-down", color="#d62728", size=60, filled=True)
+        .encode(x="step:Q", y="loss_scale:Q", tooltip=["step:Q", "loss_scale:Q"])
+    )
+    tracker = base.mark_line(color="#7f7f7f").encode(y=alt.Y("growth_tracker:Q", title="growth tracker"))
+    loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", "loss:Q"])
+    loss = alt.layer(loss, _nonfinite_rules(steps, "loss", alt.value("#d62728")))
+    return alt.vconcat(
+        alt.layer(scale, skipped).properties(height=220, width="container", title="loss scale (▼ skipped step)"),
+        tracker.properties(height=100, width="container"),
+        loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
+    ).resolve_scale(x="shared")
+
+
+def _run_colour(domain: list[str]) -> alt.Color:
+    return alt.Color("run:N", scale=alt.Scale(domain=domain, range=RUN_COLOURS[: len(domain)]),
+                     legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320))
+
+
+def _nonfinite_rules(df: pd.DataFrame, y: str, colour) -> alt.Chart:
+    """Faint vertical rules at steps where ``y`` is NaN or inf, which a line chart would silently drop."""
+    bad = df[~np.isfinite(df[y].astype(float))].assign(value=lambda d: d[y].astype(str))
+    return (
+        alt.Chart(bad)
+        .mark_rule(opacity=0.35, strokeWidth=2)
+        .encode(x="step:Q", color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
+    )
+
+
+def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False) -> alt.LayerChart:
+    """One line per run (column ``run``) of ``y`` over ``step``, in the runs' fixed colours; NaN/inf values
+    appear as faint vertical rules in the run's colour."""
+    scale = alt.Scale(type="log", base=2) if log else alt.Scale(zero=False)
+    line = (
+        alt.Chart(df)
+        .mark_line(interpolate="step-after" if log else "linear")
+        .encode(x=alt.X("step:Q"), y=alt.Y(f"{y}:Q", title=title, scale=scale), color=_run_colour(domain),
+                tooltip=["run:N", "step:Q", f"{y}:Q"])
+    )
+    title = f"{title} (faint rules: NaN/inf)" if (~np.isfinite(df[y].astype(float))).any() else title
+    return alt.layer(line, _nonfinite_rules(df, y, _run_colour(domain))).properties(height=240, title=title)
+
+
+def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str]) -> alt.LayerChart:
+    """Relative loss difference to the FP32 reference per run, with the first divergence marked."""
+    line = (
+        alt.Chart(df)
+        .mark_line()
+        .encode(x="step:Q", y=alt.Y("rel_diff:Q", title="(loss - FP32 loss) / |FP32 loss|"), color=_run_colour(domain),
+                tooltip=["run:N", "step:Q", "rel_diff:Q"])
+    )
+    marks = pd.DataFrame({"step": [] if divergence_step is None else [divergence_step]})
+    rule = alt.Chart(marks).mark_rule(color="black", strokeDash=[4, 4]).encode(x="step:Q")
+    return alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference")
+
+
+def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str]) -> alt.Chart:
+    """Grouped bars: ``x`` categories, one bar per run."""
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(x=alt.X(f"{x}:N", title=None), xOffset="run:N", y=alt.Y(f"{y}:Q", title=title), color=_run_colour(domain),
+                tooltip=["run:N", f"{x}:N", alt.Tooltip(f"{y}:Q", format=".3%")])
+        .properties(height=260, title=title)
+    )
+
+
+def live_loss(steps: pd.DataFrame) -> alt.Chart:
+    """Small loss curve for a running run."""
+    return alt.Chart(steps).mark_line().encode(x="step:Q", y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160)

@@ -1,0 +1,161 @@
+"""Pure data shaping between the Store and the charts: aggregation, shares, what-if scaling, event counts.
+
+Everything here takes and returns pandas / numpy objects and never touches SQLite or Streamlit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.formats import EXP_MIN, FP16, LOW_PRECISION, Format
+
+#: Largest number of marks one chart sends to the browser.
+MAX_MARKS = 20_000
+
+
+def nonzero_finite(df: pd.DataFrame) -> pd.Series:
+    """Count of finite non-zero values per row of a tensor_stats-like frame (the share denominator)."""
+    return df["numel"] - df["zeros"] - df["nan"] - df["posinf"] - df["neginf"]
+
+
+def tensor_ranking(totals: pd.DataFrame, fmt: str = "fp16", at_scale: bool = False) -> pd.DataFrame:
+    """Tensors ranked by ``fmt`` underflow share, then overflow share (worst first).
+
+    ``totals``: one row per tensor with summed counts (``Store.tensor_totals``). Shares are exact counts
+    divided by the finite non-zero values; NaN when a tensor had none.
+    """
+    suffix = "_at_scale" if at_scale else ""
+    denom = nonzero_finite(totals).astype(float).replace(0, np.nan)
+    out = pd.DataFrame(
+        {
+            "tensor": totals["tensor"],
+            "numel": totals["numel_per_step"],
+            "underflow_share": totals[f"{fmt}_underflow{suffix}"] / denom,
+            "subnormal_share": totals[f"{fmt}_subnormal{suffix}"] / denom,
+            "overflow_share": totals[f"{fmt}_overflow{suffix}"] / denom,
+            "nonfinite": totals["nan"] + totals["posinf"] + totals["neginf"],
+            "zero_share": totals["zeros"] / totals["numel"],
+        }
+    )
+    return out.sort_values(["underflow_share", "overflow_share"], ascending=False, na_position="last").reset_index(drop=True)
+
+
+def whatif_shares(hist: np.ndarray, log2_scale: int, fmt: Format = FP16) -> dict[str, tuple[float, float]]:
+    """Bounds on the share of finite non-zero values that would underflow / be subnormal / overflow in
+    ``fmt`` if the unscaled gradient were multiplied by 2**log2_scale.
+
+    ``hist``: exponent histogram of the unscaled gradient (bins EXP_MIN..). Multiplying by 2**k moves bin e
+    to bin e + k exactly, but the three bins that contain a rounding edge (|x| = 2**-25 ties to zero, the top
+    of the 2**-15 bin rounds up to normal, |x| >= 65520 overflows, for FP16) hold values on both sides of it,
+    so each share is returned as (lower, upper). The exact counts at the scale actually used are recorded.
+    """
+    hist = np.asarray(hist, dtype=np.int64)
+    total = hist.sum()
+    if total == 0:
+        return {k: (math.nan, math.nan) for k in ("underflow", "subnormal", "overflow")}
+    exponents = np.arange(hist.size) + EXP_MIN + int(log2_scale)
+    tie_bin = fmt.min_subnormal_exponent - 1  # holds |x| == 2**-25, which becomes 0
+    below_normal = fmt.min_normal_exponent - 1  # its top values round up to min normal
+    top_bin = fmt.max_exponent  # its top values round up to inf
+
+    def share(mask) -> float:
+        return float(hist[mask].sum() / total)
+
+    return {
+        "underflow": (share(exponents < tie_bin), share(exponents <= tie_bin)),
+        "subnormal": (share((exponents > tie_bin) & (exponents < below_normal)),
+                      share((exponents >= tie_bin) & (exponents <= below_normal))),
+        "overflow": (share(exponents > top_bin), share(exponents >= top_bin)),
+    }
+
+
+def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame | None = None,
+                  at_scale: bool = False, max_marks: int = MAX_MARKS) -> pd.DataFrame:
+    """Long frame of non-empty (step bucket, exponent bin) cells for one tensor's histograms over steps.
+
+    ``index``/``counts`` come from ``Store.histogram_matrix`` for one tensor. Steps are grouped into equal
+    buckets so that at most ``max_marks`` cells reach the browser. With ``at_scale`` each bin is moved by
+    log2 of that step's loss scale (``steps`` gives it), showing S*g as it was in the backward pass.
+    Columns: step_start, step_end, log2_lo, log2_hi, count.
+    """
+    if len(index) == 0:
+        return pd.DataFrame(columns=["step_start", "step_end", "log2_lo", "log2_hi", "count"])
+    step_values = index["step"].to_numpy()
+    shift = np.zeros(len(index))
+    if at_scale and steps is not None:
+        scale = steps.set_index("step")["loss_scale"].reindex(step_values).fillna(1.0).to_numpy()
+        shift = np.log2(scale)
+    occupied = max(1, int((counts.sum(axis=0) > 0).sum()))
+    n_buckets = max(1, min(len(index), max_marks // occupied))
+    bucket = np.minimum((np.arange(len(index)) * n_buckets) // len(index), n_buckets - 1)
+    # Rows are in step order, so each (bucket, scale) group is a contiguous segment: sum segments at once.
+    starts = np.flatnonzero(np.r_[True, (np.diff(bucket) != 0) | (np.diff(shift) != 0)])
+    summed = np.add.reduceat(counts, starts, axis=0)
+    ends = np.r_[starts[1:], len(index)] - 1
+    seg, bins = np.nonzero(summed)
+    return pd.DataFrame({
+        "step_start": step_values[starts][seg],
+        "step_end": step_values[ends][seg] + 1,
+        "log2_lo": bins + EXP_MIN + shift[starts][seg],
+        "log2_hi": bins + EXP_MIN + shift[starts][seg] + 1,
+        "count": summed[seg, bins],
+    })
+
+
+def step_histogram(hist: np.ndarray, specials: dict[str, int], fmt: Format = FP16, log2_scale: float = 0.0) -> pd.DataFrame:
+    """Bars for one tensor at one step: one per non-empty exponent bin (shifted by ``log2_scale``), labelled
+    with the ``fmt`` region its values fall in, plus zero / NaN / +inf / -inf bars. Columns: bin, label,
+    log2_lo, count, region."""
+    bins = np.flatnonzero(hist)
+    lo = bins + EXP_MIN + log2_scale
+    region = np.select(
+        [lo + 1 <= fmt.min_subnormal_exponent - 1, lo < fmt.min_normal_exponent, lo >= fmt.max_exponent + 1],
+        ["underflow", "subnormal", "overflow"],
+        "normal",
+    )
+    edge = (lo == fmt.min_subnormal_exponent - 1) | (lo == fmt.min_normal_exponent - 1) | (lo == fmt.max_exponent)
+    region = np.where(edge, region + " (edge bin)", region)
+    bars = pd.DataFrame({"label": [f"2^{int(v)}" if float(v).is_integer() else f"2^{v:.1f}" for v in lo],
+                         "log2_lo": lo, "count": hist[bins], "region": region})
+    special = pd.DataFrame({"label": list(specials), "log2_lo": np.nan, "count": list(specials.values()),
+                            "region": "zero / non-finite"})
+    return pd.concat([bars, special[special["count"] > 0]], ignore_index=True)
+
+
+def scale_events(steps: pd.DataFrame) -> dict[str, int]:
+    """Skips, backoffs and growths as recorded (scale_after versus the scale the step used)."""
+    if steps.empty:
+        return {"skips": 0, "backoffs": 0, "growths": 0, "min_scale": math.nan, "max_scale": math.nan}
+    before, after = steps["loss_scale"], steps["scale_after"]
+    return {
+        "skips": int((steps["skipped"] == 1).sum()),
+        "backoffs": int((after < before).sum()),
+        "growths": int((after > before).sum()),
+        "min_scale": float(before.min()),
+        "max_scale": float(before.max()),
+    }
+
+
+def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
+    """At most about ``max_points`` evenly spaced rows, always keeping skipped and non-finite-loss steps."""
+    if len(steps) <= max_points:
+        return steps
+    stride = math.ceil(len(steps) / max_points)
+    keep = (np.arange(len(steps)) % stride == 0) | (steps["skipped"] == 1).to_numpy() | ~np.isfinite(steps["loss"].to_numpy())
+    return steps[keep]
+
+
+def format_lines(formats: tuple[str, ...] = ("fp16",)) -> pd.DataFrame:
+    """Horizontal reference lines (log2 magnitude) for each format's min subnormal, min normal and max."""
+    rows = []
+    for name in formats:
+        fmt = LOW_PRECISION[name]
+        rows += [
+            {"format": name, "limit": f"{name} min subnormal 2^{fmt.min_subnormal_exponent}", "log2": fmt.min_subnormal_exponent},
+            {"format": name, "limit": f"{name} min normal 2^{fmt.min_normal_exponent}", "log2": fmt.min_normal_exponent},
+            {"format": name, "limit": f"{name} max {fmt.max_finite:.6g}", "log2": math.log2(fmt.max_finite)},
+        ]
+    return pd.DataFrame(rows)

@@ -1,0 +1,124 @@
+"""The shared Streamlit frame every page calls, plus cached store reads and run pickers.
+
+Pages stay thin: ``store = frame("Gradients")`` sets up the page and sidebar and returns an open
+:class:`Store` (or None after telling the user what is wrong with the chosen file); reads go through
+:func:`read`, cached for runs that can no longer change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from mpdiag.store import DEFAULT_STORE, Store, StoreError
+
+FINAL_STATUSES = ("finished", "failed", "crashed")
+LIVE_REFRESH_S = 2.0  # live parts re-read the store this often (rows are committed every 0.5 s)
+
+
+def default_store_path() -> str:
+    return os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
+
+
+def frame(title: str) -> Store | None:
+    """Page config, title and the sidebar store picker. Returns the store, or None after explaining why
+    it cannot be opened (missing file, not SQLite, not an mpdiag store)."""
+    st.set_page_config(page_title=f"mpdiag · {title}", page_icon="🧮", layout="wide")
+    default = default_store_path()
+    with st.sidebar:
+        path = st.text_input(
+            "Store file", value=default, key="store", bind="query-params",
+            help="The SQLite file runs are recorded into (MPDIAG_STORE, else ./mpdiag_runs.db).",
+        ).strip() or default
+        st.caption("Runs start in child processes; uploaded scripts never run inside this server.")
+    st.title(title)
+    try:
+        # The default store is created on first use so a fresh machine opens on something; another path must exist.
+        return Store(path, create=Path(path) == Path(default))
+    except StoreError as exc:
+        st.error(str(exc))
+        st.info("Pick another store file in the sidebar, or clear the field to return to the default store.")
+        return None
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """Changes when the store file is replaced, so cached reads of a deleted store are not reused."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_dev
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def _cached_read(path: str, identity: tuple[int, int], method: str, run_id: int, args: tuple):
+    return getattr(Store(path, create=False), method)(run_id, *args)
+
+
+def read(store: Store, method: str, run_id: int, *args, final: bool):
+    """``store.<method>(run_id, *args)``, cached when the run is ``final`` (it can no longer change)."""
+    if final:
+        return _cached_read(str(store.path), _identity(store.path), method, int(run_id), tuple(args))
+    return getattr(store, method)(int(run_id), *args)
+
+
+def live_steps(store: Store, run_id: int) -> pd.DataFrame:
+    """The run's steps, reading only rows added since the previous call in this session."""
+    key = f"steps:{store.path}:{run_id}"
+    cached = st.session_state.get(key)
+    since = int(cached["step"].max()) if cached is not None and len(cached) else -1
+    fresh = store.steps(run_id, since_step=since)
+    steps = fresh if cached is None else pd.concat([cached, fresh], ignore_index=True) if len(fresh) else cached
+    st.session_state[key] = steps
+    return steps
+
+
+def run_label(run: pd.Series) -> str:
+    return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
+
+
+def _seed_from_plain_id(key: str, runs: pd.DataFrame, multi: bool) -> None:
+    """Accept ``?run=3`` (or ``?runs=3&runs=5``) deep links as well as the labels the widget writes."""
+    raw = st.query_params.get_all(key)
+    if not raw or key in st.session_state or not all(v.isdigit() for v in raw):
+        return
+    ids = [int(v) for v in raw if int(v) in set(runs["run_id"])]
+    if ids:
+        del st.query_params[key]
+        st.session_state[key] = ids if multi else ids[0]
+
+
+def pick_run(runs: pd.DataFrame, key: str = "run", label: str = "Run") -> int | None:
+    """A run selector bound to the URL (``?run=…``), newest first."""
+    labels = {int(r["run_id"]): run_label(r) for _, r in runs.iterrows()}
+    _seed_from_plain_id(key, runs, multi=False)
+    return st.selectbox(label, list(labels), format_func=labels.get, key=key, bind="query-params")
+
+
+def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", default: list[int] | None = None) -> list[int]:
+    """A multi-run selector (up to 4) bound to the URL (``?runs=…``)."""
+    labels = {int(r["run_id"]): run_label(r) for _, r in runs.iterrows()}
+    _seed_from_plain_id(key, runs, multi=True)
+    return st.multiselect(label, list(labels), default=default, format_func=labels.get, key=key,
+                          bind="query-params", max_selections=4)
+
+
+def explain_run_state(run: pd.Series) -> None:
+    """Say what a failed or crashed run reported, or that a run is still starting."""
+    if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
+        st.error(f"Run #{run['run_id']} {run['status']}:\n\n```\n{run['error'].strip()[-3000:]}\n```")
+    if isinstance(run.get("note"), str):
+        st.info(run["note"])
+
+
+def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
+    """The run picker every single-run page starts with: (run row, final) or None when there are no runs.
+    Reports a failed or crashed run's error above the page."""
+    runs = store.runs()
+    if runs.empty:
+        st.info("No runs in this store yet. Start one on the Runs page (the home page).")
+        return None
+    run_id = pick_run(runs)
+    run = runs[runs["run_id"] == run_id].iloc[0]
+    explain_run_state(run)
+    return run, run["status"] in FINAL_STATUSES

@@ -1,0 +1,100 @@
+"""Gradients: where each tensor's gradient magnitudes sit relative to FP16/BF16 limits, over steps."""
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from mpdiag import charts, summaries, ui
+from mpdiag.formats import EXP_MIN, LOW_PRECISION
+
+SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
+
+
+def pct(bounds: tuple[float, float]) -> str:
+    lo, hi = bounds
+    if np.isnan(lo):
+        return "n/a"
+    return f"{lo:.3%}" if lo == hi else f"{lo:.3%} – {hi:.3%}"
+
+
+def gradients_view(store, run: pd.Series, final: bool) -> None:
+    run_id = int(run["run_id"])
+    logged = ui.read(store, "logged_steps", run_id, final=final)
+    if not logged:
+        if run["status"] == "running":
+            st.info("No gradient statistics recorded yet; this view updates as the run records its first step.")
+        else:
+            st.warning(f"Run #{run_id} recorded no gradient statistics (it stopped before its first step completed).")
+        return
+    c1, c2, c3 = st.columns([2, 1, 1])
+    view = c1.radio("Gradient", ["unscaled g", "at the loss scale (S·g)"], horizontal=True, key="view", bind="query-params",
+                    help="S·g is the gradient as it existed in the backward pass, which is what FP16 had to hold.")
+    at_scale = view != "unscaled g"
+    fmt = c2.radio("Format", list(LOW_PRECISION), horizontal=True, key="fmt", bind="query-params")
+    show_bf16 = c3.checkbox("Draw BF16 limits too", key="bf16_lines", value=False)
+
+    totals = ui.read(store, "tensor_totals", run_id, final=final)
+    ranking = summaries.tensor_ranking(totals, fmt, at_scale)
+    labels = {r.tensor: f"{r.tensor}  ({fmt} underflow {r.underflow_share:.2%}, overflow {r.overflow_share:.2%})"
+              for r in ranking.itertuples()}
+    tensor = st.selectbox("Tensor (worst first; type to search)", list(labels), format_func=labels.get, key="tensor",
+                          bind="query-params")
+    steps = ui.read(store, "steps", run_id, final=final) if final else ui.live_steps(store, run_id)
+    index, counts = ui.read(store, "histogram_matrix", run_id, tensor, final=final)
+    cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
+    lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
+    st.altair_chart(charts.exponent_heatmap(cells, lines, f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"),
+                    width="stretch")
+
+    step = st.select_slider("Step", logged, value=logged[-1], key="step")
+    scale = float(steps.set_index("step")["loss_scale"].get(step, 1.0)) if len(steps) else 1.0
+    row = np.flatnonzero(index["step"].to_numpy() == step)
+    at_step = ui.read(store, "tensor_stats", run_id, tensor, -1, step, final=final).iloc[0]
+    hist = counts[row[0]] if len(row) else np.zeros(counts.shape[1], dtype=np.int64)
+    shift = float(np.log2(scale)) if at_scale else 0.0
+    bars = summaries.step_histogram(hist, {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}, LOW_PRECISION[fmt], shift)
+    st.altair_chart(charts.step_histogram(bars, f"step {step}, loss scale {scale:g}"), width="stretch")
+    suffix = "_at_scale" if at_scale else ""
+    denom = int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0])
+    m = st.columns(5)
+    for col, cat in zip(m, ("underflow", "subnormal", "overflow"), strict=False):
+        n = int(at_step[f"{fmt}_{cat}{suffix}"])
+        col.metric(f"{fmt} {cat} (exact)", f"{n / denom:.3%}" if denom else "n/a",
+                   help=f"{n} of {denom} finite non-zero values, counted by casting")
+    m[3].metric("zeros", int(at_step["zeros"]))
+    m[4].metric("NaN / inf", int(at_step["nan"] + at_step["posinf"] + at_step["neginf"]))
+
+    st.subheader("What if the loss scale were different?")
+    k = st.select_slider("Scale the unscaled gradient by", list(range(-10, 33)), value=int(round(np.log2(scale))),
+                         format_func=lambda e: f"2^{e}", key="whatif")
+    shares = summaries.whatif_shares(hist, k, LOW_PRECISION[fmt])
+    w = st.columns(3)
+    for col, cat in zip(w, ("underflow", "subnormal", "overflow"), strict=True):
+        col.metric(f"{fmt} {cat} at 2^{k}", pct(shares[cat]))
+    st.caption(
+        "Derived from the stored exponent histogram: multiplying by 2^k moves every value exactly k bins. Values in "
+        "the three bins that straddle a rounding edge can go either way, so a range is shown where they matter; "
+        "the exact counts above are for the scale the run actually used."
+    )
+
+    st.subheader(f"All tensors ranked by {fmt} underflow, then overflow ({'S·g' if at_scale else 'g'}, all logged steps)")
+    step_index, step_counts = ui.read(store, "histogram_matrix", run_id, None, -1, step, final=final)
+    whatif = {t: summaries.whatif_shares(h, k, LOW_PRECISION[fmt])["underflow"]
+              for t, h in zip(step_index["tensor"], step_counts, strict=True)}
+    table = ranking.assign(**{f"underflow at 2^{k}, step {step}": ranking["tensor"].map(lambda t: pct(whatif.get(t, (np.nan, np.nan))))})
+    st.dataframe(
+        table, hide_index=True, width="stretch",
+        column_config={c: st.column_config.NumberColumn(format="percent") for c in
+                       ("underflow_share", "subnormal_share", "overflow_share", "zero_share")},
+    )
+    st.caption(f"Shares are of finite non-zero values. Exponent bins start at 2^{EXP_MIN}.")
+
+
+store = ui.frame("Gradients")
+if store is None:
+    st.stop()
+chosen = ui.choose_run(store)
+if chosen is None:
+    st.stop()
+run, final = chosen
+st.fragment(gradients_view, run_every=None if final else ui.LIVE_REFRESH_S)(store, run, final)

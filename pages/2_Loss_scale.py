@@ -1,0 +1,39 @@
+"""Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss beneath."""
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from mpdiag import charts, summaries, ui
+
+
+def loss_scale_view(store, run: pd.Series, final: bool) -> None:
+    run_id = int(run["run_id"])
+    steps = ui.read(store, "steps", run_id, final=final) if final else ui.live_steps(store, run_id)
+    if steps.empty:
+        st.info("No steps recorded yet." if run["status"] == "running" else f"Run #{run_id} recorded no steps.")
+        return
+    events = summaries.scale_events(steps)
+    m = st.columns(6)
+    m[0].metric("steps", len(steps))
+    m[1].metric("skipped", f"{events['skips']} ({events['skips'] / len(steps):.1%})")
+    m[2].metric("backoffs", events["backoffs"])
+    m[3].metric("growths", events["growths"])
+    m[4].metric("lowest scale", f"{events['min_scale']:g}")
+    m[5].metric("loss NaN/inf", int((~np.isfinite(steps["loss"])).sum()))
+    if run["scaling"] == "none":
+        st.info(f"{run['opt_level']} does not scale the loss: the scale is 1 at every step.")
+    elif run["scaling"] == "static":
+        st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
+    st.altair_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
+    st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
+
+
+store = ui.frame("Loss scale")
+if store is None:
+    st.stop()
+chosen = ui.choose_run(store)
+if chosen is None:
+    st.stop()
+run, final = chosen
+st.fragment(loss_scale_view, run_every=None if final else ui.LIVE_REFRESH_S)(store, run, final)

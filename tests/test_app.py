@@ -1,0 +1,143 @@
+"""Every page under streamlit's AppTest: selections, controls, starting runs, and bad stores."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import EXAMPLES, ROOT
+from streamlit.testing.v1 import AppTest
+
+from mpdiag import Store
+from mpdiag.runner import RunConfig, train, train_pair
+from mpdiag.script import ModelScript
+
+PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py"]
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def filled_store(tmp_path_factory):
+    """Runs 1+2: MLP at O1 with its FP32 twin; 3: MLP at O3 (NaN from step 1); 4: a run that crashed at
+    step 0 (its process exited without closing it)."""
+    path = tmp_path_factory.mktemp("store") / "runs.db"
+    mlp = ModelScript.from_path(EXAMPLES / "mlp_digits.py")
+    train_pair(mlp, RunConfig(opt_level="O1", steps=12, device="cpu"), path)
+    train(mlp, RunConfig(opt_level="O3", steps=6, device="cpu"), path)
+    subprocess.run([sys.executable, "-c", "import sys; from mpdiag.store import StoreWriter; "
+                    "StoreWriter(sys.argv[1]).create_run(name='dies at step 0', opt_level='O1')", str(path)],
+                   check=True, cwd=ROOT)
+    return path
+
+
+def app(page, store, monkeypatch, **query):
+    monkeypatch.setenv("MPDIAG_STORE", str(store))
+    at = AppTest.from_file(str(ROOT / page), default_timeout=TIMEOUT)
+    for key, value in query.items():
+        at.query_params[key] = value
+    return at.run()
+
+
+def texts(at):
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info]
+    return "\n".join(parts + [w.value for w in at.warning] + [e.value for e in at.error])
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_a_filled_store_without_exceptions(page, filled_store, monkeypatch):
+    at = app(page, filled_store, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def test_home_lists_runs_with_status_and_crashed_run_explained(filled_store, monkeypatch):
+    at = app("app.py", filled_store, monkeypatch)
+    table = at.dataframe[0].value
+    assert table["status"].tolist() == ["crashed", "finished", "finished", "finished"]
+    assert table["opt level"].tolist() == ["O1", "O3", "O0", "O1"]
+    assert "exited without closing the run" in texts(at)
+
+
+def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
+    at = app("app.py", tmp_path / "fresh.db", monkeypatch)
+    assert "No runs in" in texts(at)
+    assert any("Run the bundled example" in b.label for b in at.button)
+    for page in PAGES[1:]:
+        other = app(page, tmp_path / "fresh.db", monkeypatch)
+        assert not other.exception and ("No runs" in texts(other) or "at least two runs" in texts(other))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_store_that_is_not_sqlite_is_explained(page, tmp_path, monkeypatch):
+    bogus = tmp_path / "mpdiag_runs.db"
+    bogus.write_text("this is not a database")
+    at = app(page, bogus, monkeypatch)
+    assert not at.exception
+    assert "is not an SQLite database" in texts(at)
+
+
+def test_missing_store_picked_in_the_sidebar_is_explained(filled_store, tmp_path, monkeypatch):
+    at = app("pages/1_Gradients.py", filled_store, monkeypatch)
+    at.sidebar.text_input[0].set_value(str(tmp_path / "nowhere.db")).run()
+    assert not at.exception and "No store at" in texts(at)
+
+
+def test_gradients_deep_link_and_controls(filled_store, monkeypatch):
+    at = app("pages/1_Gradients.py", filled_store, monkeypatch, run="1")
+    assert at.selectbox(key="run").value == 1
+    tensor = at.selectbox(key="tensor")
+    assert tensor.value in {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+    at.radio(key="view").set_value("at the loss scale (S·g)").run()
+    at.select_slider(key="whatif").set_value(0).run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert "fp16 underflow at 2^0" in metrics
+    assert "fp16 underflow (exact)" in metrics
+
+
+def test_gradients_of_a_run_that_crashed_at_step_0(filled_store, monkeypatch):
+    at = app("pages/1_Gradients.py", filled_store, monkeypatch, run="4")
+    assert not at.exception
+    assert "recorded no gradient statistics" in texts(at)
+
+
+def test_loss_scale_of_a_nan_run(filled_store, monkeypatch):
+    at = app("pages/2_Loss_scale.py", filled_store, monkeypatch, run="3")
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["loss NaN/inf"] == "5"  # O3 with Adam: NaN from the first update on
+    assert "Static loss scale 1" in texts(at)
+
+
+def test_compare_pair_reports_divergence(filled_store, monkeypatch):
+    at = app("pages/3_Compare.py", filled_store, monkeypatch, runs=["1", "2"])
+    assert not at.exception
+    assert "versus its FP32 reference #2" in texts(at)
+
+
+def _wait_for_runs(store, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        runs = Store(store).runs()
+        if len(runs) >= n and (runs["status"] != "running").all():
+            return runs
+        time.sleep(0.5)
+    raise AssertionError(f"runs did not finish: {Store(store).runs()[['run_id', 'status', 'error']]}")
+
+
+def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
+    store = tmp_path / "ui.db"
+    at = app("app.py", store, monkeypatch)
+    at.number_input(key="new_steps").set_value(5).run()
+    at.selectbox(key="new_level").set_value("bf16").run()
+    at.button(key="new_start").click().run()
+    assert not at.exception
+    runs = _wait_for_runs(store, 1)
+    assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["opt_level"] == "bf16"
+
+    at = app("app.py", store, monkeypatch)
+    at.selectbox(key="rerun_level").set_value("O2").run()
+    at.radio(key="rerun_mode").set_value("dynamic").run()
+    at.button(key="rerun_start").click().run()
+    runs = _wait_for_runs(store, 2)
+    child = runs.iloc[0]
+    assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5

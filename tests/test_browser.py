@@ -1,0 +1,144 @@
+"""Real browser: the app served by streamlit, driven in Debian's headless Chromium with Playwright.
+
+Starts the server on an empty store, runs the bundled example to completion from the UI, opens every
+page, follows a deep link on a freshly started server, and saves screenshots to test-results/screenshots/.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import ROOT
+
+from mpdiag import Store
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = ROOT / "test-results" / "screenshots"
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
+]
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, store):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "MPDIAG_STORE": str(store), "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(self.port),
+             "--server.headless", "true", "--server.address", "127.0.0.1"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2).read() == b"ok":
+                    return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("streamlit did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def settle(page, text=None, timeout=60_000):
+    """Wait for the app to finish running its script (and for ``text`` to appear)."""
+    page.wait_for_selector("[data-testid='stApp']", timeout=timeout)
+    if text:
+        page.get_by_text(text, exact=False).first.wait_for(timeout=timeout)
+    page.wait_for_function(
+        "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
+    )
+    page.wait_for_timeout(1500)
+
+
+def no_exception(page):
+    assert page.locator("[data-testid='stException']").count() == 0, page.locator("[data-testid='stException']").first.inner_text()
+
+
+def shot(page, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
+    store = tmp_path / "e2e.db"
+    server = Server(store)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(server.url)
+        settle(page, "No runs in")
+        shot(page, "01_home_empty")
+        page.get_by_role("button", name="Run the bundled example").click()
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            runs = Store(store).runs() if store.exists() else None
+            if runs is not None and len(runs) == 2 and (runs["status"] == "finished").all():
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError("the bundled example did not finish from the UI")
+        page.wait_for_timeout(3000)  # the live runs panel refreshes every 2 s
+        # st.dataframe draws on a canvas; its cells exist as (hidden) accessibility grid cells.
+        page.get_by_text("mlp_digits.py (FP32 twin)").first.wait_for(state="attached", timeout=30_000)
+        assert page.locator("[data-testid^='glide-cell']", has_text="finished").count() == 2
+        no_exception(page)
+        shot(page, "02_home_finished")
+
+        for name, path, expect in [
+            ("03_gradients", "Gradients", "What if the loss scale were different?"),
+            ("04_loss_scale", "Loss_scale", "loss scale"),
+            ("05_compare", "Compare", "versus its FP32 reference"),
+        ]:
+            page.goto(f"{server.url}/{path}")
+            settle(page, expect)
+            assert page.locator(".vega-embed").count() >= 1
+            no_exception(page)
+            shot(page, name)
+    finally:
+        server.stop()
+
+    fresh = Server(store)  # a freshly started server: deep links must not depend on session state
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(f"{fresh.url}/Loss_scale?run=2")
+        settle(page, "O0 does not scale the loss")
+        no_exception(page)
+        assert page.get_by_role("combobox", name="Run").input_value() == "#2 · mlp_digits.py (FP32 twin) · O0"
+        shot(page, "06_deep_link_loss_scale_run2")
+        page.goto(f"{fresh.url}/Compare?runs=1&runs=2")
+        settle(page, "versus its FP32 reference")
+        no_exception(page)
+        shot(page, "07_deep_link_compare")
+    finally:
+        fresh.stop()

@@ -1,0 +1,127 @@
+"""Data shaping and chart specs: numbers against ground truth, charts by their Vega-Lite specs."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from mpdiag import charts, summaries
+from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
+from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting
+
+
+def lognormal_grads(n=50_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.exp2(torch.randn(n, generator=g, dtype=torch.float64) * 8 - 20)).float()
+
+
+@pytest.mark.parametrize("fmt", [FP16, BF16])
+def test_whatif_bounds_contain_the_exact_share_at_every_power_of_two(fmt):
+    g = lognormal_grads()
+    hist = GradStatsComputer([g.numel()]).compute([g], 1.0).hist[0]
+    total = int((g != 0).sum())
+    for k in range(-20, 40, 3):
+        exact = category_counts_by_casting(g.double() * 2.0**k, fmt)  # ground truth: cast the scaled values
+        shares = summaries.whatif_shares(hist, k, fmt)
+        for cat, n in exact.items():
+            lo, hi = shares[cat]
+            assert lo - 1e-12 <= n / total <= hi + 1e-12, (k, cat, lo, n / total, hi)
+
+
+def test_whatif_is_exact_when_no_value_sits_in_an_edge_bin():
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-30 - EXP_MIN] = 10  # values in [2^-30, 2^-29)
+    hist[-10 - EXP_MIN] = 30
+    assert summaries.whatif_shares(hist, 0)["underflow"] == (0.25, 0.25)
+    assert summaries.whatif_shares(hist, 8)["underflow"] == (0.0, 0.0)  # 2^-22: subnormal now
+    assert summaries.whatif_shares(hist, 8)["subnormal"] == (0.25, 0.25)
+    assert summaries.whatif_shares(hist, 27)["overflow"] == (0.75, 0.75)  # 2^17: above 65504
+    assert all(math.isnan(v) for v in summaries.whatif_shares(np.zeros(N_EXP_BINS), 0)["overflow"])
+
+
+def test_heatmap_cells_stay_under_the_mark_budget_and_keep_every_count():
+    rng = np.random.default_rng(0)
+    steps = 10_000
+    counts = np.zeros((steps, N_EXP_BINS), dtype=np.int64)
+    counts[:, 100:160] = rng.integers(0, 50, size=(steps, 60))
+    index = pd.DataFrame({"step": np.arange(steps), "tensor": "w"})
+    cells = summaries.heatmap_cells(index, counts)
+    assert len(cells) <= summaries.MAX_MARKS
+    assert cells["count"].sum() == counts.sum()
+    assert cells["step_start"].min() == 0 and cells["step_end"].max() == steps
+
+
+def test_heatmap_at_scale_moves_bins_by_log2_scale():
+    counts = np.zeros((2, N_EXP_BINS), dtype=np.int64)
+    counts[:, -30 - EXP_MIN] = 5
+    index = pd.DataFrame({"step": [0, 1], "tensor": "w"})
+    steps = pd.DataFrame({"step": [0, 1], "loss_scale": [2.0**16, 2.0**15]})
+    cells = summaries.heatmap_cells(index, counts, steps, at_scale=True)
+    assert sorted(cells["log2_lo"]) == [-15.0, -14.0]
+
+
+def test_step_histogram_regions_follow_fp16_limits():
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    for e in (-30, -25, -20, -15, 0, 15, 16):
+        hist[e - EXP_MIN] = 1
+    bars = summaries.step_histogram(hist, {"zero": 3, "NaN": 0, "+inf": 1, "-inf": 0}, FP16)
+    regions = dict(zip(bars["label"], bars["region"], strict=True))
+    assert regions == {
+        "2^-30": "underflow", "2^-25": "subnormal (edge bin)", "2^-20": "subnormal", "2^-15": "subnormal (edge bin)",
+        "2^0": "normal", "2^15": "normal (edge bin)", "2^16": "overflow", "zero": "zero / non-finite",
+        "+inf": "zero / non-finite",
+    }
+
+
+def test_scale_events_and_thinning_keep_what_matters():
+    steps = pd.DataFrame({
+        "step": np.arange(12_000), "loss": np.ones(12_000), "loss_scale": 1024.0, "scale_after": 1024.0,
+        "skipped": 0.0, "growth_tracker": 0.0,
+    })
+    steps.loc[7777, ["skipped", "scale_after"]] = [1.0, 512.0]
+    steps.loc[100, "scale_after"] = 2048.0
+    steps.loc[5001, "loss"] = np.nan
+    events = summaries.scale_events(steps)
+    assert (events["skips"], events["backoffs"], events["growths"]) == (1, 1, 1)
+    thin = summaries.thin_steps(steps)
+    assert len(thin) <= 5002 and {7777, 5001} <= set(thin["step"])
+
+
+def test_tensor_ranking_sorts_worst_first_with_exact_shares():
+    totals = pd.DataFrame({
+        "tensor": ["a", "b"], "numel_per_step": [10, 10], "numel": [100, 100], "zeros": [0, 20], "nan": [0, 0],
+        "posinf": [0, 0], "neginf": [0, 0],
+        **{f"fp16_{c}": [1, 8] if c == "underflow" else [0, 0] for c in ("underflow", "subnormal", "overflow")},
+    })
+    ranked = summaries.tensor_ranking(totals)
+    assert ranked["tensor"].tolist() == ["b", "a"]
+    assert ranked["underflow_share"].tolist() == [8 / 80, 1 / 100]
+
+
+def test_heatmap_spec_draws_fp16_limits_on_a_log_colour_scale():
+    cells = pd.DataFrame({"step_start": [0], "step_end": [1], "log2_lo": [-20.0], "log2_hi": [-19.0], "count": [5]})
+    spec = charts.exponent_heatmap(cells, summaries.format_lines(("fp16",))).to_dict()
+    heat, rules = spec["layer"]
+    assert heat["mark"]["type"] == "rect" and heat["encoding"]["color"]["scale"]["type"] == "log"
+    datasets = spec["datasets"]
+    limits = datasets[rules["data"]["name"]]
+    assert sorted(round(r["log2"], 4) for r in limits) == [-24, -14, round(math.log2(65504), 4)]
+
+
+def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
+    steps = pd.DataFrame({"step": [0, 1, 2], "loss": [1.0, np.inf, 0.5], "loss_scale": [8.0, 8.0, 4.0],
+                          "scale_after": [8.0, 4.0, 4.0], "skipped": [0.0, 1.0, 0.0], "growth_tracker": [1, 0, 1]})
+    spec = charts.loss_scale_panel(steps).to_dict()
+    scale_layer = spec["vconcat"][0]["layer"]
+    assert scale_layer[0]["encoding"]["y"]["scale"] == {"type": "log", "base": 2}
+    skipped_rows = spec["datasets"][scale_layer[1]["data"]["name"]]
+    assert [r["step"] for r in skipped_rows] == [1]
+
+
+def test_run_colours_are_fixed_by_selection_order():
+    df = pd.DataFrame({"step": [0, 0], "loss": [1.0, 2.0], "run": ["b", "a"]})
+    spec = charts.runs_overlay(df, "loss", "loss", ["a", "b"]).to_dict()
+    colour = spec["layer"][0]["encoding"]["color"]["scale"]
+    assert colour["domain"] == ["a", "b"] and colour["range"] == charts.RUN_COLOURS[:2]
