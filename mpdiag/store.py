@@ -258,8 +258,11 @@ class Store:
                       until_step: int | None = None) -> pd.DataFrame:
         """step, tensor and ``columns`` of tensor_steps rows after ``since_step`` (up to ``until_step``),
         one tensor or all."""
+        # One tensor: walk the (run_id, tensor_id, step) index; the planner otherwise prefers the primary key
+        # and reads every row of the run.
+        source = "tensor_steps ts INDEXED BY tensor_steps_by_tensor" if tensor is not None else "tensor_steps ts"
         sql = (
-            f"SELECT ts.step, t.name AS tensor, {columns} FROM tensor_steps ts "
+            f"SELECT ts.step, t.name AS tensor, {columns} FROM {source} "
             "JOIN tensors t ON t.run_id = ts.run_id AND t.tensor_id = ts.tensor_id WHERE ts.run_id = ? AND ts.step > ?"
         )
         params: list = [int(run_id), int(since_step)]
@@ -267,7 +270,6 @@ class Store:
             sql += " AND ts.step <= ?"
             params.append(int(until_step))
         if tensor is not None:
-            # Filter on tensor_id so SQLite walks the (run_id, tensor_id, step) index, not every row of the run.
             sql += " AND ts.tensor_id = (SELECT tensor_id FROM tensors WHERE run_id = ? AND name = ?)"
             params += [int(run_id), tensor]
         return self._query(sql + " ORDER BY ts.step, ts.tensor_id", params)
