@@ -5,24 +5,18 @@ Start with ``streamlit run app.py``. Other pages (Gradients, Loss scale, Compare
 
 from __future__ import annotations
 
-import re
-
 import pandas as pd
 import streamlit as st
-import torch
 
 from mpdiag import charts, ui
 from mpdiag.examples import bundled_scripts
 from mpdiag.launch import launch, rerun_command, run_command
-from mpdiag.policies import POLICIES, ConfigError
-from mpdiag.runner import RunConfig
-from mpdiag.store import StoreWriter
 
 FIRST_EXAMPLE = "mlp_digits.py"
 
 
-def start(command: list[str], what: str) -> None:
-    st.session_state.setdefault("launched", []).append((launch(command), what))
+def start(store, command: list[str], what: str) -> None:
+    st.session_state.setdefault("launched", []).append((launch(command, store.path), what))
     st.toast(f"Started {what}")
 
 
@@ -30,12 +24,13 @@ def launched_panel(runs: pd.DataFrame) -> None:
     """Processes this session started: those without a run row yet are starting, or failed to start."""
     pids = set(runs["pid"].dropna().astype(int)) if len(runs) else set()
     for proc, what in st.session_state.get("launched", []):
-        if proc.pid in pids:
+        if proc.child_pid() in pids:
             continue
         if proc.is_alive():
-            st.info(f"Starting {what} (pid {proc.pid})…")
+            st.info(f"Starting {what}…")
         else:
-            st.error(f"{what} exited before recording a run. Its output:\n\n```\n{proc.log_tail()}\n```")
+            st.error(f"{what} ended before recording a run: {proc.ending() or 'the supervisor stopped'}. "
+                     f"Its output:\n\n```\n{proc.log_tail()}\n```")
 
 
 @st.fragment(run_every=ui.LIVE_REFRESH_S)
@@ -46,7 +41,7 @@ def runs_panel(store) -> None:
         st.info(f"No runs in {store.path} yet.")
         if st.button(f"▶ Run the bundled example {FIRST_EXAMPLE} (O1 with its FP32 twin, 200 steps)", type="primary"):
             script = str(bundled_scripts()[FIRST_EXAMPLE])
-            start(run_command(store.path, script, {"opt_level": "O1", "steps": 200, "pair": True}), FIRST_EXAMPLE)
+            start(store, run_command(store.path, script, {"opt_level": "O1", "steps": 200, "pair": True}), FIRST_EXAMPLE)
             st.rerun(scope="fragment")
         return
     running = runs[runs["status"] == "running"]
@@ -78,74 +73,16 @@ def runs_panel(store) -> None:
         ui.explain_run_state(run)
 
 
-def _scaling_options(prefix: str) -> dict:
-    """Loss-scale widgets; returns the CLI options they set (an empty dict keeps the level's default)."""
-    mode = st.radio("Loss scaling", ["level default", "dynamic", "static"], horizontal=True, key=f"{prefix}_mode")
-    options: dict = {}
-    if mode == "static":
-        options["loss_scale"] = 2.0 ** st.select_slider("Static scale (power of two)", list(range(0, 25)), value=7,
-                                                        key=f"{prefix}_static", format_func=lambda k: f"2^{k}")
-    else:
-        if mode == "dynamic":
-            options["loss_scale"] = "dynamic"
-        options["init_scale"] = 2.0 ** st.select_slider("Initial scale (dynamic)", list(range(0, 25)), value=16,
-                                                        key=f"{prefix}_init", format_func=lambda k: f"2^{k}")
-        options["growth_interval"] = st.number_input("Growth interval (clean steps before ×2)", 1, 100_000, 2000,
-                                                     key=f"{prefix}_growth")
-    return options
-
-
-def _device_choices() -> list[str]:
-    return ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _safe_filename(name: str) -> str:
-    """A display name for an uploaded file: its base name only, limited characters, ending in .py."""
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("\\", "/").rsplit("/", 1)[-1])[:80] or "uploaded"
-    return base if base.endswith(".py") else base + ".py"
-
-
 def new_run_form(store) -> None:
-    source = st.radio("Script", ["bundled example", "upload a script"], horizontal=True, key="new_source")
-    if source == "bundled example":
-        scripts = bundled_scripts()
-        chosen = st.selectbox("Bundled script", list(scripts), key="new_script")
-        script = str(scripts[chosen])
-    else:
-        st.warning("Uploading a script means running it: it executes as Python, in a child process, on this machine.")
-        upload = st.file_uploader("Model script (.py defining build(device))", type=["py"], key="new_upload")
-        if upload is None:
-            return
-        filename = _safe_filename(upload.name)
-        try:
-            source_text = upload.getvalue().decode("utf-8")
-        except UnicodeDecodeError:
-            st.error(f"{filename} is not UTF-8 text.")
-            return
-        writer = StoreWriter(store.path)
-        try:
-            script, chosen = "sha256:" + writer.add_script(filename, source_text), filename
-        finally:
-            writer.close()
-    cols = st.columns(4)
-    level = cols[0].selectbox("Opt level", list(POLICIES), index=1, key="new_level",
-                              help="\n".join(f"{k}: {v.summary}" for k, v in POLICIES.items()))
-    steps = cols[1].number_input("Steps", 1, 1_000_000, 200, key="new_steps")
-    seed = cols[2].number_input("Seed", 0, 2**31 - 1, 0, key="new_seed")
-    device = cols[3].selectbox("Device", _device_choices(), key="new_device")
-    options = {"opt_level": level, "steps": int(steps), "seed": int(seed), "device": device}
-    if POLICIES[level].default_scaling is not None:
-        options.update(_scaling_options("new"))
-    options["pair"] = st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", key="new_pair",
-                                  disabled=level == "O0") and level != "O0"
-    options["name"] = st.text_input("Run name (optional)", key="new_name") or None
-    if st.button("Start run", type="primary", key="new_start"):
-        try:
-            RunConfig().with_options(**{k: v for k, v in options.items() if k != "pair"}).validate()
-        except ConfigError as exc:
-            st.error(str(exc))
-            return
-        start(run_command(store.path, script, options), f"{chosen} at {level}")
+    scripts = {f"bundled: {name}": str(path) for name, path in bundled_scripts().items()}
+    stored = store.scripts()
+    scripts |= {f"stored: {r.filename} ({r.sha256[:10]})": f"sha256:{r.sha256}" for r in stored.itertuples()}
+    chosen = st.selectbox("Script", list(scripts), key="new_script",
+                          help="Bundled examples, and scripts uploaded (and checked) on the Upload page.")
+    st.caption("To use your own script, upload it on the Upload page: it is checked before it can run.")
+    options = ui.run_options_form("new")
+    if st.button("Start run", type="primary", key="new_start", disabled=not options):
+        start(store, run_command(store.path, scripts[chosen], options), f"{chosen} at {options['opt_level']}")
 
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
@@ -155,17 +92,10 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
         return
     parent_id = ui.pick_run(rerunnable, key="rerun_of", label="Rerun")
     parent = rerunnable.set_index("run_id").loc[parent_id]
-    cols = st.columns(3)
-    levels = list(POLICIES)
-    level = cols[0].selectbox("Opt level", levels, index=levels.index(parent["opt_level"]), key="rerun_level")
-    steps = cols[1].number_input("Steps", 1, 1_000_000, int(parent["steps"]), key="rerun_steps")
-    seed = cols[2].number_input("Seed", 0, 2**31 - 1, int(parent["seed"]), key="rerun_seed")
-    options = {"opt_level": level, "steps": int(steps), "seed": int(seed)}
-    if POLICIES[level].default_scaling is not None:
-        options.update(_scaling_options("rerun"))
+    options = ui.run_options_form("rerun", parent)
     st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
-    if st.button("Rerun", type="primary", key="rerun_start"):
-        start(rerun_command(store.path, parent_id, options), f"rerun of #{parent_id} at {level}")
+    if st.button("Rerun", type="primary", key="rerun_start", disabled=not options):
+        start(store, rerun_command(store.path, parent_id, options), f"rerun of #{parent_id} at {options['opt_level']}")
 
 
 store = ui.frame("Runs")

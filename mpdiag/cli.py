@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from mpdiag.check import check_script
 from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.policies import POLICIES, ConfigError, ScalingConfig
 from mpdiag.runner import RunConfig, rerun_plan, train, train_pair
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a model script and record it")
     run.add_argument("script", help="path of a model script (.py) defining build(device), or sha256:HASH of a stored one")
     _run_options(run)
+    check = sub.add_parser("check", help="check a model script in a supervised child process, without training")
+    check.add_argument("script")
+    check.add_argument("--device", default="auto")
     runs = sub.add_parser("runs", help="list the runs in the store")
     _store_arg(runs)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
@@ -144,6 +148,13 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return _execute(script, config, store, args.pair)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    script = ModelScript.from_path(args.script)
+    report = check_script(script.filename, script.source, args.device)
+    print(report.text())
+    return 0 if report.ready else 1
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     runs = Store(args.store).runs()
     if runs.empty:
@@ -182,7 +193,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,6 +204,8 @@ def train(
             _fail(writer, recorder, run_id, str(exc))
         except KeyboardInterrupt:
             _fail(writer, recorder, run_id, "stopped by keyboard interrupt (SIGINT)")
+        except SystemExit as exc:  # from the script's code: record it rather than vanish
+            _fail(writer, recorder, run_id, f"{script.filename}: the script called sys.exit({exc.code!r})")
         except Exception:  # noqa: BLE001 - anything else is recorded, never lost
             _fail(writer, recorder, run_id, traceback.format_exc())
         finally:

@@ -154,7 +154,8 @@ class Store:
     if the file does not exist yet (``create=True``), so the CLI and the app can start on an empty path."""
 
     def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
-        self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
+        # Absolute, so a script that changes the working directory cannot redirect later opens.
+        self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
         if not self.path.exists():
             if not create:
                 raise StoreError(f"No store at {self.path}: run `python -m mpdiag run SCRIPT` to create one.")
@@ -223,6 +224,15 @@ class Store:
         if match.empty:
             raise StoreError(f"No run {run_id} in {self.path}. `python -m mpdiag runs` lists the runs.")
         return match.iloc[0]
+
+    def scripts(self) -> pd.DataFrame:
+        """Stored scripts, newest first: sha256, filename, added_at (UTC), runs (how many runs used it)."""
+        df = self._query(
+            "SELECT s.sha256, s.filename, s.added_at, (SELECT COUNT(*) FROM runs r WHERE r.script_sha256 = s.sha256) "
+            "AS runs FROM scripts s ORDER BY s.added_at DESC"
+        )
+        df["added_at"] = pd.to_datetime(df["added_at"], unit="s", utc=True)
+        return df
 
     def script_source(self, sha256: str) -> tuple[str, str]:
         """(original file name, source text) of a stored script."""
@@ -353,8 +363,7 @@ class StoreWriter:
     """The single writing connection of a training process. Not thread-safe: one thread owns it."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        Store(self.path)  # creates and validates the schema
+        self.path = Store(path).path  # creates and validates the schema; absolute
         self._conn = _connect(self.path, readonly=False)
 
     def close(self) -> None:

@@ -8,11 +8,15 @@ Pages stay thin: ``store = frame("Gradients")`` sets up the page and sidebar and
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
+import torch
 
+from mpdiag.policies import POLICIES, ConfigError
+from mpdiag.runner import RunConfig
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
@@ -122,3 +126,57 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run)
     return run, run["status"] in FINAL_STATUSES
+
+
+def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
+    """Widgets for a run's options (defaults from ``parent`` when rerunning); returns CLI options, validated
+    here so a bad combination is refused before any process starts (an error is shown and {} returned)."""
+    levels = list(POLICIES)
+    cols = st.columns(4)
+    level = cols[0].selectbox("Opt level", levels, key=f"{prefix}_level",
+                              index=levels.index(parent["opt_level"]) if parent is not None else levels.index("O1"),
+                              help="\n".join(f"{k}: {v.summary}" for k, v in POLICIES.items()))
+    steps = cols[1].number_input("Steps", 1, 1_000_000, int(parent["steps"]) if parent is not None else 200,
+                                 key=f"{prefix}_steps")
+    seed = cols[2].number_input("Seed", 0, 2**31 - 1, int(parent["seed"]) if parent is not None else 0,
+                                key=f"{prefix}_seed")
+    devices = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    device = cols[3].selectbox("Device", devices, key=f"{prefix}_device")
+    options = {"opt_level": level, "steps": int(steps), "seed": int(seed), "device": device}
+    if POLICIES[level].default_scaling is not None:
+        options.update(_scaling_options(prefix))
+    options["pair"] = level != "O0" and st.checkbox(
+        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair", disabled=level == "O0")
+    if parent is None:
+        options["name"] = st.text_input("Run name (optional)", key=f"{prefix}_name") or None
+    try:
+        RunConfig().with_options(**{k: v for k, v in options.items() if k != "pair"}).validate()
+    except ConfigError as exc:
+        st.error(str(exc))
+        return {}
+    return options
+
+
+def _scaling_options(prefix: str) -> dict:
+    """Loss-scale widgets; returns the CLI options they set (an empty dict keeps the level's default)."""
+    mode = st.radio("Loss scaling", ["level default", "dynamic", "static"], horizontal=True, key=f"{prefix}_mode")
+    options: dict = {}
+    if mode == "static":
+        options["loss_scale"] = 2.0 ** st.select_slider("Static scale (power of two)", list(range(0, 25)), value=7,
+                                                        key=f"{prefix}_static", format_func=lambda k: f"2^{k}")
+    else:
+        if mode == "dynamic":
+            options["loss_scale"] = "dynamic"
+        options["init_scale"] = 2.0 ** st.select_slider("Initial scale (dynamic)", list(range(0, 25)), value=16,
+                                                        key=f"{prefix}_init", format_func=lambda k: f"2^{k}")
+        options["growth_interval"] = st.number_input("Growth interval (clean steps before ×2)", 1, 100_000, 2000,
+                                                     key=f"{prefix}_growth")
+    return options
+
+
+def safe_filename(name: str) -> str:
+    """A display name for an uploaded file: its base name only, limited characters, ending in .py."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("\\", "/").rsplit("/", 1)[-1])[:80] or "uploaded"
+    return base if base.endswith(".py") else base + ".py"
+
+

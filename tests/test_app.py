@@ -12,7 +12,7 @@ from mpdiag import Store
 from mpdiag.runner import RunConfig, train, train_pair
 from mpdiag.script import ModelScript
 
-PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py"]
+PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py"]
 TIMEOUT = 30
 
 
@@ -63,7 +63,8 @@ def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
     assert any("Run the bundled example" in b.label for b in at.button)
     for page in PAGES[1:]:
         other = app(page, tmp_path / "fresh.db", monkeypatch)
-        assert not other.exception and ("No runs" in texts(other) or "at least two runs" in texts(other))
+        said = texts(other)
+        assert not other.exception and any(m in said for m in ("No runs", "at least two runs", "No scripts stored"))
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -141,3 +142,47 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     runs = _wait_for_runs(store, 2)
     child = runs.iloc[0]
     assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5
+
+
+HOSTILE_DIR = ROOT / "tests" / "hostile"
+
+
+def upload(at, name, data):
+    at.file_uploader(key="upload").set_value((name, data, "text/x-python")).run()
+    return at
+
+
+def test_upload_check_and_run_a_good_script(tmp_path, monkeypatch):
+    store = tmp_path / "up.db"
+    at = app("pages/4_Upload.py", store, monkeypatch)
+    assert "Uploading a script means running it" in texts(at)
+    upload(at, "../../etc/evil name.py", (EXAMPLES / "mlp_digits.py").read_bytes())
+    assert not at.exception
+    assert [s.value for s in at.success] == ["evil_name.py: ready"]  # no path from the user survives
+    assert Store(store).scripts()["filename"].tolist() == ["evil_name.py"]
+    at.number_input(key="upload_steps").set_value(4).run()
+    at.button(key="upload_start").click().run()
+    runs = _wait_for_runs(store, 1)
+    assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["script_path"] == "evil_name.py"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("raises_in_build.py", "ZeroDivisionError"),
+    ("loss_is_vector.py", "must return a scalar"),
+    ("calls_os_exit.py", None),  # fails only during training; the check passes
+    ("syntax_error.py", "syntax error"),
+])
+def test_upload_of_a_broken_script_is_explained_and_the_app_keeps_serving(name, expected, tmp_path, monkeypatch):
+    store = tmp_path / "up.db"
+    at = upload(app("pages/4_Upload.py", store, monkeypatch), name, (HOSTILE_DIR / name).read_bytes())
+    assert not at.exception
+    if expected is None:
+        assert at.success
+    else:
+        assert not at.success and expected in "\n".join(e.value for e in at.error)
+    assert not app("app.py", store, monkeypatch).exception  # the app still serves
+
+
+def test_upload_that_is_not_utf8_is_refused(tmp_path, monkeypatch):
+    at = upload(app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch), "latin.py", "x = 'é'".encode("latin-1"))
+    assert not at.exception and "latin.py is not UTF-8 text." in texts(at)

@@ -1,0 +1,4 @@
+# check: EOFError
+def build(device):
+    answer = input('learning rate? ')
+    return {}
