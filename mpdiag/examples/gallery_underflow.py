@@ -1,0 +1,44 @@
+"""Gallery: gradients too small for FP16 unless the loss is scaled.
+
+The loss is down-weighted by 2^-14 (as an auxiliary loss, or a sum divided by a huge token count, often is),
+so most weight gradients lie between 2^-30 and 2^-20: below FP16's smallest subnormal 2^-24 many of them
+vanish when the backward matmuls run in FP16. This is the paper's DeepSpeech2 situation (about 5 % of
+gradient exponents below -24) made stronger.
+
+Failing: ``--opt-level O1 --loss-scale 1``. Fixed: ``--opt-level O1`` (dynamic loss scaling from 2^16).
+What you should see: on the Gradients page, at the loss scale, a large FP16 underflow share and many exact
+zeros in the weight gradients when failing; with dynamic scaling the histogram moves 16 bins up, the
+underflow share at the loss scale drops to (nearly) zero and the zeros disappear.
+"""
+
+import torch
+from torch import nn
+
+from mpdiag.examples.data import digits, shuffled_batches
+
+FAILING = {"opt_level": "O1", "loss_scale": 1.0}
+FIXED = {"opt_level": "O1"}
+DOWN_WEIGHT = 2.0**-14
+
+
+def build(device):
+    x, y, _, _ = digits(device)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    batch = shuffled_batches(len(x), batch_size=64, device=device)
+
+    def batches(step):
+        idx = batch(step)
+        return x[idx], y[idx]
+
+    def loss_fn(model, batch):
+        inputs, labels = batch
+        return nn.functional.cross_entropy(model(inputs).float(), labels) * DOWN_WEIGHT
+
+    return {
+        "name": "gallery: gradients underflow FP16",
+        "description": "Down-weighted loss: FP16 gradients vanish without loss scaling.",
+        "model": model,
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.1 / DOWN_WEIGHT),
+        "batches": batches,
+        "loss_fn": loss_fn,
+    }
