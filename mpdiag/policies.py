@@ -38,6 +38,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from mpdiag.nested import map_tensors
+
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -123,14 +125,7 @@ class LossScaler(torch.amp.GradScaler):
 
 def _cast_floats(value, dtype: torch.dtype):
     """``value`` with every floating-point tensor inside (nested lists, tuples, dicts) cast to ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        cast = [_cast_floats(v, dtype) for v in value]
-        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
-    return value
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def _cast_io(module: nn.Module, inputs_to: torch.dtype, outputs_to: torch.dtype) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mpdiag.nested import map_tensors
 from mpdiag.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
 from mpdiag.recorder import Recorder
 from mpdiag.script import ModelScript, ScriptError, build_model
@@ -103,14 +104,7 @@ def seed_everything(seed: int) -> None:
 
 def to_device(batch, device: torch.device):
     """Move every tensor inside a (nested) batch to ``device``."""
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def batch_size_of(batch) -> int | None:

@@ -128,6 +128,19 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     return run, run["status"] in FINAL_STATUSES
 
 
+def single_run_page(title: str, view) -> None:
+    """The whole frame of a page about one run: store, run picker, then ``view(store, run, final)``, live
+    (re-run every LIVE_REFRESH_S) while the run is still going."""
+    store = frame(title)
+    if store is None:
+        return
+    chosen = choose_run(store)
+    if chosen is None:
+        return
+    run, final = chosen
+    st.fragment(view, run_every=None if final else LIVE_REFRESH_S)(store, run, final)
+
+
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     """Widgets for a run's options (defaults from ``parent`` when rerunning); returns CLI options, validated
     here so a bad combination is refused before any process starts (an error is shown and {} returned)."""

@@ -90,11 +90,4 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     st.caption(f"Shares are of finite non-zero values. Exponent bins start at 2^{EXP_MIN}.")
 
 
-store = ui.frame("Gradients")
-if store is None:
-    st.stop()
-chosen = ui.choose_run(store)
-if chosen is None:
-    st.stop()
-run, final = chosen
-st.fragment(gradients_view, run_every=None if final else ui.LIVE_REFRESH_S)(store, run, final)
+ui.single_run_page("Gradients", gradients_view)

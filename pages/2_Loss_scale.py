@@ -29,11 +29,4 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
 
 
-store = ui.frame("Loss scale")
-if store is None:
-    st.stop()
-chosen = ui.choose_run(store)
-if chosen is None:
-    st.stop()
-run, final = chosen
-st.fragment(loss_scale_view, run_every=None if final else ui.LIVE_REFRESH_S)(store, run, final)
+ui.single_run_page("Loss scale", loss_scale_view)

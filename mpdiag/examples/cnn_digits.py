@@ -8,7 +8,7 @@ to below 0.3 within 200 steps in FP32.
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 
 def build(device):
@@ -18,11 +18,7 @@ def build(device):
         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
     )
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx].unsqueeze(1), y[idx]
+    batches = labelled_batches(x.unsqueeze(1), y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         images, labels = batch

@@ -46,3 +46,14 @@ def shuffled_batches(n: int, batch_size: int, device: torch.device) -> Callable[
         return orders[epoch][k * batch_size : (k + 1) * batch_size].to(device)
 
     return indices
+
+
+def labelled_batches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, device: torch.device):
+    """``step -> (inputs, labels)`` minibatches from :func:`shuffled_batches` (a model script's 'batches')."""
+    indices = shuffled_batches(len(inputs), batch_size, device)
+
+    def batch(step: int):
+        idx = indices(step)
+        return inputs[idx], labels[idx]
+
+    return batch

@@ -13,7 +13,7 @@ non-finite losses drawn as red rules. With bf16 the loss is finite and falls.
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O1"}
 FIXED = {"opt_level": "bf16"}
@@ -26,11 +26,7 @@ def build(device):
     with torch.no_grad():
         first.weight.mul_(1000.0)  # a badly scaled (or badly loaded) first layer
     model = nn.Sequential(first, nn.ReLU(), nn.Linear(256, 10))
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], y[idx]
+    batches = labelled_batches(x, y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         inputs, labels = batch

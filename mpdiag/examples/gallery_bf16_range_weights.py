@@ -13,7 +13,7 @@ with bf16-pure finite losses that fall and no skipped step.
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O2"}
 FIXED = {"opt_level": "bf16-pure"}
@@ -27,11 +27,7 @@ def build(device):
     with torch.no_grad():
         model[0].weight.div_(UNITS)  # as a BF16 checkpoint would hold them: |w| up to ~1.2e4 * ... > 65504
         model[0].weight.mul_(8.0)
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], y[idx]
+    batches = labelled_batches(x, y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         inputs, labels = batch

@@ -14,7 +14,7 @@ of the first convolution's gradient as an exact zero; with O2 the loss falls and
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O3"}
 FIXED = {"opt_level": "O2"}
@@ -41,11 +41,7 @@ def build(device):
         model.bn.momentum = 1.0
         model.bn(model.conv(x[:512]))
         model.bn.momentum = 0.1
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], y[idx]
+    batches = labelled_batches(x, y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         images, labels = batch

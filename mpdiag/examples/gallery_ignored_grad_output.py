@@ -13,7 +13,7 @@ same weights and batch, and the loss barely moves; ``mpdiag check`` warns about 
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O1"}
 FIXED = {"opt_level": "bf16"}
@@ -38,11 +38,7 @@ def build(device):
     x = x.reshape(len(x), -1)
     targets = nn.functional.one_hot(y, 10).float()
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], targets[idx]
+    batches = labelled_batches(x, targets, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         inputs, target = batch

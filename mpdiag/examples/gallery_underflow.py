@@ -14,7 +14,7 @@ underflow share at the loss scale drops to (nearly) zero and the zeros disappear
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O1", "loss_scale": 1.0}
 FIXED = {"opt_level": "O1"}
@@ -24,11 +24,7 @@ DOWN_WEIGHT = 2.0**-14
 def build(device):
     x, y, _, _ = digits(device)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], y[idx]
+    batches = labelled_batches(x, y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         inputs, labels = batch

@@ -8,7 +8,7 @@ shows almost no FP16 underflow once the loss is scaled.
 import torch
 from torch import nn
 
-from mpdiag.examples.data import digits, shuffled_batches
+from mpdiag.examples.data import digits, labelled_batches
 
 
 def build(device):
@@ -16,11 +16,7 @@ def build(device):
     model = nn.Sequential(
         nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
     )
-    batch = shuffled_batches(len(x), batch_size=64, device=device)
-
-    def batches(step):
-        idx = batch(step)
-        return x[idx], y[idx]
+    batches = labelled_batches(x, y, batch_size=64, device=device)
 
     def loss_fn(model, batch):
         inputs, labels = batch
