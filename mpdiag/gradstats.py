@@ -147,6 +147,12 @@ class GradStatsComputer:
         self._edge = torch.empty(largest, dtype=torch.bool, device=self.device)
         self._split = SPLIT.to(self.device)
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the reusable workspaces allocated so far."""
+        spaces = [self._keys, self._unscaled, self._threshold, self._mantissa, self._edge]
+        return sum(t.numel() * t.element_size() for t in spaces if t is not None)
+
     def compute(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool = True) -> StepGradStats:
         """Statistics of ``grads`` produced at loss scale ``scale``.
 
@@ -173,7 +179,7 @@ class GradStatsComputer:
             _, scaled_counts = self._decode(self._key_counts(at_scale).numpy(), at_scale, suffix="_at_scale")
             counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
 
-        absmax, l2, min_nonzero = self._reductions(unscaled)
+        absmax, l2, min_nonzero = self._reductions(unscaled, counts["zeros"])
         return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2)
 
     def _unscaled_workspace(self) -> torch.Tensor:
@@ -235,25 +241,37 @@ class GradStatsComputer:
             for code, label in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
                 counts[f"{name}_{label}{suffix}"][t] += int((category == code).sum())
 
-    def _reductions(self, flat: list[torch.Tensor]):
-        """absmax, L2 norm and smallest non-zero |g| per tensor, copied to the host together."""
+    def _reductions(self, flat: list[torch.Tensor], zeros: np.ndarray):
+        """absmax, L2 norm and smallest non-zero |g| per tensor, copied to the host together.
+
+        absmax is max(-min, max) of one fused aminmax (NaN when a NaN is present, like torch's max); the
+        smallest non-zero magnitude comes from the bit pattern, masking zeros only in tensors that have any
+        (``zeros`` from the key counts): (|bits| - 1) & 0x7FFFFFFF wraps zero to the largest key.
+        """
         if not flat:
             empty = np.zeros(0)
             return empty, empty, empty
         l2 = torch.stack(torch._foreach_norm(flat, 2))
-        absmax = torch.stack(torch._foreach_norm(flat, float("inf")))
-        # Smallest non-zero magnitude from the bit pattern: (|bits| - 1) wraps zero to the largest key.
-        smallest = []
-        for x, _, _ in self._slices(flat):
-            shifted = self._mantissa[: x.numel()]
-            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=shifted)
-            shifted.sub_(1).bitwise_and_(0x7FFFFFFF)
-            smallest.append(shifted.min() if x.numel() else torch.tensor(0x7FFFFFFF, device=x.device))
+        absmax, smallest = [], []
+        for x, has_zeros in zip(flat, zeros > 0, strict=True):
+            if x.numel() == 0:
+                absmax.append(torch.zeros((), device=x.device))
+                smallest.append(torch.tensor(0x7FFFFFFF, dtype=torch.int32, device=x.device))
+                continue
+            low, high = torch.aminmax(x)
+            absmax.append(torch.maximum(-low, high))
+            magnitude = self._mantissa[: x.numel()]
+            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=magnitude)
+            if has_zeros:
+                magnitude.sub_(1).bitwise_and_(0x7FFFFFFF)
+                smallest.append(magnitude.min())
+            else:
+                smallest.append(magnitude.min() - 1)
         smallest_bits = torch.stack(smallest)
         nothing = smallest_bits == 0x7FFFFFFF
         min_nonzero = (smallest_bits + 1).view(torch.float32)
         min_nonzero = torch.where(nothing, torch.full_like(min_nonzero, float("nan")), min_nonzero)
-        host = torch.stack([absmax, l2, min_nonzero]).double().cpu().numpy()
+        host = torch.stack([torch.stack(absmax).float(), l2, min_nonzero]).double().cpu().numpy()
         return host[0], host[1], host[2]
 
 
