@@ -96,17 +96,17 @@ def main() -> None:
             forward_backward()
             finish()
 
-        def with_recorder():
+        def with_recorder(record=record):
             loss = forward_backward()
             record["own"] = timed(lambda: recorder.record(loss))
             finish()
 
-        def with_tb():
+        def with_tb(record=record, step=i):
             forward_backward()
-            record["tb"] = timed(lambda: [tb.add_histogram(n, p.grad, i) for n, p in zip(names, params, strict=True)])
+            record["tb"] = timed(lambda: [tb.add_histogram(n, p.grad, step) for n, p in zip(names, params, strict=True)])
             finish()
 
-        def yardstick():
+        def yardstick(record=record):
             forward_backward()
             record["norm"] = timed(lambda: torch._foreach_norm([p.grad for p in params]))
             finish()
