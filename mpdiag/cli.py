@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import pandas as pd
 
 from mpdiag.check import check_script
 from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
+from mpdiag.findings import diagnose
 from mpdiag.policies import POLICIES, ConfigError, ScalingConfig
+from mpdiag.probe import KIND as PROBE_KIND
+from mpdiag.probe import run_probe
 from mpdiag.runner import RunConfig, rerun_plan, train, train_pair
 from mpdiag.script import ModelScript, ScriptError
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
@@ -68,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="check a model script in a supervised child process, without training")
     check.add_argument("script")
     check.add_argument("--device", default="auto")
+    diagnose = sub.add_parser("diagnose", help="findings: what is wrong with a run, where, and what to change")
+    diagnose.add_argument("run_id", type=int)
+    diagnose.add_argument("--json", action="store_true", help="print the findings as JSON")
+    diagnose.add_argument("--no-probe", action="store_true",
+                          help="skip the scale-linearity probe (it reruns one batch of the stored script in a child)")
+    _store_arg(diagnose)
     runs = sub.add_parser("runs", help="list the runs in the store")
     _store_arg(runs)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
@@ -155,6 +165,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ready else 1
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    store = Store(args.store, create=False)
+    run = store.run(args.run_id)
+    if not args.no_probe and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
+        print(f"probing run {args.run_id}: recomputing one batch at two loss scales in a child process…", file=sys.stderr)
+        run_probe(store.path, args.run_id)
+    findings = diagnose(store, args.run_id)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+        return 0
+    if not findings:
+        print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
+    for f in findings:
+        print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
+        if f.fix:
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in f.fix.items())
+            print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}")
+    return 0
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     runs = Store(args.store).runs()
     if runs.empty:
@@ -193,7 +223,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,9 @@ CREATE TABLE IF NOT EXISTS tensor_steps (
     {", ".join(f"{c} INTEGER" for c in REPRESENTABILITY_COLUMNS)},
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS tensor_steps_by_tensor ON tensor_steps (run_id, tensor_id, step);
+CREATE TABLE IF NOT EXISTS probes (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), kind TEXT NOT NULL, result TEXT NOT NULL, created_at REAL NOT NULL,
+    PRIMARY KEY (run_id, kind)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tensor_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
     {", ".join(f"{c} INTEGER" for c in TOTAL_COLUMNS)},
@@ -344,6 +347,11 @@ class Store:
             drop=True
         )
 
+    def probe(self, run_id: int, kind: str) -> dict | None:
+        """The stored result of a diagnostic probe of a run (see mpdiag.probe), or None."""
+        df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
+        return json.loads(df.iloc[0]["result"]) if len(df) else None
+
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""
         df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))
@@ -377,6 +385,11 @@ class StoreWriter:
                 "INSERT OR IGNORE INTO scripts VALUES (?, ?, ?, ?)", (sha, filename, source, time.time())
             )
         return sha
+
+    def add_probe(self, run_id: int, kind: str, result: dict) -> None:
+        with self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?)",
+                               (int(run_id), kind, json.dumps(result), time.time()))
 
     def create_run(self, **fields) -> int:
         """Insert a run with status ``running``, owned by this process. Unknown field names are an error."""

@@ -35,10 +35,12 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
 
     totals = ui.read(store, "tensor_totals", run_id, final=final)
     ranking = summaries.tensor_ranking(totals, fmt, at_scale)
-    labels = {r.tensor: f"{r.tensor}  ({fmt} underflow {r.underflow_share:.2%}, overflow {r.overflow_share:.2%})"
-              for r in ranking.itertuples()}
-    tensor = st.selectbox("Tensor (worst first; type to search)", list(labels), format_func=labels.get, key="tensor",
+    # Plain names as options: the URL (?tensor=...) then stays valid while shares change during a run.
+    tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
                           bind="query-params")
+    chosen = ranking[ranking["tensor"] == tensor].iloc[0]
+    st.caption(f"{tensor}: {fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
+               f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
     steps = ui.read(store, "steps", run_id, final=final) if final else ui.live_steps(store, run_id)
     index, counts = ui.read(store, "histogram_matrix", run_id, tensor, final=final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)

@@ -12,7 +12,8 @@ from mpdiag import Store
 from mpdiag.runner import RunConfig, train, train_pair
 from mpdiag.script import ModelScript
 
-PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py"]
+PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
+         "pages/5_Findings.py"]
 TIMEOUT = 30
 
 
@@ -186,3 +187,20 @@ def test_upload_of_a_broken_script_is_explained_and_the_app_keeps_serving(name, 
 def test_upload_that_is_not_utf8_is_refused(tmp_path, monkeypatch):
     at = upload(app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch), "latin.py", "x = 'é'".encode("latin-1"))
     assert not at.exception and "latin.py is not UTF-8 text." in texts(at)
+
+
+def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_path, monkeypatch):
+    store = tmp_path / "find.db"
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_activation_overflow.py"),
+                   RunConfig(opt_level="O1", steps=6, device="cpu"), store)
+    at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
+    assert not at.exception
+    said = texts(at)
+    assert "Overflow in the forward pass" in said and "[See the evidence on the Loss scale page](/Loss_scale?run=1)" in said
+    fix = [b for b in at.button if b.label.startswith("Rerun with this fix")][0]
+    fix.click().run()
+    runs = _wait_for_runs(store, 3)  # the rerun and its FP32 twin (no FP32 reference existed)
+    assert set(runs["opt_level"]) == {"O1", "bf16", "O0"}
+    at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
+    table = at.dataframe[0].value
+    assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table

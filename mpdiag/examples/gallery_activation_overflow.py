@@ -17,6 +17,7 @@ from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O1"}
 FIXED = {"opt_level": "bf16"}
+FINDING = "scale-collapse"  # what `python -m mpdiag diagnose` reports for a FAILING run
 
 
 def build(device):

@@ -17,6 +17,7 @@ from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O2"}
 FIXED = {"opt_level": "bf16-pure"}
+FINDING = "scale-collapse"  # what `python -m mpdiag diagnose` reports for a FAILING run
 UNITS = 1e-5  # features arrive in these units; the first layer's weights are 1/UNITS larger to compensate
 
 

@@ -18,6 +18,7 @@ from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O3"}
 FIXED = {"opt_level": "O2"}
+FINDING = "dead-gradients"  # what `python -m mpdiag diagnose` reports for a FAILING run
 
 
 class FrozenBNNet(nn.Module):

@@ -18,6 +18,7 @@ from mpdiag.examples.data import digits, labelled_batches
 
 FAILING = {"opt_level": "O1", "loss_scale": 1.0}
 FIXED = {"opt_level": "O1"}
+FINDING = "gradient-underflow"  # what `python -m mpdiag diagnose` reports for a FAILING run
 DOWN_WEIGHT = 2.0**-14
 
 

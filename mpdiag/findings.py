@@ -1,0 +1,258 @@
+"""Findings: what is wrong with a recorded run, where, and what to change. Pure functions over Store data.
+
+Every rule below reads only what the run recorded (exact counts, GradScaler's state, losses, the histograms)
+and states its threshold as a constant; the README lists them. A finding carries its evidence in numbers,
+the tensors involved, a recommendation, and ``fix``: run options for a rerun that should remove it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.formats import EXP_MIN, FP16
+from mpdiag.store import Store
+from mpdiag.summaries import nonzero_finite, whatif_shares
+
+FP16_LEVELS = ("O1", "O2", "O3")
+#: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
+#: values over all logged steps: a warning above this, overall or for any tensor holding >= 1 % of the values
+LOW_RANGE_SHARE = 0.02
+#: a recommended scale must bring that share (upper bound) below this, with no overflow at all
+LOW_RANGE_TARGET = 0.001
+#: skipped steps above this share of all steps, or this many in a row, or a scale below 1: scale collapse
+SKIP_SHARE = 0.05
+CONSECUTIVE_SKIPS = 5
+#: tensors whose gradients span more exponent bins than FP16 holds (2^-24 .. 65504: 40 bins) between their
+#: 0.1 % and 99.9 % quantiles cannot fit FP16 at any single scale
+RANGE_QUANTILE = 0.001
+FP16_SPAN_BINS = FP16.max_exponent - FP16.min_subnormal_exponent + 1
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass
+class Finding:
+    """One diagnosis. ``page`` names the dashboard page that shows the evidence."""
+
+    rule: str
+    severity: str
+    title: str
+    evidence: str
+    recommendation: str
+    tensors: list[str] = field(default_factory=list)
+    fix: dict | None = None
+    page: str = "Gradients"
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _share(part: float, whole: float) -> float:
+    return float(part / whole) if whole else 0.0
+
+
+def _summed_hist(store: Store, run_id: int) -> np.ndarray:
+    _, counts = store.histogram_matrix(run_id)
+    return counts.sum(axis=0)
+
+
+def recommended_scale(hist: np.ndarray) -> int | None:
+    """log2 of the initial dynamic scale to recommend from a run's summed histogram of unscaled gradients:
+    GradScaler's standard 2^16 when that cannot overflow, else the largest power of two that cannot; None
+    when even that leaves more than LOW_RANGE_TARGET of the values underflow or subnormal (upper bounds).
+    Values that already vanished are not in the histogram, so more headroom than the visible minimum is
+    preferred: dynamic scaling backs off by itself if it overflows later."""
+    safe = [k for k in range(0, 25) if whatif_shares(hist, k)["overflow"][1] == 0]  # a prefix: 0 .. k_max
+    if not safe:
+        return None
+    k = min(16, max(safe))
+    shares = whatif_shares(hist, k)
+    return k if shares["underflow"][1] + shares["subnormal"][1] <= LOW_RANGE_TARGET else None
+
+
+def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding | None:
+    """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use."""
+    if run["opt_level"] not in FP16_LEVELS or totals.empty:
+        return None
+    values = nonzero_finite(totals)
+    low = totals["fp16_underflow_at_scale"] + totals["fp16_subnormal_at_scale"]
+    overall = _share(low.sum(), values.sum())
+    per_tensor = (low / values.replace(0, np.nan)).fillna(0)
+    big = values >= 0.01 * values.sum()
+    worst = totals.loc[(per_tensor > LOW_RANGE_SHARE) & big, "tensor"].tolist()
+    if overall <= LOW_RANGE_SHARE and not worst:
+        return None
+    k = recommended_scale(hist)
+    if k is not None:
+        fix = {"loss_scale": "dynamic", "init_scale": float(2**k)}
+        advice = (f"Scale the loss: dynamic scaling from 2^{k}; by the recorded histograms it keeps the share below "
+                  f"{LOW_RANGE_TARGET:.1%} without overflow.")
+    else:
+        advice = "No single loss scale fits these gradients in FP16; use --opt-level bf16 (FP32's range)."
+        fix = {"opt_level": "bf16"}
+    return Finding(
+        rule="gradient-underflow", severity="warning",
+        title="Gradients vanish or lose precision in FP16 at the loss scale in use",
+        evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow ({int(totals['fp16_underflow_at_scale'].sum())}) "
+                  f"or subnormal ({int(totals['fp16_subnormal_at_scale'].sum())}) at the scale used; "
+                  f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values."),
+        recommendation=advice, tensors=worst or per_tensor.sort_values(ascending=False).index.map(totals["tensor"]).tolist()[:5],
+        fix=fix,
+    )
+
+
+def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray) -> Finding | None:
+    """Skipped steps, runs of skips, a scale below 1: overflow that loss scaling keeps backing off from."""
+    if steps.empty or run["scaling"] == "none":
+        return None
+    skipped = steps["skipped"] == 1
+    runs_of_skips = (skipped != skipped.shift()).cumsum()[skipped]
+    longest = int(runs_of_skips.value_counts().max()) if skipped.any() else 0
+    lowest = float(steps["loss_scale"].min())
+    if not (skipped.mean() > SKIP_SHARE or longest >= CONSECUTIVE_SKIPS or lowest < 1):
+        return None
+    nonfinite_loss = ~np.isfinite(steps["loss"])
+    forward = bool(nonfinite_loss[skipped].all())
+    evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.0%}), longest run {longest}; "
+                f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps.")
+    if forward:
+        return Finding(
+            rule="scale-collapse", severity="error",
+            title="Overflow in the forward pass: every skipped step had a non-finite loss",
+            evidence=evidence + " Backing the scale off cannot help an overflow that happens before the loss.",
+            recommendation="Run with BF16 (FP32's exponent range, no loss scaling needed): --opt-level bf16. "
+                           "Or keep the overflowing op in FP32 (torch.amp.custom_fwd(cast_inputs=torch.float32)).",
+            fix={"opt_level": "bf16"}, page="Loss_scale",
+        )
+    k = recommended_scale(hist)
+    return Finding(
+        rule="scale-collapse", severity="warning",
+        title="Gradients overflow FP16 at the loss scale: steps are skipped",
+        evidence=evidence,
+        recommendation=(f"Start the scale lower: --init-scale 2^{k}" if k is not None else
+                        "No single scale fits these gradients: --opt-level bf16."),
+        fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
+        page="Loss_scale",
+    )
+
+
+def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
+    """Tensors whose gradient was exactly zero at every logged step."""
+    if totals.empty:
+        return None
+    dead = totals[(totals["zeros"] == totals["numel"]) & (totals["numel"] > 0)]["tensor"].tolist()
+    if not dead:
+        return None
+    advice = "Find what blocks the gradient upstream of these tensors."
+    fix = None
+    if run["opt_level"] == "O3":
+        advice = ("Pure FP16 (O3) also stores normalization statistics in FP16, where a running variance above "
+                  "65504 becomes inf and a BatchNorm outputs zeros: keep normalization in FP32 with --opt-level O2.")
+        fix = {"opt_level": "O2"}
+    return Finding(
+        rule="dead-gradients", severity="warning",
+        title=f"{len(dead)} tensor(s) received an all-zero gradient at every logged step",
+        evidence=f"{', '.join(dead[:5])}{' …' if len(dead) > 5 else ''}: every value exactly zero at all "
+                 f"{int(totals['logged_steps'].max())} logged steps.",
+        recommendation=advice, tensors=dead, fix=fix,
+    )
+
+
+def needs_bf16_range(run: pd.Series, store: Store, run_id: int) -> Finding | None:
+    """FP16 levels: tensors whose gradient range is wider than FP16 holds, so no single scale fits."""
+    if run["opt_level"] not in FP16_LEVELS:
+        return None
+    index, counts = store.histogram_matrix(run_id)
+    wide = []
+    for tensor, rows in index.groupby("tensor").groups.items():
+        hist = counts[rows].sum(axis=0)
+        total = hist.sum()
+        if total == 0:
+            continue
+        cdf = np.cumsum(hist) / total
+        lo, hi = int(np.searchsorted(cdf, RANGE_QUANTILE)), int(np.searchsorted(cdf, 1 - RANGE_QUANTILE))
+        if hi - lo + 1 > FP16_SPAN_BINS:
+            wide.append((tensor, lo + EXP_MIN, hi + EXP_MIN))
+    if not wide:
+        return None
+    return Finding(
+        rule="bf16-safer", severity="warning",
+        title="Gradient ranges wider than FP16 can hold at any single scale",
+        evidence="; ".join(f"{t}: 2^{lo} to 2^{hi}" for t, lo, hi in wide[:5])
+                 + f" (99.8 % of values; FP16 spans 2^{FP16.min_subnormal_exponent} to 65504, {FP16_SPAN_BINS} bins).",
+        recommendation="BF16 has FP32's exponent range: --opt-level bf16.",
+        tensors=[t for t, _, _ in wide], fix={"opt_level": "bf16"},
+    )
+
+
+def scale_ignored(run: pd.Series, probe: dict | None) -> Finding | None:
+    """From the stored scale-linearity probe: tensors whose gradients do not scale with the loss scale."""
+    if run["scaling"] == "none" or not probe or not probe.get("ok") or not probe["failing"]:
+        return None
+    low, high = probe["scales"]
+    ratios = ", ".join(f"{t} ×{probe['ratios'][t]:.3g}" for t in probe["failing"][:5])
+    functions = probe.get("functions") or []
+    where = (f" Custom autograd Function(s) in the graph: {', '.join(functions)}: a backward that ignores "
+             "grad_output produces exactly this.") if functions else ""
+    return Finding(
+        rule="scale-ignored", severity="error",
+        title="Gradients do not scale with the loss scale",
+        evidence=(f"One batch recomputed at loss scales {low:g} and {high:g}: after unscaling, a correct graph gives "
+                  f"the same gradients (ratio 1), but {len(probe['failing'])} tensor(s) changed by "
+                  f"{high / low:g}× the other way: {ratios}.{where}"),
+        recommendation=("Multiply by grad_output in the Function's backward (and decorate it with "
+                        "torch.amp.custom_fwd/custom_bwd). Until then train without loss scaling: --opt-level bf16."),
+        tensors=probe["failing"], fix={"opt_level": "bf16"},
+    )
+
+
+def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store) -> Finding | None:
+    """The loss departs from the FP32 reference run (same script, seed, weights and batches)."""
+    ref_id = reference_run(runs, int(run["run_id"]))
+    if ref_id is None:
+        return None
+    comparison = loss_comparison(store.steps(ref_id), store.steps(int(run["run_id"])))
+    step = first_divergence(comparison)
+    if step is None:
+        return None
+    final = comparison.iloc[-1]
+    return Finding(
+        rule="fp32-divergence", severity="warning",
+        title=f"The loss departs from FP32 at step {step}",
+        evidence=(f"From step {step} the loss differs from FP32 run #{ref_id} by more than {DIVERGENCE_RTOL:.0%} "
+                  f"(or only one is finite); at the last common step {int(final['step'])}: {final['loss']:.4g} vs "
+                  f"{final['loss_ref']:.4g}."),
+        recommendation="See the other findings for the cause; the Compare page shows both curves.",
+        page="Compare",
+    )
+
+
+def diagnose(store: Store, run_id: int) -> list[Finding]:
+    """All findings of one run, most severe first."""
+    runs = store.runs()
+    run = runs[runs["run_id"] == int(run_id)].iloc[0]
+    totals = store.tensor_totals(run_id)
+    steps = store.steps(run_id)
+    hist = _summed_hist(store, run_id) if len(totals) else np.zeros(1, dtype=np.int64)
+    probe = store.probe(run_id, "scale-linearity")
+    ignored = scale_ignored(run, probe)
+    found = [
+        ignored,
+        # gradients that ignore the scale look like underflow too; the cause is reported instead
+        None if ignored else low_range(run, totals, hist),
+        scale_collapse(run, steps, hist),
+        dead_gradients(run, totals),
+        needs_bf16_range(run, store, run_id),
+        fp32_divergence(run, runs, store),
+    ]
+    findings = [f for f in found if f is not None]
+    return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def finding_resolved(before: Finding, after: list[Finding]) -> bool:
+    """Whether a rerun no longer shows the rule a finding came from."""
+    return all(f.rule != before.rule for f in after)
+

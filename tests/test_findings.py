@@ -1,0 +1,107 @@
+"""Findings, proved both ways: every gallery script produces its documented finding and its recommended
+rerun removes it; the healthy examples produce no warning; the rules' thresholds behave as documented."""
+
+import importlib
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import EXAMPLES, run_cli
+
+from mpdiag import Store
+from mpdiag.findings import LOW_RANGE_TARGET, diagnose, recommended_scale, scale_collapse
+from mpdiag.formats import EXP_MIN, N_EXP_BINS
+from mpdiag.probe import run_probe
+from mpdiag.runner import RunConfig, rerun, train
+from mpdiag.script import ModelScript
+from mpdiag.summaries import whatif_shares
+
+GALLERY = sorted(p.stem for p in EXAMPLES.glob("gallery_*.py"))
+
+
+def diagnosed(store_path, run_id):
+    """Findings as the CLI computes them: probe first when the run scales its loss."""
+    if Store(store_path).run(run_id)["scaling"] != "none":
+        run_probe(store_path, run_id)
+    return diagnose(Store(store_path), run_id)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("findings") / "runs.db"
+
+
+@pytest.mark.parametrize("name", GALLERY)
+def test_gallery_failure_is_found_and_its_recommended_rerun_removes_it(name, store_path):
+    module = importlib.import_module(f"mpdiag.examples.{name}")
+    run_id = train(ModelScript.from_path(EXAMPLES / f"{name}.py"),
+                   RunConfig(steps=20, device="cpu").with_options(**module.FAILING), store_path)
+    findings = {f.rule: f for f in diagnosed(store_path, run_id)}
+    assert module.FINDING in findings, [f.as_dict() for f in findings.values()]
+    finding = findings[module.FINDING]
+    assert finding.severity in ("warning", "error") and finding.fix and finding.evidence
+    child = rerun(store_path, run_id, **finding.fix)
+    assert Store(store_path).run(child)["status"] == "finished"
+    assert module.FINDING not in {f.rule for f in diagnosed(store_path, child)}
+
+
+@pytest.mark.parametrize("name, level", [("mlp_digits.py", "O1"), ("cnn_digits.py", "O1"),
+                                         ("transformer_lm.py", "O1"), ("mlp_digits.py", "O2"),
+                                         ("cnn_digits.py", "bf16")])
+def test_healthy_examples_produce_no_warning(name, level, store_path):
+    run_id = train(ModelScript.from_path(EXAMPLES / name), RunConfig(opt_level=level, steps=20, device="cpu"), store_path)
+    serious = [f.as_dict() for f in diagnosed(store_path, run_id) if f.severity in ("warning", "error")]
+    assert serious == []
+
+
+def test_ignored_grad_output_names_the_function_and_the_ratio(store_path):
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_ignored_grad_output.py"),
+                   RunConfig(opt_level="O1", steps=2, device="cpu"), store_path)
+    probe = run_probe(store_path, run_id)
+    assert probe["functions"] == ["FusedMSE"]
+    low, high = probe["scales"]
+    assert set(probe["failing"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for ratio in probe["ratios"].values():
+        assert ratio == pytest.approx(low / high, rel=1e-3)  # unscaled gradients shrink exactly as S grows
+
+
+def test_recommended_scale_prefers_2_16_and_backs_off_from_overflow():
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-20 - EXP_MIN] = 100  # |g| in [2^-20, 2^-19)
+    assert recommended_scale(hist) == 16
+    hist[-2 - EXP_MIN] = 1  # 2^-2 * 2^16 = 2^14 still fits; 2^-2 * 2^18 would overflow
+    assert recommended_scale(hist) == 16
+    hist[3 - EXP_MIN] = 1  # [2^3, 2^4) * 2^12 lands in FP16's top bin, whose values >= 65520 overflow: 2^11
+    assert recommended_scale(hist) == 11
+    shares = whatif_shares(hist, 11)
+    assert shares["overflow"][1] == 0 and shares["underflow"][1] + shares["subnormal"][1] <= LOW_RANGE_TARGET
+    hist[-40 - EXP_MIN] = 1000  # far too wide for FP16 at any scale that does not overflow
+    assert recommended_scale(hist) is None
+
+
+def test_scale_collapse_thresholds():
+    run = pd.Series({"scaling": "dynamic"})
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-10 - EXP_MIN] = 5
+
+    def steps(skips, loss=1.0, scale=1024.0):
+        n = 100
+        return pd.DataFrame({"step": range(n), "skipped": [1.0 if i in skips else 0.0 for i in range(n)],
+                             "loss": [loss] * n, "loss_scale": [scale] * n})
+
+    assert scale_collapse(run, steps({3, 50, 90}), hist) is None  # 3 %, no run of 5, scale >= 1
+    assert scale_collapse(run, steps(set(range(10, 15))), hist).severity == "warning"  # 5 in a row
+    assert scale_collapse(run, steps({1}, scale=0.5), hist) is not None  # scale below 1
+    forward = scale_collapse(run, steps(set(range(100)), loss=float("nan")), hist)
+    assert forward.severity == "error" and forward.fix == {"opt_level": "bf16"}
+
+
+def test_cli_diagnose_text_and_json(store_path):
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_activation_overflow.py"),
+                   RunConfig(opt_level="O1", steps=8, device="cpu"), store_path)
+    text = run_cli("diagnose", run_id, "--store", store_path)
+    assert text.returncode == 0 and "[error] Overflow in the forward pass" in text.stdout
+    assert f"python -m mpdiag rerun {run_id} --opt-level bf16" in text.stdout
+    as_json = json.loads(run_cli("diagnose", run_id, "--json", "--store", store_path).stdout)
+    assert as_json[0]["rule"] == "scale-collapse" and as_json[0]["fix"] == {"opt_level": "bf16"}
