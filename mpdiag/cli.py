@@ -59,6 +59,8 @@ def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None
     add("--every", 1, "record tensor statistics every N steps", type=int)
     add("--device", "auto", "auto (CUDA when present), cpu or cuda[:N]")
     add("--name", None, "display name of the run")
+    parser.add_argument("--trace-modules", action="store_true", default=argparse.SUPPRESS if inherit else False,
+                        help="record each module's output and gradient absmax per step, to locate the first inf/NaN")
     parser.add_argument("--pair", action="store_true", help="also run an O0 twin on identical weights and batches")
     _store_arg(parser)
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 OPTION_NAMES = ("opt_level", "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                "min_scale", "max_scale", "steps", "seed", "every", "device", "name")
+                "min_scale", "max_scale", "steps", "seed", "every", "device", "name", "trace_modules")
 
 
 def _options(args: argparse.Namespace) -> dict:

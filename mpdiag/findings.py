@@ -104,7 +104,8 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding
     )
 
 
-def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray) -> Finding | None:
+def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
+                   modules: pd.DataFrame | None = None) -> Finding | None:
     """Skipped steps, runs of skips, a scale below 1: overflow that loss scaling keeps backing off from."""
     if steps.empty or run["scaling"] == "none":
         return None
@@ -117,7 +118,9 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray) -> Fin
     nonfinite_loss = ~np.isfinite(steps["loss"])
     forward = bool(nonfinite_loss[skipped].all())
     evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.0%}), longest run {longest}; "
-                f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps.")
+                f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps."
+                + (first_nonfinite(modules) if modules is not None else "")
+                + ("" if modules is not None and len(modules) else " Rerun with --trace-modules to locate the module."))
     if forward:
         return Finding(
             rule="scale-collapse", severity="error",
@@ -137,6 +140,26 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray) -> Fin
         fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
         page="Loss_scale",
     )
+
+
+def first_nonfinite(modules: pd.DataFrame) -> str:
+    """With --trace-modules: where the first inf/NaN appeared, forward and backward; '' without a trace."""
+    if modules.empty:
+        return ""
+    parts = []
+    fwd = modules[modules["fwd_finite"] == 0]
+    if len(fwd):
+        step = int(fwd["step"].min())
+        first = fwd[fwd["step"] == step].sort_values("fwd_order").iloc[0]
+        parts.append(f"The first non-finite activation was the output of module '{first['module']}' ({first['type']}) "
+                     f"at step {step} in the forward pass.")
+    bwd = modules[modules["bwd_finite"] == 0]
+    if len(bwd):
+        step = int(bwd["step"].min())
+        first = bwd[bwd["step"] == step].sort_values("bwd_order").iloc[0]
+        parts.append(f"The first non-finite gradient in the backward pass (at the loss scale) flowed into the output "
+                     f"of module '{first['module']}' ({first['type']}) at step {step}.")
+    return " " + " ".join(parts) if parts else ""
 
 
 def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
@@ -243,7 +266,7 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
         ignored,
         # gradients that ignore the scale look like underflow too; the cause is reported instead
         None if ignored else low_range(run, totals, hist),
-        scale_collapse(run, steps, hist),
+        scale_collapse(run, steps, hist, store.module_stats(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, store, run_id),
         fp32_divergence(run, runs, store),

@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpdiag.gradstats import GradStatsComputer
 from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
+from mpdiag.tracing import ModuleTracer
 from mpdiag.writer import BackgroundWriter
 
 
@@ -61,6 +62,8 @@ class Recorder:
         run_id: attach to a run row created beforehand (the CLI runner does this) instead of creating one.
         writer: a :class:`BackgroundWriter` to share (the runner's); one is created when None.
         flush_interval_s: rows are committed at least this often (live readers lag at most this much).
+        trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
+            flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.tracing`).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Recorder:
         run_id: int | None = None,
         writer: BackgroundWriter | None = None,
         flush_interval_s: float = 0.5,
+        trace_modules: bool = False,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -91,6 +95,10 @@ class Recorder:
         self.run_id = run_id
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
 
+        self._tracer = ModuleTracer(model) if trace_modules else None
+        if self._tracer is not None:
+            modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
+            self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
         self._stepped = False
         self._hook = self._install_step_hook(optimizer)
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
@@ -149,6 +157,9 @@ class Recorder:
         loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         step = self._step
         logged = step % self.every == 0 and self._record_tensors(step, scale)
+        if self._tracer is not None:
+            traced = self._tracer.take(step)
+            self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
         self._pending = [
             step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device),
             int(logged),
@@ -231,6 +242,8 @@ class Recorder:
             return
         self._closed = True
         self._hook.remove()
+        if self._tracer is not None:
+            self._tracer.remove()
         self._finish_pending(known=known)
         self.flush()
         fields = {"status": status, "finished_at": time.time(), "error": error}

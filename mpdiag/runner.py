@@ -46,6 +46,7 @@ class RunConfig:
     device: str = "auto"
     name: str | None = None
     parent_run_id: int | None = None
+    trace_modules: bool = False
 
     def validate(self) -> torch.device:
         """Check every option and return the device to run on; raises ConfigError with the fix."""
@@ -188,7 +189,8 @@ def train(
             built = build_model(script, device)
             model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
             recorder = Recorder(
-                model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer
+                model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer,
+                trace_modules=config.trace_modules,
             )
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id)
             state = model_state_bytes(model, optimizer, policy)

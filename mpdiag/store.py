@@ -81,6 +81,13 @@ CREATE TABLE IF NOT EXISTS tensor_steps (
     {", ".join(f"{c} INTEGER" for c in REPRESENTABILITY_COLUMNS)},
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS tensor_steps_by_tensor ON tensor_steps (run_id, tensor_id, step);
+CREATE TABLE IF NOT EXISTS modules (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), module_id INTEGER NOT NULL, name TEXT NOT NULL, type TEXT NOT NULL,
+    PRIMARY KEY (run_id, module_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS module_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module_id INTEGER NOT NULL,
+    fwd_order INTEGER, fwd_absmax REAL, fwd_finite INTEGER, bwd_order INTEGER, bwd_absmax REAL, bwd_finite INTEGER,
+    PRIMARY KEY (run_id, step, module_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS probes (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), kind TEXT NOT NULL, result TEXT NOT NULL, created_at REAL NOT NULL,
     PRIMARY KEY (run_id, kind)) WITHOUT ROWID;
@@ -347,6 +354,20 @@ class Store:
             drop=True
         )
 
+    def module_stats(self, run_id: int) -> pd.DataFrame:
+        """With ``--trace-modules``: per step and module, the order in which the module ran in the forward pass,
+        the absmax of its output, whether that output was all finite, and the same for the gradient flowing
+        into its output in the backward pass (scaled by S, as it was). absmax is NaN where a NaN occurred."""
+        df = self._query(
+            "SELECT ms.step, m.name AS module, m.type, ms.fwd_order, ms.fwd_absmax, ms.fwd_finite, ms.bwd_order, "
+            "ms.bwd_absmax, ms.bwd_finite FROM module_steps ms JOIN modules m ON m.run_id = ms.run_id AND "
+            "m.module_id = ms.module_id WHERE ms.run_id = ? ORDER BY ms.step, ms.fwd_order",
+            (int(run_id),),
+        )
+        for col in ("fwd_absmax", "bwd_absmax"):
+            df[col] = df[col].astype(float)
+        return df
+
     def probe(self, run_id: int, kind: str) -> dict | None:
         """The stored result of a diagnostic probe of a run (see mpdiag.probe), or None."""
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
@@ -385,6 +406,18 @@ class StoreWriter:
                 "INSERT OR IGNORE INTO scripts VALUES (?, ?, ?, ?)", (sha, filename, source, time.time())
             )
         return sha
+
+    def add_modules(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (module_id, dotted name, type name)."""
+        with self._conn:
+            self._conn.executemany("INSERT OR REPLACE INTO modules VALUES (?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in rows])
+
+    def add_module_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, module_id, fwd_order, fwd_absmax, fwd_finite, bwd_order, bwd_absmax, bwd_finite)."""
+        with self._conn:
+            self._conn.executemany("INSERT INTO module_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in rows])
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:

@@ -105,3 +105,38 @@ def test_cli_diagnose_text_and_json(store_path):
     assert f"python -m mpdiag rerun {run_id} --opt-level bf16" in text.stdout
     as_json = json.loads(run_cli("diagnose", run_id, "--json", "--store", store_path).stdout)
     assert as_json[0]["rule"] == "scale-collapse" and as_json[0]["fix"] == {"opt_level": "bf16"}
+
+
+def test_trace_modules_attributes_the_first_nonfinite_activation(store_path):
+    script = ModelScript.from_path(EXAMPLES / "gallery_activation_overflow.py")
+    run_id = train(script, RunConfig(opt_level="O1", steps=3, device="cpu", trace_modules=True), store_path)
+    modules = Store(store_path).module_stats(run_id)
+    assert len(modules) == 3 * 3  # three leaf modules (Linear, ReLU, Linear), every step
+    step0 = modules[modules["step"] == 0].set_index("module")
+    assert step0.loc["0", "fwd_finite"] == 0 and step0.loc["0", "fwd_order"] == 0  # the overflowing first layer
+    finding = [f for f in diagnose(Store(store_path), run_id) if f.rule == "scale-collapse"][0]
+    assert "output of module '0' (Linear) at step 0 in the forward pass" in finding.evidence
+    child = rerun(store_path, run_id, opt_level="bf16")  # the trace setting is inherited
+    traced = Store(store_path).module_stats(child)
+    assert len(traced) == 9 and (traced["fwd_finite"] == 1).all() and (traced["bwd_finite"] == 1).all()
+
+
+def test_trace_modules_records_magnitudes_of_outputs_and_incoming_gradients(store_path):
+    import torch
+
+    from mpdiag import Recorder
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 2.0], [-3.0, 0.5], [0.0, 0.0]]))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 1.0]])
+    with Recorder(model, store=store_path, trace_modules=True) as rec:
+        out = model(x)
+        (out * 4.0).sum().backward()
+        rec.record(out.sum())
+    rows = Store(store_path).module_stats(rec.run_id).set_index("module")
+    assert rows.loc["0", "fwd_absmax"] == 3.0  # |(-3 + 0.5)| = 2.5 < |1 + 2| = 3
+    assert rows.loc["1", "fwd_absmax"] == pytest.approx(float(torch.tanh(torch.tensor(3.0))))
+    assert rows.loc["1", "bwd_absmax"] == 4.0  # the gradient flowing into the Tanh output
+    assert rows.loc["1", "bwd_order"] == 0 and rows.loc["0", "bwd_order"] == 1  # backward runs last-to-first
