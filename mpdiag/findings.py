@@ -147,18 +147,14 @@ def first_nonfinite(modules: pd.DataFrame) -> str:
     if modules.empty:
         return ""
     parts = []
-    fwd = modules[modules["fwd_finite"] == 0]
-    if len(fwd):
-        step = int(fwd["step"].min())
-        first = fwd[fwd["step"] == step].sort_values("fwd_order").iloc[0]
-        parts.append(f"The first non-finite activation was the output of module '{first['module']}' ({first['type']}) "
-                     f"at step {step} in the forward pass.")
-    bwd = modules[modules["bwd_finite"] == 0]
-    if len(bwd):
-        step = int(bwd["step"].min())
-        first = bwd[bwd["step"] == step].sort_values("bwd_order").iloc[0]
-        parts.append(f"The first non-finite gradient in the backward pass (at the loss scale) flowed into the output "
-                     f"of module '{first['module']}' ({first['type']}) at step {step}.")
+    for prefix, what in (("fwd", "non-finite activation was the output of"),
+                         ("bwd", "non-finite gradient in the backward pass (at the loss scale) flowed into the output of")):
+        bad = modules[modules[f"{prefix}_finite"] == 0]
+        if len(bad):
+            step = int(bad["step"].min())
+            first = bad[bad["step"] == step].sort_values(f"{prefix}_order").iloc[0]
+            parts.append(f"The first {what} module '{first['module']}' ({first['type']}) at step {step}"
+                         + (" in the forward pass." if prefix == "fwd" else "."))
     return " " + " ".join(parts) if parts else ""
 
 
