@@ -1,6 +1,7 @@
 """mpdiag home: every run with its status and live progress; start a run or rerun one with other settings.
 
-Start with ``streamlit run app.py``. Other pages (Gradients, Loss scale, Compare) live in ``pages/``.
+Start with ``streamlit run app.py``. The other pages (Gradients, Loss scale, Compare, Upload, Findings) live in
+``pages/``.
 """
 
 from __future__ import annotations

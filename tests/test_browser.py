@@ -1,7 +1,7 @@
 """Real browser: the app served by streamlit, driven in Debian's headless Chromium with Playwright.
 
 Starts the server on an empty store, runs the bundled example to completion from the UI, opens every
-page, follows a deep link on a freshly started server, and saves screenshots to test-results/screenshots/.
+page, follows a deep link on a freshly started server, and saves screenshots to artifacts/screenshots/.
 """
 
 import os
@@ -18,7 +18,7 @@ from conftest import ROOT
 from mpdiag import Store
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SHOTS = ROOT / "test-results" / "screenshots"
+SHOTS = ROOT / "artifacts" / "screenshots"  # test-results/ is pytest-playwright's and is cleared by it
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
