@@ -208,7 +208,11 @@ def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
         "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
         "tensor_stats": store.tensor_stats(run_id),
         "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
+        "module_stats": store.module_stats(run_id),
     }
+    probe = store.probe(run_id, PROBE_KIND)
+    if probe is not None:
+        tables["probe"] = pd.DataFrame([{"kind": PROBE_KIND, "result": json.dumps(probe)}])
     written = []
     for name, df in tables.items():
         stem = out / f"run{run_id}_{name}"

@@ -36,6 +36,7 @@ def test_run_runs_export(tmp_path, store_path):
     per_row = hist.groupby(["step", "tensor"])["count"].sum().reset_index()
     merged = per_row.merge(stats[["step", "tensor", "numel"]], on=["step", "tensor"])
     assert (merged["count"] == merged["numel"]).all()  # every element is in exactly one bin
+    assert pd.read_csv(out / "run1_module_stats.csv").empty  # recorded without --trace-modules
 
 
 def test_device_cuda_without_gpu_is_a_clear_error(store_path):
