@@ -249,6 +249,7 @@ class Recorder:
         fields = {"status": status, "finished_at": time.time(), "error": error}
         if note:
             fields["note"] = note
+        self._writer.submit(lambda w: w.write_summary(self.run_id))  # after the last rows: jobs run in order
         self._writer.submit(lambda w: w.update_run(self.run_id, **fields))
         if self._owns_writer:
             self._writer.close()

@@ -216,7 +216,8 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
     if recorder is not None:
         recorder.fail(error)
     else:
-        writer.submit(lambda w: w.update_run(run_id, status="failed", error=error, finished_at=time.time()))
+        writer.submit(lambda w: (w.write_summary(run_id),
+                                 w.update_run(run_id, status="failed", error=error, finished_at=time.time())))
 
 
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id) -> str | None:

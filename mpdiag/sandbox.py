@@ -222,6 +222,7 @@ def _record_unclosed_run(store_path: str, outcome: Outcome) -> None:
     writer = StoreWriter(store_path)
     try:
         for run_id in mine["run_id"]:
+            writer.write_summary(int(run_id))
             writer.update_run(int(run_id), status="failed", error=error, finished_at=time.time())
     finally:
         writer.close()

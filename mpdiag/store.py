@@ -65,7 +65,7 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
-    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT);
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT);
 CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
@@ -142,6 +142,30 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     return conn
 
 
+SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
+
+
+def _step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> pd.DataFrame:
+    """Per run (index run_id): steps_done, skipped_steps, peak_mem_bytes, final_loss (NaN kept) and the
+    median step time after the first (warm-up) step, from the steps table. Reads only these runs' rows."""
+    ids = [int(r) for r in run_ids]
+    if not ids:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS, index=pd.Index([], name="run_id"))
+    marks = ", ".join("?" * len(ids))
+    agg = pd.read_sql_query(
+        f"""SELECT run_id, COUNT(*) AS steps_done, COALESCE(SUM(skipped), 0) AS skipped_steps,
+                   MAX(peak_mem_bytes) AS peak_mem_bytes,
+                   (SELECT CASE WHEN s2.loss IS NULL THEN 'nan' ELSE s2.loss END FROM steps s2
+                    WHERE s2.run_id = steps.run_id ORDER BY s2.step DESC LIMIT 1) AS final_loss
+            FROM steps WHERE run_id IN ({marks}) GROUP BY run_id""", conn, params=ids).set_index("run_id")
+    times = pd.read_sql_query(f"SELECT run_id, step_time_s FROM steps WHERE run_id IN ({marks}) AND step > 0",
+                              conn, params=ids)
+    agg["final_loss"] = agg["final_loss"].astype(float)
+    agg["median_step_time_s"] = times.groupby("run_id")["step_time_s"].median()
+    return agg.reindex(ids).assign(steps_done=lambda d: d["steps_done"].fillna(0).astype(int),
+                                   skipped_steps=lambda d: d["skipped_steps"].fillna(0).astype(int))
+
+
 def _process_start_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
@@ -199,23 +223,23 @@ class Store:
     def runs(self) -> pd.DataFrame:
         """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised.
         Status ``running`` is reported as ``crashed`` when the owning process no longer exists."""
-        df = self._query(
-            """SELECT r.*, COALESCE(s.steps_done, 0) AS steps_done, COALESCE(s.skipped_steps, 0) AS skipped_steps,
-                      s.peak_mem_bytes,
-                      (SELECT loss FROM steps WHERE run_id = r.run_id ORDER BY step DESC LIMIT 1) AS final_loss,
-                      (SELECT loss IS NULL FROM steps WHERE run_id = r.run_id ORDER BY step DESC LIMIT 1) AS final_loss_nan
-               FROM runs r LEFT JOIN (
-                   SELECT run_id, COUNT(*) AS steps_done, SUM(skipped) AS skipped_steps,
-                          MAX(peak_mem_bytes) AS peak_mem_bytes
-                   FROM steps GROUP BY run_id) s ON s.run_id = r.run_id
-               ORDER BY r.run_id DESC"""
-        )
+        df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
+        # Finished runs carry the summary their writer stored when they ended; only the others are read live.
+        stored = {int(r): json.loads(v) for r, v in zip(df["run_id"], df.pop("summary"), strict=True) if isinstance(v, str)}
+        try:
+            with closing(_connect(self.path, readonly=True)) as conn:
+                live = _step_summaries(conn, [r for r in df["run_id"] if int(r) not in stored])
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"Could not read {self.path}: {exc}") from exc
+        summaries = pd.concat([pd.DataFrame.from_dict(stored, orient="index"), live])
+        for col in SUMMARY_COLUMNS:
+            df[col] = df["run_id"].map(summaries[col]) if col in summaries else np.nan
+        for col in ("steps_done", "skipped_steps"):
+            df[col] = df[col].fillna(0).astype(int)
         df["final_loss"] = df["final_loss"].astype(float)
-        df.loc[df.pop("final_loss_nan") == 1, "final_loss"] = np.nan
-        times = self._query("SELECT run_id, step_time_s FROM steps WHERE step > 0")  # step 0 is warm-up
-        df["median_step_time_s"] = df["run_id"].map(times.groupby("run_id")["step_time_s"].median()).astype(float)
+        df["median_step_time_s"] = df["median_step_time_s"].astype(float)
         dead = (df["status"] == "running") & ~df.apply(
             lambda r: _process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
         )
@@ -418,6 +442,14 @@ class StoreWriter:
         with self._conn:
             self._conn.executemany("INSERT INTO module_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                    [(int(run_id), *row) for row in rows])
+
+    def write_summary(self, run_id: int) -> None:
+        """Store the run's step summary (see :func:`_step_summaries`) in its row, once its last rows are
+        committed, so readers need not scan its steps again."""
+        summary = _step_summaries(self._conn, [run_id]).iloc[0].to_dict()
+        summary = {k: (v.item() if hasattr(v, "item") else v) for k, v in summary.items()}
+        with self._conn:
+            self._conn.execute("UPDATE runs SET summary = ? WHERE run_id = ?", (json.dumps(summary), int(run_id)))
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:

@@ -176,3 +176,26 @@ def test_many_hist_blobs_decode_at_once():
         h[lo : lo + width] = rng.integers(0, 2**40, size=width)
     decoded = decode_hists([encode_hist(h) for h in hists])
     assert (decoded == np.stack(hists)).all()
+
+
+def test_summary_stored_at_the_end_equals_the_steps(store_path):
+    import math
+
+    from mpdiag.runner import RunConfig, train
+    from mpdiag.script import ModelScript
+
+    ids = [train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level=level, steps=7, device="cpu"),
+                 store_path) for level in ("O1", "O3")]  # O3 with Adam ends on a NaN loss
+    store = Store(store_path)
+    runs = store.runs().set_index("run_id")
+    for run_id in ids:
+        steps = store.steps(run_id)
+        row = runs.loc[run_id]
+        assert row["steps_done"] == len(steps) and row["skipped_steps"] == int(steps["skipped"].sum())
+        assert row["peak_mem_bytes"] == steps["peak_mem_bytes"].max()
+        assert row["median_step_time_s"] == pytest.approx(steps.loc[steps["step"] > 0, "step_time_s"].median())
+        last = steps["loss"].iloc[-1]
+        assert (math.isnan(row["final_loss"]) and math.isnan(last)) or row["final_loss"] == last
+    with sqlite3.connect(store_path) as conn:  # it was stored, not recomputed
+        assert conn.execute("SELECT COUNT(*) FROM runs WHERE summary IS NOT NULL").fetchone()[0] == 2
+    assert math.isnan(runs.loc[ids[1], "final_loss"])
