@@ -54,11 +54,6 @@ def _share(part: float, whole: float) -> float:
     return float(part / whole) if whole else 0.0
 
 
-def _summed_hist(store: Store, run_id: int) -> np.ndarray:
-    _, counts = store.histogram_matrix(run_id)
-    return counts.sum(axis=0)
-
-
 def recommended_scale(hist: np.ndarray) -> int | None:
     """log2 of the initial dynamic scale to recommend from a run's summed histogram of unscaled gradients:
     GradScaler's standard 2^16 when that cannot overflow, else the largest power of two that cannot; None
@@ -180,11 +175,11 @@ def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
     )
 
 
-def needs_bf16_range(run: pd.Series, store: Store, run_id: int) -> Finding | None:
-    """FP16 levels: tensors whose gradient range is wider than FP16 holds, so no single scale fits."""
+def needs_bf16_range(run: pd.Series, index: pd.DataFrame, counts: np.ndarray) -> Finding | None:
+    """FP16 levels: tensors whose gradient range is wider than FP16 holds, so no single scale fits.
+    ``index``/``counts``: the run's histograms (Store.histogram_matrix)."""
     if run["opt_level"] not in FP16_LEVELS:
         return None
-    index, counts = store.histogram_matrix(run_id)
     wide = []
     for tensor, rows in index.groupby("tensor").groups.items():
         hist = counts[rows].sum(axis=0)
@@ -255,7 +250,8 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     run = runs[runs["run_id"] == int(run_id)].iloc[0]
     totals = store.tensor_totals(run_id)
     steps = store.steps(run_id)
-    hist = _summed_hist(store, run_id) if len(totals) else np.zeros(1, dtype=np.int64)
+    index, counts = store.histogram_matrix(run_id)  # read once: summed here, per tensor in needs_bf16_range
+    hist = counts.sum(axis=0)
     probe = store.probe(run_id, "scale-linearity")
     ignored = scale_ignored(run, probe)
     found = [
@@ -264,7 +260,7 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
         None if ignored else low_range(run, totals, hist),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         dead_gradients(run, totals),
-        needs_bf16_range(run, store, run_id),
+        needs_bf16_range(run, index, counts),
         fp32_divergence(run, runs, store),
     ]
     findings = [f for f in found if f is not None]

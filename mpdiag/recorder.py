@@ -99,6 +99,7 @@ class Recorder:
         if self._tracer is not None:
             modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
             self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
+        self.last_loss = float("nan")  # the unscaled loss at the latest record(), as a Python float
         self._stepped = False
         self._hook = self._install_step_hook(optimizer)
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
@@ -152,14 +153,14 @@ class Recorder:
         if self._closed:
             raise RuntimeError("record() called on a closed Recorder")
         now = time.perf_counter()
-        self._finish_pending(known=True)
-        scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+        scale = self._finish_pending(known=True)
         loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         step = self._step
         logged = step % self.every == 0 and self._record_tensors(step, scale)
         if self._tracer is not None:
             traced = self._tracer.take(step)
             self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
+        self.last_loss = loss_value
         self._pending = [
             step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device),
             int(logged),
@@ -205,20 +206,25 @@ class Recorder:
             rows.append((i, name, list(p.shape), p.numel(), _dtype_name(p.dtype), _dtype_name(p.grad.dtype)))
         self._writer.submit(lambda w: w.add_tensors(self.run_id, rows))
 
-    def _finish_pending(self, known: bool) -> None:
+    def _finish_pending(self, known: bool) -> float:
         """Complete the previous step's row with what happened after record(): skipped, scale, tracker.
+        Returns the scale now (what update() left it at, i.e. the scale the next step uses), so record()
+        reads the scaler's state once per step.
 
         ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'."""
-        if self._pending is None:
-            return
-        row, self._pending = self._pending, None
-        row[3] = 0 if self._stepped else (1 if known else None)
-        if self.scaler is not None:
-            state = self.scaler.state_dict()
-            row[4], row[5] = int(state.get("_growth_tracker", 0)), float(state["scale"])
+        if self.scaler is None:
+            scale, tracker = 1.0, None
+        elif self._pending is None:
+            return float(self.scaler.get_scale())
         else:
-            row[5] = row[2]
-        self._step_rows.append(tuple(row))
+            state = self.scaler.state_dict()
+            scale, tracker = float(state["scale"]), int(state.get("_growth_tracker", 0))
+        if self._pending is not None:
+            row, self._pending = self._pending, None
+            row[3] = 0 if self._stepped else (1 if known else None)
+            row[4], row[5] = tracker, scale
+            self._step_rows.append(tuple(row))
+        return scale
 
     def flush(self) -> None:
         """Hand buffered rows to the writer thread (committed there in one transaction)."""

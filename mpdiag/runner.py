@@ -239,7 +239,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
         recorder.record(loss)
         policy.step(optimizer)
         if progress is not None:
-            progress(step, float(loss.detach()))
+            progress(step, recorder.last_loss)  # already read by the Recorder: no second device sync
     return None
 
 
