@@ -22,7 +22,7 @@ REPORT_MARKER = "MPDIAG-CHECK-REPORT:"
 
 
 @dataclass
-class Warning:
+class ScriptWarning:
     line: int
     message: str
 
@@ -37,7 +37,7 @@ class CheckReport:
     filename: str
     ready: bool
     problems: list[str] = field(default_factory=list)
-    warnings: list[Warning] = field(default_factory=list)
+    warnings: list[ScriptWarning] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
 
     def text(self) -> str:
@@ -60,13 +60,13 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
-def static_warnings(source: str, cuda_available: bool) -> list[Warning]:
+def static_warnings(source: str, cuda_available: bool) -> list[ScriptWarning]:
     """Common AMP mistakes found in the source's syntax tree; empty when the source does not parse."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
-    found: list[Warning] = []
+    found: list[ScriptWarning] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and any(_dotted(b).endswith("autograd.Function") or _dotted(b) == "Function"
                                                   for b in node.bases):
@@ -74,18 +74,18 @@ def static_warnings(source: str, cuda_available: bool) -> list[Warning]:
                 if isinstance(fn, ast.FunctionDef) and fn.name in ("forward", "backward"):
                     wanted = "custom_fwd" if fn.name == "forward" else "custom_bwd"
                     if not any(wanted in ast.unparse(d) for d in fn.decorator_list):
-                        found.append(Warning(fn.lineno, (
+                        found.append(ScriptWarning(fn.lineno, (
                             f"autograd.Function {node.name}.{fn.name} has no @torch.amp.{wanted}: under autocast it "
                             "runs in whatever dtype arrives, and its backward must multiply by grad_output or loss "
                             "scaling breaks (reference section 7)")))
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name.endswith(("BCELoss", "binary_cross_entropy")) and "with_logits" not in name and "Logits" not in name:
-                found.append(Warning(node.lineno, (
+                found.append(ScriptWarning(node.lineno, (
                     f"{name} is refused under autocast (unsafe in FP16); use BCEWithLogitsLoss / "
                     "binary_cross_entropy_with_logits on logits")))
             if isinstance(node.func, ast.Attribute) and node.func.attr == "half":
-                found.append(Warning(node.lineno, (
+                found.append(ScriptWarning(node.lineno, (
                     ".half() casts to FP16 by hand inside the script; let the opt level decide precision "
                     "(O2/O3 cast weights, O1 casts per op)")))
             if not cuda_available and (
@@ -93,11 +93,11 @@ def static_warnings(source: str, cuda_available: bool) -> list[Warning]:
                 or (name in ("torch.device", "device") and node.args and isinstance(node.args[0], ast.Constant)
                     and str(node.args[0].value).startswith("cuda"))
             ):
-                found.append(Warning(node.lineno, (
+                found.append(ScriptWarning(node.lineno, (
                     "hard-coded CUDA, but this machine has no CUDA GPU: use the device passed to build(device)")))
         if (not cuda_available and isinstance(node, ast.Attribute) and _dotted(node).startswith("torch.cuda.")
                 and node.attr not in ("is_available", "device_count", "is_bf16_supported", "amp")):
-            found.append(Warning(node.lineno, f"{_dotted(node)} on a machine without a CUDA GPU"))
+            found.append(ScriptWarning(node.lineno, f"{_dotted(node)} on a machine without a CUDA GPU"))
     return sorted(found, key=lambda w: w.line)
 
 

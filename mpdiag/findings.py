@@ -94,7 +94,8 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding
         evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow ({int(totals['fp16_underflow_at_scale'].sum())}) "
                   f"or subnormal ({int(totals['fp16_subnormal_at_scale'].sum())}) at the scale used; "
                   f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values."),
-        recommendation=advice, tensors=worst or per_tensor.sort_values(ascending=False).index.map(totals["tensor"]).tolist()[:5],
+        recommendation=advice,
+        tensors=worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist(),
         fix=fix,
     )
 

@@ -177,7 +177,10 @@ def _describe(reason: str, code: int | None, limits: Limits) -> str:
     if reason == "memory":
         return f"stopped: the process used more than {limits.memory_mb:g} MB of memory"
     if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
         return f"the process was killed by signal {name}"
     if code == 0:
         return "the process exited normally"

@@ -105,3 +105,11 @@ def test_huge_output_keeps_the_last_part(tmp_path):
     assert outcome.ok and outcome.dropped_bytes > 1_000_000
     text = (tmp_path / "out.log").read_text()
     assert text.startswith("[... ") and text.rstrip().endswith("LAST LINE") and len(text) < 10_100
+
+
+def test_a_child_killed_by_a_signal_is_described_by_name(tmp_path):
+    from mpdiag.sandbox import Limits, supervise
+
+    outcome = supervise(["python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+                        Limits(wall_s=30, memory_mb=4000, log_bytes=1000), tmp_path)
+    assert not outcome.ok and outcome.message == "the process was killed by signal SIGTERM"
