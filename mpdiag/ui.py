@@ -20,7 +20,7 @@ from mpdiag.runner import RunConfig
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
-LIVE_REFRESH_S = 2.0  # live parts re-read the store this often (rows are committed every 0.5 s)
+LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 
 
 def default_store_path() -> str:

@@ -204,3 +204,16 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     table = at.dataframe[0].value
     assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table
+
+
+def test_an_uploaded_script_never_runs_inside_the_server_process(tmp_path, monkeypatch):
+    import os
+
+    marker = tmp_path / "pids.txt"
+    source = (EXAMPLES / "mlp_digits.py").read_text() + (
+        f"\nimport os as _os\nwith open({str(marker)!r}, 'a') as _fh:\n    _fh.write(f'{{_os.getpid()}}\\n')\n"
+    )
+    at = upload(app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch), "spy.py", source.encode())
+    assert not at.exception and [s.value for s in at.success] == ["spy.py: ready"]
+    pids = {int(p) for p in marker.read_text().split()}
+    assert pids and os.getpid() not in pids  # AppTest runs the page in this process: the script ran elsewhere

@@ -5,6 +5,7 @@ page, follows a deep link on a freshly started server, and saves screenshots to 
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -131,6 +132,8 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
     finally:
         server.stop()
 
+    watch_live_progress(browser, store)
+
     fresh = Server(store)  # a freshly started server: deep links must not depend on session state
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
@@ -145,3 +148,38 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         shot(page, "09_deep_link_compare")
     finally:
         fresh.stop()
+
+
+def watch_live_progress(browser, store):
+    """A run long enough to watch: the open home page must advance its progress by itself (no reload).
+    How far it lags behind the store is printed, not asserted (machines are noisy)."""
+    server = Server(store)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/transformer_lm.py"), "--opt-level", "bf16",
+         "--steps", "400", "--store", str(store), "--name", "live"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(server.url)
+        settle(page)
+        shown, committed = [], []  # (time, step) as displayed / as committed in the store
+        while trainer.poll() is None:
+            now = time.time()
+            live = Store(store).runs().query("name == 'live'")
+            if len(live):
+                committed.append((now, int(live["steps_done"].iloc[0])))
+            match = re.search(r"· live · bf16: step (\d+) of 400", page.inner_text("body"))
+            if match:
+                shown.append((now, int(match.group(1))))
+            time.sleep(0.5)
+        assert trainer.returncode == 0
+        steps_seen = sorted({step for _, step in shown})
+        assert len(steps_seen) >= 3, f"the progress did not advance by itself: {shown}"
+        lags = [t - min(tc for tc, done in committed if done >= step) for t, step in shown
+                if any(done >= step for _, done in committed)]
+        print(f"live progress showed {len(steps_seen)} different steps; display lag behind the store: "
+              f"median {sorted(lags)[len(lags) // 2]:.1f} s, max {max(lags):.1f} s")
+        shot(page, "10_live_progress")
+    finally:
+        trainer.kill()
+        server.stop()
