@@ -151,3 +151,35 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str]) -
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
     return alt.Chart(steps).mark_line().encode(x="step:Q", y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160)
+
+
+def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: float) -> alt.LayerChart:
+    """Relative gradient error against the FP32 shadow over steps (log axis) for ``tensors``, with the
+    finding's threshold as a dashed rule. ``shadow``: Store.shadow_stats; non-finite errors are left out."""
+    df = shadow[shadow["tensor"].isin(tensors) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
+    line = (
+        alt.Chart(df)
+        .mark_line(point=True)
+        .encode(x="step:Q", y=alt.Y("rel_error:Q", title="||g - g_fp32|| / ||g_fp32||", scale=alt.Scale(type="log")),
+                color=alt.Color("tensor:N", sort=tensors), tooltip=["tensor:N", "step:Q", "rel_error:Q", "cosine:Q"])
+    )
+    rule = alt.Chart(pd.DataFrame({"threshold": [threshold]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
+        y="threshold:Q", tooltip=["threshold:Q"])
+    return alt.layer(line, rule).properties(height=240, title="gradient error against the FP32 shadow")
+
+
+def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
+    """Per tracked step, the share of updates below ``fmt``'s resolution and the share that left the weight
+    unchanged (``summaries.update_shares``' per-step frame)."""
+    long = per_step.melt(id_vars="step", value_vars=["below_resolution_share", "unchanged_share"],
+                         var_name="what", value_name="share")
+    long["what"] = long["what"].map({"below_resolution_share": f"below {fmt.upper()} resolution",
+                                     "unchanged_share": "weight unchanged (lost)"})
+    return (
+        alt.Chart(long)
+        .mark_line()
+        .encode(x="step:Q", y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
+                                    scale=alt.Scale(domain=[0, 1])),
+                color=alt.Color("what:N", title=None), tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
+        .properties(height=220, title="optimizer updates against the weight format's resolution")
+    )

@@ -57,6 +57,8 @@ def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None
     add("--steps", 200, "training steps", type=int)
     add("--seed", 0, "seed for torch, numpy and random", type=int)
     add("--every", 1, "record tensor statistics every N steps", type=int)
+    add("--shadow-every", 0, "every N steps, compare each tensor's gradient with an FP32 computation on the same "
+        "weights and batch (0: off)", type=int)
     add("--device", "auto", "auto (CUDA when present), cpu or cuda[:N]")
     add("--name", None, "display name of the run")
     parser.add_argument("--trace-modules", action="store_true", default=argparse.SUPPRESS if inherit else False,
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 OPTION_NAMES = ("opt_level", "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                "min_scale", "max_scale", "steps", "seed", "every", "device", "name", "trace_modules")
+                "min_scale", "max_scale", "steps", "seed", "every", "shadow_every", "device", "name", "trace_modules")
 
 
 def _options(args: argparse.Namespace) -> dict:

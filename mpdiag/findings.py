@@ -15,7 +15,8 @@ import pandas as pd
 from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
 from mpdiag.formats import EXP_MIN, FP16
 from mpdiag.store import Store
-from mpdiag.summaries import nonzero_finite, whatif_shares
+from mpdiag.summaries import nonzero_finite, shadow_ranking, update_shares, whatif_shares
+from mpdiag.updates import resolution_log2
 
 FP16_LEVELS = ("O1", "O2", "O3")
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
@@ -30,6 +31,12 @@ CONSECUTIVE_SKIPS = 5
 #: 0.1 % and 99.9 % quantiles cannot fit FP16 at any single scale
 RANGE_QUANTILE = 0.001
 FP16_SPAN_BINS = FP16.max_exponent - FP16.min_subnormal_exponent + 1
+#: updates of values with a finite non-zero gradient that left the weight unchanged (lost), as a share of all
+#: such updates over the tracked steps: a warning above this; the same share below the format's resolution
+#: but kept (by FP32 master weights) is a note
+SWAMPED_SHARE = 0.05
+#: a tensor whose gradient's median relative error against the FP32 shadow exceeds this has lost precision
+GRADIENT_REL_ERROR = 0.2
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
@@ -224,6 +231,69 @@ def scale_ignored(run: pd.Series, probe: dict | None) -> Finding | None:
     )
 
 
+def update_swamping(run: pd.Series, updates: pd.DataFrame) -> Finding | None:
+    """Optimizer updates below the weight format's resolution: lost (weights updated in FP16/BF16 directly)
+    or kept by FP32 master weights. ``updates``: Store.update_stats (recorded for O2, O3 and bf16-pure)."""
+    if updates.empty or not run.get("update_format"):
+        return None
+    fmt = run["update_format"]
+    per_tensor, _ = update_shares(updates)
+    updated = int(per_tensor["updated"].sum())
+    below, lost = _share(per_tensor["below_resolution"].sum(), updated), _share(per_tensor["unchanged"].sum(), updated)
+    rule_text = f"|Δw| < 2^{resolution_log2(fmt)}·|w|"
+    tracked = f"over {updates['step'].nunique()} updates of {updated} values with a finite non-zero gradient"
+    if lost > SWAMPED_SHARE:
+        worst = per_tensor[per_tensor["unchanged_share"] > SWAMPED_SHARE]["tensor"].tolist()
+        fix = {"fp16": {"opt_level": "O2"}, "bf16": {"opt_level": "bf16"}}[fmt] if run["opt_level"] != "custom" else None
+        return Finding(
+            rule="update-swamping", severity="warning",
+            title=f"Weight updates are lost: too small for {fmt.upper()} weights",
+            evidence=(f"{lost:.1%} of updates left the weight unchanged although its gradient was non-zero, and "
+                      f"{below:.1%} were below {fmt.upper()}'s resolution ({rule_text}), {tracked}."),
+            recommendation=("Keep FP32 master weights: " + ("--opt-level O2 (FP16 model, FP32 masters in the optimizer)."
+                                                             if fmt == "fp16" else "--opt-level bf16 (FP32 weights, BF16 autocast).")),
+            tensors=worst, fix=fix, page="Findings",
+        )
+    if below > SWAMPED_SHARE:
+        return Finding(
+            rule="masters-needed", severity="info",
+            title=f"Most updates are below {fmt.upper()} resolution; the FP32 master weights keep them",
+            evidence=f"{below:.1%} of updates were below {fmt.upper()}'s resolution ({rule_text}), {tracked}; "
+                     f"only {lost:.1%} were lost.",
+            recommendation=f"Keep the FP32 masters: weights stored in {fmt.upper()} without them (O3) would drop these updates.",
+            tensors=per_tensor[per_tensor["below_resolution_share"] > SWAMPED_SHARE]["tensor"].tolist()[:12], page="Findings",
+        )
+    return None
+
+
+def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | None) -> Finding | None:
+    """From ``--shadow-every``: tensors whose gradients are far from an FP32 computation on the same weights
+    and batch. ``underflow``: the run's gradient-underflow finding, when there is one (then the likely cause)."""
+    ranking = shadow_ranking(shadow)
+    lossy = ranking[ranking["meaningful"] & (ranking["median_rel_error"] > GRADIENT_REL_ERROR)]
+    if lossy.empty:
+        return None
+    level = run["opt_level"]
+    if underflow is not None:
+        advice, fix = "These gradients underflow: " + underflow.recommendation, underflow.fix
+    elif level in ("O2", "O3", "bf16-pure", "bf16"):
+        advice = ("Run the model under autocast FP16 with FP32 weights, which keeps precision-sensitive ops in FP32: "
+                  "--opt-level O1" + (" (FP16 has 3 more mantissa bits than BF16)." if level.startswith("bf16") else "."))
+        fix = {"opt_level": "O1"}
+    else:
+        advice, fix = ("Keep the modules owning these tensors in FP32: wrap them in torch.autocast(device_type, "
+                       "enabled=False) and cast their inputs with .float()."), None
+    return Finding(
+        rule="gradient-error", severity="warning",
+        title=f"{len(lossy)} tensor(s) lose precision: their gradients differ from FP32 by > {GRADIENT_REL_ERROR:.0%}",
+        evidence="Against an FP32 computation on the same weights and batch, median over "
+                 f"{int(ranking['steps'].max())} shadow steps: "
+                 + "; ".join(f"{r.tensor}: relative error {r.median_rel_error:.3g}, cosine ≥ {r.min_cosine:.3f}"
+                             for r in lossy.head(5).itertuples()) + ".",
+        recommendation=advice, tensors=lossy["tensor"].tolist(), fix=fix, page="Findings",
+    )
+
+
 def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store) -> Finding | None:
     """The loss departs from the FP32 reference run (same script, seed, weights and batches)."""
     ref_id = reference_run(runs, int(run["run_id"]))
@@ -234,12 +304,17 @@ def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store) -> Finding
     if step is None:
         return None
     final = comparison.iloc[-1]
+    ranking = shadow_ranking(store.shadow_stats(int(run["run_id"])))
+    ranked = ranking[ranking["meaningful"]].head(3)
+    where = (" Tensors whose gradients differ most from the FP32 shadow: "
+             + ", ".join(f"{r.tensor} ({r.median_rel_error:.2g})" for r in ranked.itertuples()) + "."
+             if len(ranked) else " Rerun with --shadow-every N to rank the tensors whose gradients lose precision.")
     return Finding(
         rule="fp32-divergence", severity="warning",
         title=f"The loss departs from FP32 at step {step}",
         evidence=(f"From step {step} the loss differs from FP32 run #{ref_id} by more than {DIVERGENCE_RTOL:.0%} "
                   f"(or only one is finite); at the last common step {int(final['step'])}: {final['loss']:.4g} vs "
-                  f"{final['loss_ref']:.4g}."),
+                  f"{final['loss_ref']:.4g}.{where}"),
         recommendation="See the other findings for the cause; the Compare page shows both curves.",
         page="Compare",
     )
@@ -255,10 +330,13 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     hist = counts.sum(axis=0)
     probe = store.probe(run_id, "scale-linearity")
     ignored = scale_ignored(run, probe)
+    # gradients that ignore the scale look like underflow too; the cause is reported instead
+    underflow = None if ignored else low_range(run, totals, hist)
     found = [
         ignored,
-        # gradients that ignore the scale look like underflow too; the cause is reported instead
-        None if ignored else low_range(run, totals, hist),
+        underflow,
+        gradient_error(run, store.shadow_stats(run_id), underflow),
+        update_swamping(run, store.update_stats(run_id)),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, index, counts),

@@ -145,6 +145,9 @@ class PrecisionPolicy:
     default_scaling: ClassVar[str | float | None] = None
     #: weights (and so gradients) of non-norm layers are stored in this dtype
     weight_dtype: ClassVar[torch.dtype] = torch.float32
+    #: the low-precision format the model's weights are stored in, whose resolution the Recorder checks
+    #: optimizer updates against (mpdiag.updates): updates are lost in it (O3) or kept by masters (O2)
+    update_format: ClassVar[str | None] = None
 
     def __init__(self, device: torch.device, scaling: ScalingConfig | None = None):
         self.device = device
@@ -214,6 +217,7 @@ class O2(PrecisionPolicy):
     summary = "FP16 weights except norm layers, FP32 master weights in the optimizer, dynamic loss scaling"
     default_scaling = "dynamic"
     weight_dtype = torch.float16
+    update_format = "fp16"
 
     def prepare(self, model, make_optimizer):
         self.model = model
@@ -261,6 +265,7 @@ class O3(_PureLowPrecision):
     summary = "pure FP16: weights, BatchNorm and optimizer in FP16, no master weights, static scale 1.0"
     default_scaling = 1.0
     weight_dtype = torch.float16
+    update_format = "fp16"
 
 
 def _require_bf16(name: str, device: torch.device) -> None:
@@ -287,6 +292,7 @@ class BF16Pure(_PureLowPrecision):
     name = "bf16-pure"
     summary = "pure BF16: weights, activations and optimizer in BF16, no loss scaling"
     weight_dtype = torch.bfloat16
+    update_format = "bf16"
 
     @classmethod
     def check(cls, device, scaling):

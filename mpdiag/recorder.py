@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mpdiag.gradstats import GradStatsComputer
 from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
 from mpdiag.tracing import ModuleTracer
+from mpdiag.updates import UpdateTracker
 from mpdiag.writer import BackgroundWriter
 
 
@@ -64,6 +65,11 @@ class Recorder:
         flush_interval_s: rows are committed at least this often (live readers lag at most this much).
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
             flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.tracing`).
+        update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates
+            smaller than that format's resolution (see :mod:`mpdiag.updates`). Needs ``optimizer``; costs a
+            copy of the updated weights per logged step, in workspaces allocated once.
+        update_targets: the tensors the optimizer updates, one per trainable parameter of ``model`` in order,
+            when they are not the parameters themselves (FP32 master weights, as at O2).
     """
 
     def __init__(
@@ -79,19 +85,24 @@ class Recorder:
         writer: BackgroundWriter | None = None,
         flush_interval_s: float = 0.5,
         trace_modules: bool = False,
+        update_format: str | None = None,
+        update_targets: Sequence[torch.Tensor] | None = None,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
-        self._owns_writer = writer is None
-        self._writer = writer or BackgroundWriter(path)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
         self.flush_interval_s = flush_interval_s
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
+        self._updates = self._update_tracker(update_format, update_targets, optimizer)  # may refuse: before the writer
+        self._owns_writer = writer is None
+        self._writer = writer or BackgroundWriter(path)
         if run_id is None:
-            run_id = self._create_run(name, config or {})
+            run_id = self._create_run(name, {"update_format": update_format, **(config or {})})
+        elif update_format is not None:
+            self._writer.submit(lambda w: w.update_run(run_id, update_format=update_format))
         self.run_id = run_id
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
 
@@ -101,7 +112,9 @@ class Recorder:
             self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
         self.last_loss = float("nan")  # the unscaled loss at the latest record(), as a Python float
         self._stepped = False
-        self._hook = self._install_step_hook(optimizer)
+        self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
+        self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
+        self._hooks = self._install_step_hooks(optimizer)
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
         self._step = 0
@@ -133,19 +146,40 @@ class Recorder:
             for i, (n, p) in enumerate(self._params)
         ]
 
-    def _install_step_hook(self, optimizer):
+    def _update_tracker(self, update_format, update_targets, optimizer) -> UpdateTracker | None:
+        if update_format is None:
+            return None
+        if optimizer is None:
+            raise ValueError("update_format needs optimizer=: updates are observed through its step hooks")
+        targets = [p for _, p in self._params] if update_targets is None else list(update_targets)
+        shapes = [tuple(p.shape) for _, p in self._params]
+        if [tuple(t.shape) for t in targets] != shapes:
+            raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
+        return UpdateTracker(targets, update_format)
+
+    def _install_step_hooks(self, optimizer) -> list:
         def mark_stepped(opt, args, kwargs):
             self._stepped = True
+            if self._updates is not None:
+                self._updates.after()
 
         if optimizer is not None:
-            return optimizer.register_step_post_hook(mark_stepped)
+            hooks = [optimizer.register_step_post_hook(mark_stepped)]
+            if self._updates is not None:
+                hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            return hooks
         mine = {id(p) for _, p in self._params}
 
         def mark_if_ours(opt, args, kwargs):
             if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
                 self._stepped = True
 
-        return register_optimizer_step_post_hook(mark_if_ours)
+        return [register_optimizer_step_post_hook(mark_if_ours)]
+
+    def _before_optimizer_step(self, opt, args, kwargs) -> None:
+        if self._update_step is not None:
+            self._updates.before(self._update_step)
+            self._update_step = None
 
     # -- per step -------------------------------------------------------------------------------------------
     def record(self, loss: torch.Tensor | float) -> None:
@@ -157,6 +191,7 @@ class Recorder:
         loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         step = self._step
         logged = step % self.every == 0 and self._record_tensors(step, scale)
+        self._update_step = step if logged and self._updates is not None else None
         if self._tracer is not None:
             traced = self._tracer.take(step)
             self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
@@ -182,6 +217,7 @@ class Recorder:
             computer = self._computers[present] = GradStatsComputer(numels, self.device)
         grads = [self._params[i][1].grad for i in present]
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
+        self._unscale_by = 1.0 if unscaled else scale
         stats = computer.compute(grads, scale, grads_are_scaled=not unscaled)
         for k, i in enumerate(present):
             self._tensor_rows_buf.append(
@@ -196,6 +232,29 @@ class Recorder:
         if unseen:
             self._note_grad_dtypes(unseen)
         return True
+
+    def compare_gradients(self, reference: Sequence[torch.Tensor | None]) -> None:
+        """Store, per tensor, how far this step's gradients are from FP32 ``reference`` gradients computed on
+        the same weights and batch (one per trainable parameter in order, e.g. from
+        :class:`mpdiag.shadow.Fp32Shadow`): the relative error ||g - g32|| / ||g32|| and the cosine, with g the
+        recorded gradient unscaled, in float64. Call after :meth:`record` and before the optimizer step."""
+        if len(reference) != len(self._params):
+            raise ValueError(f"reference has {len(reference)} gradients; the model has {len(self._params)} trainable parameters")
+        step, rows, stats = self._step - 1, [], []
+        for i, ((_, p), ref) in enumerate(zip(self._params, reference, strict=True)):
+            if p.grad is None or ref is None:
+                continue
+            g, r = p.grad.detach().double() / self._unscale_by, ref.detach().double()
+            ref_norm = torch.linalg.vector_norm(r)
+            stats.append(torch.stack([torch.linalg.vector_norm(g - r) / ref_norm,
+                                      (g * r).sum() / (torch.linalg.vector_norm(g) * ref_norm), ref_norm]))
+            rows.append(i)
+        if not rows:
+            return
+        values = torch.stack(stats).tolist()
+        shadow_rows = [(step, i, *(v if v == v and abs(v) != float("inf") else None for v in vals))
+                       for i, vals in zip(rows, values, strict=True)]
+        self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, shadow_rows))
 
     def _note_grad_dtypes(self, indices: Iterable[int]) -> None:
         """Complete the tensors table with each tensor's grad dtype, known once its first grad exists."""
@@ -233,6 +292,10 @@ class Recorder:
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+        updates = [(step, i, *counts) for step, per_tensor in (self._updates.take() if self._updates else [])
+                   for i, counts in enumerate(per_tensor)]
+        if updates:
+            self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
 
     # -- end ------------------------------------------------------------------------------------------------
     def close(self, note: str | None = None) -> None:
@@ -247,7 +310,8 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         if self._tracer is not None:
             self._tracer.remove()
         self._finish_pending(known=known)

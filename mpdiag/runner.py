@@ -24,6 +24,7 @@ from mpdiag.nested import map_tensors
 from mpdiag.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
 from mpdiag.recorder import Recorder
 from mpdiag.script import ModelScript, ScriptError, build_model
+from mpdiag.shadow import Fp32Shadow, rng_state
 from mpdiag.store import Store
 from mpdiag.writer import BackgroundWriter
 
@@ -47,6 +48,9 @@ class RunConfig:
     name: str | None = None
     parent_run_id: int | None = None
     trace_modules: bool = False
+    #: every this many steps, compare the gradients with an FP32 computation on the same weights and batch
+    #: (mpdiag.shadow); 0 turns it off
+    shadow_every: int = 0
 
     def validate(self) -> torch.device:
         """Check every option and return the device to run on; raises ConfigError with the fix."""
@@ -54,6 +58,8 @@ class RunConfig:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.every < 1:
             raise ConfigError(f"--every must be >= 1, got {self.every}")
+        if self.shadow_every < 0:
+            raise ConfigError(f"--shadow-every must be >= 0 (0 turns the FP32 shadow off), got {self.shadow_every}")
         device = resolve_device(self.device)
         make_policy(self.opt_level, device, self.scaling)
         return device
@@ -187,12 +193,15 @@ def train(
         try:
             seed_everything(config.seed)
             built = build_model(script, device)
-            model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
+            fp32_model = built.model.to(device)
+            shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
+            model, optimizer = policy.prepare(fp32_model, built.make_optimizer)
             recorder = Recorder(
                 model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer,
-                trace_modules=config.trace_modules,
+                trace_modules=config.trace_modules, update_format=policy.update_format,
+                update_targets=policy.master_params() or None,
             )
-            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id)
+            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
             state = model_state_bytes(model, optimizer, policy)
             writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"]))
             recorder.close(note=note)
@@ -220,7 +229,8 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
                                  w.update_run(run_id, status="failed", error=error, finished_at=time.time())))
 
 
-def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id) -> str | None:
+def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
+          shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps steps; returns a note when the batches ran out early."""
     batches = built.batches()
     for step in range(config.steps):
@@ -232,11 +242,15 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
             size = batch_size_of(batch)
             writer.submit(lambda w, size=size: w.update_run(run_id, batch_size=size))
         batch = to_device(batch, device)
+        shadow_step = shadow is not None and step % config.shadow_every == 0
+        state = rng_state(device) if shadow_step else None
         policy.zero_grad(optimizer)
         with policy.autocast():
             loss = built.loss_fn(model, batch)
         policy.backward(loss)
         recorder.record(loss)
+        if shadow_step:
+            recorder.compare_gradients(shadow.gradients(model, batch, state))
         policy.step(optimizer)
         if progress is not None:
             progress(step, recorder.last_loss)  # already read by the Recorder: no second device sync

@@ -28,7 +28,7 @@ import psutil
 from mpdiag.formats import EXP_MIN, N_EXP_BINS
 
 DEFAULT_STORE = "mpdiag_runs.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: runs.update_format, update_steps, shadow_steps
 STATUSES = ("running", "finished", "failed", "crashed")
 
 REPRESENTABILITY_COLUMNS = [
@@ -48,7 +48,7 @@ RUN_FIELDS = [
     "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
     "backoff_factor", "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every",
     "device", "gpu_name", "torch_version", "parent_run_id", "pair_run_id", "batch_size", "params",
-    "model_state", "config",
+    "model_state", "config", "update_format",
 ]
 
 _SCHEMA = f"""
@@ -65,7 +65,7 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
-    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT);
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT);
 CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
@@ -91,6 +91,14 @@ CREATE TABLE IF NOT EXISTS module_steps (
 CREATE TABLE IF NOT EXISTS probes (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), kind TEXT NOT NULL, result TEXT NOT NULL, created_at REAL NOT NULL,
     PRIMARY KEY (run_id, kind)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS update_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL,
+    updated INTEGER NOT NULL, below_resolution INTEGER NOT NULL, unchanged INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS shadow_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL,
+    rel_error REAL, cosine REAL, ref_norm REAL,
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tensor_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
     {", ".join(f"{c} INTEGER" for c in TOTAL_COLUMNS)},
@@ -145,6 +153,18 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
 SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
 
 
+def _write_schema(path: Path) -> None:
+    """Create the schema, or bring an older store up to SCHEMA_VERSION: new tables are created by the
+    schema's IF NOT EXISTS, new run columns are added; existing rows are kept."""
+    with closing(_connect(path, readonly=False)) as conn:
+        conn.executescript(_SCHEMA)
+        have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        if "update_format" not in have:
+            conn.execute("ALTER TABLE runs ADD COLUMN update_format TEXT")
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        conn.commit()
+
+
 def _step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> pd.DataFrame:
     """Per run (index run_id): steps_done, skipped_steps, peak_mem_bytes, final_loss (NaN kept) and the
     median step time after the first (warm-up) step, from the steps table. Reads only these runs' rows."""
@@ -194,10 +214,7 @@ class Store:
             if not create:
                 raise StoreError(f"No store at {self.path}: run `python -m mpdiag run SCRIPT` to create one.")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with closing(_connect(self.path, readonly=False)) as conn:
-                conn.executescript(_SCHEMA)
-                conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-                conn.commit()
+            _write_schema(self.path)
         self._check()
 
     def _check(self) -> None:
@@ -211,6 +228,12 @@ class Store:
             raise StoreError(
                 f"{self.path} is an SQLite file but not an mpdiag store (missing tables: {', '.join(sorted(missing))})."
             )
+        if {"update_steps", "shadow_steps"} - tables:  # a store from schema version 1: add what version 2 added
+            try:
+                _write_schema(self.path)
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(f"{self.path} has an older mpdiag schema and could not be upgraded ({exc}); "
+                                 "make the file writable once so mpdiag can add its new tables.") from exc
 
     def _query(self, sql: str, params: Sequence = ()) -> pd.DataFrame:
         try:
@@ -392,6 +415,28 @@ class Store:
             df[col] = df[col].astype(float)
         return df
 
+    def update_stats(self, run_id: int) -> pd.DataFrame:
+        """Optimizer updates checked against the run's ``update_format`` (see mpdiag.updates), per logged step
+        that stepped and per tensor: ``updated`` values had a finite non-zero gradient; of those,
+        ``below_resolution`` changed by less than 2^-(mantissa bits + 1) of their magnitude and ``unchanged``
+        did not change at all."""
+        return self._query(
+            "SELECT u.step, t.name AS tensor, t.numel, u.updated, u.below_resolution, u.unchanged FROM update_steps u "
+            "JOIN tensors t ON t.run_id = u.run_id AND t.tensor_id = u.tensor_id WHERE u.run_id = ? "
+            "ORDER BY u.step, u.tensor_id", (int(run_id),))
+
+    def shadow_stats(self, run_id: int) -> pd.DataFrame:
+        """Per shadow step and tensor: the relative error ||g - g32|| / ||g32|| and cosine of the recorded
+        (unscaled) gradient against an FP32 computation on the same weights and batch, and ||g32||. NaN where
+        a norm is zero or a value non-finite."""
+        df = self._query(
+            "SELECT s.step, t.name AS tensor, t.numel, s.rel_error, s.cosine, s.ref_norm FROM shadow_steps s "
+            "JOIN tensors t ON t.run_id = s.run_id AND t.tensor_id = s.tensor_id WHERE s.run_id = ? "
+            "ORDER BY s.step, s.tensor_id", (int(run_id),))
+        for col in ("rel_error", "cosine", "ref_norm"):
+            df[col] = df[col].astype(float)
+        return df
+
     def probe(self, run_id: int, kind: str) -> dict | None:
         """The stored result of a diagnostic probe of a run (see mpdiag.probe), or None."""
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
@@ -450,6 +495,18 @@ class StoreWriter:
         summary = {k: (v.item() if hasattr(v, "item") else v) for k, v in summary.items()}
         with self._conn:
             self._conn.execute("UPDATE runs SET summary = ? WHERE run_id = ?", (json.dumps(summary), int(run_id)))
+
+    def add_update_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, tensor_id, updated, below_resolution, unchanged)."""
+        with self._conn:
+            self._conn.executemany("INSERT INTO update_steps VALUES (?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in rows])
+
+    def add_shadow_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
+        with self._conn:
+            self._conn.executemany("INSERT INTO shadow_steps VALUES (?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in rows])
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:

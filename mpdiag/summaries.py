@@ -159,3 +159,43 @@ def format_lines(formats: tuple[str, ...] = ("fp16",)) -> pd.DataFrame:
             {"format": name, "limit": f"{name} max {fmt.max_finite:.6g}", "log2": math.log2(fmt.max_finite)},
         ]
     return pd.DataFrame(rows)
+
+
+#: a tensor whose FP32 reference gradient has an RMS below this fraction of the whole model's gradient RMS
+#: (at that step) is numerically zero in FP32 too (a bias before BatchNorm, say): its relative error is noise
+NEGLIGIBLE_GRAD_RMS = 1e-3
+
+
+def shadow_ranking(shadow: pd.DataFrame) -> pd.DataFrame:
+    """Tensors ranked by how much precision their gradients lost against the FP32 shadow (worst first).
+
+    ``shadow``: ``Store.shadow_stats``. Per tensor over the shadow steps: the median and max relative error,
+    the minimum cosine, and ``meaningful`` False when its reference gradient was negligible
+    (:data:`NEGLIGIBLE_GRAD_RMS`) at most steps. Non-finite errors (overflow) rank first."""
+    columns = ["tensor", "numel", "steps", "median_rel_error", "max_rel_error", "min_cosine", "meaningful"]
+    if shadow.empty:
+        return pd.DataFrame(columns=columns)
+    df = shadow.assign(sq=shadow["ref_norm"] ** 2)
+    model_rms = np.sqrt(df.groupby("step")["sq"].sum() / df.groupby("step")["numel"].sum())
+    rms = df["ref_norm"] / np.sqrt(df["numel"])
+    df["meaningful"] = rms >= NEGLIGIBLE_GRAD_RMS * df["step"].map(model_rms)
+    df["rel_error"] = df["rel_error"].fillna(np.inf)  # NaN: the mixed gradient was not finite
+    out = df.groupby("tensor", sort=False).agg(
+        numel=("numel", "first"), steps=("step", "nunique"), median_rel_error=("rel_error", "median"),
+        max_rel_error=("rel_error", "max"), min_cosine=("cosine", "min"), meaningful=("meaningful", "mean"),
+    ).reset_index()
+    out["meaningful"] = out["meaningful"] > 0.5
+    return out.sort_values(["meaningful", "median_rel_error"], ascending=False, kind="stable")[columns].reset_index(drop=True)
+
+
+def update_shares(updates: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """From ``Store.update_stats``: (per tensor, per step) shares of updated values (finite non-zero gradient)
+    that were below the format's resolution and that left the weight unchanged; NaN where none updated."""
+    def shares(groups) -> pd.DataFrame:
+        sums = groups[["updated", "below_resolution", "unchanged"]].sum()
+        denom = sums["updated"].astype(float).replace(0, np.nan)
+        return sums.assign(below_resolution_share=sums["below_resolution"] / denom,
+                           unchanged_share=sums["unchanged"] / denom).reset_index()
+
+    per_tensor = shares(updates.groupby("tensor", sort=False)).sort_values("below_resolution_share", ascending=False)
+    return per_tensor.reset_index(drop=True), shares(updates.groupby("step"))

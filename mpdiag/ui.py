@@ -156,6 +156,11 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     devices = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     device = cols[3].selectbox("Device", devices, key=f"{prefix}_device")
     options = {"opt_level": level, "steps": int(steps), "seed": int(seed), "device": device}
+    parent_shadow = parent["config"].get("run", {}).get("shadow_every", 0) if parent is not None else 0
+    options["shadow_every"] = int(st.number_input(
+        "FP32 shadow every N steps (0: off)", 0, 1_000_000, int(parent_shadow), key=f"{prefix}_shadow",
+        help="Every N steps, recompute the gradients in FP32 on the same weights and batch and store each tensor's "
+             "relative error and cosine (Findings page). Costs one FP32 forward and backward per shadow step."))
     if POLICIES[level].default_scaling is not None:
         options.update(_scaling_options(prefix))
     options["pair"] = level != "O0" and st.checkbox(

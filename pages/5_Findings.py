@@ -5,14 +5,17 @@ from urllib.parse import urlencode
 import pandas as pd
 import streamlit as st
 
-from mpdiag import ui
+from mpdiag import charts, ui
 from mpdiag.compare import reference_run
-from mpdiag.findings import diagnose, finding_resolved
+from mpdiag.findings import GRADIENT_REL_ERROR, diagnose, finding_resolved
 from mpdiag.launch import launch, rerun_command
 from mpdiag.probe import KIND as PROBE_KIND
 from mpdiag.probe import run_probe
+from mpdiag.summaries import shadow_ranking, update_shares
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
+#: anchors of this page's evidence sections, for findings whose evidence is shown here
+SECTIONS = {"gradient-error": "shadow", "update-swamping": "updates", "masters-needed": "updates"}
 
 
 def start_fix(store, run: pd.Series, finding) -> None:
@@ -47,6 +50,36 @@ def reruns_table(store, run: pd.Series, findings) -> None:
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
 
+def shadow_section(store, run_id: int, final: bool) -> None:
+    """Gradients against the FP32 shadow (--shadow-every), tensors ranked by lost precision."""
+    shadow = ui.read(store, "shadow_stats", run_id, final=final)
+    if shadow.empty:
+        st.caption("No FP32 shadow for this run: rerun with --shadow-every N (the run form's "
+                   "'FP32 shadow every') to rank tensors by the precision their gradients lose.")
+        return
+    ranking = shadow_ranking(shadow)
+    st.dataframe(ranking.rename(columns={"meaningful": "reference not negligible"}), hide_index=True, width="stretch",
+                 column_config={"median_rel_error": st.column_config.NumberColumn(format="%.3g"),
+                                "max_rel_error": st.column_config.NumberColumn(format="%.3g"),
+                                "min_cosine": st.column_config.NumberColumn(format="%.5f")})
+    top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
+    st.altair_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
+
+
+def updates_section(store, run: pd.Series, final: bool) -> None:
+    """Optimizer updates against the weight format's resolution (recorded at O2, O3 and bf16-pure)."""
+    updates = ui.read(store, "update_stats", int(run["run_id"]), final=final)
+    if updates.empty:
+        st.caption("Updates are checked against FP16/BF16 resolution at O2, O3 and bf16-pure; "
+                   "this run has no such record.")
+        return
+    per_tensor, per_step = update_shares(updates)
+    st.altair_chart(charts.update_share_lines(per_step, run["update_format"]), width="stretch")
+    st.dataframe(per_tensor, hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(format="percent")
+                                for c in ("below_resolution_share", "unchanged_share")})
+
+
 def findings_view(store, run: pd.Series, final: bool) -> None:
     run_id = int(run["run_id"])
     if final and run["scaling"] != "none" and run["config"].get("run") and store.probe(run_id, PROBE_KIND) is None:
@@ -68,12 +101,19 @@ def findings_view(store, run: pd.Series, final: bool) -> None:
             query = {"run": run_id} if f.page != "Compare" else {"runs": run_id}
             if f.page == "Gradients" and f.tensors:
                 query["tensor"] = f.tensors[0]
-            cols[0].markdown(f"[See the evidence on the {f.page.replace('_', ' ')} page](/{f.page}?{urlencode(query)})")
+            if f.page == "Findings":
+                cols[0].markdown(f"[See the evidence below](#{SECTIONS[f.rule]})")
+            else:
+                cols[0].markdown(f"[See the evidence on the {f.page.replace('_', ' ')} page](/{f.page}?{urlencode(query)})")
             if f.fix and final:
                 fix_text = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in f.fix.items())
                 if cols[1].button(f"Rerun with this fix ({fix_text})", key=f"fix_{run_id}_{i}"):
                     start_fix(store, run, f)
     reruns_table(store, run, findings)
+    st.subheader("Gradients against the FP32 shadow", anchor=SECTIONS["gradient-error"])
+    shadow_section(store, run_id, final)
+    st.subheader("Optimizer updates against the weight format", anchor=SECTIONS["update-swamping"])
+    updates_section(store, run, final)
 
 
 ui.single_run_page("Findings", findings_view)

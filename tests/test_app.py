@@ -206,6 +206,21 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table
 
 
+def test_findings_page_shows_update_swamping_and_the_fp32_shadow_ranking(tmp_path, monkeypatch):
+    store = tmp_path / "swamp.db"
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_swamped_updates.py"),
+                   RunConfig(opt_level="O3", steps=6, device="cpu", shadow_every=2), store)
+    at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    said = texts(at)
+    assert "Weight updates are lost: too small for FP16 weights" in said and "[See the evidence below](#updates)" in said
+    assert [s.value for s in at.subheader][-2:] == ["Gradients against the FP32 shadow",
+                                                    "Optimizer updates against the weight format"]
+    shadow, updates = (d.value for d in at.dataframe[-2:])
+    assert set(shadow["tensor"]) == set(Store(store).tensors(run_id)["name"]) and shadow["steps"].eq(3).all()
+    assert updates["unchanged_share"].max() > 0.5
+
+
 def test_an_uploaded_script_never_runs_inside_the_server_process(tmp_path, monkeypatch):
     import os
 

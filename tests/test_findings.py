@@ -50,7 +50,9 @@ def test_gallery_failure_is_found_and_its_recommended_rerun_removes_it(name, sto
                                          ("transformer_lm.py", "O1"), ("mlp_digits.py", "O2"),
                                          ("cnn_digits.py", "bf16")])
 def test_healthy_examples_produce_no_warning(name, level, store_path):
-    run_id = train(ModelScript.from_path(EXAMPLES / name), RunConfig(opt_level=level, steps=20, device="cpu"), store_path)
+    run_id = train(ModelScript.from_path(EXAMPLES / name),
+                   RunConfig(opt_level=level, steps=20, device="cpu", shadow_every=5), store_path)
+    assert len(Store(store_path).shadow_stats(run_id)) > 0  # the FP32 shadow rule had data to judge
     serious = [f.as_dict() for f in diagnosed(store_path, run_id) if f.severity in ("warning", "error")]
     assert serious == []
 
@@ -140,3 +142,24 @@ def test_trace_modules_records_magnitudes_of_outputs_and_incoming_gradients(stor
     assert rows.loc["1", "fwd_absmax"] == pytest.approx(float(torch.tanh(torch.tensor(3.0))))
     assert rows.loc["1", "bwd_absmax"] == 4.0  # the gradient flowing into the Tanh output
     assert rows.loc["1", "bwd_order"] == 0 and rows.loc["0", "bwd_order"] == 1  # backward runs last-to-first
+
+
+def test_gradient_error_ranks_underflowing_tensors_and_the_fix_removes_it(store_path):
+    """The FP32 shadow both ways: unscaled FP16 gradients that underflow are far from FP32 (the finding, with
+    the tensors ranked), and the recommended scale brings them back (no finding)."""
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_underflow.py"),
+                   RunConfig(opt_level="O1", steps=10, device="cpu", shadow_every=3).with_options(loss_scale=1.0), store_path)
+    findings = {f.rule: f for f in diagnosed(store_path, run_id)}
+    finding = findings["gradient-error"]
+    assert finding.tensors and set(finding.tensors) <= set(Store(store_path).tensors(run_id)["name"])
+    assert finding.fix == findings["gradient-underflow"].fix  # the cause's fix
+    child = rerun(store_path, run_id, **finding.fix)
+    assert "gradient-error" not in {f.rule for f in diagnosed(store_path, child)}
+    assert len(Store(store_path).shadow_stats(child)) > 0  # the rerun kept the shadow
+
+
+def test_masters_keeping_small_updates_is_a_note_not_a_warning(store_path):
+    run_id = train(ModelScript.from_path(EXAMPLES / "gallery_swamped_updates.py"),
+                   RunConfig(opt_level="O2", steps=10, device="cpu"), store_path)
+    notes = {f.rule: f for f in diagnose(Store(store_path), run_id)}
+    assert notes["masters-needed"].severity == "info" and "update-swamping" not in notes

@@ -42,7 +42,7 @@ def share(stats, column, denominator="nonzero"):
 
 def test_every_gallery_script_documents_its_settings():
     paths = sorted(EXAMPLES.glob("gallery_*.py"))
-    assert len(paths) == 5
+    assert len(paths) == 6
     for path in paths:
         module = importlib.import_module(f"mpdiag.examples.{path.stem}")
         assert "Failing:" in module.__doc__ and "Fixed:" in module.__doc__ and "What you should see" in module.__doc__
@@ -92,3 +92,12 @@ def test_frozen_batchnorm_statistics_break_in_pure_fp16_only(runs):
     assert abs(fail["loss"].iloc[-1] - math.log(10)) < 0.05
     conv_fix = fix_stats[fix_stats["tensor"] == "conv.weight"]
     assert share(conv_fix, "zeros", "all") < 0.05 and fix["loss"].iloc[-1] < 1.5
+
+
+def test_swamped_updates_are_lost_in_pure_fp16_and_kept_by_masters(runs):
+    store, ids = runs
+    fail_id, fix_id = ids["gallery_swamped_updates"]
+    lost = {i: store.update_stats(i)[["updated", "below_resolution", "unchanged"]].sum() for i in (fail_id, fix_id)}
+    assert lost[fail_id]["unchanged"] > 0.5 * lost[fail_id]["updated"]  # most updates rounded away at O3
+    assert lost[fix_id]["below_resolution"] > 0.5 * lost[fix_id]["updated"]  # the same updates at O2...
+    assert lost[fix_id]["unchanged"] < 0.01 * lost[fix_id]["updated"]  # ...kept by the FP32 masters
