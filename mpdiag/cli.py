@@ -211,6 +211,8 @@ def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
         "tensor_stats": store.tensor_stats(run_id),
         "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
         "module_stats": store.module_stats(run_id),
+        "update_stats": store.update_stats(run_id),
+        "shadow_stats": store.shadow_stats(run_id),
     }
     probe = store.probe(run_id, PROBE_KIND)
     if probe is not None:

@@ -19,7 +19,7 @@ from mpdiag.store import StoreError, decode_hist, encode_hist
 
 def test_run_runs_export(tmp_path, store_path):
     result = run_cli("run", EXAMPLES / "mlp_digits.py", "--opt-level", "O1", "--init-scale", "65536",
-                     "--steps", "20", "--store", store_path)
+                     "--steps", "20", "--shadow-every", "10", "--store", store_path)
     assert result.returncode == 0, result.stderr
     assert "run 1 (mlp_digits.py): finished, 20 steps, 0 skipped" in result.stdout
     listing = run_cli("runs", "--store", store_path)
@@ -37,6 +37,9 @@ def test_run_runs_export(tmp_path, store_path):
     merged = per_row.merge(stats[["step", "tensor", "numel"]], on=["step", "tensor"])
     assert (merged["count"] == merged["numel"]).all()  # every element is in exactly one bin
     assert pd.read_csv(out / "run1_module_stats.csv").empty  # recorded without --trace-modules
+    assert pd.read_csv(out / "run1_update_stats.csv").empty  # O1 keeps FP32 weights: no update check
+    shadow = pd.read_parquet(out / "run1_shadow_stats.parquet")
+    assert sorted(shadow["step"].unique()) == [0, 10] and set(shadow["tensor"]) == set(stats["tensor"])
 
 
 def test_device_cuda_without_gpu_is_a_clear_error(store_path):
