@@ -125,11 +125,12 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     workspaces = sum(c.workspace_bytes for c in recorder._computers.values())
+    backends = sorted({c.backend for c in recorder._computers.values()})
     n_params = sum(p.numel() for p in params)
     stored = Store(tmp / "runs.db").tensor_stats(recorder.run_id)
     result = {
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
-        "params": n_params, "tensors": len(params), "steps": args.steps,
+        "params": n_params, "tensors": len(params), "steps": args.steps, "statistics_backend": backends,
         "median_seconds": med,
         "recorder_step_vs_plain": med["recorder_step"] / med["plain"],
         "tb_own_vs_recorder_own": med["tb_own"] / med["recorder_own"],
@@ -139,7 +140,8 @@ def main() -> None:
         "peak_memory_added_bytes": extra_rss,
         "rows_recorded": len(stored),
     }
-    print(f"{result['device']}: {n_params / 1e6:.1f}M parameters in {len(params)} tensors, {args.steps} steps each")
+    print(f"{result['device']}: {n_params / 1e6:.1f}M parameters in {len(params)} tensors, {args.steps} steps each, "
+          f"statistics backend {', '.join(backends)}")
     print(f"{'variant':<34}{'median ms':>10}")
     for label, key in [("plain AMP step", "plain"), ("step + Recorder.record", "recorder_step"),
                        ("  Recorder.record alone", "recorder_own"), ("step + TensorBoard add_histogram", "tb_step"),

@@ -1,18 +1,29 @@
 """Exact per-tensor gradient statistics, computed in one pass over the fp32 bit patterns.
 
-Every value gets an integer *key* from its fp32 bits: the arithmetic shift ``bits >> 23`` yields sign and
-biased exponent field at once, and one extra bit says whether the mantissa lies at or above a rounding edge
-of FP16 or BF16 inside that exponent bin. One ``bincount`` over the keys of all tensors then gives, per
-tensor, the exponent histogram and the exact FP16/BF16 underflow / subnormal / overflow counts.
+Every value gets an integer *key* from its fp32 bits: sign, exponent field and a *mantissa region*, the
+number of FP16/BF16 rounding edges its mantissa lies at or above. The edges of every format sit at the same
+few mantissa values in whichever exponent field they occur (:data:`REGION_BOUNDS`), so one key serves all
+formats. Per tensor, the key counts give the exponent histogram and the exact FP16/BF16 underflow /
+subnormal / overflow counts.
 
-Which (exponent bin, edge bit) cell falls in which category is not typed in: it is found by casting the
-smallest and largest fp32 value of every cell with torch (:func:`_category_table`), so the counts equal
-torch's own round-to-nearest-even casting by construction. The one place where a cell is not uniform is the
-fp32 subnormal range (|x| < 2**-126) for BF16; values there are rare and are classified by casting them.
+Which (field, region) cell falls in which category is not typed in: it is found by casting the smallest and
+largest fp32 value of every cell with torch (:func:`_category_table`), so the counts equal torch's own
+round-to-nearest-even casting by construction, and a cell that is not uniform fails at import. fp32
+subnormals (|x| < 2**-126) are the one non-uniform range for BF16; they are rare and classified by casting.
+
+One pass serves both views the Recorder stores, g and S*g: multiplying by a power of two 2^k moves every
+normal value k fields and leaves its mantissa alone, so the other view's counts are the same counts shifted
+k fields - exactly, as long as no value leaves fp32's normal range (then, or for a scale that is not a
+power of two, the other view is computed and counted explicitly, as GradScaler computes it).
+
+Two backends compute the key counts and reductions: a fused numba kernel on the CPU (one read of each
+gradient, per-thread histograms, nothing written back) and torch ops elsewhere (CUDA), which reuse
+workspaces allocated once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +31,14 @@ import torch
 
 from mpdiag.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
 
+try:
+    import numba
+except ImportError:  # the torch backend serves alone
+    numba = None
+
 MANTISSA_BITS = 23
 MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
-NEVER = 1 << MANTISSA_BITS  # a mantissa threshold no mantissa reaches: the bin is not split
 FIELDS = 256  # biased exponent field values of fp32
-KEYS_PER_TENSOR = 2 * FIELDS * 2  # sign x field x edge bit
 
 # Categories of a value's cast into a low-precision format.
 NORMAL, UNDERFLOW, SUBNORMAL, OVERFLOW, SPECIAL, MIXED = range(6)
@@ -53,20 +67,12 @@ def _rounding_edges(fmt: Format) -> dict[int, int]:
     return edges
 
 
-def _split_thresholds() -> torch.Tensor:
-    """Mantissa threshold per key index (sign x field); shared by all formats."""
-    per_field = torch.full((FIELDS,), NEVER, dtype=torch.int32)
-    per_field[0] = 1  # zero (mantissa 0) versus fp32 subnormal
-    per_field[FIELDS - 1] = 1  # inf (mantissa 0) versus NaN
-    for fmt in LOW_PRECISION.values():
-        for field, threshold in _rounding_edges(fmt).items():
-            if int(per_field[field]) != NEVER:
-                raise AssertionError(f"two rounding edges in exponent field {field}")
-            per_field[field] = threshold
-    return torch.cat([per_field, per_field])  # negative sign first, as bits >> 23 + 256 orders them
-
-
-SPLIT = _split_thresholds()
+#: Mantissa values at which some format's category changes (1 also separates zero from fp32 subnormals and
+#: inf from NaN); a value's region is how many of them its mantissa reaches.
+REGION_BOUNDS = tuple(sorted({1} | {t for fmt in LOW_PRECISION.values() for t in _rounding_edges(fmt).values()}))
+REGIONS = len(REGION_BOUNDS) + 1
+assert len(REGION_BOUNDS) == 4, "the numba kernel compares against exactly four region bounds"
+KEYS_PER_TENSOR = 2 * FIELDS * REGIONS  # sign x field x region
 
 
 def _classify(values: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -80,26 +86,28 @@ def _classify(values: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def _category_table(fmt: Format) -> np.ndarray:
-    """Category of every (field, edge bit) cell for ``fmt``, shape (256, 2); MIXED where not uniform."""
-    field = torch.arange(FIELDS, dtype=torch.int32).repeat_interleave(2)
-    edge = torch.arange(2, dtype=torch.int32).repeat(FIELDS)
-    threshold = SPLIT[FIELDS:].repeat_interleave(2)
-    lowest = torch.where(edge == 1, threshold, torch.zeros_like(threshold))
-    highest = torch.where(edge == 1, torch.full_like(threshold, MANTISSA_MASK), threshold - 1)
-    empty = lowest > highest
+    """Category of every (field, region) cell for ``fmt``, shape (256, REGIONS); MIXED where a cell holds
+    values of two categories (only among fp32 subnormals, which are then all classified by casting)."""
+    bounds = torch.tensor((0, *REGION_BOUNDS, MANTISSA_MASK + 1), dtype=torch.int32)
+    field = torch.arange(FIELDS, dtype=torch.int32).repeat_interleave(REGIONS)
+    lowest, highest = bounds[:-1].repeat(FIELDS), (bounds[1:] - 1).repeat(FIELDS)
     first = _classify(((field << MANTISSA_BITS) | lowest).view(torch.float32), fmt)
-    last = _classify(((field << MANTISSA_BITS) | highest.clamp(min=0)).view(torch.float32), fmt)
-    table = torch.where(first == last, first, torch.full_like(first, MIXED))
-    table[empty] = NORMAL  # an empty cell never holds a count
-    table = table.view(FIELDS, 2).numpy().copy()
+    last = _classify(((field << MANTISSA_BITS) | highest).view(torch.float32), fmt)
+    table = torch.where(first == last, first, torch.full_like(first, MIXED)).view(FIELDS, REGIONS).numpy().copy()
+    if (table[1 : FIELDS - 1] == MIXED).any():
+        raise AssertionError(f"{fmt.name}: a rounding edge inside an fp32 normal exponent field is not a region bound")
+    if (table[0, 1:] == MIXED).any():
+        table[0, 1:] = MIXED  # classify all fp32 subnormals by casting, none from the table
     table[0, 0] = SPECIAL  # zero
     table[FIELDS - 1, :] = SPECIAL  # inf, NaN
-    if (table[1 : FIELDS - 1] == MIXED).any():
-        raise AssertionError(f"{fmt.name}: a rounding edge inside an fp32 normal bin is not split")
     return table
 
 
 CATEGORY_TABLES = {name: _category_table(fmt) for name, fmt in LOW_PRECISION.items()}
+#: "{format}_{category}" names, and a 0/1 matrix (field x region, name) summing each name's cells at once
+CATEGORY_COLUMNS = [f"{name}_{label}" for name in CATEGORY_TABLES for label in CATEGORY_NAMES]
+CATEGORY_MATRIX = np.stack([(table == category).reshape(-1) for table in CATEGORY_TABLES.values()
+                            for category in (UNDERFLOW, SUBNORMAL, OVERFLOW)], axis=1).astype(np.int64)
 
 
 @dataclass
@@ -110,7 +118,8 @@ class StepGradStats:
     unscaled gradient g. ``counts[name]`` holds zeros, nan, posinf, neginf and, for fmt in fp16/bf16 and
     category in underflow/subnormal/overflow, ``{fmt}_{category}`` (for g) and ``{fmt}_{category}_at_scale``
     (for S*g, the gradient as it was in the backward pass). absmax, min_nonzero and l2 are of g; absmax and
-    l2 are NaN when g holds a NaN; min_nonzero is NaN when g holds no non-zero value.
+    l2 are NaN when g holds a NaN; min_nonzero is NaN when g holds no non-zero value. ``other_view`` says how
+    the second view was obtained: "same" (scale 1), "shifted" (power-of-two scale) or "recomputed".
     """
 
     hist: np.ndarray
@@ -118,6 +127,45 @@ class StepGradStats:
     absmax: np.ndarray
     min_nonzero: np.ndarray
     l2: np.ndarray
+    other_view: str
+
+
+@dataclass
+class _Pass:
+    """One view's key counts, shape (T, 2, 256, REGIONS), and reductions (float64, per tensor)."""
+
+    keys: np.ndarray
+    absmax: np.ndarray
+    min_nonzero: np.ndarray
+    l2: np.ndarray
+
+
+def power_of_two_exponent(scale: float) -> int | None:
+    """k when ``scale`` is exactly 2**k (with 2**-k also a normal fp32), else None."""
+    mantissa, exponent = math.frexp(scale)
+    return exponent - 1 if mantissa == 0.5 and -126 <= exponent - 1 <= 126 else None
+
+
+def _shift_fields(keys: np.ndarray, shift: int) -> np.ndarray | None:
+    """Key counts of every value multiplied by 2**shift, or None when that is not exact from counts alone:
+    some value is an fp32 subnormal, or would become one. Values pushed past the largest field become inf."""
+    magnitude = keys.sum(axis=1)
+    if magnitude[:, 0, 1:].any():
+        return None  # fp32 subnormals: their product depends on the digits the counts do not hold
+    normal = magnitude[:, 1 : FIELDS - 1]
+    lowest = np.flatnonzero(normal.any(axis=(0, 2)))
+    if lowest.size and lowest[0] + 1 + shift < 1:
+        return None
+    out = np.zeros_like(keys)
+    out[:, :, 0] = keys[:, :, 0]
+    out[:, :, FIELDS - 1] = keys[:, :, FIELDS - 1]
+    for field in range(1, FIELDS - 1):
+        target = field + shift
+        if target >= FIELDS - 1:
+            out[:, :, FIELDS - 1, 0] += keys[:, :, field].sum(axis=-1)  # overflow to ±inf
+        elif target >= 1:
+            out[:, :, target] = keys[:, :, field]
+    return out
 
 
 def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -128,59 +176,144 @@ def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
     return counts.index_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
 
 
+if numba is not None:
+
+    @numba.njit(parallel=True, cache=True, nogil=True)
+    def _fused_pass(arrays, chunk_tensor, chunk_start, chunk_end, bounds, keys, maxbits, minbits, sumsq):
+        """Per chunk of a tensor: key counts into its rows of ``keys``, the largest magnitude bit pattern and
+        the smallest non-zero one minus 1 (as int32 they order like the magnitudes, NaN above inf; zero wraps
+        to the top) and the float64 sum of squares. Reads each value once and writes nothing per value.
+        Four interleaved lanes (histogram rows and accumulators) keep consecutive equal keys and the sum's
+        additions from waiting on each other."""
+        b0, b1, b2, b3 = bounds[0], bounds[1], bounds[2], bounds[3]
+        for c in numba.prange(chunk_tensor.shape[0]):
+            values = arrays[chunk_tensor[c]]
+            bits_of = values.view(np.int32)
+            rows = keys[c]
+            rows[:] = 0
+            start, end = chunk_start[c], chunk_end[c]
+            whole = start + (end - start) // 4 * 4
+            big0 = big1 = big2 = big3 = 0
+            low0 = low1 = low2 = low3 = 0x7FFFFFFF
+            sq0 = sq1 = sq2 = sq3 = 0.0
+            for i in range(start, whole, 4):
+                for lane in range(4):
+                    bits = bits_of[i + lane]
+                    mantissa = bits & MANTISSA_MASK
+                    region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
+                    rows[lane, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
+                m0, m1 = bits_of[i] & 0x7FFFFFFF, bits_of[i + 1] & 0x7FFFFFFF
+                m2, m3 = bits_of[i + 2] & 0x7FFFFFFF, bits_of[i + 3] & 0x7FFFFFFF
+                big0, big1, big2, big3 = max(big0, m0), max(big1, m1), max(big2, m2), max(big3, m3)
+                low0, low1 = min(low0, (m0 - 1) & 0x7FFFFFFF), min(low1, (m1 - 1) & 0x7FFFFFFF)
+                low2, low3 = min(low2, (m2 - 1) & 0x7FFFFFFF), min(low3, (m3 - 1) & 0x7FFFFFFF)
+                x0, x1, x2, x3 = (np.float64(values[i]), np.float64(values[i + 1]),
+                                  np.float64(values[i + 2]), np.float64(values[i + 3]))
+                sq0, sq1, sq2, sq3 = sq0 + x0 * x0, sq1 + x1 * x1, sq2 + x2 * x2, sq3 + x3 * x3
+            for i in range(whole, end):
+                bits = bits_of[i]
+                mantissa = bits & MANTISSA_MASK
+                region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
+                rows[0, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
+                m0 = bits & 0x7FFFFFFF
+                big0, low0 = max(big0, m0), min(low0, (m0 - 1) & 0x7FFFFFFF)
+                x0 = np.float64(values[i])
+                sq0 += x0 * x0
+            rows[0] += rows[1] + rows[2] + rows[3]  # the lanes' histograms, summed once per chunk
+            maxbits[c] = max(max(big0, big1), max(big2, big3))
+            minbits[c] = min(min(low0, low1), min(low2, low3))
+            sumsq[c] = (sq0 + sq1) + (sq2 + sq3)
+
+
+#: elements per work item of the numba kernel: big tensors are split so both cores share them
+CHUNK = 1 << 17
+LANES = 4  # the kernel's interleaved lanes (its reductions are written out for exactly four)
+
+
 class GradStatsComputer:
     """Computes :class:`StepGradStats` for a fixed list of tensor sizes, reusing its workspaces.
 
-    Workspaces are allocated once (keys for every element, unscaled values when a scale is applied,
-    scratch sized to the largest tensor), so a step allocates no full-size temporaries of its own.
+    ``backend``: "numba" (CPU, the default there when numba is installed) or "torch" (any device). Workspaces
+    are allocated once (torch: keys for every element and scratch sized to the largest tensor; numba: a
+    key-count row per chunk), plus an FP32 buffer for the other view, only when a scale is not a power of
+    two or values leave fp32's normal range. A step allocates no full-size temporaries of its own.
     """
 
-    def __init__(self, numels: list[int], device: torch.device | str = "cpu"):
+    def __init__(self, numels: list[int], device: torch.device | str = "cpu", backend: str | None = None):
         self.numels = list(numels)
         self.device = torch.device(device)
+        self.backend = backend or ("numba" if self.device.type == "cpu" and numba is not None else "torch")
+        if self.backend == "numba" and (numba is None or self.device.type != "cpu"):
+            raise ValueError("the numba backend needs numba installed and tensors on the CPU")
         self.offsets = np.concatenate([[0], np.cumsum(self.numels)]).astype(np.int64)
-        total, largest = int(self.offsets[-1]), max(self.numels, default=0)
-        self._keys = torch.empty(total, dtype=torch.int32, device=self.device)
         self._unscaled: torch.Tensor | None = None
-        self._threshold = torch.empty(largest, dtype=torch.int32, device=self.device)
-        self._mantissa = torch.empty(largest, dtype=torch.int32, device=self.device)
-        self._edge = torch.empty(largest, dtype=torch.bool, device=self.device)
-        self._split = SPLIT.to(self.device)
+        self._spaces: list = []
+        if self.backend == "numba":
+            per_tensor = [max(1, -(-n // CHUNK)) for n in self.numels]
+            self._chunk_tensor = np.repeat(np.arange(len(self.numels)), per_tensor)
+            self._first_chunk = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
+            within = np.arange(len(self._chunk_tensor)) - np.repeat(self._first_chunk, per_tensor)
+            self._chunk_start = within * CHUNK
+            self._chunk_end = np.minimum(self._chunk_start + CHUNK, np.repeat(self.numels, per_tensor))
+            n_chunks = len(self._chunk_tensor)
+            self._chunk_keys = np.empty((n_chunks, LANES, KEYS_PER_TENSOR), dtype=np.int64)
+            self._chunk_max, self._chunk_min = np.empty(n_chunks, np.int32), np.empty(n_chunks, np.int32)
+            self._chunk_sumsq = np.empty(n_chunks, np.float64)
+            self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
+            self._spaces = [self._chunk_keys, self._chunk_max, self._chunk_min, self._chunk_sumsq]
+        else:
+            total, largest = int(self.offsets[-1]), max(self.numels, default=0)
+            self._keys = torch.empty(total, dtype=torch.int32, device=self.device)
+            self._scratch = torch.empty(largest, dtype=torch.int32, device=self.device)
+            self._bounds_t = torch.tensor(REGION_BOUNDS, dtype=torch.int32, device=self.device)
+            self._spaces = [self._keys, self._scratch]
 
     @property
     def workspace_bytes(self) -> int:
         """Bytes of the reusable workspaces allocated so far."""
-        spaces = [self._keys, self._unscaled, self._threshold, self._mantissa, self._edge]
-        return sum(t.numel() * t.element_size() for t in spaces if t is not None)
+        spaces = [*self._spaces, self._unscaled]
+        return sum(int(t.nbytes) for t in spaces if t is not None)
 
     def compute(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool = True) -> StepGradStats:
         """Statistics of ``grads`` produced at loss scale ``scale``.
 
         ``grads_are_scaled``: the tensors hold S*g (as after ``scaler.scale(loss).backward()``); the unscaled
-        g is then computed as GradScaler does (multiply by the fp32 reciprocal computed in fp64). If False
-        they hold g already (after ``scaler.unscale_``) and S*g is computed by multiplying in fp32.
+        g is then what GradScaler computes (a multiply by the fp32 reciprocal computed in fp64). If False
+        they hold g already (after ``scaler.unscale_``) and S*g is their product with S in fp32.
         """
         if [g.numel() for g in grads] != self.numels:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
         flat = [g.detach().reshape(-1).float() for g in grads]
+        raw = self._pass(flat)
         if scale == 1.0:
-            unscaled = at_scale = flat
+            g_view = scaled_view = (raw, flat)
+            how = "same"
         else:
-            other = self._unscaled_workspace()
-            factor = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float()) if grads_are_scaled else scale
-            derived = [torch.mul(x, factor, out=other[s:e]) for x, s, e in self._slices(flat)]
-            unscaled, at_scale = (derived, flat) if grads_are_scaled else (flat, derived)
-
-        key_counts = self._key_counts(unscaled).numpy()
-        hist, counts = self._decode(key_counts, unscaled, suffix="")
-        if at_scale is unscaled:
+            k = power_of_two_exponent(scale)
+            shift = None if k is None else (-k if grads_are_scaled else k)
+            shifted = None if shift is None else _shift_fields(raw.keys, shift)
+            if shifted is not None:
+                with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
+                    factor = 2.0**shift
+                    derived = _Pass(shifted, (raw.absmax * factor).astype(np.float32).astype(np.float64),
+                                    raw.min_nonzero * factor, raw.l2 * factor)
+                derived_flat, how = None, "shifted"  # no fp32 subnormals in either view: values not needed
+            else:
+                factor = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float()) if grads_are_scaled else scale
+                other = self._unscaled_workspace()
+                derived_flat = [torch.mul(x, factor, out=other[s:e]) for x, s, e in self._slices(flat)]
+                derived, how = self._pass(derived_flat), "recomputed"
+            g_view, scaled_view = ((derived, derived_flat), (raw, flat)) if grads_are_scaled else \
+                ((raw, flat), (derived, derived_flat))
+        g, g_flat = g_view
+        hist, counts = self._decode(g.keys, g_flat, suffix="")
+        if how == "same":
             counts.update({f"{k}_at_scale": v for k, v in counts.items() if k.startswith(("fp16", "bf16"))})
         else:
-            _, scaled_counts = self._decode(self._key_counts(at_scale).numpy(), at_scale, suffix="_at_scale")
+            _, scaled_counts = self._decode(scaled_view[0].keys, scaled_view[1], suffix="_at_scale")
             counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
-
-        absmax, l2, min_nonzero = self._reductions(unscaled, counts["zeros"])
-        return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2)
+        return StepGradStats(hist=hist, counts=counts, absmax=g.absmax, min_nonzero=g.min_nonzero, l2=g.l2,
+                             other_view=how)
 
     def _unscaled_workspace(self) -> torch.Tensor:
         if self._unscaled is None:
@@ -191,39 +324,65 @@ class GradStatsComputer:
         for t, x in enumerate(flat):
             yield x, int(self.offsets[t]), int(self.offsets[t + 1])
 
-    def _key_counts(self, flat: list[torch.Tensor]) -> torch.Tensor:
-        """Counts per (tensor, sign, field, edge bit), shape (T, 2, 256, 2), on the host."""
-        for t, (x, start, end) in enumerate(self._slices(flat)):
-            n = end - start
-            bits, keys = x.view(torch.int32), self._keys[start:end]
-            threshold, mantissa, edge = self._threshold[:n], self._mantissa[:n], self._edge[:n]
-            torch.bitwise_right_shift(bits, MANTISSA_BITS, out=keys)
-            keys.add_(FIELDS)  # sign and field as one index in [0, 512)
-            torch.index_select(self._split, 0, keys, out=threshold)
-            torch.bitwise_and(bits, MANTISSA_MASK, out=mantissa)
-            torch.ge(mantissa, threshold, out=edge)
-            keys.add_(2 * FIELDS * t).mul_(2).add_(edge)
-        n_keys = KEYS_PER_TENSOR * len(flat)
-        return _count_keys(self._keys, n_keys).cpu().view(len(flat), 2, FIELDS, 2)
+    def _pass(self, flat: list[torch.Tensor]) -> _Pass:
+        return self._numba_pass(flat) if self.backend == "numba" else self._torch_pass(flat)
 
-    def _decode(self, key_counts: np.ndarray, flat: list[torch.Tensor], suffix: str):
+    def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
+        arrays = numba.typed.List([x.numpy() for x in flat])
+        _fused_pass(arrays, self._chunk_tensor, self._chunk_start, self._chunk_end, self._bounds,
+                    self._chunk_keys, self._chunk_max, self._chunk_min, self._chunk_sumsq)
+        first = self._first_chunk
+        keys = np.add.reduceat(self._chunk_keys[:, 0], first, axis=0).reshape(len(flat), 2, FIELDS, REGIONS)
+        largest = np.maximum.reduceat(self._chunk_max, first)
+        below_smallest = np.minimum.reduceat(self._chunk_min, first)  # 0x7FFFFFFF: all zeros
+        smallest = (below_smallest.astype(np.int64) + 1).astype(np.uint32).view(np.float32).astype(np.float64)
+        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest)
+        l2 = np.sqrt(np.add.reduceat(self._chunk_sumsq, first))
+        return _Pass(keys, largest.view(np.float32).astype(np.float64), min_nonzero, l2)
+
+    def _torch_pass(self, flat: list[torch.Tensor]) -> _Pass:
+        """Key counts and reductions with torch ops, copied to the host in one transfer."""
+        smallest, absmax = [], []
+        for t, (x, start, end) in enumerate(self._slices(flat)):
+            bits, keys, scratch = x.view(torch.int32), self._keys[start:end], self._scratch[: end - start]
+            torch.bitwise_right_shift(bits, MANTISSA_BITS, out=keys)
+            keys.add_(FIELDS + 2 * FIELDS * t)  # sign and field as one index, then the tensor's block
+            torch.bitwise_and(bits, MANTISSA_MASK, out=scratch)
+            keys.mul_(REGIONS).add_(torch.bucketize(scratch, self._bounds_t, out_int32=True, right=True))
+            # (|bits| - 1) & 0x7FFFFFFF wraps zero to the largest value, so the min is the smallest non-zero - 1
+            torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch).sub_(1).bitwise_and_(0x7FFFFFFF)
+            smallest.append(scratch.min() if x.numel() else torch.tensor(0x7FFFFFFF - 1, device=x.device))
+            absmax.append(x.abs().max() if x.numel() else torch.zeros((), device=x.device))
+        n = len(flat)
+        counts = _count_keys(self._keys, KEYS_PER_TENSOR * n)
+        l2 = torch.stack(torch._foreach_norm(flat, 2, dtype=torch.float64)) if n else torch.zeros(0, device=self.device)
+        floats = torch.stack([torch.stack(absmax).double(), l2]) if n else torch.zeros((2, 0), device=self.device)
+        packed = torch.cat([counts, torch.stack(smallest).long() if n else counts[:0],
+                            floats.reshape(-1).view(torch.int64)]).cpu().numpy()  # one copy to the host
+        keys = packed[: KEYS_PER_TENSOR * n].reshape(n, 2, FIELDS, REGIONS)
+        below_smallest = packed[KEYS_PER_TENSOR * n : KEYS_PER_TENSOR * n + n]
+        absmax_l2 = packed[KEYS_PER_TENSOR * n + n :].view(np.float64).reshape(2, n)
+        smallest_bits = (below_smallest + 1).astype(np.uint32).view(np.float32).astype(np.float64)
+        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest_bits)  # 0x7FFFFFFF: all zeros
+        return _Pass(keys, absmax_l2[0], min_nonzero, absmax_l2[1])
+
+    def _decode(self, key_counts: np.ndarray, flat: list[torch.Tensor] | None, suffix: str):
         """Histogram and named counts from key counts; fp32 subnormals are resolved from the values."""
-        key_counts = key_counts.astype(np.int64)
-        magnitude = key_counts.sum(axis=1)  # (T, field, edge bit)
+        magnitude = key_counts[:, 0] + key_counts[:, 1]  # (T, field, region)
         n = key_counts.shape[0]
         hist = np.zeros((n, N_EXP_BINS), dtype=np.int64)
         first_normal_bin = FP32.min_normal_exponent - EXP_MIN
         hist[:, first_normal_bin:] = magnitude[:, 1 : FIELDS - 1, :].sum(axis=2)
         counts = {
             "zeros": magnitude[:, 0, 0],
-            "nan": magnitude[:, FIELDS - 1, 1],
+            "nan": magnitude[:, FIELDS - 1, 1:].sum(axis=1),
             "posinf": key_counts[:, 1, FIELDS - 1, 0],
             "neginf": key_counts[:, 0, FIELDS - 1, 0],
         }
-        for name, table in CATEGORY_TABLES.items():
-            for category, label in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
-                counts[f"{name}_{label}{suffix}"] = (magnitude * (table == category)).sum(axis=(1, 2))
-        for t in np.nonzero(magnitude[:, 0, 1])[0]:
+        per_category = magnitude.reshape(n, -1) @ CATEGORY_MATRIX  # (T, formats x categories)
+        for column, name in enumerate(CATEGORY_COLUMNS):
+            counts[f"{name}{suffix}"] = per_category[:, column]
+        for t in np.nonzero(magnitude[:, 0, 1:].sum(axis=1))[0]:
             self._add_fp32_subnormals(flat[t], t, hist, counts, suffix)
         return hist, counts
 
@@ -235,44 +394,11 @@ class GradStatsComputer:
         exponents = torch.frexp(values).exponent.numpy().astype(np.int64) - 1
         hist[t] += np.bincount(exponents - EXP_MIN, minlength=N_EXP_BINS)[:N_EXP_BINS]
         for name, fmt in LOW_PRECISION.items():
-            if not (CATEGORY_TABLES[name][0, 1] == MIXED):
-                continue  # uniform cell: already counted from the table
+            if not (CATEGORY_TABLES[name][0, 1:] == MIXED).all():
+                continue  # uniform cells: already counted from the table
             category = _classify(values, fmt)
             for code, label in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
                 counts[f"{name}_{label}{suffix}"][t] += int((category == code).sum())
-
-    def _reductions(self, flat: list[torch.Tensor], zeros: np.ndarray):
-        """absmax, L2 norm and smallest non-zero |g| per tensor, copied to the host together.
-
-        absmax is max(-min, max) of one fused aminmax (NaN when a NaN is present, like torch's max); the
-        smallest non-zero magnitude comes from the bit pattern, masking zeros only in tensors that have any
-        (``zeros`` from the key counts): (|bits| - 1) & 0x7FFFFFFF wraps zero to the largest key.
-        """
-        if not flat:
-            empty = np.zeros(0)
-            return empty, empty, empty
-        l2 = torch.stack(torch._foreach_norm(flat, 2))
-        absmax, smallest = [], []
-        for x, has_zeros in zip(flat, zeros > 0, strict=True):
-            if x.numel() == 0:
-                absmax.append(torch.zeros((), device=x.device))
-                smallest.append(torch.tensor(0x7FFFFFFF, dtype=torch.int32, device=x.device))
-                continue
-            low, high = torch.aminmax(x)
-            absmax.append(torch.maximum(-low, high))
-            magnitude = self._mantissa[: x.numel()]
-            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=magnitude)
-            if has_zeros:
-                magnitude.sub_(1).bitwise_and_(0x7FFFFFFF)
-                smallest.append(magnitude.min())
-            else:
-                smallest.append(magnitude.min() - 1)
-        smallest_bits = torch.stack(smallest)
-        nothing = smallest_bits == 0x7FFFFFFF
-        min_nonzero = (smallest_bits + 1).view(torch.float32)
-        min_nonzero = torch.where(nothing, torch.full_like(min_nonzero, float("nan")), min_nonzero)
-        host = torch.stack([torch.stack(absmax).float(), l2, min_nonzero]).double().cpu().numpy()
-        return host[0], host[1], host[2]
 
 
 def category_counts_by_casting(values: torch.Tensor, fmt: Format) -> dict[str, int]:

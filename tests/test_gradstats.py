@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
-from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting
+from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting, numba
+
+BACKENDS = ["torch"] + (["numba"] if numba is not None else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def computer(request):
+    """GradStatsComputer factory for each backend: every test below runs against both."""
+    return lambda numels: GradStatsComputer(numels, backend=request.param)
 
 
 def up(x):
@@ -64,13 +72,9 @@ def test_edges_cast_as_reference_says():
     assert torch.tensor(2**-134).bfloat16().item() == 0
 
 
-@pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
-def test_counts_equal_casting(scale):
-    x = sweep()
-    stats = GradStatsComputer([x.numel()]).compute([x], scale, grads_are_scaled=True)
-    g = gradscaler_unscale(x, scale) if scale != 1.0 else x
+def assert_counts_equal_casting(stats, g, scaled):
     for fmt in (FP16, BF16):
-        for values, suffix in ((g, ""), (x, "_at_scale")):
+        for values, suffix in ((g, ""), (scaled, "_at_scale")):
             expected = category_counts_by_casting(values, fmt)
             got = {k: int(stats.counts[f"{fmt.name}_{k}{suffix}"][0]) for k in expected}
             assert got == expected, (fmt.name, suffix)
@@ -81,10 +85,35 @@ def test_counts_equal_casting(scale):
     assert stats.counts["neginf"][0] == int((g == -float("inf")).sum())
 
 
-def test_every_edge_value_alone_matches_casting():
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
+def test_counts_equal_casting(scale, computer):
+    x = sweep()
+    stats = computer([x.numel()]).compute([x], scale, grads_are_scaled=True)
+    g = gradscaler_unscale(x, scale) if scale != 1.0 else x
+    assert_counts_equal_casting(stats, g, x)
+    assert stats.other_view == ("same" if scale == 1.0 else "recomputed")  # the sweep reaches fp32 subnormals
+
+
+@pytest.mark.parametrize("scale", [2.0**16, 2.0**-3, 2.0**100])
+@pytest.mark.parametrize("already_unscaled", [False, True])
+def test_power_of_two_scales_shift_one_pass_exactly(scale, already_unscaled, computer):
+    """Values that stay fp32-normal under the scale: the other view is the same counts shifted, and still
+    equals casting; values pushed past fp32's range become inf in both."""
+    x = sweep(50_000, seed=3)
+    x = x[~((x.abs() < 2.0**-126 * max(scale, 1 / scale)) & (x != 0))]  # nothing becomes an fp32 subnormal
+    stats = computer([x.numel()]).compute([x], scale, grads_are_scaled=not already_unscaled)
+    assert stats.other_view == "shifted"
+    g, scaled = (x, x * scale) if already_unscaled else (gradscaler_unscale(x, scale), x)
+    assert_counts_equal_casting(stats, g, scaled)
+    finite = g[torch.isfinite(g)]
+    assert stats.absmax[0] == (float("nan") if g.isnan().any() else g.abs().max().item()) or math.isnan(stats.absmax[0])
+    assert stats.min_nonzero[0] == finite[finite != 0].abs().min().item()
+
+
+def test_every_edge_value_alone_matches_casting(computer):
     # One tensor per edge value makes an off-by-one at any single edge visible as a count of exactly 1.
     values = [torch.tensor([v], dtype=torch.float32) for v in EDGES]
-    stats = GradStatsComputer([1] * len(values)).compute(values, 1.0)
+    stats = computer([1] * len(values)).compute(values, 1.0)
     for t, v in enumerate(values):
         for fmt in (FP16, BF16):
             expected = category_counts_by_casting(v, fmt)
@@ -92,9 +121,9 @@ def test_every_edge_value_alone_matches_casting():
             assert got == expected, (EDGES[t], fmt.name)
 
 
-def test_already_unscaled_grads_give_scaled_counts_by_multiplying():
+def test_already_unscaled_grads_give_scaled_counts_by_multiplying(computer):
     g = sweep(20_000, seed=1)
-    stats = GradStatsComputer([g.numel()]).compute([g], 2.0**10, grads_are_scaled=False)
+    stats = computer([g.numel()]).compute([g], 2.0**10, grads_are_scaled=False)
     scaled = g * 2.0**10
     for fmt in (FP16, BF16):
         expected = category_counts_by_casting(scaled, fmt)
@@ -104,35 +133,39 @@ def test_already_unscaled_grads_give_scaled_counts_by_multiplying():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_grads_are_counted_exactly(dtype):
+def test_low_precision_grads_are_counted_exactly(dtype, computer):
     g = (torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e-3).to(dtype)
-    stats = GradStatsComputer([g.numel()]).compute([g], 1.0)
+    stats = computer([g.numel()]).compute([g], 1.0)
     assert (stats.hist[0] == reference_hist(g.float())).all()
     assert stats.counts["fp16_underflow"][0] == category_counts_by_casting(g.float(), FP16)["underflow"]
 
 
-def test_reductions_and_multiple_tensors():
+def test_reductions_and_multiple_tensors(computer):
     a = torch.tensor([0.0, -3.0, 2.0**-140, 5.0])
     b = torch.zeros(7)
     c = torch.tensor([1.0, float("nan")])
-    stats = GradStatsComputer([4, 7, 2]).compute([a, b, c], 1.0)
+    big = torch.randn(3 * 2**17 + 5, generator=torch.Generator().manual_seed(4))  # several numba chunks
+    stats = computer([4, 7, 2, big.numel()]).compute([a, b, c, big], 1.0)
     assert stats.absmax[0] == 5.0 and stats.min_nonzero[0] == 2.0**-140
     assert stats.l2[0] == pytest.approx(float(torch.linalg.vector_norm(a)))
     assert math.isnan(stats.min_nonzero[1]) and stats.absmax[1] == 0 and stats.counts["zeros"][1] == 7
     assert math.isnan(stats.absmax[2]) and stats.min_nonzero[2] == 1.0 and stats.counts["nan"][2] == 1
     assert stats.hist[0][-140 - EXP_MIN] == 1  # an fp32 subnormal lands in its exact bin
+    assert stats.absmax[3] == big.abs().max().item() and stats.min_nonzero[3] == big.abs().min().item()
+    assert stats.l2[3] == pytest.approx(float(torch.linalg.vector_norm(big.double())), rel=1e-6)
+    assert (stats.hist[3] == reference_hist(big)).all()
 
 
-def test_workspace_is_reused_across_steps():
-    comp = GradStatsComputer([1000])
-    keys = comp._keys.data_ptr()
+def test_workspace_is_reused_across_steps(computer):
+    comp = computer([1000])
+    before = comp.workspace_bytes
     for seed in range(3):
         x = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
         stats = comp.compute([x], 2.0**8)
         assert (stats.hist[0] == reference_hist(gradscaler_unscale(x, 2.0**8))).all()
-    assert comp._keys.data_ptr() == keys
+    assert comp.workspace_bytes == before  # a power-of-two scale needs no buffer for the other view
 
 
-def test_wrong_sizes_are_refused():
+def test_wrong_sizes_are_refused(computer):
     with pytest.raises(ValueError, match="sizes"):
-        GradStatsComputer([3]).compute([torch.zeros(4)], 1.0)
+        computer([3]).compute([torch.zeros(4)], 1.0)
