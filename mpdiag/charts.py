@@ -180,6 +180,7 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
         .mark_line()
         .encode(x="step:Q", y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
                                     scale=alt.Scale(domain=[0, 1])),
-                color=alt.Color("what:N", title=None), tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
-        .properties(height=220, title="optimizer updates against the weight format's resolution")
+                color=alt.Color("what:N", title=None), strokeDash=alt.StrokeDash("what:N", title=None),
+                tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
+        .properties(height=220)
     )

@@ -241,7 +241,7 @@ def update_swamping(run: pd.Series, updates: pd.DataFrame) -> Finding | None:
     updated = int(per_tensor["updated"].sum())
     below, lost = _share(per_tensor["below_resolution"].sum(), updated), _share(per_tensor["unchanged"].sum(), updated)
     rule_text = f"|Δw| < 2^{resolution_log2(fmt)}·|w|"
-    tracked = f"over {updates['step'].nunique()} updates of {updated} values with a finite non-zero gradient"
+    tracked = f"over {updates['step'].nunique()} optimizer steps, counting {updated} value updates with a finite non-zero gradient"
     if lost > SWAMPED_SHARE:
         worst = per_tensor[per_tensor["unchanged_share"] > SWAMPED_SHARE]["tensor"].tolist()
         fix = {"fp16": {"opt_level": "O2"}, "bf16": {"opt_level": "bf16"}}[fmt] if run["opt_level"] != "custom" else None
