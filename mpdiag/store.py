@@ -476,17 +476,20 @@ class StoreWriter:
             )
         return sha
 
+    def _insert(self, table: str, run_id: int, rows: list[tuple], verb: str = "INSERT") -> None:
+        """One transaction adding ``rows`` (the table's columns after run_id) to ``table`` for ``run_id``."""
+        if rows:
+            marks = ", ".join("?" * (len(rows[0]) + 1))
+            with self._conn:
+                self._conn.executemany(f"{verb} INTO {table} VALUES ({marks})", [(int(run_id), *row) for row in rows])
+
     def add_modules(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (module_id, dotted name, type name)."""
-        with self._conn:
-            self._conn.executemany("INSERT OR REPLACE INTO modules VALUES (?, ?, ?, ?)",
-                                   [(int(run_id), *row) for row in rows])
+        self._insert("modules", run_id, rows, verb="INSERT OR REPLACE")
 
     def add_module_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, module_id, fwd_order, fwd_absmax, fwd_finite, bwd_order, bwd_absmax, bwd_finite)."""
-        with self._conn:
-            self._conn.executemany("INSERT INTO module_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                   [(int(run_id), *row) for row in rows])
+        self._insert("module_steps", run_id, rows)
 
     def write_summary(self, run_id: int) -> None:
         """Store the run's step summary (see :func:`_step_summaries`) in its row, once its last rows are
@@ -498,15 +501,11 @@ class StoreWriter:
 
     def add_update_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, tensor_id, updated, below_resolution, unchanged)."""
-        with self._conn:
-            self._conn.executemany("INSERT INTO update_steps VALUES (?, ?, ?, ?, ?, ?)",
-                                   [(int(run_id), *row) for row in rows])
+        self._insert("update_steps", run_id, rows)
 
     def add_shadow_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
-        with self._conn:
-            self._conn.executemany("INSERT INTO shadow_steps VALUES (?, ?, ?, ?, ?, ?)",
-                                   [(int(run_id), *row) for row in rows])
+        self._insert("shadow_steps", run_id, rows)
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:
