@@ -23,6 +23,7 @@ workspaces allocated once.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -31,10 +32,8 @@ import torch
 
 from mpdiag.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
 
-try:
-    import numba
-except ImportError:  # the torch backend serves alone
-    numba = None
+#: whether the fused CPU kernel (mpdiag.cpu_kernel) can be used; numba itself is imported on first use
+NUMBA_AVAILABLE = importlib.util.find_spec("numba") is not None
 
 MANTISSA_BITS = 23
 MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
@@ -176,55 +175,6 @@ def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
     return counts.index_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
 
 
-if numba is not None:
-
-    @numba.njit(parallel=True, cache=True, nogil=True)
-    def _fused_pass(arrays, chunk_tensor, chunk_start, chunk_end, bounds, keys, maxbits, minbits, sumsq):
-        """Per chunk of a tensor: key counts into its rows of ``keys``, the largest magnitude bit pattern and
-        the smallest non-zero one minus 1 (as int32 they order like the magnitudes, NaN above inf; zero wraps
-        to the top) and the float64 sum of squares. Reads each value once and writes nothing per value.
-        Four interleaved lanes (histogram rows and accumulators) keep consecutive equal keys and the sum's
-        additions from waiting on each other."""
-        b0, b1, b2, b3 = bounds[0], bounds[1], bounds[2], bounds[3]
-        for c in numba.prange(chunk_tensor.shape[0]):
-            values = arrays[chunk_tensor[c]]
-            bits_of = values.view(np.int32)
-            rows = keys[c]
-            rows[:] = 0
-            start, end = chunk_start[c], chunk_end[c]
-            whole = start + (end - start) // 4 * 4
-            big0 = big1 = big2 = big3 = 0
-            low0 = low1 = low2 = low3 = 0x7FFFFFFF
-            sq0 = sq1 = sq2 = sq3 = 0.0
-            for i in range(start, whole, 4):
-                for lane in range(4):
-                    bits = bits_of[i + lane]
-                    mantissa = bits & MANTISSA_MASK
-                    region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
-                    rows[lane, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
-                m0, m1 = bits_of[i] & 0x7FFFFFFF, bits_of[i + 1] & 0x7FFFFFFF
-                m2, m3 = bits_of[i + 2] & 0x7FFFFFFF, bits_of[i + 3] & 0x7FFFFFFF
-                big0, big1, big2, big3 = max(big0, m0), max(big1, m1), max(big2, m2), max(big3, m3)
-                low0, low1 = min(low0, (m0 - 1) & 0x7FFFFFFF), min(low1, (m1 - 1) & 0x7FFFFFFF)
-                low2, low3 = min(low2, (m2 - 1) & 0x7FFFFFFF), min(low3, (m3 - 1) & 0x7FFFFFFF)
-                x0, x1, x2, x3 = (np.float64(values[i]), np.float64(values[i + 1]),
-                                  np.float64(values[i + 2]), np.float64(values[i + 3]))
-                sq0, sq1, sq2, sq3 = sq0 + x0 * x0, sq1 + x1 * x1, sq2 + x2 * x2, sq3 + x3 * x3
-            for i in range(whole, end):
-                bits = bits_of[i]
-                mantissa = bits & MANTISSA_MASK
-                region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
-                rows[0, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
-                m0 = bits & 0x7FFFFFFF
-                big0, low0 = max(big0, m0), min(low0, (m0 - 1) & 0x7FFFFFFF)
-                x0 = np.float64(values[i])
-                sq0 += x0 * x0
-            rows[0] += rows[1] + rows[2] + rows[3]  # the lanes' histograms, summed once per chunk
-            maxbits[c] = max(max(big0, big1), max(big2, big3))
-            minbits[c] = min(min(low0, low1), min(low2, low3))
-            sumsq[c] = (sq0 + sq1) + (sq2 + sq3)
-
-
 #: elements per work item of the numba kernel: big tensors are split so both cores share them
 CHUNK = 1 << 17
 LANES = 4  # the kernel's interleaved lanes (its reductions are written out for exactly four)
@@ -242,13 +192,18 @@ class GradStatsComputer:
     def __init__(self, numels: list[int], device: torch.device | str = "cpu", backend: str | None = None):
         self.numels = list(numels)
         self.device = torch.device(device)
-        self.backend = backend or ("numba" if self.device.type == "cpu" and numba is not None else "torch")
-        if self.backend == "numba" and (numba is None or self.device.type != "cpu"):
+        self.backend = backend or ("numba" if self.device.type == "cpu" and NUMBA_AVAILABLE else "torch")
+        if self.backend == "numba" and (not NUMBA_AVAILABLE or self.device.type != "cpu"):
             raise ValueError("the numba backend needs numba installed and tensors on the CPU")
         self.offsets = np.concatenate([[0], np.cumsum(self.numels)]).astype(np.int64)
         self._unscaled: torch.Tensor | None = None
         self._spaces: list = []
         if self.backend == "numba":
+            import numba  # here, not at module import: the app never pays for it
+
+            from mpdiag.cpu_kernel import fused_pass
+
+            self._kernel, self._typed_list = fused_pass, numba.typed.List
             per_tensor = [max(1, -(-n // CHUNK)) for n in self.numels]
             self._chunk_tensor = np.repeat(np.arange(len(self.numels)), per_tensor)
             self._first_chunk = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
@@ -328,8 +283,8 @@ class GradStatsComputer:
         return self._numba_pass(flat) if self.backend == "numba" else self._torch_pass(flat)
 
     def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
-        arrays = numba.typed.List([x.numpy() for x in flat])
-        _fused_pass(arrays, self._chunk_tensor, self._chunk_start, self._chunk_end, self._bounds,
+        arrays = self._typed_list([x.numpy() for x in flat])
+        self._kernel(arrays, self._chunk_tensor, self._chunk_start, self._chunk_end, self._bounds,
                     self._chunk_keys, self._chunk_max, self._chunk_min, self._chunk_sumsq)
         first = self._first_chunk
         keys = np.add.reduceat(self._chunk_keys[:, 0], first, axis=0).reshape(len(flat), 2, FIELDS, REGIONS)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
-from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting, numba
+from mpdiag.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
 
-BACKENDS = ["torch"] + (["numba"] if numba is not None else [])
+BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else [])
 
 
 @pytest.fixture(params=BACKENDS)
