@@ -158,12 +158,11 @@ def _shift_fields(keys: np.ndarray, shift: int) -> np.ndarray | None:
     out = np.zeros_like(keys)
     out[:, :, 0] = keys[:, :, 0]
     out[:, :, FIELDS - 1] = keys[:, :, FIELDS - 1]
-    for field in range(1, FIELDS - 1):
-        target = field + shift
-        if target >= FIELDS - 1:
-            out[:, :, FIELDS - 1, 0] += keys[:, :, field].sum(axis=-1)  # overflow to ±inf
-        elif target >= 1:
-            out[:, :, target] = keys[:, :, field]
+    source = np.arange(1, FIELDS - 1)
+    target = source + shift
+    inside = (target >= 1) & (target < FIELDS - 1)
+    out[:, :, target[inside]] = keys[:, :, source[inside]]
+    out[:, :, FIELDS - 1, 0] += keys[:, :, source[target >= FIELDS - 1]].sum(axis=(2, 3))  # overflow to ±inf
     return out
 
 
@@ -307,7 +306,11 @@ class GradStatsComputer:
             # (|bits| - 1) & 0x7FFFFFFF wraps zero to the largest value, so the min is the smallest non-zero - 1
             torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch).sub_(1).bitwise_and_(0x7FFFFFFF)
             smallest.append(scratch.min() if x.numel() else torch.tensor(0x7FFFFFFF - 1, device=x.device))
-            absmax.append(x.abs().max() if x.numel() else torch.zeros((), device=x.device))
+            if x.numel():
+                low, high = torch.aminmax(x)  # one fused read, no |x| temporary; NaN propagates
+                absmax.append(torch.maximum(-low, high))
+            else:
+                absmax.append(torch.zeros((), device=x.device))
         n = len(flat)
         counts = _count_keys(self._keys, KEYS_PER_TENSOR * n)
         l2 = torch.stack(torch._foreach_norm(flat, 2, dtype=torch.float64)) if n else torch.zeros(0, device=self.device)
