@@ -294,8 +294,9 @@ def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | No
     )
 
 
-def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store) -> Finding | None:
-    """The loss departs from the FP32 reference run (same script, seed, weights and batches)."""
+def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store, shadow: pd.DataFrame) -> Finding | None:
+    """The loss departs from the FP32 reference run (same script, seed, weights and batches). ``shadow``:
+    the run's Store.shadow_stats, to name the tensors whose gradients lose most."""
     ref_id = reference_run(runs, int(run["run_id"]))
     if ref_id is None:
         return None
@@ -304,7 +305,7 @@ def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store) -> Finding
     if step is None:
         return None
     final = comparison.iloc[-1]
-    ranking = shadow_ranking(store.shadow_stats(int(run["run_id"])))
+    ranking = shadow_ranking(shadow)
     ranked = ranking[ranking["meaningful"]].head(3)
     where = (" Tensors whose gradients differ most from the FP32 shadow: "
              + ", ".join(f"{r.tensor} ({r.median_rel_error:.2g})" for r in ranked.itertuples()) + "."
@@ -332,15 +333,16 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     ignored = scale_ignored(run, probe)
     # gradients that ignore the scale look like underflow too; the cause is reported instead
     underflow = None if ignored else low_range(run, totals, hist)
+    shadow = store.shadow_stats(run_id)
     found = [
         ignored,
         underflow,
-        gradient_error(run, store.shadow_stats(run_id), underflow),
+        gradient_error(run, shadow, underflow),
         update_swamping(run, store.update_stats(run_id)),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, index, counts),
-        fp32_divergence(run, runs, store),
+        fp32_divergence(run, runs, store, shadow),
     ]
     findings = [f for f in found if f is not None]
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])

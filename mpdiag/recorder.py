@@ -9,6 +9,7 @@ GradScaler's rule.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -252,7 +253,7 @@ class Recorder:
         if not rows:
             return
         values = torch.stack(stats).tolist()
-        shadow_rows = [(step, i, *(v if v == v and abs(v) != float("inf") else None for v in vals))
+        shadow_rows = [(step, i, *(v if math.isfinite(v) else None for v in vals))
                        for i, vals in zip(rows, values, strict=True)]
         self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, shadow_rows))
 

@@ -13,8 +13,8 @@ just after, counting per tensor, among the values whose gradient is finite and n
 * ``unchanged``: w_after == w_before exactly (the update was lost, or was exactly zero).
 
 Steps the scaler skips never call ``optimizer.step`` and are not counted. Cost per tracked step: one copy
-of the tracked tensors into workspaces allocated once (their size in bytes, see ``workspace_bytes``) and
-a few elementwise passes; the counts stay on the device until :meth:`take` is called.
+of the tracked tensors into snapshots allocated once (as many bytes as those tensors) and a few elementwise
+passes; the counts stay on the device until :meth:`take` is called.
 """
 
 from __future__ import annotations
@@ -48,10 +48,6 @@ class UpdateTracker:
         self._snapshots = [torch.empty_like(t, memory_format=torch.preserve_format) for t in self.targets]
         self._armed_step: int | None = None
         self._done: list[tuple[int, torch.Tensor]] = []
-
-    @property
-    def workspace_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._snapshots)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""
