@@ -108,7 +108,10 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
                 break
             time.sleep(1)
         else:
-            raise AssertionError("the bundled example did not finish from the UI")
+            said = page.locator("[data-testid='stMain']").inner_text()[-1500:]
+            raise AssertionError(f"the bundled example did not finish from the UI; runs: "
+                                 f"{None if runs is None else runs[['status', 'steps_done', 'error']].to_dict('records')}; "
+                                 f"the page says: {said}")
         page.wait_for_timeout(3000)  # the live runs panel refreshes every 2 s
         # st.dataframe draws on a canvas; its cells exist as (hidden) accessibility grid cells.
         page.get_by_text("mlp_digits.py (FP32 twin)").first.wait_for(state="attached", timeout=30_000)
