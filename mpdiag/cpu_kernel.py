@@ -7,49 +7,76 @@ import numpy as np
 
 from mpdiag.gradstats import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
+LANES = 4  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
+ABS_MASK = np.int32(0x7FFFFFFF)
+
+# "reassoc" lets LLVM vectorise the float64 sum of squares (any summation order is as exact as the loop's);
+# no flag that assumes away NaN or inf, which must propagate into the result.
+_FLAGS = {"reassoc", "contract"}
+
+
+@numba.njit(nogil=True, fastmath=_FLAGS)
+def _reductions(values, bits_of):
+    """The largest magnitude bit pattern, the smallest non-zero one minus 1 and the float64 sum of squares.
+    As int32, magnitude bit patterns order like the magnitudes (NaN above inf); minus 1 wraps zero to the
+    top, so zero never is the minimum. Two plain loops so both vectorise."""
+    big, low = np.int32(0), ABS_MASK
+    for i in range(bits_of.shape[0]):
+        magnitude = bits_of[i] & ABS_MASK
+        big = max(big, magnitude)
+        low = min(low, (magnitude - np.int32(1)) & ABS_MASK)
+    sumsq = 0.0
+    for i in range(values.shape[0]):
+        x = np.float64(values[i])
+        sumsq += x * x
+    return big, low, sumsq
+
+
+@numba.njit(nogil=True)
+def _key_counts(bits_of, bounds, row):
+    """Adds each value's key (sign x field x mantissa region) to ``row`` (KEYS_PER_TENSOR counts).
+
+    Almost every mantissa lies in region 1, between the first bound (1) and the second: counting sign and
+    field alone covers those, in a histogram small enough to stay in L1. Only the rare values outside
+    region 1 (mantissa 0, or at the top of its field, near a rounding edge) are keyed in full; region 1's
+    count is what is left of the field's total."""
+    b0, b1, b2, b3 = bounds[0], bounds[1], bounds[2], bounds[3]
+    fields = np.zeros((LANES, 2 * FIELDS), np.int32)
+    for i in range(bits_of.shape[0]):
+        bits = bits_of[i]
+        fields[i & (LANES - 1), (bits >> MANTISSA_BITS) + FIELDS] += 1
+        mantissa = bits & MANTISSA_MASK
+        if np.uint32(mantissa - 1) >= np.uint32(b1 - 1):  # mantissa 0 (wraps around) or >= b1
+            region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
+            row[((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
+    for field in range(2 * FIELDS):
+        cells = row[field * REGIONS : (field + 1) * REGIONS]
+        cells[1] = fields[:, field].sum() - cells.sum()
+
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def fused_pass(arrays, chunk_tensor, chunk_start, chunk_end, bounds, keys, maxbits, minbits, sumsq):
-    """Per chunk of a tensor: key counts into its rows of ``keys``, the largest magnitude bit pattern and
-    the smallest non-zero one minus 1 (as int32 they order like the magnitudes, NaN above inf; zero wraps
-    to the top) and the float64 sum of squares. Reads each value once and writes nothing per value.
-    Four interleaved lanes (histogram rows and accumulators) keep consecutive equal keys and the sum's
-    additions from waiting on each other."""
-    b0, b1, b2, b3 = bounds[0], bounds[1], bounds[2], bounds[3]
-    for c in numba.prange(chunk_tensor.shape[0]):
-        values = arrays[chunk_tensor[c]]
+def fused_pass(arrays, chunks, bounds, chunk_keys, chunk_bits, chunk_sumsq, keys, maxbits, minbits, sumsq):
+    """Key counts and reductions of every tensor in ``arrays``, written per tensor into ``keys`` (T,
+    KEYS_PER_TENSOR), ``maxbits``, ``minbits`` and ``sumsq`` (see :func:`_reductions`).
+
+    ``chunks`` (C, 4) lists the work items: tensor, first element, end element, and whether the item is the
+    first of its tensor; the chunks of a tensor are consecutive. Items run in parallel, each into its own row
+    of ``chunk_keys`` (C, KEYS_PER_TENSOR), ``chunk_bits`` (C, 2: largest, below smallest) and ``chunk_sumsq``;
+    then each tensor combines its rows.
+    Every value is read twice, the second time from cache, and nothing is written per value."""
+    for c in numba.prange(chunks.shape[0]):
+        tensor, start, end = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        values = arrays[tensor][start:end]
         bits_of = values.view(np.int32)
-        rows = keys[c]
-        rows[:] = 0
-        start, end = chunk_start[c], chunk_end[c]
-        whole = start + (end - start) // 4 * 4
-        big0 = big1 = big2 = big3 = 0
-        low0 = low1 = low2 = low3 = 0x7FFFFFFF
-        sq0 = sq1 = sq2 = sq3 = 0.0
-        for i in range(start, whole, 4):
-            for lane in range(4):
-                bits = bits_of[i + lane]
-                mantissa = bits & MANTISSA_MASK
-                region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
-                rows[lane, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
-            m0, m1 = bits_of[i] & 0x7FFFFFFF, bits_of[i + 1] & 0x7FFFFFFF
-            m2, m3 = bits_of[i + 2] & 0x7FFFFFFF, bits_of[i + 3] & 0x7FFFFFFF
-            big0, big1, big2, big3 = max(big0, m0), max(big1, m1), max(big2, m2), max(big3, m3)
-            low0, low1 = min(low0, (m0 - 1) & 0x7FFFFFFF), min(low1, (m1 - 1) & 0x7FFFFFFF)
-            low2, low3 = min(low2, (m2 - 1) & 0x7FFFFFFF), min(low3, (m3 - 1) & 0x7FFFFFFF)
-            x0, x1, x2, x3 = (np.float64(values[i]), np.float64(values[i + 1]),
-                              np.float64(values[i + 2]), np.float64(values[i + 3]))
-            sq0, sq1, sq2, sq3 = sq0 + x0 * x0, sq1 + x1 * x1, sq2 + x2 * x2, sq3 + x3 * x3
-        for i in range(whole, end):
-            bits = bits_of[i]
-            mantissa = bits & MANTISSA_MASK
-            region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
-            rows[0, ((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
-            m0 = bits & 0x7FFFFFFF
-            big0, low0 = max(big0, m0), min(low0, (m0 - 1) & 0x7FFFFFFF)
-            x0 = np.float64(values[i])
-            sq0 += x0 * x0
-        rows[0] += rows[1] + rows[2] + rows[3]  # the lanes' histograms, summed once per chunk
-        maxbits[c] = max(max(big0, big1), max(big2, big3))
-        minbits[c] = min(min(low0, low1), min(low2, low3))
-        sumsq[c] = (sq0 + sq1) + (sq2 + sq3)
+        chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c] = _reductions(values, bits_of)
+        row = chunk_keys[c]
+        row[:] = 0
+        _key_counts(bits_of, bounds, row)
+    for c in range(chunks.shape[0]):
+        t = chunks[c, 0]
+        if chunks[c, 3]:
+            keys[t], maxbits[t], minbits[t], sumsq[t] = chunk_keys[c], chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c]
+        else:
+            keys[t] += chunk_keys[c]
+            maxbits[t], minbits[t] = max(maxbits[t], chunk_bits[c, 0]), min(minbits[t], chunk_bits[c, 1])
+            sumsq[t] += chunk_sumsq[c]

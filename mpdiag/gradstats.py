@@ -23,6 +23,7 @@ workspaces allocated once.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -145,25 +146,28 @@ def power_of_two_exponent(scale: float) -> int | None:
     return exponent - 1 if mantissa == 0.5 and -126 <= exponent - 1 <= 126 else None
 
 
-def _shift_fields(keys: np.ndarray, shift: int) -> np.ndarray | None:
-    """Key counts of every value multiplied by 2**shift, or None when that is not exact from counts alone:
-    some value is an fp32 subnormal, or would become one. Values pushed past the largest field become inf."""
-    magnitude = keys.sum(axis=1)
+def _shift_is_exact(magnitude: np.ndarray, shift: int) -> bool:
+    """Whether counts (magnitude counts, (T, field, region)) of every value times 2**shift follow from the
+    counts alone: no value is an fp32 subnormal or would become one (their products depend on digits the
+    counts do not hold). Values pushed past the largest finite field become inf, which is exact."""
     if magnitude[:, 0, 1:].any():
-        return None  # fp32 subnormals: their product depends on the digits the counts do not hold
-    normal = magnitude[:, 1 : FIELDS - 1]
-    lowest = np.flatnonzero(normal.any(axis=(0, 2)))
-    if lowest.size and lowest[0] + 1 + shift < 1:
-        return None
-    out = np.zeros_like(keys)
-    out[:, :, 0] = keys[:, :, 0]
-    out[:, :, FIELDS - 1] = keys[:, :, FIELDS - 1]
+        return False
+    lowest = np.flatnonzero(magnitude[:, 1 : FIELDS - 1].any(axis=(0, 2)))
+    return not (lowest.size and lowest[0] + 1 + shift < 1)
+
+
+@functools.cache
+def _category_matrix(shift: int) -> np.ndarray:
+    """CATEGORY_MATRIX for values multiplied by 2**shift, as float64 (a BLAS product; exact below 2**53):
+    row (field, region) holds the categories of cell (field + shift, region). Cells pushed past the largest
+    finite field are inf in fp32 and in no category."""
+    table = CATEGORY_MATRIX.reshape(FIELDS, REGIONS, -1)
+    shifted = np.zeros(table.shape, dtype=np.float64)
+    shifted[[0, FIELDS - 1]] = table[[0, FIELDS - 1]]
     source = np.arange(1, FIELDS - 1)
-    target = source + shift
-    inside = (target >= 1) & (target < FIELDS - 1)
-    out[:, :, target[inside]] = keys[:, :, source[inside]]
-    out[:, :, FIELDS - 1, 0] += keys[:, :, source[target >= FIELDS - 1]].sum(axis=(2, 3))  # overflow to ±inf
-    return out
+    inside = (source + shift >= 1) & (source + shift < FIELDS - 1)
+    shifted[source[inside]] = table[source[inside] + shift]
+    return shifted.reshape(FIELDS * REGIONS, -1)
 
 
 def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -176,7 +180,6 @@ def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
 
 #: elements per work item of the numba kernel: big tensors are split so both cores share them
 CHUNK = 1 << 17
-LANES = 4  # the kernel's interleaved lanes (its reductions are written out for exactly four)
 
 
 class GradStatsComputer:
@@ -203,18 +206,20 @@ class GradStatsComputer:
             from mpdiag.cpu_kernel import fused_pass
 
             self._kernel, self._typed_list = fused_pass, numba.typed.List
-            per_tensor = [max(1, -(-n // CHUNK)) for n in self.numels]
-            self._chunk_tensor = np.repeat(np.arange(len(self.numels)), per_tensor)
-            self._first_chunk = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
-            within = np.arange(len(self._chunk_tensor)) - np.repeat(self._first_chunk, per_tensor)
-            self._chunk_start = within * CHUNK
-            self._chunk_end = np.minimum(self._chunk_start + CHUNK, np.repeat(self.numels, per_tensor))
-            n_chunks = len(self._chunk_tensor)
-            self._chunk_keys = np.empty((n_chunks, LANES, KEYS_PER_TENSOR), dtype=np.int64)
-            self._chunk_max, self._chunk_min = np.empty(n_chunks, np.int32), np.empty(n_chunks, np.int32)
-            self._chunk_sumsq = np.empty(n_chunks, np.float64)
+            n = len(self.numels)
+            per_tensor = [max(1, -(-size // CHUNK)) for size in self.numels]
+            tensor = np.repeat(np.arange(n), per_tensor)
+            first_chunk = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
+            start = (np.arange(len(tensor)) - first_chunk[tensor]) * CHUNK
+            end = np.minimum(start + CHUNK, np.asarray(self.numels, dtype=np.int64)[tensor])
+            self._chunks = np.stack([tensor, start, end, start == 0], axis=1).astype(np.int64)
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
-            self._spaces = [self._chunk_keys, self._chunk_max, self._chunk_min, self._chunk_sumsq]
+            self._spaces = [
+                np.empty((len(tensor), KEYS_PER_TENSOR), np.int64), np.empty((len(tensor), 2), np.int32),
+                np.empty(len(tensor), np.float64),  # per chunk: key counts, bit bounds, sum of squares
+                np.empty((n, KEYS_PER_TENSOR), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
+                np.empty(n, np.float64),  # per tensor: the same, combined
+            ]
         else:
             total, largest = int(self.offsets[-1]), max(self.numels, default=0)
             self._keys = torch.empty(total, dtype=torch.int32, device=self.device)
@@ -239,34 +244,32 @@ class GradStatsComputer:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
         flat = [g.detach().reshape(-1).float() for g in grads]
         raw = self._pass(flat)
+        k = power_of_two_exponent(scale)
+        shift = None if k is None else (-k if grads_are_scaled else k)  # fields from the tensors to the other view
         if scale == 1.0:
-            g_view = scaled_view = (raw, flat)
-            how = "same"
+            how, other = "same", (raw, flat, 0)
+        elif shift is not None and _shift_is_exact(raw.keys.sum(axis=1), shift):
+            how, other = "shifted", (raw, None, shift)  # no fp32 subnormals in either view: values not needed
         else:
-            k = power_of_two_exponent(scale)
-            shift = None if k is None else (-k if grads_are_scaled else k)
-            shifted = None if shift is None else _shift_fields(raw.keys, shift)
-            if shifted is not None:
-                with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
-                    factor = 2.0**shift
-                    derived = _Pass(shifted, (raw.absmax * factor).astype(np.float32).astype(np.float64),
-                                    raw.min_nonzero * factor, raw.l2 * factor)
-                derived_flat, how = None, "shifted"  # no fp32 subnormals in either view: values not needed
-            else:
-                factor = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float()) if grads_are_scaled else scale
-                other = self._unscaled_workspace()
-                derived_flat = [torch.mul(x, factor, out=other[s:e]) for x, s, e in self._slices(flat)]
-                derived, how = self._pass(derived_flat), "recomputed"
-            g_view, scaled_view = ((derived, derived_flat), (raw, flat)) if grads_are_scaled else \
-                ((raw, flat), (derived, derived_flat))
-        g, g_flat = g_view
-        hist, counts = self._decode(g.keys, g_flat, suffix="")
+            factor = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float()) if grads_are_scaled else scale
+            workspace = self._unscaled_workspace()
+            derived_flat = [torch.mul(x, factor, out=workspace[s:e]) for x, s, e in self._slices(flat)]
+            how, other = "recomputed", (self._pass(derived_flat), derived_flat, 0)
+        (g, g_flat, g_shift), (at_scale, at_scale_flat, at_scale_shift) = \
+            (other, (raw, flat, 0)) if grads_are_scaled else ((raw, flat, 0), other)
+        hist, counts = self._decode(g.keys, g_flat, "", g_shift)
         if how == "same":
             counts.update({f"{k}_at_scale": v for k, v in counts.items() if k.startswith(("fp16", "bf16"))})
         else:
-            _, scaled_counts = self._decode(scaled_view[0].keys, scaled_view[1], suffix="_at_scale")
+            _, scaled_counts = self._decode(at_scale.keys, at_scale_flat, "_at_scale", at_scale_shift)
             counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
-        return StepGradStats(hist=hist, counts=counts, absmax=g.absmax, min_nonzero=g.min_nonzero, l2=g.l2,
+        absmax, min_nonzero, l2 = g.absmax, g.min_nonzero, g.l2
+        if g_shift:
+            with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
+                factor = 2.0**g_shift
+                absmax = (absmax * factor).astype(np.float32).astype(np.float64)
+                min_nonzero, l2 = min_nonzero * factor, l2 * factor
+        return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2,
                              other_view=how)
 
     def _unscaled_workspace(self) -> torch.Tensor:
@@ -283,16 +286,12 @@ class GradStatsComputer:
 
     def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
         arrays = self._typed_list([x.numpy() for x in flat])
-        self._kernel(arrays, self._chunk_tensor, self._chunk_start, self._chunk_end, self._bounds,
-                    self._chunk_keys, self._chunk_max, self._chunk_min, self._chunk_sumsq)
-        first = self._first_chunk
-        keys = np.add.reduceat(self._chunk_keys[:, 0], first, axis=0).reshape(len(flat), 2, FIELDS, REGIONS)
-        largest = np.maximum.reduceat(self._chunk_max, first)
-        below_smallest = np.minimum.reduceat(self._chunk_min, first)  # 0x7FFFFFFF: all zeros
+        self._kernel(arrays, self._chunks, self._bounds, *self._spaces)
+        keys, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[3:])  # the next pass reuses them
         smallest = (below_smallest.astype(np.int64) + 1).astype(np.uint32).view(np.float32).astype(np.float64)
-        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest)
-        l2 = np.sqrt(np.add.reduceat(self._chunk_sumsq, first))
-        return _Pass(keys, largest.view(np.float32).astype(np.float64), min_nonzero, l2)
+        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest)  # 0x7FFFFFFF: all zeros
+        return _Pass(keys.reshape(len(flat), 2, FIELDS, REGIONS), largest.view(np.float32).astype(np.float64),
+                     min_nonzero, np.sqrt(sumsq))
 
     def _torch_pass(self, flat: list[torch.Tensor]) -> _Pass:
         """Key counts and reductions with torch ops, copied to the host in one transfer."""
@@ -324,20 +323,24 @@ class GradStatsComputer:
         min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest_bits)  # 0x7FFFFFFF: all zeros
         return _Pass(keys, absmax_l2[0], min_nonzero, absmax_l2[1])
 
-    def _decode(self, key_counts: np.ndarray, flat: list[torch.Tensor] | None, suffix: str):
-        """Histogram and named counts from key counts; fp32 subnormals are resolved from the values."""
+    def _decode(self, key_counts: np.ndarray, flat: list[torch.Tensor] | None, suffix: str, shift: int = 0):
+        """Histogram and named counts of the values of ``key_counts`` times 2**shift (shift != 0 only where
+        :func:`_shift_is_exact`); fp32 subnormals are resolved from the values ``flat``."""
         magnitude = key_counts[:, 0] + key_counts[:, 1]  # (T, field, region)
         n = key_counts.shape[0]
+        per_field = sum(magnitude[:, :, r] for r in range(REGIONS))  # (T, field): five adds beat .sum(axis=2)
         hist = np.zeros((n, N_EXP_BINS), dtype=np.int64)
-        first_normal_bin = FP32.min_normal_exponent - EXP_MIN
-        hist[:, first_normal_bin:] = magnitude[:, 1 : FIELDS - 1, :].sum(axis=2)
+        first_normal_bin = FP32.min_normal_exponent - EXP_MIN  # the bin of field 1
+        low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
+        hist[:, first_normal_bin + low + shift - 1 : first_normal_bin + high + shift - 1] = per_field[:, low:high]
+        overflowed = key_counts[:, :, high : FIELDS - 1].sum(axis=(2, 3))  # (T, sign): became ±inf
         counts = {
             "zeros": magnitude[:, 0, 0],
             "nan": magnitude[:, FIELDS - 1, 1:].sum(axis=1),
-            "posinf": key_counts[:, 1, FIELDS - 1, 0],
-            "neginf": key_counts[:, 0, FIELDS - 1, 0],
+            "posinf": key_counts[:, 1, FIELDS - 1, 0] + overflowed[:, 1],
+            "neginf": key_counts[:, 0, FIELDS - 1, 0] + overflowed[:, 0],
         }
-        per_category = magnitude.reshape(n, -1) @ CATEGORY_MATRIX  # (T, formats x categories)
+        per_category = np.rint(magnitude.reshape(n, -1) @ _category_matrix(shift)).astype(np.int64)
         for column, name in enumerate(CATEGORY_COLUMNS):
             counts[f"{name}{suffix}"] = per_category[:, column]
         for t in np.nonzero(magnitude[:, 0, 1:].sum(axis=1))[0]:

@@ -72,17 +72,18 @@ def test_edges_cast_as_reference_says():
     assert torch.tensor(2**-134).bfloat16().item() == 0
 
 
-def assert_counts_equal_casting(stats, g, scaled):
+def assert_counts_equal_casting(stats, g, scaled, t=0):
+    """Tensor ``t``'s counts in ``stats`` equal casting ``g`` (unscaled) and ``scaled`` (S*g)."""
     for fmt in (FP16, BF16):
         for values, suffix in ((g, ""), (scaled, "_at_scale")):
             expected = category_counts_by_casting(values, fmt)
-            got = {k: int(stats.counts[f"{fmt.name}_{k}{suffix}"][0]) for k in expected}
+            got = {k: int(stats.counts[f"{fmt.name}_{k}{suffix}"][t]) for k in expected}
             assert got == expected, (fmt.name, suffix)
-    assert (stats.hist[0] == reference_hist(g)).all()
-    assert stats.counts["zeros"][0] == int((g == 0).sum())
-    assert stats.counts["nan"][0] == int(g.isnan().sum())
-    assert stats.counts["posinf"][0] == int((g == float("inf")).sum())
-    assert stats.counts["neginf"][0] == int((g == -float("inf")).sum())
+    assert (stats.hist[t] == reference_hist(g)).all()
+    assert stats.counts["zeros"][t] == int((g == 0).sum())
+    assert stats.counts["nan"][t] == int(g.isnan().sum())
+    assert stats.counts["posinf"][t] == int((g == float("inf")).sum())
+    assert stats.counts["neginf"][t] == int((g == -float("inf")).sum())
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
@@ -154,6 +155,22 @@ def test_reductions_and_multiple_tensors(computer):
     assert stats.absmax[3] == big.abs().max().item() and stats.min_nonzero[3] == big.abs().min().item()
     assert stats.l2[3] == pytest.approx(float(torch.linalg.vector_norm(big.double())), rel=1e-6)
     assert (stats.hist[3] == reference_hist(big)).all()
+
+
+def test_tensors_split_into_work_items_still_equal_casting(computer):
+    """Tensors larger than one numba work item (2**17 values), with odd lengths and edge values in every
+    item: the per-item counts and reductions must combine to the whole tensor's."""
+    x = sweep(3 * 2**17, seed=5)
+    x[-2] = float("nan")  # in the last work item, after the others' absmax
+    y = sweep(2**17 + 1, seed=6)
+    tensors = [x[:7], x, y]
+    stats = computer([v.numel() for v in tensors]).compute(tensors, 2.0**16, grads_are_scaled=True)
+    for t, scaled in enumerate(tensors):
+        g = gradscaler_unscale(scaled, 2.0**16)
+        assert_counts_equal_casting(stats, g, scaled, t)
+        np.testing.assert_equal(stats.absmax[t], g.abs().max().item())  # NaN in x's last item wins
+        assert stats.min_nonzero[t] == g[g != 0].abs().nan_to_num(nan=float("inf")).min().item()
+        np.testing.assert_allclose(stats.l2[t], torch.linalg.vector_norm(g.double()).item(), rtol=1e-12)
 
 
 def test_workspace_is_reused_across_steps(computer):
