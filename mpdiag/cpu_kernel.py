@@ -1,9 +1,10 @@
-"""The fused CPU kernel of :mod:`mpdiag.gradstats`, in its own module so numba is imported (and the kernel
-loaded from numba's on-disk cache, or compiled) only when a CPU statistics computer is first built, not
-when the app starts."""
+"""The numba CPU kernels: gradient statistics (:mod:`mpdiag.gradstats`) and update counts
+(:mod:`mpdiag.updates`), in their own module so numba is imported (and the kernels loaded from numba's
+on-disk cache, or compiled) only when a CPU run first needs them, not when the app starts."""
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 from mpdiag.gradstats import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
@@ -80,3 +81,41 @@ def fused_pass(arrays, chunks, bounds, chunk_keys, chunk_bits, chunk_sumsq, keys
             keys[t] += chunk_keys[c]
             maxbits[t], minbits[t] = max(maxbits[t], chunk_bits[c, 0]), min(minbits[t], chunk_bits[c, 1])
             sumsq[t] += chunk_sumsq[c]
+
+
+def _as_float32(values, i, table):
+    """values[i] as a float32; FP16/BF16 tensors arrive as uint16 bit patterns and go through ``table``."""
+
+
+@overload(_as_float32)
+def _as_float32_for(values, i, table):
+    if values.dtype == numba.types.float32:
+        return lambda values, i, table: values[i]
+    return lambda values, i, table: table[values[i]]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def update_counts(befores, afters, grads, items, weight_table, grad_table, factor, item_counts, counts):
+    """Per tensor t, into ``counts[t]``: among the values whose gradient is finite and non-zero, how many
+    there are (updated), how many moved by less than ``factor``·|before| (below resolution) and how many
+    did not move at all (unchanged). Arithmetic in float32 like the torch path: |after - before| and
+    ``factor``·|before| (a power of two, exact) are float32 values.
+
+    ``befores``/``afters`` hold the updated tensors before and after the step, ``grads`` their gradients,
+    as float32 arrays or as uint16 bit patterns decoded by the 65,536-entry float32 ``*_table``; ``items``
+    as from :func:`mpdiag.gradstats.work_items`; ``item_counts`` (items, 3) is a workspace."""
+    for c in numba.prange(items.shape[0]):
+        t, start, end = items[c, 0], items[c, 1], items[c, 2]
+        before, after, grad = befores[t], afters[t], grads[t]
+        updated = below = unchanged = 0
+        for i in range(start, end):  # branch-free, so the loop vectorises
+            g = _as_float32(grad, i, grad_table)
+            old, new = _as_float32(before, i, weight_table), _as_float32(after, i, weight_table)
+            moved = np.isfinite(g) & (g != 0)
+            updated += moved
+            unchanged += moved & (new == old)
+            below += moved & (abs(new - old) < factor * abs(old))
+        item_counts[c, 0], item_counts[c, 1], item_counts[c, 2] = updated, below, unchanged
+    counts[:] = 0
+    for c in range(items.shape[0]):
+        counts[items[c, 0]] += item_counts[c]

@@ -178,8 +178,20 @@ def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
     return counts.index_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
 
 
-#: elements per work item of the numba kernel: big tensors are split so both cores share them
+#: elements per work item of the numba kernels: big tensors are split so both cores share them
 CHUNK = 1 << 17
+
+
+def work_items(numels: list[int]) -> np.ndarray:
+    """The numba kernels' work items over tensors of sizes ``numels``, shape (items, 4), int64: tensor,
+    first element, end element, 1 for a tensor's first item. A tensor's items are consecutive; an empty
+    tensor gets one empty item."""
+    per_tensor = [max(1, -(-size // CHUNK)) for size in numels]
+    tensor = np.repeat(np.arange(len(numels)), per_tensor)
+    first_item = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
+    start = (np.arange(len(tensor)) - first_item[tensor]) * CHUNK
+    end = np.minimum(start + CHUNK, np.asarray(numels, dtype=np.int64)[tensor])
+    return np.stack([tensor, start, end, start == 0], axis=1).astype(np.int64).reshape(-1, 4)
 
 
 class GradStatsComputer:
@@ -207,16 +219,12 @@ class GradStatsComputer:
 
             self._kernel, self._typed_list = fused_pass, numba.typed.List
             n = len(self.numels)
-            per_tensor = [max(1, -(-size // CHUNK)) for size in self.numels]
-            tensor = np.repeat(np.arange(n), per_tensor)
-            first_chunk = np.concatenate([[0], np.cumsum(per_tensor)[:-1]]).astype(np.int64)
-            start = (np.arange(len(tensor)) - first_chunk[tensor]) * CHUNK
-            end = np.minimum(start + CHUNK, np.asarray(self.numels, dtype=np.int64)[tensor])
-            self._chunks = np.stack([tensor, start, end, start == 0], axis=1).astype(np.int64)
+            self._chunks = work_items(self.numels)
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
+            items = len(self._chunks)
             self._spaces = [
-                np.empty((len(tensor), KEYS_PER_TENSOR), np.int64), np.empty((len(tensor), 2), np.int32),
-                np.empty(len(tensor), np.float64),  # per chunk: key counts, bit bounds, sum of squares
+                np.empty((items, KEYS_PER_TENSOR), np.int64), np.empty((items, 2), np.int32),
+                np.empty(items, np.float64),  # per work item: key counts, bit bounds, sum of squares
                 np.empty((n, KEYS_PER_TENSOR), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
                 np.empty(n, np.float64),  # per tensor: the same, combined
             ]

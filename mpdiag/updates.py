@@ -13,17 +13,23 @@ just after, counting per tensor, among the values whose gradient is finite and n
 * ``unchanged``: w_after == w_before exactly (the update was lost, or was exactly zero).
 
 Steps the scaler skips never call ``optimizer.step`` and are not counted. Cost per tracked step: one copy
-of the tracked tensors into snapshots allocated once (as many bytes as those tensors) and a few elementwise
-passes; the counts stay on the device until :meth:`take` is called.
+of the tracked tensors into snapshots allocated once (as many bytes as those tensors), then on the CPU one
+numba pass over snapshot, weights and gradients (:func:`mpdiag.cpu_kernel.update_counts`), elsewhere a few
+elementwise torch passes whose counts stay on the device until :meth:`take` is called.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mpdiag.formats import LOW_PRECISION
+from mpdiag.gradstats import NUMBA_AVAILABLE, work_items
+
+_BIT_VIEWS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # numba has no FP16/BF16 arrays
 
 
 def resolution_log2(format_name: str) -> int:
@@ -45,9 +51,23 @@ class UpdateTracker:
         self.targets = list(targets)
         self.format_name = format_name
         self.factor = 2.0 ** resolution_log2(format_name)
-        self._snapshots = [torch.empty_like(t, memory_format=torch.preserve_format) for t in self.targets]
+        self._snapshots = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.targets]
         self._armed_step: int | None = None
         self._done: list[tuple[int, torch.Tensor]] = []
+        self._kernel = self._cpu_kernel()
+
+    def _cpu_kernel(self):
+        """The numba kernel and its fixed inputs, when every target is a contiguous CPU tensor of one dtype
+        among float32/FP16/BF16; None otherwise (the torch path counts)."""
+        dtypes = {t.dtype for t in self.targets}
+        if (not NUMBA_AVAILABLE or not self.targets or len(dtypes) != 1
+                or not {torch.float32, *_BIT_VIEWS} >= dtypes
+                or any(t.device.type != "cpu" or not t.is_contiguous() for t in self.targets)):
+            return None
+        from mpdiag.cpu_kernel import update_counts
+
+        items = work_items([t.numel() for t in self.targets])
+        return update_counts, items, np.empty((len(items), 3), np.int64)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""
@@ -60,6 +80,28 @@ class UpdateTracker:
         """Count what the step just done changed; a no-op when :meth:`before` was not called for it."""
         if self._armed_step is None:
             return
+        counts = self._count_on_cpu()
+        self._done.append((self._armed_step, counts if counts is not None else self._count_with_torch()))
+        self._armed_step = None
+
+    def _count_on_cpu(self) -> torch.Tensor | None:
+        """The counts from the numba kernel, or None where it does not apply to this step's gradients."""
+        grads = [t.grad for t in self.targets]
+        if self._kernel is None or any(g is None or not g.is_contiguous() for g in grads) or \
+                len({g.dtype for g in grads}) != 1:
+            return None
+        from numba.typed import List
+
+        kernel, items, item_counts = self._kernel
+        weights, weight_table = _numpy_views(self._snapshots)
+        after, _ = _numpy_views([t.detach() for t in self.targets])
+        grad_values, grad_table = _numpy_views([g.detach() for g in grads])
+        counts = np.empty((len(self.targets), 3), np.int64)
+        kernel(List(weights), List(after), List(grad_values), items, weight_table, grad_table,
+               np.float32(self.factor), item_counts, counts)
+        return torch.from_numpy(counts)
+
+    def _count_with_torch(self) -> torch.Tensor:
         rows = []
         with torch.no_grad():
             for snap, t in zip(self._snapshots, self.targets, strict=True):
@@ -75,10 +117,27 @@ class UpdateTracker:
                     (moved & (delta < self.factor * old.abs())).sum(),
                     (moved & (new == old)).sum(),
                 ]))
-        self._done.append((self._armed_step, torch.stack(rows)))
-        self._armed_step = None
+        return torch.stack(rows)
 
     def take(self) -> list[tuple[int, list[list[int]]]]:
         """The counts of steps finished since the last call, as host lists (one device sync)."""
         done, self._done = self._done, []
         return [(step, counts.tolist()) for step, counts in done]
+
+
+@functools.cache
+def _float32_table(dtype: torch.dtype) -> np.ndarray:
+    """The float32 value of every 16-bit pattern of ``dtype`` (FP16/BF16), by torch's own conversion."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    table = np.empty(2**16, np.float32)
+    table[patterns.numpy().view(np.uint16)] = patterns.view(dtype).float().numpy()
+    return table
+
+
+def _numpy_views(tensors: list[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Flat numpy views of same-dtype contiguous CPU tensors for the numba kernel, and the table that
+    decodes them (FP16/BF16 travel as uint16 bit patterns; an unused stub for float32)."""
+    dtype = tensors[0].dtype
+    if dtype == torch.float32:
+        return [t.reshape(-1).numpy() for t in tensors], np.zeros(1, np.float32)
+    return [t.reshape(-1).view(_BIT_VIEWS[dtype]).numpy().view(np.uint16) for t in tensors], _float32_table(dtype)

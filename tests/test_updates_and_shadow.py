@@ -14,6 +14,7 @@ from mpdiag import Recorder, Store
 from mpdiag.runner import RunConfig, train
 from mpdiag.script import ModelScript
 from mpdiag.summaries import shadow_ranking, update_shares
+from mpdiag.updates import UpdateTracker
 
 # multiples of the FP16 resolution 2^-11·|w|, kept away from 1 so FP32 rounding of w + u cannot flip a side
 MULTIPLES = [0.25, 0.5, 0.9, 1.1, 2.0, 4.0, 16.0]
@@ -79,6 +80,37 @@ def test_skipped_steps_record_no_updates(store_path):
     stats = Store(store_path).update_stats(rec.run_id)
     assert sorted(stats["step"].unique()) == [0, 2]
     assert Store(store_path).steps(rec.run_id)["skipped"].tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "fp16"), (torch.float16, "fp16"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("contiguous", [True, False])  # the numba kernel, and the torch path it falls back to
+def test_update_counts_equal_float64_arithmetic(dtype, fmt, contiguous):
+    """Large tensors (several numba work items), updates spread around the resolution, zero / NaN / inf
+    gradients: the counts equal the rule evaluated in float64 on the stored values."""
+    gen = torch.Generator().manual_seed(7)
+    n = 2 * 2**17 + 3
+    resolution = 2.0 ** -(11 if fmt == "fp16" else 8)
+    w = (torch.randn(n, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    k = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(-4, 4, generator=gen))
+    new = (w.double() + k * resolution * w.double().abs() * torch.randn(n, generator=gen).sign()).to(dtype)
+    grad = torch.randn(n, generator=gen).to(dtype)
+    grad[::11], grad[5], grad[7] = 0, float("nan"), float("-inf")
+    shape = (3, n // 3) if contiguous else (n // 3, 3)
+    target = w[: n // 3 * 3].view(shape).clone()
+    target = target if contiguous else target.t().contiguous().t()  # same values, transposed layout
+    target.grad = grad[: n // 3 * 3].view(shape).clone()
+    tracker = UpdateTracker([target], fmt)
+    tracker.before(4)
+    with torch.no_grad():
+        target.copy_(new[: n // 3 * 3].view(shape))
+    tracker.after()
+    [(step, [counts])] = tracker.take()
+    old, now, g = (x[: n // 3 * 3].double() for x in (w, new, grad))
+    moved = g.isfinite() & (g != 0)
+    expected = [int(moved.sum()), int((moved & ((now - old).abs() < resolution * old.abs())).sum()),
+                int((moved & (now == old)).sum())]
+    assert step == 4 and counts == expected
+    assert 0 < expected[1] < expected[0] and (expected[2] > 0) == (dtype != torch.float32)  # the data reaches every count
 
 
 def test_update_targets_must_match_the_model():
