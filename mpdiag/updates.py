@@ -44,17 +44,22 @@ class UpdateTracker:
 
     Call :meth:`before` right before the optimizer step and :meth:`after` right after it (the Recorder does
     this from optimizer step hooks); :meth:`take` returns ``(step, counts)`` pairs with counts an
-    (n_targets, 3) int64 tensor: updated, below_resolution, unchanged.
+    (n_targets, 3) int64 tensor: updated, below_resolution, unchanged. ``backend``: "numba" (the default
+    where it applies: numba installed, contiguous CPU targets of one dtype) or "torch" (any device).
     """
 
-    def __init__(self, targets: Sequence[torch.Tensor], format_name: str):
+    def __init__(self, targets: Sequence[torch.Tensor], format_name: str, backend: str | None = None):
+        if backend not in (None, "numba", "torch"):
+            raise ValueError(f"backend must be 'numba' or 'torch', got {backend!r}")
         self.targets = list(targets)
         self.format_name = format_name
         self.factor = 2.0 ** resolution_log2(format_name)
         self._snapshots = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.targets]
         self._armed_step: int | None = None
         self._done: list[tuple[int, torch.Tensor]] = []
-        self._kernel = self._cpu_kernel()
+        self._kernel = None if backend == "torch" else self._cpu_kernel()
+        if backend == "numba" and self._kernel is None:
+            raise ValueError("the numba backend needs numba and contiguous CPU targets of one float dtype")
 
     def _cpu_kernel(self):
         """The numba kernel and its fixed inputs, when every target is a contiguous CPU tensor of one dtype
