@@ -11,7 +11,6 @@ nothing cached), and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from common import write_result  # noqa: E402
 
 from mpdiag import Recorder, Store, charts, summaries  # noqa: E402
 from mpdiag.examples.data import digits  # noqa: E402
@@ -130,8 +130,7 @@ def main() -> None:
     print(f"heatmap marks sent to the browser: {direct['heatmap_marks']}")
     print(f"whole Gradients page under AppTest (cold, incl. widgets): {whole_page * 1e3:.0f} ms")
     result = {"steps": args.steps, "tensors": 2 * args.layers, **direct, "apptest_page_seconds": whole_page}
-    Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ plus the model-state memory account next to the 16*Psi formula. Writes the table
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import write_result  # noqa: E402
 
 from mpdiag import Store  # noqa: E402
 from mpdiag.policies import POLICIES  # noqa: E402
@@ -74,10 +75,7 @@ def main() -> None:
               f"{r['peak_mem_bytes'] / 2**20:>9.0f}{r['peak_mem_vs_O0']:>7.2f}{r['final_loss']:>12.4g}"
               f"{r['final_loss_vs_O0']:>7.2f}{r['skipped_steps']:>9}{r['model_state_total'] / 2**20:>10.2f}"
               f"{r['adam_16psi_bytes'] / 2**20:>8.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"script": args.script, "steps": args.steps, "memory": memory, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_result({"script": args.script, "steps": args.steps, "memory": memory, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ RSS it added, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from common import write_result  # noqa: E402
 
 from mpdiag import Recorder, Store  # noqa: E402
 from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
@@ -154,10 +154,7 @@ def main() -> None:
     print(f"peak memory added during the whole loop, all variants (TensorBoard's host copies included): "
           f"{extra_rss / 2**20:.1f} MB ({'CUDA allocator' if device.type == 'cuda' else 'process RSS'})")
     print(f"rows recorded: {len(stored)} (= steps x tensors, every step)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

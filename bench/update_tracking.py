@@ -10,7 +10,6 @@ master weights and for FP16 weights. Prints medians and ratios and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from common import write_result  # noqa: E402
 
 from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
 from mpdiag.updates import UpdateTracker  # noqa: E402
@@ -71,10 +71,7 @@ def main() -> None:
         result[name] = row
         print(f"{name:<10}{row['bare_update_ms']:>11.1f} ms{row['numba_ms']:>7.1f} ms{row['torch_ms']:>7.1f} ms"
               f"{row['torch_ms'] / row['numba_ms']:>12.1f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
