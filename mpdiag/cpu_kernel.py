@@ -10,6 +10,7 @@ from mpdiag.gradstats import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
 LANES = 4  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
 ABS_MASK = np.int32(0x7FFFFFFF)
+EXPONENT_MASK = np.int32(0x7F800000)
 
 # "reassoc" lets LLVM vectorise the float64 sum of squares (any summation order is as exact as the loop's);
 # no flag that assumes away NaN or inf, which must propagate into the result.
@@ -55,33 +56,51 @@ def _key_counts(bits_of, bounds, row):
         cells[1] = fields[:, field].sum() - cells.sum()
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def fused_pass(arrays, chunks, bounds, chunk_keys, chunk_bits, chunk_sumsq, keys, maxbits, minbits, sumsq):
-    """Key counts and reductions of every tensor in ``arrays``, written per tensor into ``keys`` (T,
-    KEYS_PER_TENSOR), ``maxbits``, ``minbits`` and ``sumsq`` (see :func:`_reductions`).
+@numba.njit(nogil=True)
+def _subnormal_cell_counts(bits_of, key_row, subnormal_bounds, cells):
+    """Adds each fp32 subnormal's cell (see mpdiag.gradstats.SUBNORMAL_BOUNDS) to ``cells``; a second look
+    at the values, taken only when ``key_row`` (this chunk's key counts) says there are any."""
+    negative, positive = key_row[1:REGIONS], key_row[FIELDS * REGIONS + 1 : (FIELDS + 1) * REGIONS]  # field 0
+    if negative.sum() + positive.sum() == 0:
+        return
+    for i in range(bits_of.shape[0]):
+        bits = bits_of[i]
+        mantissa = bits & MANTISSA_MASK
+        if (bits & EXPONENT_MASK) == 0 and mantissa != 0:
+            cells[np.searchsorted(subnormal_bounds, mantissa, side="right")] += 1
 
-    ``chunks`` (C, 4) lists the work items: tensor, first element, end element, and whether the item is the
-    first of its tensor; the chunks of a tensor are consecutive. Items run in parallel, each into its own row
-    of ``chunk_keys`` (C, KEYS_PER_TENSOR), ``chunk_bits`` (C, 2: largest, below smallest) and ``chunk_sumsq``;
-    then each tensor combines its rows.
-    Every value is read twice, the second time from cache, and nothing is written per value."""
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def fused_pass(arrays, chunks, bounds, subnormal_bounds, chunk_keys, chunk_cells, chunk_bits, chunk_sumsq,
+               keys, cells, maxbits, minbits, sumsq):
+    """Key counts, fp32-subnormal cell counts and the reductions of :func:`_reductions` of every tensor in
+    ``arrays``, written per tensor into ``keys`` (T, KEYS_PER_TENSOR), ``cells`` (T, SUBNORMAL_CELLS),
+    ``maxbits``, ``minbits`` and ``sumsq``.
+
+    ``chunks`` (C, 4) lists the work items (:func:`mpdiag.gradstats.work_items`). Items run in parallel,
+    each into its own row of ``chunk_keys``, ``chunk_cells``, ``chunk_bits`` (C, 2: largest, below
+    smallest) and ``chunk_sumsq``; then each tensor combines its rows. Every value is read twice, the
+    second time from cache, and nothing is written per value."""
     for c in numba.prange(chunks.shape[0]):
         tensor, start, end = chunks[c, 0], chunks[c, 1], chunks[c, 2]
         values = arrays[tensor][start:end]
         bits_of = values.view(np.int32)
         chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c] = _reductions(values, bits_of)
-        row = chunk_keys[c]
+        row, cell_row = chunk_keys[c], chunk_cells[c]
         row[:] = 0
+        cell_row[:] = 0
         _key_counts(bits_of, bounds, row)
+        _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
     for c in range(chunks.shape[0]):
         t = chunks[c, 0]
         if chunks[c, 3]:
-            keys[t], maxbits[t], minbits[t], sumsq[t] = chunk_keys[c], chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c]
+            keys[t], cells[t] = chunk_keys[c], chunk_cells[c]
+            maxbits[t], minbits[t], sumsq[t] = chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c]
         else:
             keys[t] += chunk_keys[c]
+            cells[t] += chunk_cells[c]
             maxbits[t], minbits[t] = max(maxbits[t], chunk_bits[c, 0]), min(minbits[t], chunk_bits[c, 1])
             sumsq[t] += chunk_sumsq[c]
-
 
 def _as_float32(values, i, table):
     """values[i] as a float32; FP16/BF16 tensors arrive as uint16 bit patterns and go through ``table``."""

@@ -9,16 +9,20 @@ subnormal / overflow counts.
 Which (field, region) cell falls in which category is not typed in: it is found by casting the smallest and
 largest fp32 value of every cell with torch (:func:`_category_table`), so the counts equal torch's own
 round-to-nearest-even casting by construction, and a cell that is not uniform fails at import. fp32
-subnormals (|x| < 2**-126) are the one non-uniform range for BF16; they are rare and classified by casting.
+subnormals (|x| < 2**-126) are the one non-uniform range (for BF16, and for the histogram's binades): they
+are counted again by *subnormal cell* (:data:`SUBNORMAL_BOUNDS`, edges found by bisecting with casts), so
+no count ever needs the values themselves after the pass.
 
 One pass serves both views the Recorder stores, g and S*g: multiplying by a power of two 2^k moves every
 normal value k fields and leaves its mantissa alone, so the other view's counts are the same counts shifted
 k fields - exactly, as long as no value leaves fp32's normal range (then, or for a scale that is not a
 power of two, the other view is computed and counted explicitly, as GradScaler computes it).
 
-Two backends compute the key counts and reductions: a fused numba kernel on the CPU (one read of each
-gradient, per-thread histograms, nothing written back) and torch ops elsewhere (CUDA), which reuse
-workspaces allocated once.
+Two backends compute the counts and reductions: a fused numba kernel on the CPU (see mpdiag.cpu_kernel)
+and torch ops elsewhere (CUDA): a fixed number of launches over all gradients gathered into workspaces
+allocated once, no host synchronisation, one non-blocking copy to the host (:class:`PendingStats`). The
+torch backend always computes the second view by GradScaler's multiply, since choosing to shift would
+mean reading counts back first.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def _category_table(fmt: Format) -> np.ndarray:
     if (table[1 : FIELDS - 1] == MIXED).any():
         raise AssertionError(f"{fmt.name}: a rounding edge inside an fp32 normal exponent field is not a region bound")
     if (table[0, 1:] == MIXED).any():
-        table[0, 1:] = MIXED  # classify all fp32 subnormals by casting, none from the table
+        table[0, 1:] = MIXED  # all fp32 subnormals then count by subnormal cell, none from the table
     table[0, 0] = SPECIAL  # zero
     table[FIELDS - 1, :] = SPECIAL  # inf, NaN
     return table
@@ -108,6 +112,67 @@ CATEGORY_TABLES = {name: _category_table(fmt) for name, fmt in LOW_PRECISION.ite
 CATEGORY_COLUMNS = [f"{name}_{label}" for name in CATEGORY_TABLES for label in CATEGORY_NAMES]
 CATEGORY_MATRIX = np.stack([(table == category).reshape(-1) for table in CATEGORY_TABLES.values()
                             for category in (UNDERFLOW, SUBNORMAL, OVERFLOW)], axis=1).astype(np.int64)
+
+
+def _subnormal_category(mantissa: int, fmt: Format) -> int:
+    """Category in ``fmt`` of the fp32 subnormal mantissa * 2**-149, by casting it."""
+    return int(_classify(torch.tensor([mantissa], dtype=torch.int32).view(torch.float32), fmt)[0])
+
+
+def _subnormal_bounds() -> tuple[int, ...]:
+    """Mantissas at which an fp32 subnormal (mantissa * 2**-149) changes binade or changes category in some
+    format, plus the region bounds so cells nest in regions. A cast's category only grows with magnitude,
+    so each change is found by bisecting between casts (torch's casting is the truth, not a formula)."""
+    bounds = {1 << k for k in range(MANTISSA_BITS)} | set(REGION_BOUNDS)
+    for fmt in LOW_PRECISION.values():
+        low = 1
+        while _subnormal_category(low, fmt) != _subnormal_category(MANTISSA_MASK, fmt):
+            lo, hi = low, MANTISSA_MASK  # category(lo) < category(hi): find the first mantissa above lo's
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _subnormal_category(mid, fmt) == _subnormal_category(low, fmt) else (lo, mid)
+            bounds.add(hi)
+            low = hi
+    return tuple(sorted(bounds))
+
+
+#: fp32 subnormals are keyed by *cell*: cell 0 is mantissa 0 (zero), cell i >= 1 holds the mantissas in
+#: [SUBNORMAL_BOUNDS[i-1], SUBNORMAL_BOUNDS[i]) (the last ends at 2**23). Within a cell the binade and every
+#: format's category are the same (checked below by casting both ends; categories only grow with magnitude).
+SUBNORMAL_BOUNDS = _subnormal_bounds()
+SUBNORMAL_CELLS = len(SUBNORMAL_BOUNDS) + 1
+
+
+def _subnormal_cell_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per cell (>= 1): its histogram bin, and a 0/1 matrix (cell, CATEGORY_COLUMNS) of its category in each
+    format whose field-0 cells are MIXED (formats with uniform field-0 cells are counted by CATEGORY_MATRIX)."""
+    ends = (*SUBNORMAL_BOUNDS[1:], MANTISSA_MASK + 1)
+    bins = np.zeros(SUBNORMAL_CELLS, dtype=np.int64)
+    matrix = np.zeros((SUBNORMAL_CELLS, len(CATEGORY_COLUMNS)), dtype=np.float64)
+    for cell, (first, end) in enumerate(zip(SUBNORMAL_BOUNDS, ends, strict=True), start=1):
+        if first.bit_length() != (end - 1).bit_length():
+            raise AssertionError(f"subnormal cell [{first}, {end}) spans two binades")
+        bins[cell] = first.bit_length() - 1  # exponent -149 + floor(log2 mantissa) is bin floor(log2 mantissa)
+        for f, (name, fmt) in enumerate(LOW_PRECISION.items()):
+            category = _subnormal_category(first, fmt)
+            if category != _subnormal_category(end - 1, fmt):
+                raise AssertionError(f"{name}: subnormal cell [{first}, {end}) holds two categories")
+            if (CATEGORY_TABLES[name][0, 1:] == MIXED).all() and category in (UNDERFLOW, SUBNORMAL, OVERFLOW):
+                matrix[cell, f * len(CATEGORY_NAMES) + (UNDERFLOW, SUBNORMAL, OVERFLOW).index(category)] = 1
+    return bins, matrix
+
+
+SUBNORMAL_BINS, SUBNORMAL_MATRIX = _subnormal_cell_tables()
+#: 0/1 (cell, region): the mantissa region each subnormal cell lies in (cell 0, zero, is region 0)
+SUBNORMAL_CELL_REGIONS = np.zeros((SUBNORMAL_CELLS, REGIONS), dtype=np.int64)
+SUBNORMAL_CELL_REGIONS[0, 0] = 1
+SUBNORMAL_CELL_REGIONS[np.arange(1, SUBNORMAL_CELLS), np.searchsorted(REGION_BOUNDS, SUBNORMAL_BOUNDS, side="right")] = 1
+
+#: The torch backend keys each value by one search of its magnitude bits among these bounds: bucket 0 is
+#: zero, buckets 1 .. SUBNORMAL_CELLS - 1 the subnormal cells, then REGIONS buckets per field 1..255.
+BUCKET_BOUNDS = (*SUBNORMAL_BOUNDS, *((field << MANTISSA_BITS) | bound for field in range(1, FIELDS)
+                                      for bound in (0, *REGION_BOUNDS)))
+BUCKETS = len(BUCKET_BOUNDS) + 1
 
 
 @dataclass
@@ -132,9 +197,11 @@ class StepGradStats:
 
 @dataclass
 class _Pass:
-    """One view's key counts, shape (T, 2, 256, REGIONS), and reductions (float64, per tensor)."""
+    """One view's key counts, shape (T, 2, 256, REGIONS), fp32-subnormal cell counts, shape
+    (T, SUBNORMAL_CELLS), and reductions (float64, per tensor)."""
 
     keys: np.ndarray
+    cells: np.ndarray
     absmax: np.ndarray
     min_nonzero: np.ndarray
     l2: np.ndarray
@@ -170,14 +237,6 @@ def _category_matrix(shift: int) -> np.ndarray:
     return shifted.reshape(FIELDS * REGIONS, -1)
 
 
-def _count_keys(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """Histogram of integer keys in [0, n) without a host synchronisation on CUDA."""
-    if keys.device.type == "cpu":
-        return torch.bincount(keys, minlength=n)
-    counts = torch.zeros(n, dtype=torch.int64, device=keys.device)
-    return counts.index_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
-
-
 #: elements per work item of the numba kernels: big tensors are split so both cores share them
 CHUNK = 1 << 17
 
@@ -194,13 +253,55 @@ def work_items(numels: list[int]) -> np.ndarray:
     return np.stack([tensor, start, end, start == 0], axis=1).astype(np.int64).reshape(-1, 4)
 
 
+class DeviceReadback:
+    """A small device tensor on its way to the host without a synchronisation: one non-blocking copy into
+    pinned memory, readable once the copy's event has completed. On the CPU it is a plain copy, ready at once."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = values.clone(), None
+
+    def ready(self) -> bool:
+        """Whether :meth:`numpy` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
+    def numpy(self) -> np.ndarray:
+        """The values, waiting for the copy if it has not completed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy()
+
+
+class PendingStats:
+    """The statistics of one step, computed or still on the device. :meth:`result` decodes them, waiting for
+    the device copy only if it has not completed; :meth:`ready` says whether it would wait."""
+
+    def __init__(self, finish, readback: DeviceReadback | None = None):
+        self._finish, self._readback, self._result = finish, readback, None
+
+    def ready(self) -> bool:
+        return self._readback is None or self._readback.ready()
+
+    def result(self) -> StepGradStats:
+        if self._result is None:
+            self._result = self._finish(None if self._readback is None else self._readback.numpy())
+        return self._result
+
+
 class GradStatsComputer:
     """Computes :class:`StepGradStats` for a fixed list of tensor sizes, reusing its workspaces.
 
-    ``backend``: "numba" (CPU, the default there when numba is installed) or "torch" (any device). Workspaces
-    are allocated once (torch: keys for every element and scratch sized to the largest tensor; numba: a
-    key-count row per chunk), plus an FP32 buffer for the other view, only when a scale is not a power of
-    two or values leave fp32's normal range. A step allocates no full-size temporaries of its own.
+    ``backend``: "numba" (CPU, the default there when numba is installed) or "torch" (any device; CUDA's).
+    Workspaces are allocated once. numba: key counts per work item and per tensor, plus an FP32 buffer for
+    the other view, only when a scale is not a power of two or values leave fp32's normal range. torch: the
+    gradients gathered into one FP32 buffer and three int32 buffers of the same length (16 bytes per
+    gradient value), so a step is a fixed number of kernel launches whatever the number of tensors, with no
+    host synchronisation; its counts reach the host in one non-blocking copy (see :meth:`start`).
     """
 
     def __init__(self, numels: list[int], device: torch.device | str = "cpu", backend: str | None = None):
@@ -212,28 +313,37 @@ class GradStatsComputer:
         self.offsets = np.concatenate([[0], np.cumsum(self.numels)]).astype(np.int64)
         self._unscaled: torch.Tensor | None = None
         self._spaces: list = []
+        n = len(self.numels)
         if self.backend == "numba":
             import numba  # here, not at module import: the app never pays for it
 
             from mpdiag.cpu_kernel import fused_pass
 
             self._kernel, self._typed_list = fused_pass, numba.typed.List
-            n = len(self.numels)
             self._chunks = work_items(self.numels)
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
             items = len(self._chunks)
-            self._spaces = [
-                np.empty((items, KEYS_PER_TENSOR), np.int64), np.empty((items, 2), np.int32),
-                np.empty(items, np.float64),  # per work item: key counts, bit bounds, sum of squares
-                np.empty((n, KEYS_PER_TENSOR), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
-                np.empty(n, np.float64),  # per tensor: the same, combined
+            self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
+            self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares
+                np.empty((items, KEYS_PER_TENSOR), np.int64), np.empty((items, SUBNORMAL_CELLS), np.int64),
+                np.empty((items, 2), np.int32), np.empty(items, np.float64),
+                # per tensor: the same, combined (the bit bounds as largest and below smallest)
+                np.empty((n, KEYS_PER_TENSOR), np.int64), np.empty((n, SUBNORMAL_CELLS), np.int64),
+                np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float64),
             ]
         else:
-            total, largest = int(self.offsets[-1]), max(self.numels, default=0)
+            total = int(self.offsets[-1])
+            self._values = torch.empty(total, dtype=torch.float32, device=self.device)
             self._keys = torch.empty(total, dtype=torch.int32, device=self.device)
-            self._scratch = torch.empty(largest, dtype=torch.int32, device=self.device)
-            self._bounds_t = torch.tensor(REGION_BOUNDS, dtype=torch.int32, device=self.device)
-            self._spaces = [self._keys, self._scratch]
+            self._scratch = torch.empty(total, dtype=torch.int32, device=self.device)
+            self._ones = torch.ones(total, dtype=torch.int32, device=self.device)
+            self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
+            self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
+            self._nonempty = [t for t, size in enumerate(self.numels) if size]
+            self._views = {name: [space[self.offsets[t] : self.offsets[t + 1]] for t in self._nonempty]
+                           for name, space in (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
+            self._key_offsets = [2 * BUCKETS * t for t in self._nonempty]
+            self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
 
     @property
     def workspace_bytes(self) -> int:
@@ -241,44 +351,42 @@ class GradStatsComputer:
         spaces = [*self._spaces, self._unscaled]
         return sum(int(t.nbytes) for t in spaces if t is not None)
 
-    def compute(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool = True) -> StepGradStats:
-        """Statistics of ``grads`` produced at loss scale ``scale``.
+    def compute(self, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool = True) -> StepGradStats:
+        """Statistics of ``grads`` produced at loss scale ``scale`` (a number, or a one-element tensor such as
+        GradScaler's own scale, read without a synchronisation by the torch backend).
 
         ``grads_are_scaled``: the tensors hold S*g (as after ``scaler.scale(loss).backward()``); the unscaled
         g is then what GradScaler computes (a multiply by the fp32 reciprocal computed in fp64). If False
         they hold g already (after ``scaler.unscale_``) and S*g is their product with S in fp32.
         """
+        return self.start(grads, scale, grads_are_scaled).result()
+
+    def start(self, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool = True) -> PendingStats:
+        """:meth:`compute`, returning before the host has the counts. The torch backend only enqueues
+        device work and one non-blocking copy, so the gradients may change once the call returns, and the
+        result is best read a step later (after GradScaler's own synchronisation); numba computes at once."""
         if [g.numel() for g in grads] != self.numels:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
+        if self.backend == "numba":
+            stats = self._numba_stats(grads, float(scale), grads_are_scaled)
+            return PendingStats(lambda _: stats)
+        return self._torch_start(grads, scale, grads_are_scaled)
+
+    # -- numba ----------------------------------------------------------------------------------------------
+    def _numba_stats(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool) -> StepGradStats:
         flat = [g.detach().reshape(-1).float() for g in grads]
-        raw = self._pass(flat)
+        raw = self._numba_pass(flat)
         k = power_of_two_exponent(scale)
         shift = None if k is None else (-k if grads_are_scaled else k)  # fields from the tensors to the other view
         if scale == 1.0:
-            how, other = "same", (raw, flat, 0)
-        elif shift is not None and _shift_is_exact(raw.keys.sum(axis=1), shift):
-            how, other = "shifted", (raw, None, shift)  # no fp32 subnormals in either view: values not needed
-        else:
-            factor = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float()) if grads_are_scaled else scale
-            workspace = self._unscaled_workspace()
-            derived_flat = [torch.mul(x, factor, out=workspace[s:e]) for x, s, e in self._slices(flat)]
-            how, other = "recomputed", (self._pass(derived_flat), derived_flat, 0)
-        (g, g_flat, g_shift), (at_scale, at_scale_flat, at_scale_shift) = \
-            (other, (raw, flat, 0)) if grads_are_scaled else ((raw, flat, 0), other)
-        hist, counts = self._decode(g.keys, g_flat, "", g_shift)
-        if how == "same":
-            counts.update({f"{k}_at_scale": v for k, v in counts.items() if k.startswith(("fp16", "bf16"))})
-        else:
-            _, scaled_counts = self._decode(at_scale.keys, at_scale_flat, "_at_scale", at_scale_shift)
-            counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
-        absmax, min_nonzero, l2 = g.absmax, g.min_nonzero, g.l2
-        if g_shift:
-            with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
-                factor = 2.0**g_shift
-                absmax = (absmax * factor).astype(np.float32).astype(np.float64)
-                min_nonzero, l2 = min_nonzero * factor, l2 * factor
-        return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2,
-                             other_view=how)
+            return _stats(raw, 0, raw, 0, "same")
+        if shift is not None and _shift_is_exact(raw.keys.sum(axis=1), shift):  # one pass, two shifts
+            return _stats(raw, shift, raw, 0, "shifted") if grads_are_scaled else _stats(raw, 0, raw, shift, "shifted")
+        factor = _unscale_factor(scale) if grads_are_scaled else scale
+        workspace = self._unscaled_workspace()
+        derived = self._numba_pass([torch.mul(x, factor, out=workspace[s:e]) for x, s, e in self._slices(flat)])
+        g, at_scale = (derived, raw) if grads_are_scaled else (raw, derived)
+        return _stats(g, 0, at_scale, 0, "recomputed")
 
     def _unscaled_workspace(self) -> torch.Tensor:
         if self._unscaled is None:
@@ -289,85 +397,138 @@ class GradStatsComputer:
         for t, x in enumerate(flat):
             yield x, int(self.offsets[t]), int(self.offsets[t + 1])
 
-    def _pass(self, flat: list[torch.Tensor]) -> _Pass:
-        return self._numba_pass(flat) if self.backend == "numba" else self._torch_pass(flat)
-
     def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
         arrays = self._typed_list([x.numpy() for x in flat])
-        self._kernel(arrays, self._chunks, self._bounds, *self._spaces)
-        keys, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[3:])  # the next pass reuses them
-        smallest = (below_smallest.astype(np.int64) + 1).astype(np.uint32).view(np.float32).astype(np.float64)
-        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest)  # 0x7FFFFFFF: all zeros
-        return _Pass(keys.reshape(len(flat), 2, FIELDS, REGIONS), largest.view(np.float32).astype(np.float64),
-                     min_nonzero, np.sqrt(sumsq))
+        self._kernel(arrays, self._chunks, self._bounds, self._subnormal_bounds, *self._spaces)
+        keys, cells, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[4:])  # reused next pass
+        return _Pass(keys.reshape(len(flat), 2, FIELDS, REGIONS), cells, *_reductions_from_bits(largest, below_smallest),
+                     np.sqrt(sumsq))
 
-    def _torch_pass(self, flat: list[torch.Tensor]) -> _Pass:
-        """Key counts and reductions with torch ops, copied to the host in one transfer."""
-        smallest, absmax = [], []
-        for t, (x, start, end) in enumerate(self._slices(flat)):
-            bits, keys, scratch = x.view(torch.int32), self._keys[start:end], self._scratch[: end - start]
-            torch.bitwise_right_shift(bits, MANTISSA_BITS, out=keys)
-            keys.add_(FIELDS + 2 * FIELDS * t)  # sign and field as one index, then the tensor's block
-            torch.bitwise_and(bits, MANTISSA_MASK, out=scratch)
-            keys.mul_(REGIONS).add_(torch.bucketize(scratch, self._bounds_t, out_int32=True, right=True))
-            # (|bits| - 1) & 0x7FFFFFFF wraps zero to the largest value, so the min is the smallest non-zero - 1
-            torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch).sub_(1).bitwise_and_(0x7FFFFFFF)
-            smallest.append(scratch.min() if x.numel() else torch.tensor(0x7FFFFFFF - 1, device=x.device))
-            if x.numel():
-                low, high = torch.aminmax(x)  # one fused read, no |x| temporary; NaN propagates
-                absmax.append(torch.maximum(-low, high))
+    # -- torch ----------------------------------------------------------------------------------------------
+    def _torch_start(self, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool) -> PendingStats:
+        """Both views on the device (the other one by GradScaler's own multiply, in place), packed into one
+        int32 tensor and copied to the host without waiting."""
+        torch.cat([g.detach().reshape(-1) for g in grads], out=self._values)  # FP16/BF16 widen exactly
+        reductions = [self._torch_pass(self._counts[0])]
+        same = not torch.is_tensor(scale) and scale == 1.0
+        if not same:
+            if grads_are_scaled:
+                factor = scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale)
             else:
-                absmax.append(torch.zeros((), device=x.device))
-        n = len(flat)
-        counts = _count_keys(self._keys, KEYS_PER_TENSOR * n)
-        l2 = torch.stack(torch._foreach_norm(flat, 2, dtype=torch.float64)) if n else torch.zeros(0, device=self.device)
-        floats = torch.stack([torch.stack(absmax).double(), l2]) if n else torch.zeros((2, 0), device=self.device)
-        packed = torch.cat([counts, torch.stack(smallest).long() if n else counts[:0],
-                            floats.reshape(-1).view(torch.int64)]).cpu().numpy()  # one copy to the host
-        keys = packed[: KEYS_PER_TENSOR * n].reshape(n, 2, FIELDS, REGIONS)
-        below_smallest = packed[KEYS_PER_TENSOR * n : KEYS_PER_TENSOR * n + n]
-        absmax_l2 = packed[KEYS_PER_TENSOR * n + n :].view(np.float64).reshape(2, n)
-        smallest_bits = (below_smallest + 1).astype(np.uint32).view(np.float32).astype(np.float64)
-        min_nonzero = np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest_bits)  # 0x7FFFFFFF: all zeros
-        return _Pass(keys, absmax_l2[0], min_nonzero, absmax_l2[1])
+                factor = scale.float() if torch.is_tensor(scale) else scale
+            self._values.mul_(factor)
+            reductions.append(self._torch_pass(self._counts[1]))
+        packed = torch.cat([self._counts[: len(reductions)].reshape(-1), *reductions])
+        views = len(reductions)
+        return PendingStats(lambda host: self._torch_finish(host, views, grads_are_scaled), DeviceReadback(packed))
 
-    def _decode(self, key_counts: np.ndarray, flat: list[torch.Tensor] | None, suffix: str, shift: int = 0):
-        """Histogram and named counts of the values of ``key_counts`` times 2**shift (shift != 0 only where
-        :func:`_shift_is_exact`); fp32 subnormals are resolved from the values ``flat``."""
-        magnitude = key_counts[:, 0] + key_counts[:, 1]  # (T, field, region)
-        n = key_counts.shape[0]
-        per_field = sum(magnitude[:, :, r] for r in range(REGIONS))  # (T, field): five adds beat .sum(axis=2)
-        hist = np.zeros((n, N_EXP_BINS), dtype=np.int64)
-        first_normal_bin = FP32.min_normal_exponent - EXP_MIN  # the bin of field 1
-        low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
-        hist[:, first_normal_bin + low + shift - 1 : first_normal_bin + high + shift - 1] = per_field[:, low:high]
-        overflowed = key_counts[:, :, high : FIELDS - 1].sum(axis=(2, 3))  # (T, sign): became ±inf
-        counts = {
-            "zeros": magnitude[:, 0, 0],
-            "nan": magnitude[:, FIELDS - 1, 1:].sum(axis=1),
-            "posinf": key_counts[:, 1, FIELDS - 1, 0] + overflowed[:, 1],
-            "neginf": key_counts[:, 0, FIELDS - 1, 0] + overflowed[:, 0],
-        }
-        per_category = np.rint(magnitude.reshape(n, -1) @ _category_matrix(shift)).astype(np.int64)
-        for column, name in enumerate(CATEGORY_COLUMNS):
-            counts[f"{name}{suffix}"] = per_category[:, column]
-        for t in np.nonzero(magnitude[:, 0, 1:].sum(axis=1))[0]:
-            self._add_fp32_subnormals(flat[t], t, hist, counts, suffix)
-        return hist, counts
+    def _torch_pass(self, counts: torch.Tensor) -> torch.Tensor:
+        """Bucket counts of ``self._values`` into ``counts`` (T x sign x bucket) and the per-tensor largest and
+        below-smallest magnitude bit patterns and float64 L2 norms, returned as one int32 tensor.
+        A fixed number of launches: elementwise ops on the whole buffer, foreach ops over its tensors."""
+        bits, keys, scratch = self._values.view(torch.int32), self._keys, self._scratch
+        torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch)  # magnitude bits
+        torch.bucketize(scratch, self._bucket_bounds, out_int32=True, right=True, out=keys)
+        if not self._nonempty:
+            counts.zero_()
+            return torch.zeros(0, dtype=torch.int32, device=self.device)
+        largest = torch._foreach_max(self._views["scratch"])
+        # (|bits| - 1) & 0x7FFFFFFF wraps zero to the top; negated, a max finds the smallest non-zero - 1
+        scratch.sub_(1).bitwise_and_(0x7FFFFFFF).neg_()
+        below_smallest = torch._foreach_max(self._views["scratch"])
+        torch.bitwise_right_shift(bits, 31, out=scratch).mul_(-BUCKETS)  # BUCKETS for a negative value
+        keys.add_(scratch)
+        torch._foreach_add_(self._views["keys"], self._key_offsets)  # each tensor's own block of counts
+        counts.zero_().index_add_(0, keys, self._ones)
+        l2 = torch.stack(torch._foreach_norm(self._views["values"], 2, dtype=torch.float64))
+        return torch.cat([torch.stack(largest), torch.stack(below_smallest).neg(), l2.view(torch.int32)])
 
-    @staticmethod
-    def _add_fp32_subnormals(x: torch.Tensor, t: int, hist: np.ndarray, counts: dict, suffix: str) -> None:
-        """Bin and classify the (rare) fp32 subnormal values of one tensor by casting them."""
-        magnitude_bits = x.view(torch.int32) & 0x7FFFFFFF
-        values = x[(magnitude_bits > 0) & (magnitude_bits < (1 << MANTISSA_BITS))].abs().cpu()
-        exponents = torch.frexp(values).exponent.numpy().astype(np.int64) - 1
-        hist[t] += np.bincount(exponents - EXP_MIN, minlength=N_EXP_BINS)[:N_EXP_BINS]
-        for name, fmt in LOW_PRECISION.items():
-            if not (CATEGORY_TABLES[name][0, 1:] == MIXED).all():
-                continue  # uniform cells: already counted from the table
-            category = _classify(values, fmt)
-            for code, label in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
-                counts[f"{name}_{label}{suffix}"][t] += int((category == code).sum())
+    def _torch_finish(self, host: np.ndarray, views: int, grads_are_scaled: bool) -> StepGradStats:
+        n, present = len(self.numels), len(self._nonempty)
+        counts = host[: views * n * 2 * BUCKETS].reshape(views, n, 2, BUCKETS).astype(np.int64)
+        rest = host[views * n * 2 * BUCKETS :].reshape(views, 4 * present)
+        passes = []
+        for v in range(views):
+            largest = np.zeros(n, np.int32)
+            below_smallest = np.full(n, 0x7FFFFFFF, np.int32)  # empty tensors: no non-zero value
+            l2 = np.zeros(n, np.float64)
+            largest[self._nonempty] = rest[v, :present]
+            below_smallest[self._nonempty] = rest[v, present : 2 * present]
+            l2[self._nonempty] = rest[v, 2 * present :].view(np.float64)
+            keys, cells = _keys_from_buckets(counts[v])
+            passes.append(_Pass(keys, cells, *_reductions_from_bits(largest, below_smallest), l2))
+        if views == 1:
+            return _stats(passes[0], 0, passes[0], 0, "same")
+        raw, derived = passes
+        g, at_scale = (derived, raw) if grads_are_scaled else (raw, derived)
+        return _stats(g, 0, at_scale, 0, "recomputed")
+
+
+def _unscale_factor(scale: float) -> float:
+    """What GradScaler multiplies by to unscale: the fp32 reciprocal of the scale, computed in fp64."""
+    return float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+
+
+def _reductions_from_bits(largest: np.ndarray, below_smallest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """absmax and min_nonzero (float64) from the largest magnitude bit pattern and the smallest non-zero one
+    minus 1 (0x7FFFFFFF when there is none: min_nonzero is then NaN)."""
+    smallest = (below_smallest.astype(np.int64) + 1).astype(np.uint32).view(np.float32).astype(np.float64)
+    return largest.view(np.float32).astype(np.float64), np.where(below_smallest == 0x7FFFFFFF, np.nan, smallest)
+
+
+def _keys_from_buckets(buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The torch backend's (T, sign, bucket) counts as the numba kernel's key counts (T, sign, field, region)
+    and subnormal cell counts (T, cell)."""
+    n = buckets.shape[0]
+    keys = np.zeros((n, 2, FIELDS, REGIONS), np.int64)
+    keys[:, :, 1:] = buckets[:, :, SUBNORMAL_CELLS:].reshape(n, 2, FIELDS - 1, REGIONS)
+    keys[:, :, 0] = buckets[:, :, :SUBNORMAL_CELLS] @ SUBNORMAL_CELL_REGIONS
+    # the bucket's sign comes from the sign bit, so bucket counts of sign 1 are negative values: key sign 0
+    return keys[:, ::-1].copy(), buckets.sum(axis=1)[:, :SUBNORMAL_CELLS]
+
+
+def _stats(g: _Pass, g_shift: int, at_scale: _Pass, at_scale_shift: int, how: str) -> StepGradStats:
+    """StepGradStats from the pass whose values times 2**g_shift are g and the one whose values times
+    2**at_scale_shift are S*g."""
+    hist, counts = _decode(g, "", g_shift)
+    if how == "same":
+        counts.update({f"{k}_at_scale": v for k, v in counts.items() if k.startswith(("fp16", "bf16"))})
+    else:
+        _, scaled_counts = _decode(at_scale, "_at_scale", at_scale_shift)
+        counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
+    absmax, min_nonzero, l2 = g.absmax, g.min_nonzero, g.l2
+    if g_shift:
+        with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
+            factor = 2.0**g_shift
+            absmax = (absmax * factor).astype(np.float32).astype(np.float64)
+            min_nonzero, l2 = min_nonzero * factor, l2 * factor
+    return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2, other_view=how)
+
+
+def _decode(view: _Pass, suffix: str, shift: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Histogram and named counts of the values of ``view`` times 2**shift (shift != 0 only where
+    :func:`_shift_is_exact`, so no fp32 subnormal is involved)."""
+    key_counts = view.keys
+    magnitude = key_counts[:, 0] + key_counts[:, 1]  # (T, field, region)
+    n = key_counts.shape[0]
+    per_field = sum(magnitude[:, :, r] for r in range(REGIONS))  # (T, field): five adds beat .sum(axis=2)
+    hist = np.zeros((n, N_EXP_BINS), dtype=np.int64)
+    first_normal_bin = FP32.min_normal_exponent - EXP_MIN  # the bin of field 1
+    low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
+    hist[:, first_normal_bin + low + shift - 1 : first_normal_bin + high + shift - 1] = per_field[:, low:high]
+    np.add.at(hist, (slice(None), SUBNORMAL_BINS[1:]), view.cells[:, 1:])  # fp32 subnormals, by cell
+    overflowed = key_counts[:, :, high : FIELDS - 1].sum(axis=(2, 3))  # (T, sign): became ±inf
+    counts = {
+        "zeros": magnitude[:, 0, 0],
+        "nan": magnitude[:, FIELDS - 1, 1:].sum(axis=1),
+        "posinf": key_counts[:, 1, FIELDS - 1, 0] + overflowed[:, 1],
+        "neginf": key_counts[:, 0, FIELDS - 1, 0] + overflowed[:, 0],
+    }
+    per_category = magnitude.reshape(n, -1) @ _category_matrix(shift) + view.cells @ SUBNORMAL_MATRIX
+    per_category = np.rint(per_category).astype(np.int64)
+    for column, name in enumerate(CATEGORY_COLUMNS):
+        counts[f"{name}{suffix}"] = per_category[:, column]
+    return hist, counts
 
 
 def category_counts_by_casting(values: torch.Tensor, fmt: Format) -> dict[str, int]:

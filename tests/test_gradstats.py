@@ -9,12 +9,34 @@ import torch
 from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
 from mpdiag.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
 
-BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else [])
+BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else []) + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class OnDevice:
+    """A GradStatsComputer on the GPU, fed the same CPU test tensors (copied over) and returning host results."""
+
+    def __init__(self, numels):
+        self.inner = GradStatsComputer(numels, device="cuda")
+        self.backend = self.inner.backend
+
+    def start(self, grads, scale, grads_are_scaled=True):
+        scale = scale.cuda() if torch.is_tensor(scale) else scale
+        return self.inner.start([g.cuda() for g in grads], scale, grads_are_scaled)
+
+    def compute(self, grads, scale, grads_are_scaled=True):
+        return self.start(grads, scale, grads_are_scaled).result()
+
+    @property
+    def workspace_bytes(self):
+        return self.inner.workspace_bytes
 
 
 @pytest.fixture(params=BACKENDS)
 def computer(request):
-    """GradStatsComputer factory for each backend: every test below runs against both."""
+    """GradStatsComputer factory for each backend (and the GPU, where there is one): every test below runs
+    against each."""
+    if request.param == "cuda":
+        return OnDevice
     return lambda numels: GradStatsComputer(numels, backend=request.param)
 
 
@@ -102,8 +124,10 @@ def test_power_of_two_scales_shift_one_pass_exactly(scale, already_unscaled, com
     equals casting; values pushed past fp32's range become inf in both."""
     x = sweep(50_000, seed=3)
     x = x[~((x.abs() < 2.0**-126 * max(scale, 1 / scale)) & (x != 0))]  # nothing becomes an fp32 subnormal
-    stats = computer([x.numel()]).compute([x], scale, grads_are_scaled=not already_unscaled)
-    assert stats.other_view == "shifted"
+    comp = computer([x.numel()])
+    stats = comp.compute([x], scale, grads_are_scaled=not already_unscaled)
+    # torch never reads counts back to choose (that would synchronise with the device): it multiplies
+    assert stats.other_view == {"numba": "shifted", "torch": "recomputed"}[comp.backend]
     g, scaled = (x, x * scale) if already_unscaled else (gradscaler_unscale(x, scale), x)
     assert_counts_equal_casting(stats, g, scaled)
     finite = g[torch.isfinite(g)]
@@ -171,6 +195,21 @@ def test_tensors_split_into_work_items_still_equal_casting(computer):
         np.testing.assert_equal(stats.absmax[t], g.abs().max().item())  # NaN in x's last item wins
         assert stats.min_nonzero[t] == g[g != 0].abs().nan_to_num(nan=float("inf")).min().item()
         np.testing.assert_allclose(stats.l2[t], torch.linalg.vector_norm(g.double()).item(), rtol=1e-12)
+
+
+def test_scale_as_a_tensor_and_gradients_changed_after_start(computer):
+    """GradScaler's own scale tensor works as the scale, and what start() returns does not depend on the
+    gradients after it returned (the torch backend has already gathered them on the device)."""
+    x = sweep(30_000, seed=8)
+    scale = torch.tensor(1000.0)  # not a power of two: GradScaler's fp32 reciprocal decides the roundings
+    empty = torch.zeros(0)
+    pending = computer([0, x.numel()]).start([empty, x], scale, grads_are_scaled=True)
+    original = x.clone()
+    x.fill_(1.0)
+    stats = pending.result()
+    assert_counts_equal_casting(stats, gradscaler_unscale(original, 1000.0), original, t=1)
+    assert stats.absmax[0] == 0 and math.isnan(stats.min_nonzero[0]) and stats.l2[0] == 0
+    assert stats.hist[0].sum() == 0 and stats.counts["zeros"][0] == 0
 
 
 def test_workspace_is_reused_across_steps(computer):
