@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mpdiag.gradstats import GradStatsComputer
+from mpdiag.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
 from mpdiag.tracing import ModuleTracer
 from mpdiag.updates import UpdateTracker
@@ -111,7 +112,8 @@ class Recorder:
         if self._tracer is not None:
             modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
             self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
-        self.last_loss = float("nan")  # the unscaled loss at the latest record(), as a Python float
+        self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
+        self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
@@ -119,7 +121,10 @@ class Recorder:
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
         self._step = 0
-        self._pending: list | None = None  # step row awaiting what happens after record()
+        # Step rows in order, each with the readback of [loss, scale, growth tracker] taken at its record();
+        # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
+        self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
+        self._unread_stats: deque[tuple[int, tuple[int, ...], PendingStats]] = deque()
         self._step_rows: list[tuple] = []
         self._tensor_rows_buf: list[tuple] = []
         self._last_flush = time.monotonic()
@@ -184,28 +189,48 @@ class Recorder:
 
     # -- per step -------------------------------------------------------------------------------------------
     def record(self, loss: torch.Tensor | float) -> None:
-        """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss."""
+        """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss.
+
+        Nothing here waits for the device: the loss, the scaler's state and the statistics travel to the
+        host in non-blocking copies and are read when they have arrived (on a GPU, normally at the next
+        record(), after GradScaler's own synchronisation in ``step``)."""
         if self._closed:
             raise RuntimeError("record() called on a closed Recorder")
         now = time.perf_counter()
-        scale = self._finish_pending(known=True)
-        loss_value = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
+        self._close_previous_row(known=True)
+        scale, state = self._scaler_state(loss)
         step = self._step
         logged = step % self.every == 0 and self._record_tensors(step, scale)
         self._update_step = step if logged and self._updates is not None else None
         if self._tracer is not None:
             traced = self._tracer.take(step)
             self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
-        self.last_loss = loss_value
-        self._pending = [
-            step, loss_value, scale, None, None, None, now - self._last_record, peak_memory_bytes(self.device),
-            int(logged),
-        ]
+        row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), int(logged)]
+        self._unread_steps.append((row, state))
+        self._read_arrived(wait=False)
         self._last_record = now
         self._step += 1
         self._stepped = False
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
+
+    def _scaler_state(self, loss: torch.Tensor | float | None) -> tuple[float | torch.Tensor, DeviceReadback]:
+        """The scale now (what the gradients were computed at) as the statistics take it, and a readback of
+        [loss, scale, growth tracker]. GradScaler's own scale and tracker tensors are read without a
+        synchronisation where they live on a GPU; other scalers through ``state_dict()``."""
+        loss_t = loss.detach().reshape(1).double() if torch.is_tensor(loss) else \
+            torch.tensor([math.nan if loss is None else float(loss)], dtype=torch.float64)
+        on_device = getattr(self.scaler, "_scale", None)
+        if self.scaler is None:
+            scale, tail = 1.0, torch.tensor([1.0, math.nan], dtype=torch.float64, device=loss_t.device)
+        elif torch.is_tensor(on_device) and on_device.device.type == "cuda":
+            scale = on_device
+            tail = torch.cat([on_device.reshape(1).double(), self.scaler._growth_tracker.reshape(1).double()])
+        else:
+            state = self.scaler.state_dict()
+            scale = float(state["scale"])
+            tail = torch.tensor([scale, state.get("_growth_tracker", 0)], dtype=torch.float64)
+        return scale, DeviceReadback(torch.cat([loss_t, tail.to(loss_t.device)]))
 
     def _record_tensors(self, step: int, scale: float) -> bool:
         """Compute and buffer every present gradient's statistics; False when no parameter has a grad."""
@@ -219,16 +244,7 @@ class Recorder:
         grads = [self._params[i][1].grad for i in present]
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         self._unscale_by = 1.0 if unscaled else scale
-        stats = computer.compute(grads, scale, grads_are_scaled=not unscaled)
-        for k, i in enumerate(present):
-            self._tensor_rows_buf.append(
-                (
-                    step, i, encode_hist(stats.hist[k]),
-                    *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
-                    float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
-                    *(int(stats.counts[c][k]) for c in REPRESENTABILITY_COLUMNS),
-                )
-            )
+        self._unread_stats.append((step, present, computer.start(grads, scale, grads_are_scaled=not unscaled)))
         unseen = [i for i in present if i not in self._grad_dtype_known]
         if unseen:
             self._note_grad_dtypes(unseen)
@@ -266,28 +282,50 @@ class Recorder:
             rows.append((i, name, list(p.shape), p.numel(), _dtype_name(p.dtype), _dtype_name(p.grad.dtype)))
         self._writer.submit(lambda w: w.add_tensors(self.run_id, rows))
 
-    def _finish_pending(self, known: bool) -> float:
-        """Complete the previous step's row with what happened after record(): skipped, scale, tracker.
-        Returns the scale now (what update() left it at, i.e. the scale the next step uses), so record()
-        reads the scaler's state once per step.
-
+    def _close_previous_row(self, known: bool) -> None:
+        """Note whether the previous recorded step's optimizer step ran (the step hooks are on the host).
         ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'."""
-        if self.scaler is None:
-            scale, tracker = 1.0, None
-        elif self._pending is None:
-            return float(self.scaler.get_scale())
-        else:
-            state = self.scaler.state_dict()
-            scale, tracker = float(state["scale"]), int(state.get("_growth_tracker", 0))
-        if self._pending is not None:
-            row, self._pending = self._pending, None
-            row[3] = 0 if self._stepped else (1 if known else None)
-            row[4], row[5] = tracker, scale
+        if self._unread_steps and self._unread_steps[-1][0] is not None:
+            row = self._unread_steps[-1][0]
+            if row[3] is None:
+                row[3] = 0 if self._stepped else (1 if known else None)
+
+    def _read_arrived(self, wait: bool) -> None:
+        """Move what has reached the host into the row buffers, in step order; ``wait`` waits for all of it.
+
+        A step row takes its loss and scale from its own readback and the growth tracker and scale after
+        ``update()`` from the next one's; the final sentinel (row None) is the state at close()."""
+        steps = self._unread_steps
+        while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready())):
+            (row, state), (_, after) = steps.popleft(), steps[0]
+            loss, scale, _ = state.numpy()
+            _, scale_after, tracker = after.numpy()
+            row[1], row[2] = float(loss), float(scale)
+            row[4] = None if math.isnan(tracker) else int(tracker)
+            row[5] = float(scale_after)
             self._step_rows.append(tuple(row))
-        return scale
+        if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
+            self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
+        elif self._step_rows:
+            self.last_loss, self.last_loss_step = self._step_rows[-1][1], self._step_rows[-1][0]
+        while self._unread_stats and (wait or self._unread_stats[0][2].ready()):
+            step, present, pending = self._unread_stats.popleft()
+            self._add_tensor_rows(step, present, pending.result())
+
+    def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats) -> None:
+        for k, i in enumerate(present):
+            self._tensor_rows_buf.append(
+                (
+                    step, i, encode_hist(stats.hist[k]),
+                    *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
+                    float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
+                    *(int(stats.counts[c][k]) for c in REPRESENTABILITY_COLUMNS),
+                )
+            )
 
     def flush(self) -> None:
-        """Hand buffered rows to the writer thread (committed there in one transaction)."""
+        """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
+        self._read_arrived(wait=False)
         steps, tensors = self._step_rows, self._tensor_rows_buf
         self._step_rows, self._tensor_rows_buf = [], []
         self._last_flush = time.monotonic()
@@ -315,7 +353,10 @@ class Recorder:
             hook.remove()
         if self._tracer is not None:
             self._tracer.remove()
-        self._finish_pending(known=known)
+        self._close_previous_row(known=known)
+        if self._unread_steps:
+            self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
+        self._read_arrived(wait=True)
         self.flush()
         fields = {"status": status, "finished_at": time.time(), "error": error}
         if note:

@@ -233,6 +233,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
           shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps steps; returns a note when the batches ran out early."""
     batches = built.batches()
+    reported = None  # the latest step given to progress
     for step in range(config.steps):
         try:
             batch = next(batches)
@@ -252,8 +253,9 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
         if shadow_step:
             recorder.compare_gradients(shadow.gradients(model, batch, state))
         policy.step(optimizer)
-        if progress is not None:
-            progress(step, recorder.last_loss)  # already read by the Recorder: no second device sync
+        if progress is not None and recorder.last_loss_step not in (None, reported):
+            reported = recorder.last_loss_step  # on a GPU the loss arrives a step late: no extra sync
+            progress(reported, recorder.last_loss)
     return None
 
 

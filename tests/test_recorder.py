@@ -8,7 +8,7 @@ import torch
 
 from mpdiag import Recorder, Store
 from mpdiag.formats import BF16, FP16
-from mpdiag.gradstats import category_counts_by_casting
+from mpdiag.gradstats import DeviceReadback, PendingStats, category_counts_by_casting
 from mpdiag.policies import ScalingConfig
 from mpdiag.runner import RunConfig, train
 from mpdiag.script import ModelScript
@@ -75,20 +75,20 @@ def test_analytic_gradients_value_for_value(write_script, store_path):
     assert store.tensor_stats(run_id, tensor="unused").empty
 
 
-def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False):
+def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, device="cpu"):
     """A user's own torch.amp loop with the Recorder; returns the ground truth seen from outside."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
     ran = []
     opt.register_step_post_hook(lambda *a: ran.append(True))
     truth = []
     with Recorder(model, store=store_path, name="loop", scaler=scaler, flush_interval_s=0.0) as rec:
         for step in range(steps):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.ones(2, 4)).float().mean()
+            with torch.autocast(device, dtype=torch.float16):
+                loss = model(torch.ones(2, 4, device=device)).float().mean()
             if step in overflow_steps:
                 loss = loss * float("inf")
             scale_used = scaler.get_scale()
@@ -108,9 +108,21 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False):
     return rec.run_id, truth
 
 
-def test_scale_trajectory_matches_gradscaler_state(store_path):
-    run_id, truth = _scaler_loop(store_path, overflow_steps={2, 3, 8})
+@pytest.fixture(params=["at once", "late"])
+def arrival(request, monkeypatch):
+    """Values that reach the host at once (the CPU), or only when the Recorder waits for them at close (a
+    GPU far behind the host): the stored rows must be the same."""
+    if request.param == "late":
+        monkeypatch.setattr(DeviceReadback, "ready", lambda self: False)
+        monkeypatch.setattr(PendingStats, "ready", lambda self: False)
+    return request.param
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_scale_trajectory_matches_gradscaler_state(store_path, arrival, device):
+    run_id, truth = _scaler_loop(store_path, overflow_steps={2, 3, 8}, device=device)
     steps = Store(store_path).steps(run_id)
+    assert len(Store(store_path).tensor_stats(run_id)) == 12 * 2  # every step's weight and bias
     for row, expected in zip(steps.to_dict("records"), truth, strict=True):
         for key in ("step", "loss_scale", "skipped", "scale_after", "growth_tracker"):
             assert row[key] == expected[key], (key, row, expected)
@@ -120,7 +132,7 @@ def test_scale_trajectory_matches_gradscaler_state(store_path):
     assert Store(store_path).run(run_id)["status"] == "finished"
 
 
-def test_grads_unscaled_before_record_are_recognised(store_path):
+def test_grads_unscaled_before_record_are_recognised(store_path, arrival):
     run_id, truth = _scaler_loop(store_path, overflow_steps=set(), steps=3, unscale_first=True)
     store = Store(store_path)
     row = store.tensor_stats(run_id, tensor="weight").iloc[0]
