@@ -127,6 +127,7 @@ class Recorder:
         self._unread_stats: deque[tuple[int, tuple[int, ...], PendingStats]] = deque()
         self._step_rows: list[tuple] = []
         self._tensor_rows_buf: list[tuple] = []
+        self._update_rows: list[tuple] = []
         self._last_flush = time.monotonic()
         self._last_record = time.perf_counter()
         self._closed = False
@@ -311,6 +312,9 @@ class Recorder:
         while self._unread_stats and (wait or self._unread_stats[0][2].ready()):
             step, present, pending = self._unread_stats.popleft()
             self._add_tensor_rows(step, present, pending.result())
+        if self._updates is not None:
+            self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
+                                  for i, counts in enumerate(per_tensor)]
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats) -> None:
         for k, i in enumerate(present):
@@ -326,13 +330,11 @@ class Recorder:
     def flush(self) -> None:
         """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
         self._read_arrived(wait=False)
-        steps, tensors = self._step_rows, self._tensor_rows_buf
-        self._step_rows, self._tensor_rows_buf = [], []
+        steps, tensors, updates = self._step_rows, self._tensor_rows_buf, self._update_rows
+        self._step_rows, self._tensor_rows_buf, self._update_rows = [], [], []
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
-        updates = [(step, i, *counts) for step, per_tensor in (self._updates.take() if self._updates else [])
-                   for i, counts in enumerate(per_tensor)]
         if updates:
             self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
 

@@ -15,7 +15,7 @@ just after, counting per tensor, among the values whose gradient is finite and n
 Steps the scaler skips never call ``optimizer.step`` and are not counted. Cost per tracked step: one copy
 of the tracked tensors into snapshots allocated once (as many bytes as those tensors), then on the CPU one
 numba pass over snapshot, weights and gradients (:func:`mpdiag.cpu_kernel.update_counts`), elsewhere a few
-elementwise torch passes whose counts stay on the device until :meth:`take` is called.
+elementwise torch passes whose counts reach the host in a non-blocking copy, taken once it has arrived.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mpdiag.formats import LOW_PRECISION
-from mpdiag.gradstats import NUMBA_AVAILABLE, work_items
+from mpdiag.gradstats import NUMBA_AVAILABLE, DeviceReadback, work_items
 
 _BIT_VIEWS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # numba has no FP16/BF16 arrays
 
@@ -43,8 +43,8 @@ class UpdateTracker:
     """Counts updates of ``targets`` (the tensors the optimizer writes) below ``format_name``'s resolution.
 
     Call :meth:`before` right before the optimizer step and :meth:`after` right after it (the Recorder does
-    this from optimizer step hooks); :meth:`take` returns ``(step, counts)`` pairs with counts an
-    (n_targets, 3) int64 tensor: updated, below_resolution, unchanged. ``backend``: "numba" (the default
+    this from optimizer step hooks); :meth:`take` returns ``(step, counts)`` pairs with counts a list of
+    [updated, below_resolution, unchanged] per target. ``backend``: "numba" (the default
     where it applies: numba installed, contiguous CPU targets of one dtype) or "torch" (any device).
     """
 
@@ -56,7 +56,7 @@ class UpdateTracker:
         self.factor = 2.0 ** resolution_log2(format_name)
         self._snapshots = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.targets]
         self._armed_step: int | None = None
-        self._done: list[tuple[int, torch.Tensor]] = []
+        self._done: list[tuple[int, DeviceReadback]] = []
         self._kernel = None if backend == "torch" else self._cpu_kernel()
         if backend == "numba" and self._kernel is None:
             raise ValueError("the numba backend needs numba and contiguous CPU targets of one float dtype")
@@ -86,7 +86,8 @@ class UpdateTracker:
         if self._armed_step is None:
             return
         counts = self._count_on_cpu()
-        self._done.append((self._armed_step, counts if counts is not None else self._count_with_torch()))
+        counts = counts if counts is not None else self._count_with_torch()
+        self._done.append((self._armed_step, DeviceReadback(counts)))
         self._armed_step = None
 
     def _count_on_cpu(self) -> torch.Tensor | None:
@@ -124,10 +125,14 @@ class UpdateTracker:
                 ]))
         return torch.stack(rows)
 
-    def take(self) -> list[tuple[int, list[list[int]]]]:
-        """The counts of steps finished since the last call, as host lists (one device sync)."""
-        done, self._done = self._done, []
-        return [(step, counts.tolist()) for step, counts in done]
+    def take(self, wait: bool = False) -> list[tuple[int, list[list[int]]]]:
+        """The counts of the tracked steps not taken yet whose counts have reached the host, in step order;
+        ``wait`` waits for all of them."""
+        taken = []
+        while self._done and (wait or self._done[0][1].ready()):
+            step, counts = self._done.pop(0)
+            taken.append((step, counts.numpy().tolist()))
+        return taken
 
 
 @functools.cache

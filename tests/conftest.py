@@ -9,12 +9,24 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "mpdiag" / "examples"
 sys.path.insert(0, str(ROOT))
 
+from mpdiag.gradstats import DeviceReadback, PendingStats  # noqa: E402
+
 
 @pytest.fixture
 def store_path(tmp_path, monkeypatch):
     path = tmp_path / "runs.db"
     monkeypatch.setenv("MPDIAG_STORE", str(path))
     return path
+
+
+@pytest.fixture(params=["at once", "late"])
+def arrival(request, monkeypatch):
+    """Values that reach the host at once (the CPU), or only when the Recorder waits for them at close (a
+    GPU far behind the host): the stored rows must be the same."""
+    if request.param == "late":
+        monkeypatch.setattr(DeviceReadback, "ready", lambda self: False)
+        monkeypatch.setattr(PendingStats, "ready", lambda self: False)
+    return request.param
 
 
 @pytest.fixture

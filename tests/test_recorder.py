@@ -8,7 +8,7 @@ import torch
 
 from mpdiag import Recorder, Store
 from mpdiag.formats import BF16, FP16
-from mpdiag.gradstats import DeviceReadback, PendingStats, category_counts_by_casting
+from mpdiag.gradstats import category_counts_by_casting
 from mpdiag.policies import ScalingConfig
 from mpdiag.runner import RunConfig, train
 from mpdiag.script import ModelScript
@@ -106,16 +106,6 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, devi
                      scale_after=state["scale"], growth_tracker=state["_growth_tracker"], grad=grad)
             )
     return rec.run_id, truth
-
-
-@pytest.fixture(params=["at once", "late"])
-def arrival(request, monkeypatch):
-    """Values that reach the host at once (the CPU), or only when the Recorder waits for them at close (a
-    GPU far behind the host): the stored rows must be the same."""
-    if request.param == "late":
-        monkeypatch.setattr(DeviceReadback, "ready", lambda self: False)
-        monkeypatch.setattr(PendingStats, "ready", lambda self: False)
-    return request.param
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

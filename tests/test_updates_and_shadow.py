@@ -62,7 +62,7 @@ def test_fp16_weights_lose_exactly_the_updates_fp16_rounding_drops(store_path):
     assert torch.equal(after == w, lost)
 
 
-def test_skipped_steps_record_no_updates(store_path):
+def test_skipped_steps_record_no_updates(store_path, arrival):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
