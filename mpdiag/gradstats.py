@@ -293,15 +293,46 @@ class PendingStats:
         return self._result
 
 
+#: values the torch backend gathers at once: bounds its workspaces (16 bytes a value: 256 MB) for any model
+SEGMENT = 1 << 24
+
+
+@dataclass
+class _Segment:
+    """Consecutive tensors the torch backend processes together: their indices, the non-empty ones, each
+    non-empty one's (start, end) within the gathered segment, and the segment's length."""
+
+    tensors: list[int]
+    nonempty: list[int]
+    bounds: list[tuple[int, int]]
+    total: int
+
+
+def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
+    """Consecutive runs of tensors holding at most SEGMENT values (a larger tensor alone in its own)."""
+    segments, first = [], 0
+    for t in range(len(numels) + 1):
+        if t == len(numels) or (t > first and offsets[t + 1] - offsets[first] > SEGMENT):
+            if t > first:
+                base = int(offsets[first])
+                nonempty = [u for u in range(first, t) if numels[u]]
+                segments.append(_Segment(list(range(first, t)), nonempty,
+                                         [(int(offsets[u]) - base, int(offsets[u + 1]) - base) for u in nonempty],
+                                         int(offsets[t]) - base))
+            first = t
+    return segments
+
+
 class GradStatsComputer:
     """Computes :class:`StepGradStats` for a fixed list of tensor sizes, reusing its workspaces.
 
     ``backend``: "numba" (CPU, the default there when numba is installed) or "torch" (any device; CUDA's).
     Workspaces are allocated once. numba: key counts per work item and per tensor, plus an FP32 buffer for
     the other view, only when a scale is not a power of two or values leave fp32's normal range. torch: the
-    gradients gathered into one FP32 buffer and three int32 buffers of the same length (16 bytes per
-    gradient value), so a step is a fixed number of kernel launches whatever the number of tensors, with no
-    host synchronisation; its counts reach the host in one non-blocking copy (see :meth:`start`).
+    gradients gathered, one segment of at most SEGMENT values at a time, into one FP32 buffer and three int32
+    buffers of the same length (16 bytes a value), so a step is a fixed number of kernel launches per
+    segment whatever the number of tensors, with no host synchronisation; its counts reach the host in one
+    non-blocking copy (see :meth:`start`).
     """
 
     def __init__(self, numels: list[int], device: torch.device | str = "cpu", backend: str | None = None):
@@ -332,17 +363,15 @@ class GradStatsComputer:
                 np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float64),
             ]
         else:
-            total = int(self.offsets[-1])
-            self._values = torch.empty(total, dtype=torch.float32, device=self.device)
-            self._keys = torch.empty(total, dtype=torch.int32, device=self.device)
-            self._scratch = torch.empty(total, dtype=torch.int32, device=self.device)
-            self._ones = torch.ones(total, dtype=torch.int32, device=self.device)
+            self._segments = _segments(self.numels, self.offsets)
+            room = max((segment.total for segment in self._segments), default=0)
+            self._values = torch.empty(room, dtype=torch.float32, device=self.device)
+            self._keys = torch.empty(room, dtype=torch.int32, device=self.device)
+            self._scratch = torch.empty(room, dtype=torch.int32, device=self.device)
+            self._ones = torch.ones(room, dtype=torch.int32, device=self.device)
             self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
             self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
             self._nonempty = [t for t, size in enumerate(self.numels) if size]
-            self._views = {name: [space[self.offsets[t] : self.offsets[t + 1]] for t in self._nonempty]
-                           for name, space in (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
-            self._key_offsets = [2 * BUCKETS * t for t in self._nonempty]
             self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
 
     @property
@@ -406,42 +435,56 @@ class GradStatsComputer:
 
     # -- torch ----------------------------------------------------------------------------------------------
     def _torch_start(self, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool) -> PendingStats:
-        """Both views on the device (the other one by GradScaler's own multiply, in place), packed into one
-        int32 tensor and copied to the host without waiting."""
-        torch.cat([g.detach().reshape(-1) for g in grads], out=self._values)  # FP16/BF16 widen exactly
-        reductions = [self._torch_pass(self._counts[0])]
+        """Both views on the device (the other one by GradScaler's own multiply, in place), segment by
+        segment, packed into one int32 tensor and copied to the host without waiting."""
         same = not torch.is_tensor(scale) and scale == 1.0
-        if not same:
-            if grads_are_scaled:
-                factor = scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale)
-            else:
-                factor = scale.float() if torch.is_tensor(scale) else scale
-            self._values.mul_(factor)
-            reductions.append(self._torch_pass(self._counts[1]))
-        packed = torch.cat([self._counts[: len(reductions)].reshape(-1), *reductions])
-        views = len(reductions)
+        if grads_are_scaled:
+            factor = scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale)
+        else:
+            factor = scale.float() if torch.is_tensor(scale) else scale
+        views = 1 if same else 2
+        self._counts.zero_()
+        reductions = [[] for _ in range(views)]  # per view, per segment: largest, below smallest, l2
+        for segment in self._segments:
+            values = self._values[: segment.total]
+            torch.cat([grads[t].detach().reshape(-1) for t in segment.tensors], out=values)  # FP16/BF16 widen exactly
+            reductions[0].append(self._torch_pass(segment, self._counts[0]))
+            if not same:
+                values.mul_(factor)
+                reductions[1].append(self._torch_pass(segment, self._counts[1]))
+        parts = [self._counts[:views].reshape(-1)]
+        for per_segment in reductions:
+            largest, below_smallest, l2 = (torch.cat(part) for part in zip(*per_segment, strict=True)) \
+                if per_segment else (torch.zeros(0, dtype=dtype, device=self.device)
+                                     for dtype in (torch.int32, torch.int32, torch.float64))
+            parts += [largest, below_smallest, l2.view(torch.int32)]
+        packed = torch.cat(parts)
         return PendingStats(lambda host: self._torch_finish(host, views, grads_are_scaled), DeviceReadback(packed))
 
-    def _torch_pass(self, counts: torch.Tensor) -> torch.Tensor:
-        """Bucket counts of ``self._values`` into ``counts`` (T x sign x bucket) and the per-tensor largest and
-        below-smallest magnitude bit patterns and float64 L2 norms, returned as one int32 tensor.
-        A fixed number of launches: elementwise ops on the whole buffer, foreach ops over its tensors."""
-        bits, keys, scratch = self._values.view(torch.int32), self._keys, self._scratch
+    def _torch_pass(self, segment: _Segment, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Adds the bucket counts of ``segment``'s values (gathered at the start of the workspaces) into
+        ``counts`` (T x sign x bucket); returns its non-empty tensors' largest and below-smallest magnitude
+        bit patterns and float64 L2 norms. A fixed number of launches: elementwise ops on the whole
+        segment, foreach ops over its tensors."""
+        if not segment.nonempty:
+            empty = torch.zeros(0, dtype=torch.int32, device=self.device)
+            return empty, empty, torch.zeros(0, dtype=torch.float64, device=self.device)
+        bits = self._values[: segment.total].view(torch.int32)
+        keys, scratch = self._keys[: segment.total], self._scratch[: segment.total]
+        pieces = {name: [space[start:end] for start, end in segment.bounds]
+                  for name, space in (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
         torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch)  # magnitude bits
         torch.bucketize(scratch, self._bucket_bounds, out_int32=True, right=True, out=keys)
-        if not self._nonempty:
-            counts.zero_()
-            return torch.zeros(0, dtype=torch.int32, device=self.device)
-        largest = torch._foreach_max(self._views["scratch"])
+        largest = torch.stack(torch._foreach_max(pieces["scratch"]))
         # (|bits| - 1) & 0x7FFFFFFF wraps zero to the top; negated, a max finds the smallest non-zero - 1
         scratch.sub_(1).bitwise_and_(0x7FFFFFFF).neg_()
-        below_smallest = torch._foreach_max(self._views["scratch"])
+        below_smallest = torch.stack(torch._foreach_max(pieces["scratch"])).neg()
         torch.bitwise_right_shift(bits, 31, out=scratch).mul_(-BUCKETS)  # BUCKETS for a negative value
         keys.add_(scratch)
-        torch._foreach_add_(self._views["keys"], self._key_offsets)  # each tensor's own block of counts
-        counts.zero_().index_add_(0, keys, self._ones)
-        l2 = torch.stack(torch._foreach_norm(self._views["values"], 2, dtype=torch.float64))
-        return torch.cat([torch.stack(largest), torch.stack(below_smallest).neg(), l2.view(torch.int32)])
+        torch._foreach_add_(pieces["keys"], [2 * BUCKETS * t for t in segment.nonempty])  # each tensor's block
+        counts.index_add_(0, keys, self._ones[: segment.total])
+        l2 = torch.stack(torch._foreach_norm(pieces["values"], 2, dtype=torch.float64))
+        return largest, below_smallest, l2
 
     def _torch_finish(self, host: np.ndarray, views: int, grads_are_scaled: bool) -> StepGradStats:
         n, present = len(self.numels), len(self._nonempty)

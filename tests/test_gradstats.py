@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpdiag import gradstats
 from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
 from mpdiag.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
 
@@ -210,6 +211,23 @@ def test_scale_as_a_tensor_and_gradients_changed_after_start(computer):
     assert_counts_equal_casting(stats, gradscaler_unscale(original, 1000.0), original, t=1)
     assert stats.absmax[0] == 0 and math.isnan(stats.min_nonzero[0]) and stats.l2[0] == 0
     assert stats.hist[0].sum() == 0 and stats.counts["zeros"][0] == 0
+
+
+def test_torch_backend_segments_equal_casting(monkeypatch):
+    """The torch backend gathers at most SEGMENT values at once; tensors spread over several segments
+    (one larger than a segment, empty ones between) still equal casting, and its workspaces stay bounded."""
+    monkeypatch.setattr(gradstats, "SEGMENT", 5000)
+    tensors = [sweep(3000, seed=9)[:3000], torch.zeros(0), sweep(1500, seed=10)[:1500], sweep(12_000, seed=11),
+               torch.zeros(0), sweep(10, seed=12)[:10]]
+    comp = GradStatsComputer([t.numel() for t in tensors], backend="torch")
+    stats = comp.compute(tensors, 2.0**12)
+    for t, scaled in enumerate(tensors):
+        g = gradscaler_unscale(scaled, 2.0**12)
+        assert_counts_equal_casting(stats, g, scaled, t)
+        if scaled.numel():
+            np.testing.assert_equal(stats.absmax[t], g.abs().max().item())
+    largest_segment = tensors[3].numel()  # alone: larger than a segment
+    assert comp.workspace_bytes == 16 * largest_segment + 4 * 2 * len(tensors) * 2 * gradstats.BUCKETS  # + counts
 
 
 def test_workspace_is_reused_across_steps(computer):
