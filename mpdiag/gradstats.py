@@ -125,12 +125,12 @@ def _subnormal_bounds() -> tuple[int, ...]:
     so each change is found by bisecting between casts (torch's casting is the truth, not a formula)."""
     bounds = {1 << k for k in range(MANTISSA_BITS)} | set(REGION_BOUNDS)
     for fmt in LOW_PRECISION.values():
-        low = 1
-        while _subnormal_category(low, fmt) != _subnormal_category(MANTISSA_MASK, fmt):
+        low, top = 1, _subnormal_category(MANTISSA_MASK, fmt)
+        while (category := _subnormal_category(low, fmt)) != top:
             lo, hi = low, MANTISSA_MASK  # category(lo) < category(hi): find the first mantissa above lo's
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if _subnormal_category(mid, fmt) == _subnormal_category(low, fmt) else (lo, mid)
+                lo, hi = (mid, hi) if _subnormal_category(mid, fmt) == category else (lo, mid)
             bounds.add(hi)
             low = hi
     return tuple(sorted(bounds))
@@ -146,19 +146,20 @@ SUBNORMAL_CELLS = len(SUBNORMAL_BOUNDS) + 1
 def _subnormal_cell_tables() -> tuple[np.ndarray, np.ndarray]:
     """Per cell (>= 1): its histogram bin, and a 0/1 matrix (cell, CATEGORY_COLUMNS) of its category in each
     format whose field-0 cells are MIXED (formats with uniform field-0 cells are counted by CATEGORY_MATRIX)."""
-    ends = (*SUBNORMAL_BOUNDS[1:], MANTISSA_MASK + 1)
+    first = np.array(SUBNORMAL_BOUNDS, dtype=np.int64)
+    last = np.array((*SUBNORMAL_BOUNDS[1:], MANTISSA_MASK + 1), dtype=np.int64) - 1
     bins = np.zeros(SUBNORMAL_CELLS, dtype=np.int64)
+    bins[1:] = np.floor(np.log2(first)).astype(np.int64)  # exponent -149 + floor(log2 m) is bin floor(log2 m)
+    if (np.floor(np.log2(last)).astype(np.int64) != bins[1:]).any():
+        raise AssertionError("a subnormal cell spans two binades")
     matrix = np.zeros((SUBNORMAL_CELLS, len(CATEGORY_COLUMNS)), dtype=np.float64)
-    for cell, (first, end) in enumerate(zip(SUBNORMAL_BOUNDS, ends, strict=True), start=1):
-        if first.bit_length() != (end - 1).bit_length():
-            raise AssertionError(f"subnormal cell [{first}, {end}) spans two binades")
-        bins[cell] = first.bit_length() - 1  # exponent -149 + floor(log2 mantissa) is bin floor(log2 mantissa)
-        for f, (name, fmt) in enumerate(LOW_PRECISION.items()):
-            category = _subnormal_category(first, fmt)
-            if category != _subnormal_category(end - 1, fmt):
-                raise AssertionError(f"{name}: subnormal cell [{first}, {end}) holds two categories")
-            if (CATEGORY_TABLES[name][0, 1:] == MIXED).all() and category in (UNDERFLOW, SUBNORMAL, OVERFLOW):
-                matrix[cell, f * len(CATEGORY_NAMES) + (UNDERFLOW, SUBNORMAL, OVERFLOW).index(category)] = 1
+    for f, (name, fmt) in enumerate(LOW_PRECISION.items()):
+        low, high = (_classify(torch.from_numpy(m.astype(np.int32)).view(torch.float32), fmt).numpy() for m in (first, last))
+        if (low != high).any():
+            raise AssertionError(f"{name}: a subnormal cell holds two categories")
+        if (CATEGORY_TABLES[name][0, 1:] == MIXED).all():
+            for column, category in enumerate((UNDERFLOW, SUBNORMAL, OVERFLOW)):
+                matrix[1:, f * len(CATEGORY_NAMES) + column] = low == category
     return bins, matrix
 
 
@@ -300,12 +301,15 @@ SEGMENT = 1 << 24
 @dataclass
 class _Segment:
     """Consecutive tensors the torch backend processes together: their indices, the non-empty ones, each
-    non-empty one's (start, end) within the gathered segment, and the segment's length."""
+    non-empty one's (start, end) within the gathered segment, and the segment's length. ``pieces`` holds,
+    per workspace name, the non-empty tensors' views into that workspace (made once, see
+    :meth:`GradStatsComputer.__init__`)."""
 
     tensors: list[int]
     nonempty: list[int]
     bounds: list[tuple[int, int]]
     total: int
+    pieces: dict[str, list[torch.Tensor]] | None = None
 
 
 def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
@@ -373,6 +377,9 @@ class GradStatsComputer:
             self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
             self._nonempty = [t for t, size in enumerate(self.numels) if size]
             self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
+            for segment in self._segments:
+                segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
+                                  (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
 
     @property
     def workspace_bytes(self) -> int:
@@ -438,7 +445,9 @@ class GradStatsComputer:
         """Both views on the device (the other one by GradScaler's own multiply, in place), segment by
         segment, packed into one int32 tensor and copied to the host without waiting."""
         same = not torch.is_tensor(scale) and scale == 1.0
-        if grads_are_scaled:
+        if same:
+            factor = None
+        elif grads_are_scaled:
             factor = scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale)
         else:
             factor = scale.float() if torch.is_tensor(scale) else scale
@@ -470,9 +479,7 @@ class GradStatsComputer:
             empty = torch.zeros(0, dtype=torch.int32, device=self.device)
             return empty, empty, torch.zeros(0, dtype=torch.float64, device=self.device)
         bits = self._values[: segment.total].view(torch.int32)
-        keys, scratch = self._keys[: segment.total], self._scratch[: segment.total]
-        pieces = {name: [space[start:end] for start, end in segment.bounds]
-                  for name, space in (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
+        keys, scratch, pieces = self._keys[: segment.total], self._scratch[: segment.total], segment.pieces
         torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch)  # magnitude bits
         torch.bucketize(scratch, self._bucket_bounds, out_int32=True, right=True, out=keys)
         largest = torch.stack(torch._foreach_max(pieces["scratch"]))
@@ -559,7 +566,8 @@ def _decode(view: _Pass, suffix: str, shift: int = 0) -> tuple[np.ndarray, dict[
     first_normal_bin = FP32.min_normal_exponent - EXP_MIN  # the bin of field 1
     low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
     hist[:, first_normal_bin + low + shift - 1 : first_normal_bin + high + shift - 1] = per_field[:, low:high]
-    np.add.at(hist, (slice(None), SUBNORMAL_BINS[1:]), view.cells[:, 1:])  # fp32 subnormals, by cell
+    if view.cells[:, 1:].any():  # fp32 subnormals, by cell (rare)
+        np.add.at(hist, (slice(None), SUBNORMAL_BINS[1:]), view.cells[:, 1:])
     overflowed = key_counts[:, :, high : FIELDS - 1].sum(axis=(2, 3))  # (T, sign): became ±inf
     counts = {
         "zeros": magnitude[:, 0, 0],
