@@ -287,9 +287,7 @@ class Recorder:
         """Note whether the previous recorded step's optimizer step ran (the step hooks are on the host).
         ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'."""
         if self._unread_steps and self._unread_steps[-1][0] is not None:
-            row = self._unread_steps[-1][0]
-            if row[3] is None:
-                row[3] = 0 if self._stepped else (1 if known else None)
+            self._unread_steps[-1][0][3] = 0 if self._stepped else (1 if known else None)
 
     def _read_arrived(self, wait: bool) -> None:
         """Move what has reached the host into the row buffers, in step order; ``wait`` waits for all of it.

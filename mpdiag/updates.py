@@ -21,7 +21,8 @@ elementwise torch passes whose counts reach the host in a non-blocking copy, tak
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,19 @@ def resolution_log2(format_name: str) -> int:
     if format_name not in ("fp16", "bf16"):
         raise ValueError(f"update_format must be 'fp16' or 'bf16', got {format_name!r}")
     return -(LOW_PRECISION[format_name].mantissa_bits + 1)
+
+
+@dataclass
+class _CpuKernel:
+    """The numba update-count kernel with what stays fixed between steps: numba's typed List, the work
+    items, their count workspace, the snapshots as typed-list views and the table decoding their bits."""
+
+    run: Callable
+    typed_list: type
+    items: np.ndarray
+    item_counts: np.ndarray
+    snapshots: object
+    weight_table: np.ndarray
 
 
 class UpdateTracker:
@@ -69,10 +83,13 @@ class UpdateTracker:
                 or not {torch.float32, *_BIT_VIEWS} >= dtypes
                 or any(t.device.type != "cpu" or not t.is_contiguous() for t in self.targets)):
             return None
+        from numba.typed import List
+
         from mpdiag.cpu_kernel import update_counts
 
         items = work_items([t.numel() for t in self.targets])
-        return update_counts, items, np.empty((len(items), 3), np.int64)
+        snapshots, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once
+        return _CpuKernel(update_counts, List, items, np.empty((len(items), 3), np.int64), List(snapshots), table)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""
@@ -96,15 +113,12 @@ class UpdateTracker:
         if self._kernel is None or any(g is None or not g.is_contiguous() for g in grads) or \
                 len({g.dtype for g in grads}) != 1:
             return None
-        from numba.typed import List
-
-        kernel, items, item_counts = self._kernel
-        weights, weight_table = _numpy_views(self._snapshots)
-        after, _ = _numpy_views([t.detach() for t in self.targets])
+        k = self._kernel
+        after, _ = _numpy_views([t.detach() for t in self.targets])  # per step: a parameter may be rebound
         grad_values, grad_table = _numpy_views([g.detach() for g in grads])
         counts = np.empty((len(self.targets), 3), np.int64)
-        kernel(List(weights), List(after), List(grad_values), items, weight_table, grad_table,
-               np.float32(self.factor), item_counts, counts)
+        k.run(k.snapshots, k.typed_list(after), k.typed_list(grad_values), k.items, k.weight_table, grad_table,
+              np.float32(self.factor), k.item_counts, counts)
         return torch.from_numpy(counts)
 
     def _count_with_torch(self) -> torch.Tensor:
