@@ -1,10 +1,12 @@
 """Exact gradient statistics against torch casting (the ground truth), not against mpdiag's own output."""
 
+import collections
 import math
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpdiag import gradstats
 from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
@@ -228,6 +230,31 @@ def test_torch_backend_segments_equal_casting(monkeypatch):
             np.testing.assert_equal(stats.absmax[t], g.abs().max().item())
     largest_segment = tensors[3].numel()  # alone: larger than a segment
     assert comp.workspace_bytes == 16 * largest_segment + 4 * 2 * len(tensors) * 2 * gradstats.BUCKETS  # + counts
+
+
+def test_torch_backend_work_does_not_grow_with_tensors_and_never_reads_a_scalar():
+    """The GPU design, checked on its CPU twin: the torch ops start() issues (metadata ops aside) are the
+    same for 3 tensors and for 78, and none reads a value back to the host (.item() is _local_scalar_dense)."""
+    metadata = {"detach", "view", "slice", "select", "lift_fresh", "alias", "_reshape_alias"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    issued = []
+    for n in (3, 78):
+        grads = [torch.randn(100, generator=torch.Generator().manual_seed(t)) for t in range(n)]
+        comp = GradStatsComputer([100] * n, backend="torch")
+        with Ops() as ops:
+            comp.start(grads, torch.tensor(2.0**10))  # GradScaler's scale as a tensor, as on a GPU
+        issued.append({name: k for name, k in ops.seen.items() if name not in metadata})
+    assert issued[0] == issued[1]
+    assert "_local_scalar_dense" not in issued[1] and "index_add_" in issued[1]
 
 
 def test_workspace_is_reused_across_steps(computer):
