@@ -294,7 +294,8 @@ class PendingStats:
         return self._result
 
 
-#: values the torch backend gathers at once: bounds its workspaces (16 bytes a value: 256 MB) for any model
+#: values the torch backend gathers at once, so its workspaces (16 bytes a value) stay under 256 MB, unless a
+#: single tensor is larger: it is gathered alone
 SEGMENT = 1 << 24
 
 
