@@ -9,9 +9,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mpdiag import charts, ui
+from mpdiag.dashboard import charts
+from mpdiag.dashboard import frame as ui
 from mpdiag.examples import bundled_scripts
-from mpdiag.launch import launch, rerun_command, run_command
+from mpdiag.sandbox.launch import launch, rerun_command, run_command
 
 FIRST_EXAMPLE = "mlp_digits.py"
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from common import write_result  # noqa: E402
 
 from mpdiag import Store  # noqa: E402
-from mpdiag.policies import POLICIES  # noqa: E402
+from mpdiag.training.policies import POLICIES  # noqa: E402
 
 
 def measure(script: Path, level: str, steps: int, device: str, store: Path) -> dict:

@@ -31,7 +31,7 @@ from common import write_result  # noqa: E402
 
 from mpdiag import Recorder, Store  # noqa: E402
 from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
-from mpdiag.recorder import peak_memory_bytes  # noqa: E402
+from mpdiag.recording.recorder import peak_memory_bytes  # noqa: E402
 
 
 def sync(device):

@@ -1,4 +1,4 @@
-"""Cost of counting weight updates against FP16/BF16 resolution (mpdiag.updates), measured side by side.
+"""Cost of counting weight updates against FP16/BF16 resolution (mpdiag.numerics.updates), measured side by side.
 
 On the transformer example's parameters (~9M in 78 tensors), one tracked optimizer update (snapshot, the
 update itself, counting) with the numba kernel and with the torch path, against the bare update, for FP32
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from common import write_result  # noqa: E402
 
 from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
-from mpdiag.updates import UpdateTracker  # noqa: E402
+from mpdiag.numerics.updates import UpdateTracker  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -3,7 +3,7 @@
 Public API: :class:`Store` reads a run store as DataFrames; :class:`Recorder` records a training loop.
 """
 
-from mpdiag.recorder import Recorder
+from mpdiag.recording.recorder import Recorder
 from mpdiag.store import Store
 
 __all__ = ["Recorder", "Store"]

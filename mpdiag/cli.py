@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from mpdiag.check import check_script
-from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
-from mpdiag.findings import diagnose
-from mpdiag.policies import POLICIES, ConfigError, ScalingConfig
-from mpdiag.probe import KIND as PROBE_KIND
-from mpdiag.probe import run_probe
-from mpdiag.runner import RunConfig, rerun_plan, train, train_pair
-from mpdiag.script import ModelScript, ScriptError
+from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
+from mpdiag.analysis.findings import diagnose
+from mpdiag.sandbox.check import check_script
+from mpdiag.sandbox.probe import KIND as PROBE_KIND
+from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.training.policies import POLICIES, ConfigError, ScalingConfig
+from mpdiag.training.runner import RunConfig, rerun_plan, train, train_pair
+from mpdiag.training.script import ModelScript, ScriptError
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from mpdiag import charts, summaries, ui
-from mpdiag.formats import EXP_MIN, LOW_PRECISION
+from mpdiag.analysis import summaries
+from mpdiag.dashboard import charts
+from mpdiag.dashboard import frame as ui
+from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
 
 SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
 

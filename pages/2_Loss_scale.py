@@ -4,7 +4,9 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from mpdiag import charts, summaries, ui
+from mpdiag.analysis import summaries
+from mpdiag.dashboard import charts
+from mpdiag.dashboard import frame as ui
 
 
 def loss_scale_view(store, run: pd.Series, final: bool) -> None:

@@ -3,8 +3,10 @@
 import pandas as pd
 import streamlit as st
 
-from mpdiag import charts, summaries, ui
-from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.analysis import summaries
+from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.dashboard import charts
+from mpdiag.dashboard import frame as ui
 
 CONFIG_FIELDS = ["opt_level", "scaling", "init_scale", "loss_scale", "growth_factor", "backoff_factor",
                  "growth_interval", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",

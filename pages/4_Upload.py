@@ -3,9 +3,9 @@
 import pandas as pd
 import streamlit as st
 
-from mpdiag import ui
-from mpdiag.check import check_script
-from mpdiag.launch import launch, run_command
+from mpdiag.dashboard import frame as ui
+from mpdiag.sandbox.check import check_script
+from mpdiag.sandbox.launch import launch, run_command
 from mpdiag.store import StoreWriter
 
 MAX_BYTES = 1_000_000  # also server.maxUploadSize in .streamlit/config.toml

@@ -5,13 +5,14 @@ from urllib.parse import urlencode
 import pandas as pd
 import streamlit as st
 
-from mpdiag import charts, ui
-from mpdiag.compare import reference_run
-from mpdiag.findings import GRADIENT_REL_ERROR, diagnose, finding_resolved
-from mpdiag.launch import launch, rerun_command
-from mpdiag.probe import KIND as PROBE_KIND
-from mpdiag.probe import run_probe
-from mpdiag.summaries import shadow_ranking, update_shares
+from mpdiag.analysis.compare import reference_run
+from mpdiag.analysis.findings import GRADIENT_REL_ERROR, diagnose, finding_resolved
+from mpdiag.analysis.summaries import shadow_ranking, update_shares
+from mpdiag.dashboard import charts
+from mpdiag.dashboard import frame as ui
+from mpdiag.sandbox.launch import launch, rerun_command
+from mpdiag.sandbox.probe import KIND as PROBE_KIND
+from mpdiag.sandbox.probe import run_probe
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
 #: anchors of this page's evidence sections, for findings whose evidence is shown here

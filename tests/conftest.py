@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "mpdiag" / "examples"
 sys.path.insert(0, str(ROOT))
 
-from mpdiag.gradstats import DeviceReadback, PendingStats  # noqa: E402
+from mpdiag.numerics.gradstats import DeviceReadback, PendingStats  # noqa: E402
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from conftest import EXAMPLES, ROOT
 from streamlit.testing.v1 import AppTest
 
 from mpdiag import Store
-from mpdiag.runner import RunConfig, train, train_pair
-from mpdiag.script import ModelScript
+from mpdiag.training.runner import RunConfig, train, train_pair
+from mpdiag.training.script import ModelScript
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
          "pages/5_Findings.py"]

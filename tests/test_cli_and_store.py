@@ -154,9 +154,9 @@ def test_cli_pair_and_rerun(store_path):
 
 
 def test_running_totals_equal_the_sum_of_recorded_rows(store_path):
-    from mpdiag.runner import RunConfig, train
-    from mpdiag.script import ModelScript
     from mpdiag.store import TOTAL_COLUMNS
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
 
     run_id = train(ModelScript.from_path(EXAMPLES / "cnn_digits.py"), RunConfig(opt_level="O1", steps=9, every=2,
                                                                                  device="cpu"), store_path)
@@ -184,8 +184,8 @@ def test_many_hist_blobs_decode_at_once():
 def test_summary_stored_at_the_end_equals_the_steps(store_path):
     import math
 
-    from mpdiag.runner import RunConfig, train
-    from mpdiag.script import ModelScript
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
 
     ids = [train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level=level, steps=7, device="cpu"),
                  store_path) for level in ("O1", "O3")]  # O3 with Adam ends on a NaN loss

@@ -3,8 +3,8 @@
 import pytest
 
 from mpdiag import Store
-from mpdiag.runner import RunConfig, train
-from mpdiag.script import ModelScript, ScriptError
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript, ScriptError
 
 GOOD_TAIL = """
 import torch

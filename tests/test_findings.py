@@ -10,12 +10,12 @@ import pytest
 from conftest import EXAMPLES, run_cli
 
 from mpdiag import Store
-from mpdiag.findings import LOW_RANGE_TARGET, diagnose, recommended_scale, scale_collapse
-from mpdiag.formats import EXP_MIN, N_EXP_BINS
-from mpdiag.probe import run_probe
-from mpdiag.runner import RunConfig, rerun, train
-from mpdiag.script import ModelScript
-from mpdiag.summaries import whatif_shares
+from mpdiag.analysis.findings import LOW_RANGE_TARGET, diagnose, recommended_scale, scale_collapse
+from mpdiag.analysis.summaries import whatif_shares
+from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
+from mpdiag.sandbox.probe import run_probe
+from mpdiag.training.runner import RunConfig, rerun, train
+from mpdiag.training.script import ModelScript
 
 GALLERY = sorted(p.stem for p in EXAMPLES.glob("gallery_*.py"))
 

@@ -8,9 +8,9 @@ import pytest
 from conftest import EXAMPLES
 
 from mpdiag import Store
-from mpdiag.runner import RunConfig, train
-from mpdiag.script import ModelScript
-from mpdiag.summaries import nonzero_finite
+from mpdiag.analysis.summaries import nonzero_finite
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
 
 STEPS = 20
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpdiag import gradstats
-from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
-from mpdiag.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
+from mpdiag.numerics import gradstats
+from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
 
 BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else []) + (["cuda"] if torch.cuda.is_available() else [])
 

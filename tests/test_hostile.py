@@ -14,9 +14,9 @@ import pytest
 from conftest import EXAMPLES, run_cli
 
 from mpdiag import Store
-from mpdiag.launch import launch, run_command
-from mpdiag.runner import RunConfig, train
-from mpdiag.script import ModelScript
+from mpdiag.sandbox.launch import launch, run_command
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
 
 HOSTILE = sorted((Path(__file__).parent / "hostile").glob("*.py"))
 LIMITS = {"MPDIAG_CHECK_WALL_S": "20", "MPDIAG_RUN_WALL_S": "40", "MPDIAG_RUN_MEMORY_MB": "3000",
@@ -98,7 +98,7 @@ def test_supervised_run_ends_with_a_clear_record_and_others_untouched(script, sh
 
 
 def test_huge_output_keeps_the_last_part(tmp_path):
-    from mpdiag.sandbox import Limits, supervise
+    from mpdiag.sandbox.supervisor import Limits, supervise
 
     outcome = supervise(["python3", "-c", "import sys\nfor i in range(200000): print(i)\nprint('LAST LINE')"],
                         Limits(wall_s=30, memory_mb=4000, log_bytes=10_000), tmp_path, tmp_path / "out.log")
@@ -108,7 +108,7 @@ def test_huge_output_keeps_the_last_part(tmp_path):
 
 
 def test_a_child_killed_by_a_signal_is_described_by_name(tmp_path):
-    from mpdiag.sandbox import Limits, supervise
+    from mpdiag.sandbox.supervisor import Limits, supervise
 
     outcome = supervise(["python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                         Limits(wall_s=30, memory_mb=4000, log_bytes=1000), tmp_path)

@@ -8,10 +8,10 @@ from conftest import EXAMPLES
 from torch import nn
 
 from mpdiag import Store
-from mpdiag.compare import first_divergence, loss_comparison, reference_run
-from mpdiag.policies import BF16Mixed, ConfigError, ScalingConfig, make_policy
-from mpdiag.runner import RunConfig, model_state_bytes, rerun, train, train_pair
-from mpdiag.script import ModelScript
+from mpdiag.analysis.compare import first_divergence, loss_comparison, reference_run
+from mpdiag.training.policies import BF16Mixed, ConfigError, ScalingConfig, make_policy
+from mpdiag.training.runner import RunConfig, model_state_bytes, rerun, train, train_pair
+from mpdiag.training.script import ModelScript
 
 CPU = torch.device("cpu")
 

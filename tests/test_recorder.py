@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from mpdiag import Recorder, Store
-from mpdiag.formats import BF16, FP16
-from mpdiag.gradstats import category_counts_by_casting
-from mpdiag.policies import ScalingConfig
-from mpdiag.runner import RunConfig, train
-from mpdiag.script import ModelScript
+from mpdiag.numerics.formats import BF16, FP16
+from mpdiag.numerics.gradstats import category_counts_by_casting
+from mpdiag.training.policies import ScalingConfig
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
 
 # loss = sum(w * c) has dL/dw = c exactly; c spans fp16 underflow, subnormal, normal and overflow ranges.
 ANALYTIC_SCRIPT = """
@@ -174,7 +174,7 @@ def test_failed_context_marks_run_failed_and_keeps_steps(store_path):
 
 
 def test_invalid_scaling_is_refused_before_training(store_path, write_script):
-    from mpdiag.policies import ConfigError
+    from mpdiag.training.policies import ConfigError
 
     script = ModelScript.from_path(write_script(ANALYTIC_SCRIPT))
     for bad, match in [

@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from mpdiag import charts, summaries
-from mpdiag.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
-from mpdiag.gradstats import GradStatsComputer, category_counts_by_casting
+from mpdiag.analysis import summaries
+from mpdiag.dashboard import charts
+from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
+from mpdiag.numerics.gradstats import GradStatsComputer, category_counts_by_casting
 
 
 def lognormal_grads(n=50_000, seed=0):

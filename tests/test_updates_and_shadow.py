@@ -11,10 +11,10 @@ from conftest import EXAMPLES
 from torch import nn
 
 from mpdiag import Recorder, Store
-from mpdiag.runner import RunConfig, train
-from mpdiag.script import ModelScript
-from mpdiag.summaries import shadow_ranking, update_shares
-from mpdiag.updates import UpdateTracker
+from mpdiag.analysis.summaries import shadow_ranking, update_shares
+from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
 
 # multiples of the FP16 resolution 2^-11·|w|, kept away from 1 so FP32 rounding of w + u cannot flip a side
 MULTIPLES = [0.25, 0.5, 0.9, 1.1, 2.0, 4.0, 16.0]

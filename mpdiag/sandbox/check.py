@@ -1,7 +1,7 @@
 """Checking a model script before any training: static AMP-mistake warnings, then a supervised trial step.
 
 :func:`static_warnings` reads the source's syntax tree (nothing is executed). :func:`check_script` then runs
-``python -m mpdiag.check`` in a child process under :mod:`mpdiag.sandbox` limits: it imports the script,
+``python -m mpdiag.sandbox.check`` in a child process under :mod:`mpdiag.sandbox.supervisor` limits: it imports the script,
 calls ``build(device)``, checks the contract, runs one forward/backward step and checks the loss is a finite
 scalar. The verdict is "ready" with a summary, or the exact problem with the script's own line numbers.
 """
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpdiag.sandbox import Limits, supervise
+from mpdiag.sandbox.supervisor import Limits, supervise
 
 REPORT_MARKER = "MPDIAG-CHECK-REPORT:"
 
@@ -103,14 +103,14 @@ def static_warnings(source: str, cuda_available: bool) -> list[ScriptWarning]:
 
 def check_script(filename: str, source: str, device: str = "auto", limits: Limits | None = None) -> CheckReport:
     """Static warnings, then a trial step in a supervised child. Never raises for what the script does."""
-    from mpdiag.launch import child_env, scratch_dir
-    from mpdiag.sandbox import cuda_present
+    from mpdiag.sandbox.launch import child_env, scratch_dir
+    from mpdiag.sandbox.supervisor import cuda_present
 
     report = CheckReport(filename=filename, ready=False, warnings=static_warnings(source, cuda_present()))
     work = scratch_dir("check-")
     source_file = work / "script_source.py"
     source_file.write_text(source, encoding="utf-8")
-    command = [sys.executable, "-m", "mpdiag.check", str(source_file), "--filename", filename, "--device", device]
+    command = [sys.executable, "-m", "mpdiag.sandbox.check", str(source_file), "--filename", filename, "--device", device]
     outcome = supervise(command, limits or Limits.for_checks(), work, env=child_env())
     lines = [ln for ln in outcome.output_tail.splitlines() if ln.startswith(REPORT_MARKER)]
     if lines:
@@ -137,8 +137,8 @@ def _describe_batch(batch) -> str:
 
 def _trial(source_path: str, filename: str, device_spec: str) -> dict:
     """In the child: build, one forward/backward step; returns the report as a dict."""
-    from mpdiag.runner import resolve_device, seed_everything, to_device
-    from mpdiag.script import ModelScript, ScriptError, build_model
+    from mpdiag.training.runner import resolve_device, seed_everything, to_device
+    from mpdiag.training.script import ModelScript, ScriptError, build_model
 
     result = {"ready": False, "problems": [], "summary": {}}
     try:
@@ -179,7 +179,7 @@ def _trial(source_path: str, filename: str, device_spec: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.check")
+    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.check")
     parser.add_argument("source")
     parser.add_argument("--filename", required=True)
     parser.add_argument("--device", default="auto")

@@ -2,7 +2,7 @@
 
 Every N steps (``--shadow-every N``) the runner copies the mixed-precision model's current weights and buffers
 into an FP32 copy of the script's model, recomputes the step's loss and gradients there without autocast,
-and hands them to :meth:`mpdiag.recorder.Recorder.compare_gradients`. The difference is then what the
+and hands them to :meth:`mpdiag.recording.recorder.Recorder.compare_gradients`. The difference is then what the
 precision policy did to the gradients (rounding, underflow, overflow), and nothing else:
 
 * the weights are the same values (FP16/BF16 weights are exactly representable in FP32);

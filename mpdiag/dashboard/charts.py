@@ -1,6 +1,6 @@
 """Pure chart functions: DataFrame in, Altair chart out. No Streamlit, no store access.
 
-Data is expected already aggregated (:mod:`mpdiag.summaries`), so no chart ships more than about 20k marks.
+Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no chart ships more than about 20k marks.
 """
 
 from __future__ import annotations

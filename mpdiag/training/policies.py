@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from mpdiag.nested import map_tensors
+from mpdiag.numerics.nested import map_tensors
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -146,7 +146,7 @@ class PrecisionPolicy:
     #: weights (and so gradients) of non-norm layers are stored in this dtype
     weight_dtype: ClassVar[torch.dtype] = torch.float32
     #: the low-precision format the model's weights are stored in, whose resolution the Recorder checks
-    #: optimizer updates against (mpdiag.updates): updates are lost in it (O3) or kept by masters (O2)
+    #: optimizer updates against (mpdiag.numerics.updates): updates are lost in it (O3) or kept by masters (O2)
     update_format: ClassVar[str | None] = None
 
     def __init__(self, device: torch.device, scaling: ScalingConfig | None = None):

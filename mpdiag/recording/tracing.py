@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from mpdiag.nested import map_tensors
+from mpdiag.numerics.nested import map_tensors
 
 
 def _absmax(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpdiag.formats import EXP_MIN, FP16, LOW_PRECISION, Format
+from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
 
 #: Largest number of marks one chart sends to the browser.
 MAX_MARKS = 20_000

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from mpdiag.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
-from mpdiag.formats import EXP_MIN, FP16
+from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.analysis.summaries import nonzero_finite, shadow_ranking, update_shares, whatif_shares
+from mpdiag.numerics.formats import EXP_MIN, FP16
+from mpdiag.numerics.updates import resolution_log2
 from mpdiag.store import Store
-from mpdiag.summaries import nonzero_finite, shadow_ranking, update_shares, whatif_shares
-from mpdiag.updates import resolution_log2
 
 FP16_LEVELS = ("O1", "O2", "O3")
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero

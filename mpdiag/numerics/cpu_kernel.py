@@ -1,12 +1,12 @@
-"""The numba CPU kernels: gradient statistics (:mod:`mpdiag.gradstats`) and update counts
-(:mod:`mpdiag.updates`), in their own module so numba is imported (and the kernels loaded from numba's
+"""The numba CPU kernels: gradient statistics (:mod:`mpdiag.numerics.gradstats`) and update counts
+(:mod:`mpdiag.numerics.updates`), in their own module so numba is imported (and the kernels loaded from numba's
 on-disk cache, or compiled) only when a CPU run first needs them, not when the app starts."""
 
 import numba
 import numpy as np
 from numba.extending import overload
 
-from mpdiag.gradstats import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
+from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
 LANES = 4  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
 ABS_MASK = np.int32(0x7FFFFFFF)
@@ -58,7 +58,7 @@ def _key_counts(bits_of, bounds, row):
 
 @numba.njit(nogil=True)
 def _subnormal_cell_counts(bits_of, key_row, subnormal_bounds, cells):
-    """Adds each fp32 subnormal's cell (see mpdiag.gradstats.SUBNORMAL_BOUNDS) to ``cells``; a second look
+    """Adds each fp32 subnormal's cell (see mpdiag.numerics.gradstats.SUBNORMAL_BOUNDS) to ``cells``; a second look
     at the values, taken only when ``key_row`` (this chunk's key counts) says there are any."""
     negative, positive = key_row[1:REGIONS], key_row[FIELDS * REGIONS + 1 : (FIELDS + 1) * REGIONS]  # field 0
     if negative.sum() + positive.sum() == 0:
@@ -77,7 +77,7 @@ def fused_pass(arrays, chunks, bounds, subnormal_bounds, chunk_keys, chunk_cells
     ``arrays``, written per tensor into ``keys`` (T, KEYS_PER_TENSOR), ``cells`` (T, SUBNORMAL_CELLS),
     ``maxbits``, ``minbits`` and ``sumsq``.
 
-    ``chunks`` (C, 4) lists the work items (:func:`mpdiag.gradstats.work_items`). Items run in parallel,
+    ``chunks`` (C, 4) lists the work items (:func:`mpdiag.numerics.gradstats.work_items`). Items run in parallel,
     each into its own row of ``chunk_keys``, ``chunk_cells``, ``chunk_bits`` (C, 2: largest, below
     smallest) and ``chunk_sumsq``; then each tensor combines its rows. Every value is read twice, the
     second time from cache, and nothing is written per value."""
@@ -122,7 +122,7 @@ def update_counts(befores, afters, grads, items, weight_table, grad_table, facto
 
     ``befores``/``afters`` hold the updated tensors before and after the step, ``grads`` their gradients,
     as float32 arrays or as uint16 bit patterns decoded by the 65,536-entry float32 ``*_table``; ``items``
-    as from :func:`mpdiag.gradstats.work_items`; ``item_counts`` (items, 3) is a workspace."""
+    as from :func:`mpdiag.numerics.gradstats.work_items`; ``item_counts`` (items, 3) is a workspace."""
     for c in numba.prange(items.shape[0]):
         t, start, end = items[c, 0], items[c, 1], items[c, 2]
         before, after, grad = befores[t], afters[t], grads[t]

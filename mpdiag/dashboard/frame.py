@@ -15,9 +15,9 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from mpdiag.policies import POLICIES, ConfigError
-from mpdiag.runner import RunConfig
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.training.policies import POLICIES, ConfigError
+from mpdiag.training.runner import RunConfig
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)

@@ -1,7 +1,7 @@
 """The training loop that runs a model script under a precision policy and records it.
 
-Data path: script -> :func:`mpdiag.script.build_model` -> policy (:mod:`mpdiag.policies`) -> this loop ->
-:class:`mpdiag.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
+Data path: script -> :func:`mpdiag.training.script.build_model` -> policy (:mod:`mpdiag.training.policies`) -> this loop ->
+:class:`mpdiag.recording.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
 run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
 """
 
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mpdiag.nested import map_tensors
-from mpdiag.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
-from mpdiag.recorder import Recorder
-from mpdiag.script import ModelScript, ScriptError, build_model
-from mpdiag.shadow import Fp32Shadow, rng_state
+from mpdiag.numerics.nested import map_tensors
+from mpdiag.numerics.shadow import Fp32Shadow, rng_state
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.recorder import Recorder
 from mpdiag.store import Store
-from mpdiag.writer import BackgroundWriter
+from mpdiag.training.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
+from mpdiag.training.script import ModelScript, ScriptError, build_model
 
 ProgressFn = Callable[[int, float], None]
 
@@ -49,7 +49,7 @@ class RunConfig:
     parent_run_id: int | None = None
     trace_modules: bool = False
     #: every this many steps, compare the gradients with an FP32 computation on the same weights and batch
-    #: (mpdiag.shadow); 0 turns it off
+    #: (mpdiag.numerics.shadow); 0 turns it off
     shadow_every: int = 0
 
     def validate(self) -> torch.device:

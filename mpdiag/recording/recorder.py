@@ -23,11 +23,11 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mpdiag.gradstats import DeviceReadback, GradStatsComputer, PendingStats
+from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
+from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
-from mpdiag.tracing import ModuleTracer
-from mpdiag.updates import UpdateTracker
-from mpdiag.writer import BackgroundWriter
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -66,9 +66,9 @@ class Recorder:
         writer: a :class:`BackgroundWriter` to share (the runner's); one is created when None.
         flush_interval_s: rows are committed at least this often (live readers lag at most this much).
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
-            flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.tracing`).
+            flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.recording.tracing`).
         update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates
-            smaller than that format's resolution (see :mod:`mpdiag.updates`). Needs ``optimizer``; costs a
+            smaller than that format's resolution (see :mod:`mpdiag.numerics.updates`). Needs ``optimizer``; costs a
             copy of the updated weights per logged step, in workspaces allocated once.
         update_targets: the tensors the optimizer updates, one per trainable parameter of ``model`` in order,
             when they are not the parameters themselves (FP32 master weights, as at O2).
@@ -254,7 +254,7 @@ class Recorder:
     def compare_gradients(self, reference: Sequence[torch.Tensor | None]) -> None:
         """Store, per tensor, how far this step's gradients are from FP32 ``reference`` gradients computed on
         the same weights and batch (one per trainable parameter in order, e.g. from
-        :class:`mpdiag.shadow.Fp32Shadow`): the relative error ||g - g32|| / ||g32|| and the cosine, with g the
+        :class:`mpdiag.numerics.shadow.Fp32Shadow`): the relative error ||g - g32|| / ||g32|| and the cosine, with g the
         recorded gradient unscaled, in float64. Call after :meth:`record` and before the optimizer step."""
         if len(reference) != len(self._params):
             raise ValueError(f"reference has {len(reference)} gradients; the model has {len(self._params)} trainable parameters")

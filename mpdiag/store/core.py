@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from mpdiag.formats import EXP_MIN, N_EXP_BINS
+from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
 
 DEFAULT_STORE = "mpdiag_runs.db"
 SCHEMA_VERSION = 2  # 2: runs.update_format, update_steps, shadow_steps
@@ -416,7 +416,7 @@ class Store:
         return df
 
     def update_stats(self, run_id: int) -> pd.DataFrame:
-        """Optimizer updates checked against the run's ``update_format`` (see mpdiag.updates), per logged step
+        """Optimizer updates checked against the run's ``update_format`` (see mpdiag.numerics.updates), per logged step
         that stepped and per tensor: ``updated`` values had a finite non-zero gradient; of those,
         ``below_resolution`` changed by less than 2^-(mantissa bits + 1) of their magnitude and ``unchanged``
         did not change at all."""
@@ -438,7 +438,7 @@ class Store:
         return df
 
     def probe(self, run_id: int, kind: str) -> dict | None:
-        """The stored result of a diagnostic probe of a run (see mpdiag.probe), or None."""
+        """The stored result of a diagnostic probe of a run (see mpdiag.sandbox.probe), or None."""
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
         return json.loads(df.iloc[0]["result"]) if len(df) else None
 

@@ -6,7 +6,7 @@ everywhere), a scratch working directory, and its output captured to a bounded l
 part of a huge output. It never raises for what the child does: it returns an :class:`Outcome` that says
 how the child ended, in words a user can act on.
 
-``python -m mpdiag.sandbox [limits] -- COMMAND...`` supervises a training run started by the app: when the
+``python -m mpdiag.sandbox.supervisor [limits] -- COMMAND...`` supervises a training run started by the app: when the
 run's own process could not close its run (killed at a limit, ``os._exit``, a crash), the supervisor
 records why in the store, so the run reads ``failed`` with that reason instead of a bare ``crashed``.
 """
@@ -189,7 +189,7 @@ def _describe(reason: str, code: int | None, limits: Limits) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Supervise one training run for the app and record in the store why it ended, if it could not."""
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox")
+    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.supervisor")
     parser.add_argument("--store", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--cwd", required=True)

@@ -5,7 +5,7 @@ scales agree. A custom autograd Function whose backward ignores grad_output (ref
 that: the gradients upstream of it do not grow with S, so unscaled they are S times too small. The probe
 recomputes one batch's gradients at PROBE_SCALES under the run's own opt level, in a supervised child
 process (it runs the run's stored script), compares each tensor's unscaled gradient norm, and names the
-custom autograd Functions in the graph. Results are stored with the run; :mod:`mpdiag.findings` reads them.
+custom autograd Functions in the graph. Results are stored with the run; :mod:`mpdiag.analysis.findings` reads them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import math
 import sys
 
-from mpdiag.sandbox import Limits, supervise
+from mpdiag.sandbox.supervisor import Limits, supervise
 
 KIND = "scale-linearity"
 PROBE_SCALES = (2.0**8, 2.0**12)  # high enough that FP16 underflow barely differs between them
@@ -53,9 +53,9 @@ def _gradients_at(scale, model, optimizer, policy, built, batch):
 def _child(source_path: str, filename: str, config_json: str) -> dict:
     from pathlib import Path
 
-    from mpdiag.policies import make_policy
-    from mpdiag.runner import RunConfig, seed_everything, to_device
-    from mpdiag.script import ModelScript, build_model
+    from mpdiag.training.policies import make_policy
+    from mpdiag.training.runner import RunConfig, seed_everything, to_device
+    from mpdiag.training.script import ModelScript, build_model
 
     config = RunConfig.from_dict(json.loads(config_json))
     device = config.validate()
@@ -83,7 +83,7 @@ def _child(source_path: str, filename: str, config_json: str) -> dict:
 
 def run_probe(store_path, run_id: int) -> dict:
     """Run the probe for a stored run in a supervised child, store and return its result."""
-    from mpdiag.launch import child_env, scratch_dir
+    from mpdiag.sandbox.launch import child_env, scratch_dir
     from mpdiag.store import Store, StoreWriter
 
     store = Store(store_path, create=False)
@@ -94,7 +94,7 @@ def run_probe(store_path, run_id: int) -> dict:
     filename, source = store.script_source(run["script_sha256"])
     work = scratch_dir("probe-")
     (work / "script_source.py").write_text(source, encoding="utf-8")
-    command = [sys.executable, "-m", "mpdiag.probe", str(work / "script_source.py"), "--filename",
+    command = [sys.executable, "-m", "mpdiag.sandbox.probe", str(work / "script_source.py"), "--filename",
                run["script_path"] or filename, "--config", json.dumps(stored)]
     outcome = supervise(command, Limits.for_checks(), work, env=child_env())
     lines = [ln for ln in outcome.output_tail.splitlines() if ln.startswith(MARKER)]
@@ -109,7 +109,7 @@ def run_probe(store_path, run_id: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.probe")
+    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.probe")
     parser.add_argument("source")
     parser.add_argument("--filename", required=True)
     parser.add_argument("--config", required=True)

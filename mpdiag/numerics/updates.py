@@ -14,7 +14,7 @@ just after, counting per tensor, among the values whose gradient is finite and n
 
 Steps the scaler skips never call ``optimizer.step`` and are not counted. Cost per tracked step: one copy
 of the tracked tensors into snapshots allocated once (as many bytes as those tensors), then on the CPU one
-numba pass over snapshot, weights and gradients (:func:`mpdiag.cpu_kernel.update_counts`), elsewhere a few
+numba pass over snapshot, weights and gradients (:func:`mpdiag.numerics.cpu_kernel.update_counts`), elsewhere a few
 elementwise torch passes whose counts reach the host in a non-blocking copy, taken once it has arrived.
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpdiag.formats import LOW_PRECISION
-from mpdiag.gradstats import NUMBA_AVAILABLE, DeviceReadback, work_items
+from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, DeviceReadback, work_items
 
 _BIT_VIEWS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # numba has no FP16/BF16 arrays
 
@@ -85,7 +85,7 @@ class UpdateTracker:
             return None
         from numba.typed import List
 
-        from mpdiag.cpu_kernel import update_counts
+        from mpdiag.numerics.cpu_kernel import update_counts
 
         items = work_items([t.numel() for t in self.targets])
         snapshots, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once

@@ -1,7 +1,7 @@
 """Starting runs in supervised child processes (the app never trains, nor runs user code, in its own process).
 
-A launched run is ``python -m mpdiag.sandbox ... -- python -m mpdiag run|rerun ...``: the supervisor applies
-the limits of :mod:`mpdiag.sandbox`, keeps a bounded log, and records why the run ended if the run's own
+A launched run is ``python -m mpdiag.sandbox.supervisor ... -- python -m mpdiag run|rerun ...``: the supervisor applies
+the limits of :mod:`mpdiag.sandbox.supervisor`, keeps a bounded log, and records why the run ended if the run's own
 process could not. The run creates its run row itself; the app finds it by the child's pid.
 """
 
@@ -99,7 +99,7 @@ def launch(command: list[str], store_path: str | os.PathLike) -> Launched:
     """Start ``command`` under the supervisor in its own session; returns at once."""
     work = scratch_dir("run-")
     log_path = work / "output.log"
-    supervisor = [sys.executable, "-m", "mpdiag.sandbox", "--store", os.path.abspath(store_path), "--log",
+    supervisor = [sys.executable, "-m", "mpdiag.sandbox.supervisor", "--store", os.path.abspath(store_path), "--log",
                   str(log_path), "--cwd", str(work), "--", *command]
     proc = subprocess.Popen(supervisor, cwd=work, env=child_env(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

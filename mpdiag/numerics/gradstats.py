@@ -18,7 +18,7 @@ normal value k fields and leaves its mantissa alone, so the other view's counts 
 k fields - exactly, as long as no value leaves fp32's normal range (then, or for a scale that is not a
 power of two, the other view is computed and counted explicitly, as GradScaler computes it).
 
-Two backends compute the counts and reductions: a fused numba kernel on the CPU (see mpdiag.cpu_kernel)
+Two backends compute the counts and reductions: a fused numba kernel on the CPU (see mpdiag.numerics.cpu_kernel)
 and torch ops elsewhere (CUDA): a fixed number of launches over all gradients gathered into workspaces
 allocated once, no host synchronisation, one non-blocking copy to the host (:class:`PendingStats`). The
 torch backend always computes the second view by GradScaler's multiply, since choosing to shift would
@@ -35,47 +35,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpdiag.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
+from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
+from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGION_BOUNDS, REGIONS
 
-#: whether the fused CPU kernel (mpdiag.cpu_kernel) can be used; numba itself is imported on first use
+#: whether the fused CPU kernel (mpdiag.numerics.cpu_kernel) can be used; numba itself is imported on first use
 NUMBA_AVAILABLE = importlib.util.find_spec("numba") is not None
-
-MANTISSA_BITS = 23
-MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
-FIELDS = 256  # biased exponent field values of fp32
 
 # Categories of a value's cast into a low-precision format.
 NORMAL, UNDERFLOW, SUBNORMAL, OVERFLOW, SPECIAL, MIXED = range(6)
 CATEGORY_NAMES = ("underflow", "subnormal", "overflow")
 
 
-def _rounding_edges(fmt: Format) -> dict[int, int]:
-    """fp32 exponent field -> mantissa threshold at which a cast into ``fmt`` changes category.
-
-    Only edges that lie among fp32 normal numbers are listed; edges inside fp32's subnormal range are
-    resolved by casting (see module docstring).
-    """
-    m = fmt.mantissa_bits
-    bias = 127
-    edges = {}
-    # |x| == min_subnormal / 2 ties to zero (even); anything above it rounds up to min_subnormal.
-    tie_to_zero = fmt.min_subnormal_exponent - 1
-    if tie_to_zero >= FP32.min_normal_exponent:
-        edges[tie_to_zero + bias] = 1
-    # Midpoint between the largest subnormal and min_normal rounds up to min_normal (even mantissa).
-    below_normal = fmt.min_normal_exponent - 1
-    if below_normal >= FP32.min_normal_exponent:
-        edges[below_normal + bias] = ((1 << m) - 1) << (MANTISSA_BITS - m)
-    # Midpoint between max_finite and the next power of two rounds up to inf (even mantissa).
-    edges[fmt.max_exponent + bias] = ((1 << (m + 1)) - 1) << (MANTISSA_BITS - m - 1)
-    return edges
-
-
-#: Mantissa values at which some format's category changes (1 also separates zero from fp32 subnormals and
-#: inf from NaN); a value's region is how many of them its mantissa reaches.
-REGION_BOUNDS = tuple(sorted({1} | {t for fmt in LOW_PRECISION.values() for t in _rounding_edges(fmt).values()}))
-REGIONS = len(REGION_BOUNDS) + 1
-assert len(REGION_BOUNDS) == 4, "the numba kernel compares against exactly four region bounds"
 KEYS_PER_TENSOR = 2 * FIELDS * REGIONS  # sign x field x region
 
 
@@ -353,7 +323,7 @@ class GradStatsComputer:
         if self.backend == "numba":
             import numba  # here, not at module import: the app never pays for it
 
-            from mpdiag.cpu_kernel import fused_pass
+            from mpdiag.numerics.cpu_kernel import fused_pass
 
             self._kernel, self._typed_list = fused_pass, numba.typed.List
             self._chunks = work_items(self.numels)
