@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the mpdiag package
 WORK_DIR = Path(tempfile.gettempdir()) / "mpdiag-work"
 
 
