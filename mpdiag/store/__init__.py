@@ -7,6 +7,7 @@ from mpdiag.store.core import (
     RUN_FIELDS,
     SCHEMA_VERSION,
     STATUSES,
+    TOTAL_COLUMNS,
     Store,
     StoreError,
     StoreWriter,
@@ -16,6 +17,6 @@ from mpdiag.store.core import (
 )
 
 __all__ = [
-    "DEFAULT_STORE", "REPRESENTABILITY_COLUMNS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "Store", "StoreError",
+    "DEFAULT_STORE", "REPRESENTABILITY_COLUMNS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "TOTAL_COLUMNS", "Store", "StoreError",
     "StoreWriter", "decode_hist", "decode_hists", "encode_hist",
 ]
