@@ -84,7 +84,8 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, devi
     ran = []
     opt.register_step_post_hook(lambda *a: ran.append(True))
     truth = []
-    with Recorder(model, store=store_path, name="loop", scaler=scaler, flush_interval_s=0.0) as rec:
+    with Recorder(model, store=store_path, name="loop", scaler=scaler) as rec:
+        rec.flush_interval_s = 0.0  # commit at every record(): the flush path runs once per step
         for step in range(steps):
             opt.zero_grad()
             with torch.autocast(device, dtype=torch.float16):

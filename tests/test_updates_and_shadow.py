@@ -13,6 +13,8 @@ from torch import nn
 from mpdiag import Recorder, Store
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.recorder import RunnerAttachment
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -113,11 +115,16 @@ def test_update_counts_equal_float64_arithmetic(dtype, fmt, contiguous):
     assert 0 < expected[1] < expected[0] and (expected[2] > 0) == (dtype != torch.float32)  # the data reaches every count
 
 
-def test_update_targets_must_match_the_model():
+def test_update_targets_must_match_the_model(store_path):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="update_targets must match"):
-        Recorder(model, store=":memory:", optimizer=optimizer, update_format="fp16", update_targets=[torch.zeros(3)])
+    writer = BackgroundWriter(store_path)
+    try:
+        attachment = RunnerAttachment(run_id=1, writer=writer, update_targets=[torch.zeros(3)])
+        with pytest.raises(ValueError, match="update_targets must match"):
+            Recorder.attached(model, attachment, optimizer=optimizer, update_format="fp16")
+    finally:
+        writer.close()
     with pytest.raises(ValueError, match="needs optimizer"):
         Recorder(model, store=":memory:", update_format="fp16")
 

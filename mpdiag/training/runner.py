@@ -23,7 +23,7 @@ import torch
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.recording.recorder import Recorder
+from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store
 from mpdiag.training.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
@@ -196,10 +196,10 @@ def train(
             fp32_model = built.model.to(device)
             shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
             model, optimizer = policy.prepare(fp32_model, built.make_optimizer)
-            recorder = Recorder(
-                model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer,
+            attachment = RunnerAttachment(run_id=run_id, writer=writer, update_targets=policy.master_params() or None)
+            recorder = Recorder.attached(
+                model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=policy.update_format,
-                update_targets=policy.master_params() or None,
             )
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
             state = model_state_bytes(model, optimizer, policy)
