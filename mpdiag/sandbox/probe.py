@@ -54,12 +54,12 @@ def _child(source_path: str, filename: str, config_json: str) -> dict:
     from pathlib import Path
 
     from mpdiag.training.policies import make_policy
-    from mpdiag.training.runner import RunConfig, seed_everything, to_device
+    from mpdiag.training.runner import RunConfig, resolve_device, seed_everything, to_device
     from mpdiag.training.script import ModelScript, build_model
 
     config = RunConfig.from_dict(json.loads(config_json))
-    device = config.validate()
-    policy = make_policy(config.opt_level, device, config.scaling)
+    device = resolve_device(config.device)
+    policy = make_policy(config, device)  # validates every option
     seed_everything(config.seed)
     built = build_model(ModelScript(filename=filename, source=Path(source_path).read_text(encoding="utf-8")), device)
     model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
