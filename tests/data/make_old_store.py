@@ -12,6 +12,7 @@ The rows are seeded random counts, so every representability column holds distin
 import sys
 
 import numpy as np
+
 from mpdiag.store import REPRESENTABILITY_COLUMNS, SCHEMA_VERSION, StoreWriter, encode_hist
 
 rng = np.random.default_rng(7)
