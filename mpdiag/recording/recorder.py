@@ -28,11 +28,21 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.tracing import ModuleTracer
-from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
+from mpdiag.store import (
+    DEFAULT_STORE,
+    REPRESENTABILITY_KINDS,
+    RUN_FIELDS,
+    Representability,
+    StepRow,
+    Store,
+    TensorRow,
+    encode_hist,
+)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -340,7 +350,7 @@ class Recorder:
             row[1], row[2] = float(loss), float(scale)
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
-            self._step_rows.append(tuple(row))
+            self._step_rows.append(StepRow(*row))
         if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
@@ -354,14 +364,14 @@ class Recorder:
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats) -> None:
         for k, i in enumerate(present):
-            self._tensor_rows_buf.append(
-                (
-                    step, i, encode_hist(stats.hist[k]),
-                    *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
-                    float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
-                    *(int(stats.counts[c][k]) for c in REPRESENTABILITY_COLUMNS),
-                )
-            )
+            self._tensor_rows_buf.append(TensorRow(
+                step, i, encode_hist(stats.hist[k]),
+                *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
+                float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
+                representability={fmt: Representability(*(int(stats.counts[f"{fmt}_{kind}"][k])
+                                                          for kind in REPRESENTABILITY_KINDS))
+                                  for fmt in LOW_PRECISION},
+            ))
 
     def flush(self) -> None:
         """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
@@ -396,11 +406,8 @@ class Recorder:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
         self.flush()
-        fields = {"status": status, "finished_at": time.time(), "error": error}
-        if note:
-            fields["note"] = note
-        self._writer.submit(lambda w: w.write_summary(self.run_id))  # after the last rows: jobs run in order
-        self._writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        # After the last rows: jobs run in order, so the stored summary counts every step.
+        self._writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
         if self._owns_writer:
             self._writer.close()
 

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterable
 
@@ -25,7 +24,7 @@ from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
-from mpdiag.store import Store
+from mpdiag.store import Store, StoreWriter
 from mpdiag.training.config import ConfigError, RunConfig
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
@@ -179,8 +178,7 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
     if recorder is not None:
         recorder.fail(error)
     else:
-        writer.submit(lambda w: (w.write_summary(run_id),
-                                 w.update_run(run_id, status="failed", error=error, finished_at=time.time())))
+        writer.submit(lambda w: w.end_run(run_id, "failed", error=error))
 
 
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
@@ -221,11 +219,9 @@ def train_pair(
     twin = config.fp32_twin(name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
     mixed_id = train(script, config, store_path, progress)
     fp32_id = train(script, twin, store_path, progress)
-    writer = BackgroundWriter(store_path)
-    try:
-        writer.call(lambda w: (w.update_run(mixed_id, pair_run_id=fp32_id), w.update_run(fp32_id, pair_run_id=mixed_id)))
-    finally:
-        writer.close()
+    with StoreWriter(store_path) as writer:
+        writer.update_run(mixed_id, pair_run_id=fp32_id)
+        writer.update_run(fp32_id, pair_run_id=mixed_id)
     return mixed_id, fp32_id
 
 
