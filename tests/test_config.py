@@ -108,3 +108,10 @@ def test_rerun_overrides_are_merged_and_checked(store_path):
         ("O2", 64.0, None, 2, parent)
     with pytest.raises(ConfigError, match="--backoff-factor must be a finite number between 0 and 1"):
         rerun_plan(Store(store_path), parent, backoff_factor=1.5)
+
+
+def test_default_on_the_command_line_clears_an_inherited_optional_number():
+    args = build_parser().parse_args(["rerun", "1", "--min-scale", "default", "--loss-scale", "default"])
+    assert args.min_scale is None and args.loss_scale is None
+    assert build_parser().parse_args(["rerun", "1", "--no-trace-modules"]).trace_modules is False
+    assert not hasattr(build_parser().parse_args(["rerun", "1"]), "trace_modules")  # untyped: inherited
