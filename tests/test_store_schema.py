@@ -80,6 +80,9 @@ def test_old_store_migrates_in_place_and_reads_back_identical_data(tmp_path, ver
         old = old_totals[old_totals["run_id"] == run_id].reset_index(drop=True)
         for col in ["logged_steps", "zeros", "nan", "posinf", "neginf", *REPRESENTABILITY_COLUMNS]:
             assert totals[col].tolist() == old[col].tolist(), col
+    if version == 1:  # version 2 added update tracking and the shadow: a v1 store has none of either
+        assert store.update_stats(1).empty and store.shadow_stats(2).empty
+        assert runs["update_format"].isna().all()
     if version == 2:
         assert store.update_stats(1)["below_resolution"].tolist() == [0, 0, 1, 1, 2, 2]
         assert store.shadow_stats(2)["ref_norm"].tolist() == [2.0, 3.0] * 3

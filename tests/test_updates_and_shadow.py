@@ -1,8 +1,6 @@
 """Weight-update swamping counts and the FP32 shadow, checked against ground truth computed here
 independently: float64 arithmetic and torch's own FP16 rounding, not the code under test."""
 
-import math
-import sqlite3
 
 import numpy as np
 import pytest
@@ -191,17 +189,3 @@ def test_shadow_ranking_puts_negligible_references_last():
     ranking = shadow_ranking(pd.DataFrame(shadow))
     assert ranking["tensor"].tolist() == ["c", "a", "bias_before_bn"]
     assert ranking["meaningful"].tolist() == [True, True, False]
-
-
-def test_a_version_1_store_is_upgraded_and_keeps_its_rows(store_path):
-    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(steps=2, device="cpu"), store_path)
-    with sqlite3.connect(store_path) as conn:  # make it look like schema version 1
-        conn.execute("DROP TABLE update_steps")
-        conn.execute("DROP TABLE shadow_steps")
-        conn.execute("ALTER TABLE runs DROP COLUMN update_format")
-        conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    store = Store(store_path)
-    assert store.update_stats(run_id).empty and store.shadow_stats(run_id).empty
-    assert len(store.steps(run_id)) == 2 and math.isnan(float(store.run(run_id)["update_format"] or math.nan))
-    with sqlite3.connect(store_path) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
