@@ -14,6 +14,7 @@ open the same new or old file at once serialise on it and the later ones find th
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
@@ -236,29 +237,44 @@ def _check_integrity(path: Path) -> None:
                          "write to it. Restore it from a copy or choose another store.")
 
 
+#: how long a writer waits for another process's lock before giving up
+LOCK_WAIT_S = 30.0
+
+
 def open_for_writing(path: Path) -> sqlite3.Connection:
     """The writing connection to ``path``, after checking the file's integrity, creating the schema in a new
     file or migrating an older one in place. Raises StoreError, having written nothing, for a damaged file, a
     file that is not an mpdiag store, a newer schema version, or a file this process cannot write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_integrity(path)
-    conn = sqlite3.connect(path, timeout=30)
-    try:
-        conn.execute("PRAGMA busy_timeout=30000")
-        version = stored_version(conn, path)  # the cheap look first: a current store needs no write lock
-        refuse_newer(path, version)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        if version != SCHEMA_VERSION:
-            _bring_up_to_date(conn, path)
-    except StoreError:
-        conn.close()
-        raise
-    except sqlite3.DatabaseError as exc:
-        conn.close()
-        raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are writable.") \
-            from exc
-    return conn
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        conn = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(LOCK_WAIT_S * 1000)}")
+            version = stored_version(conn, path)  # the cheap look first: a current store needs no write lock
+            refuse_newer(path, version)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            if version != SCHEMA_VERSION:
+                _bring_up_to_date(conn, path)
+            return conn
+        except StoreError:
+            conn.close()
+            raise
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            # Switching a brand-new file to WAL, or taking the migration lock, needs the file to itself; SQLite
+            # answers "locked" at once (no busy wait) when that would deadlock with another process doing the
+            # same, so racing creators take turns here.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are "
+                                 "writable.") from exc
+            time.sleep(0.05)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are writable.") \
+                from exc
 
 
 def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
