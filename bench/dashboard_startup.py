@@ -1,11 +1,11 @@
 """Dashboard server start-up: seconds from ``streamlit run app.py`` to the first HTTP 200, and the server's
-resident memory then and after a browser has rendered the home page (whether torch got loaded shows as
-libtorch mapped into the server process).
+resident memory then and after a browser has rendered a page (home by default; whether torch got loaded shows
+as libtorch mapped into the server process).
 
 Runs against an empty store in a temporary folder. ``--root`` picks the checkout to serve (compare two
 commits by pointing it at two worktrees). Timings on a shared machine are noisy: repeat with ``--repeat``.
 
-    python bench/dashboard_startup.py [--root PATH] [--repeat 3] [--out bench/results/dashboard_startup.json]
+    python bench/dashboard_startup.py [--root PATH] [--repeat 3] [--page Loss_scale] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _torch_mapped(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def measure_once(root: Path, browser) -> dict:
+def measure_once(root: Path, browser, path: str, expect: str) -> dict:
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "MPDIAG_STORE": str(Path(tmp) / "bench.db"), "PYTHONPATH": str(root)}
@@ -64,11 +64,11 @@ def measure_once(root: Path, browser) -> dict:
             first_200 = time.perf_counter() - started
             rss_at_200 = _rss_mb(proc.pid)
             page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{port}/")
-            page.get_by_text("No runs in").first.wait_for(timeout=120_000)
+            page.goto(f"http://127.0.0.1:{port}/{path}")
+            page.get_by_text(expect).first.wait_for(timeout=120_000)
             rendered = time.perf_counter() - started
             page.close()
-            return {"first_http_200_s": first_200, "home_rendered_s": rendered, "rss_at_200_mb": rss_at_200,
+            return {"first_http_200_s": first_200, "page_rendered_s": rendered, "rss_at_200_mb": rss_at_200,
                     "rss_after_render_mb": _rss_mb(proc.pid), "torch_loaded": _torch_mapped(proc.pid)}
         finally:
             proc.terminate()
@@ -80,15 +80,17 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default=RESULTS / "dashboard_startup.json")
+    parser.add_argument("--page", default="", help="URL path of the page to render ('' for home, e.g. Loss_scale)")
+    parser.add_argument("--expect", default="No runs", help="text that shows once that page has rendered")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        runs = [measure_once(args.root.resolve(), browser) for _ in range(args.repeat)]
+        runs = [measure_once(args.root.resolve(), browser, args.page, args.expect) for _ in range(args.repeat)]
         browser.close()
     medians = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "torch_loaded"}
-    result = {"root": str(args.root.resolve()), "runs": runs, "median": medians,
+    result = {"root": str(args.root.resolve()), "page": args.page or "home", "runs": runs, "median": medians,
               "torch_loaded": any(r["torch_loaded"] for r in runs)}
     for key, value in medians.items():
         print(f"{key}: {value:.2f}")
