@@ -1,12 +1,17 @@
-"""Gradients: where each tensor's gradient magnitudes sit relative to FP16/BF16 limits, over steps."""
+"""Gradients: where each tensor's gradient magnitudes sit relative to FP16/BF16 limits, over steps.
+
+Reads widgets, calls mpdiag.analysis.summaries and the chart layer, renders; no store queries, no torch.
+Tensor names come from the user's model: they reach Markdown only through ``plain``.
+"""
 
 import numpy as np
 import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import summaries
-from mpdiag.dashboard import charts
+from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
+from mpdiag.dashboard.untrusted import plain
 from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
 
 SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
@@ -21,7 +26,7 @@ def pct(bounds: tuple[float, float]) -> str:
 
 def gradients_view(store, run: pd.Series, final: bool) -> None:
     run_id = int(run["run_id"])
-    logged = ui.read(store, "logged_steps", run_id, final=final)
+    logged = reads.logged_steps(store, run_id, final)
     if not logged:
         if run["status"] == "running":
             st.info("No gradient statistics recorded yet; this view updates as the run records its first step.")
@@ -35,34 +40,31 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     fmt = c2.radio("Format", list(LOW_PRECISION), horizontal=True, key="fmt", bind="query-params")
     show_bf16 = c3.checkbox("Draw BF16 limits too", key="bf16_lines", value=False)
 
-    totals = ui.read(store, "tensor_totals", run_id, final=final)
+    totals = reads.tensor_totals(store, run_id, final)
     ranking = summaries.tensor_ranking(totals, fmt, at_scale)
     # Plain names as options: the URL (?tensor=...) then stays valid while shares change during a run.
     tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
                           bind="query-params")
     chosen = ranking[ranking["tensor"] == tensor].iloc[0]
-    st.caption(f"{tensor}: {fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
+    st.caption(f"{plain(tensor)}: {fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
                f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
-    steps = ui.read(store, "steps", run_id, final=final) if final else ui.live_steps(store, run_id)
-    index, counts = ui.read(store, "histogram_matrix", run_id, tensor, final=final)
+    steps = reads.steps(store, run_id, final)
+    index, counts = reads.tensor_histograms(store, run_id, tensor, final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
     lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
     st.altair_chart(charts.exponent_heatmap(cells, lines, f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"),
                     width="stretch")
 
     step = st.select_slider("Step", logged, value=logged[-1], key="step")
-    scale = float(steps.set_index("step")["loss_scale"].get(step, 1.0)) if len(steps) else 1.0
+    scale = summaries.scale_at_step(steps, step)
     row = np.flatnonzero(index["step"].to_numpy() == step)
-    at_step = ui.read(store, "tensor_stats", run_id, tensor, -1, step, final=final).iloc[0]
+    at_step = reads.tensor_at_step(store, run_id, tensor, step, final)
     hist = counts[row[0]] if len(row) else np.zeros(counts.shape[1], dtype=np.int64)
     shift = float(np.log2(scale)) if at_scale else 0.0
     bars = summaries.step_histogram(hist, {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}, LOW_PRECISION[fmt], shift)
     st.altair_chart(charts.step_histogram(bars, f"step {step}, loss scale {scale:g}"), width="stretch")
-    suffix = "_at_scale" if at_scale else ""
-    denom = int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0])
     m = st.columns(5)
-    for col, cat in zip(m, ("underflow", "subnormal", "overflow"), strict=False):
-        n = int(at_step[f"{fmt}_{cat}{suffix}"])
+    for col, (cat, (n, denom)) in zip(m, summaries.exact_shares(at_step, fmt, at_scale).items(), strict=False):
         col.metric(f"{fmt} {cat} (exact)", f"{n / denom:.3%}" if denom else "n/a",
                    help=f"{n} of {denom} finite non-zero values, counted by casting")
     m[3].metric("zeros", int(at_step["zeros"]))
@@ -82,9 +84,8 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     )
 
     st.subheader(f"All tensors ranked by {fmt} underflow, then overflow ({'S·g' if at_scale else 'g'}, all logged steps)")
-    step_index, step_counts = ui.read(store, "histogram_matrix", run_id, None, -1, step, final=final)
-    whatif = {t: summaries.whatif_shares(h, k, LOW_PRECISION[fmt])["underflow"]
-              for t, h in zip(step_index["tensor"], step_counts, strict=True)}
+    whatif = summaries.whatif_underflow_by_tensor(*reads.histograms_at_step(store, run_id, step, final), k,
+                                                  LOW_PRECISION[fmt])
     table = ranking.assign(**{f"underflow at 2^{k}, step {step}": ranking["tensor"].map(lambda t: pct(whatif.get(t, (np.nan, np.nan))))})
     st.dataframe(
         table, hide_index=True, width="stretch",

@@ -1,17 +1,20 @@
-"""Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss beneath."""
+"""Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss beneath.
 
-import numpy as np
+Reads widgets, calls mpdiag.analysis.summaries and the chart layer, renders; no store queries, no torch.
+"""
+
 import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import summaries
-from mpdiag.dashboard import charts
+from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
+from mpdiag.dashboard.untrusted import plain
 
 
 def loss_scale_view(store, run: pd.Series, final: bool) -> None:
     run_id = int(run["run_id"])
-    steps = ui.read(store, "steps", run_id, final=final) if final else ui.live_steps(store, run_id)
+    steps = reads.steps(store, run_id, final)
     if steps.empty:
         st.info("No steps recorded yet." if run["status"] == "running" else f"Run #{run_id} recorded no steps.")
         return
@@ -22,9 +25,9 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
     m[2].metric("backoffs", events["backoffs"])
     m[3].metric("growths", events["growths"])
     m[4].metric("lowest scale", f"{events['min_scale']:g}")
-    m[5].metric("loss NaN/inf", int((~np.isfinite(steps["loss"])).sum()))
+    m[5].metric("loss NaN/inf", summaries.nonfinite_losses(steps))
     if run["scaling"] == "none":
-        st.info(f"{run['opt_level']} does not scale the loss: the scale is 1 at every step.")
+        st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
     st.altair_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")

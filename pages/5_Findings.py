@@ -1,59 +1,59 @@
-"""Findings: what is wrong with a run, where, what to change, and a rerun that checks the fix."""
+"""Findings: what is wrong with a run, where, what to change, and a rerun that checks the fix.
 
-from urllib.parse import urlencode
+Reads widgets, calls mpdiag.analysis.findings / summaries, the chart layer and mpdiag.dashboard.actions, renders;
+no store queries, no torch. The scale-linearity probe and fix reruns execute the run's stored script, so each
+needs a confirmed click; opening the page (with any query parameters) starts nothing. Findings quote tensor and
+run names from the user's script: they reach Markdown only through ``plain``.
+"""
 
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.compare import reference_run
-from mpdiag.analysis.findings import GRADIENT_REL_ERROR, diagnose, finding_resolved
+from mpdiag.analysis.findings import (
+    EVIDENCE_SECTIONS,
+    GRADIENT_REL_ERROR,
+    diagnose,
+    evidence_link,
+    fix_options,
+    rerun_outcomes,
+)
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
-from mpdiag.dashboard import charts
+from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
-from mpdiag.sandbox.launch import launch, rerun_command
+from mpdiag.dashboard.untrusted import plain
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
-from mpdiag.sandbox.probe import run_probe
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
-#: anchors of this page's evidence sections, for findings whose evidence is shown here
-SECTIONS = {"gradient-error": "shadow", "update-swamping": "updates", "masters-needed": "updates"}
 
 
-def start_fix(store, run: pd.Series, finding) -> None:
-    """Rerun with the finding's fix; with an FP32 twin when no FP32 reference exists to judge the loss."""
-    runs = store.runs()
-    options = dict(finding.fix, pair=reference_run(runs, int(run["run_id"])) is None and finding.fix.get("opt_level") != "O0")
-    proc = launch(rerun_command(store.path, int(run["run_id"]), options), store.path)
-    st.session_state.setdefault("launched", []).append((proc, f"fix of {finding.rule} on #{run['run_id']}"))
-    st.toast(f"Rerunning #{run['run_id']} with {finding.fix}")
+def probe_section(store, run: pd.Series) -> None:
+    """Offer the scale-linearity probe (it reruns one batch of the stored script in a child) when it applies
+    and has not been stored for this run."""
+    run_id = int(run["run_id"])
+    if run["scaling"] == "none" or not run["config"].get("run") or store.probe(run_id, PROBE_KIND) is not None:
+        return
+    st.caption("Not probed yet: the scale-linearity probe recomputes one batch at two loss scales and finds "
+               "gradients that ignore the scale (a custom backward that drops grad_output).")
+    action = actions.pending(f"Probe run #{run_id}: recompute one batch at two loss scales",
+                             run["script_path"] or run["name"], run["script_sha256"])
+    if actions.confirmed("Probe whether every gradient scales with the loss scale", f"probe_{run_id}", action):
+        with st.spinner("Probing: recomputing one batch at two loss scales in a child process…"):
+            actions.probe(store, run_id)
 
 
 def reruns_table(store, run: pd.Series, findings) -> None:
     """Reruns of this run: did each finding go away, and how does the loss compare to FP32?"""
-    runs = store.runs()
-    children = runs[(runs["parent_run_id"] == run["run_id"]) & (runs["opt_level"] != "O0")]
-    if children.empty:
+    outcomes = rerun_outcomes(store, int(run["run_id"]), findings)
+    if outcomes.empty:
         return
     st.subheader("Reruns of this run")
-    rows = []
-    for _, child in children.iterrows():
-        row = {"run": ui.run_label(child), "status": child["status"], "final loss": child["final_loss"]}
-        if child["status"] == "finished":
-            after = diagnose(store, int(child["run_id"]))
-            for f in findings:
-                row[f.rule] = "gone" if finding_resolved(f, after) else "still there"
-            ref = reference_run(runs, int(child["run_id"]))
-            if ref is not None:
-                ref_loss = float(runs.loc[runs["run_id"] == ref, "final_loss"].iloc[0])
-                row["FP32 final loss"] = ref_loss
-                row["vs FP32"] = f"{(child['final_loss'] - ref_loss) / abs(ref_loss):+.1%}" if ref_loss else "n/a"
-        rows.append(row)
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    st.dataframe(outcomes, hide_index=True, width="stretch",
+                 column_config={"vs FP32": st.column_config.NumberColumn(format="percent")})
 
 
 def shadow_section(store, run_id: int, final: bool) -> None:
     """Gradients against the FP32 shadow (--shadow-every), tensors ranked by lost precision."""
-    shadow = ui.read(store, "shadow_stats", run_id, final=final)
+    shadow = reads.shadow_stats(store, run_id, final)
     if shadow.empty:
         st.caption("No FP32 shadow for this run: rerun with --shadow-every N (the run form's "
                    "'FP32 shadow every') to rank tensors by the precision their gradients lose.")
@@ -69,7 +69,7 @@ def shadow_section(store, run_id: int, final: bool) -> None:
 
 def updates_section(store, run: pd.Series, final: bool) -> None:
     """Optimizer updates against the weight format's resolution (recorded at O2, O3 and bf16-pure)."""
-    updates = ui.read(store, "update_stats", int(run["run_id"]), final=final)
+    updates = reads.update_stats(store, int(run["run_id"]), final)
     if updates.empty:
         st.caption("Updates are checked against FP16/BF16 resolution at O2, O3 and bf16-pure; "
                    "this run has no such record.")
@@ -81,39 +81,43 @@ def updates_section(store, run: pd.Series, final: bool) -> None:
                                 for c in ("below_resolution_share", "unchanged_share")})
 
 
+def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
+    run_id = int(run["run_id"])
+    with st.container(border=True):
+        st.markdown(f"**{BADGES[finding.severity]} · {plain(finding.title)}**  \n`{finding.rule}`")
+        st.markdown(f"**Evidence.** {plain(finding.evidence)}")
+        if finding.tensors:
+            st.caption(plain("Tensors: " + ", ".join(finding.tensors[:12]) + (" …" if len(finding.tensors) > 12 else "")))
+        st.markdown(f"**What to change.** {plain(finding.recommendation)}")
+        cols = st.columns(2)
+        where = "below" if finding.page == "Findings" else f"on the {finding.page.replace('_', ' ')} page"
+        cols[0].markdown(f"[See the evidence {where}]({evidence_link(finding, run_id)})")  # a percent-encoded URL
+        if finding.fix and final:
+            options = fix_options(store.runs(), run_id, finding)
+            fix_text = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in finding.fix.items())
+            action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",
+                                     run["script_path"] or run["name"], run["script_sha256"], options)
+            with cols[1]:
+                if actions.confirmed(f"Rerun with this fix ({fix_text})", f"fix_{run_id}_{i}", action):
+                    actions.start_rerun(store, run_id, options, f"fix of {finding.rule} on #{run_id}")
+                    st.toast(f"Rerunning #{run_id} with {plain(fix_text)}")
+
+
 def findings_view(store, run: pd.Series, final: bool) -> None:
     run_id = int(run["run_id"])
-    if final and run["scaling"] != "none" and run["config"].get("run") and store.probe(run_id, PROBE_KIND) is None:
-        with st.spinner("Probing: recomputing one batch at two loss scales in a child process…"):
-            run_probe(store.path, run_id)
+    if final:
+        probe_section(store, run)
     findings = diagnose(store, run_id)
     if not final:
         st.info("The run is still going: these findings cover the steps recorded so far.")
     if not findings:
-        st.success(f"No findings for {ui.run_label(run)}: none of the rules in the README fired.")
-    for i, f in enumerate(findings):
-        with st.container(border=True):
-            st.markdown(f"**{BADGES[f.severity]} · {f.title}**  \n`{f.rule}`")
-            st.markdown(f"**Evidence.** {f.evidence}")
-            if f.tensors:
-                st.caption("Tensors: " + ", ".join(f.tensors[:12]) + (" …" if len(f.tensors) > 12 else ""))
-            st.markdown(f"**What to change.** {f.recommendation}")
-            cols = st.columns(2)
-            query = {"run": run_id} if f.page != "Compare" else {"runs": run_id}
-            if f.page == "Gradients" and f.tensors:
-                query["tensor"] = f.tensors[0]
-            if f.page == "Findings":
-                cols[0].markdown(f"[See the evidence below](#{SECTIONS[f.rule]})")
-            else:
-                cols[0].markdown(f"[See the evidence on the {f.page.replace('_', ' ')} page](/{f.page}?{urlencode(query)})")
-            if f.fix and final:
-                fix_text = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in f.fix.items())
-                if cols[1].button(f"Rerun with this fix ({fix_text})", key=f"fix_{run_id}_{i}"):
-                    start_fix(store, run, f)
+        st.success(f"No findings for {plain(ui.run_label(run))}: none of the rules in the README fired.")
+    for i, finding in enumerate(findings):
+        finding_card(store, run, final, i, finding)
     reruns_table(store, run, findings)
-    st.subheader("Gradients against the FP32 shadow", anchor=SECTIONS["gradient-error"])
+    st.subheader("Gradients against the FP32 shadow", anchor=EVIDENCE_SECTIONS["gradient-error"])
     shadow_section(store, run_id, final)
-    st.subheader("Optimizer updates against the weight format", anchor=SECTIONS["update-swamping"])
+    st.subheader("Optimizer updates against the weight format", anchor=EVIDENCE_SECTIONS["update-swamping"])
     updates_section(store, run, final)
 
 

@@ -1,5 +1,6 @@
 """Every page under streamlit's AppTest: selections, controls, starting runs, and bad stores."""
 
+import re
 import subprocess
 import sys
 import time
@@ -39,9 +40,23 @@ def app(page, store, monkeypatch, **query):
     return at.run()
 
 
+def shown(markdown: str) -> str:
+    """Markdown as it reads on screen: backslash escapes (how user text is made inert) removed."""
+    return re.sub(r"\\(.)", r"\1", markdown)
+
+
 def texts(at):
+    """Everything the page said in Markdown or code, as it reads on screen."""
     parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info]
-    return "\n".join(parts + [w.value for w in at.warning] + [e.value for e in at.error])
+    said = "\n".join(parts + [w.value for w in at.warning] + [e.value for e in at.error] + [c.value for c in at.code])
+    return shown(said)
+
+
+def confirm(at, key):
+    """Click the button ``key`` and then Confirm in the panel it opens (every action needs both)."""
+    at.button(key=key).click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at.button(key=f"{key}_confirm").click().run()
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -77,10 +92,17 @@ def test_store_that_is_not_sqlite_is_explained(page, tmp_path, monkeypatch):
     assert "is not an SQLite database" in texts(at)
 
 
-def test_missing_store_picked_in_the_sidebar_is_explained(filled_store, tmp_path, monkeypatch):
-    at = app("pages/1_Gradients.py", filled_store, monkeypatch)
-    at.sidebar.text_input[0].set_value(str(tmp_path / "nowhere.db")).run()
-    assert not at.exception and "No store at" in texts(at)
+def test_sidebar_offers_the_store_files_beside_the_configured_one(filled_store, monkeypatch):
+    other = filled_store.parent / "other.db"
+    other.write_text("not a store")
+    try:
+        at = app("pages/1_Gradients.py", filled_store, monkeypatch)
+        picker = at.sidebar.selectbox(key="store_file")
+        assert picker.options == ["runs.db", "other.db"]  # the configured store first, then its neighbours
+        picker.set_value(other).run()
+        assert not at.exception and "is not an SQLite database" in texts(at)
+    finally:
+        other.unlink()
 
 
 def test_gradients_deep_link_and_controls(filled_store, monkeypatch):
@@ -131,7 +153,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     at = app("app.py", store, monkeypatch)
     at.number_input(key="new_steps").set_value(5).run()
     at.selectbox(key="new_level").set_value("bf16").run()
-    at.button(key="new_start").click().run()
+    confirm(at, "new_start")
     assert not at.exception
     runs = _wait_for_runs(store, 1)
     assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["opt_level"] == "bf16"
@@ -139,7 +161,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     at = app("app.py", store, monkeypatch)
     at.selectbox(key="rerun_level").set_value("O2").run()
     at.radio(key="rerun_mode").set_value("dynamic").run()
-    at.button(key="rerun_start").click().run()
+    confirm(at, "rerun_start")
     runs = _wait_for_runs(store, 2)
     child = runs.iloc[0]
     assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5
@@ -149,8 +171,9 @@ HOSTILE_DIR = ROOT / "tests" / "hostile"
 
 
 def upload(at, name, data):
+    """Upload ``data`` as ``name`` and check it (a confirmed click)."""
     at.file_uploader(key="upload").set_value((name, data, "text/x-python")).run()
-    return at
+    return confirm(at, "check")
 
 
 def test_upload_check_and_run_a_good_script(tmp_path, monkeypatch):
@@ -159,10 +182,10 @@ def test_upload_check_and_run_a_good_script(tmp_path, monkeypatch):
     assert "Uploading a script means running it" in texts(at)
     upload(at, "../../etc/evil name.py", (EXAMPLES / "mlp_digits.py").read_bytes())
     assert not at.exception
-    assert [s.value for s in at.success] == ["evil_name.py: ready"]  # no path from the user survives
+    assert [shown(s.value) for s in at.success] == ["evil_name.py: ready"]  # no path from the user survives
     assert Store(store).scripts()["filename"].tolist() == ["evil_name.py"]
     at.number_input(key="upload_steps").set_value(4).run()
-    at.button(key="upload_start").click().run()
+    confirm(at, "upload_start")
     runs = _wait_for_runs(store, 1)
     assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["script_path"] == "evil_name.py"
 
@@ -180,12 +203,13 @@ def test_upload_of_a_broken_script_is_explained_and_the_app_keeps_serving(name, 
     if expected is None:
         assert at.success
     else:
-        assert not at.success and expected in "\n".join(e.value for e in at.error)
+        assert not at.success and expected in texts(at)
     assert not app("app.py", store, monkeypatch).exception  # the app still serves
 
 
 def test_upload_that_is_not_utf8_is_refused(tmp_path, monkeypatch):
-    at = upload(app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch), "latin.py", "x = 'é'".encode("latin-1"))
+    at = app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch)
+    at.file_uploader(key="upload").set_value(("latin.py", "x = 'é'".encode("latin-1"), "text/x-python")).run()
     assert not at.exception and "latin.py is not UTF-8 text." in texts(at)
 
 
@@ -198,7 +222,7 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     said = texts(at)
     assert "Overflow in the forward pass" in said and "[See the evidence on the Loss scale page](/Loss_scale?run=1)" in said
     fix = [b for b in at.button if b.label.startswith("Rerun with this fix")][0]
-    fix.click().run()
+    confirm(at, fix.key)
     runs = _wait_for_runs(store, 3)  # the rerun and its FP32 twin (no FP32 reference existed)
     assert set(runs["opt_level"]) == {"O1", "bf16", "O0"}
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
@@ -229,6 +253,6 @@ def test_an_uploaded_script_never_runs_inside_the_server_process(tmp_path, monke
         f"\nimport os as _os\nwith open({str(marker)!r}, 'a') as _fh:\n    _fh.write(f'{{_os.getpid()}}\\n')\n"
     )
     at = upload(app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch), "spy.py", source.encode())
-    assert not at.exception and [s.value for s in at.success] == ["spy.py: ready"]
+    assert not at.exception and [shown(s.value) for s in at.success] == ["spy.py: ready"]
     pids = {int(p) for p in marker.read_text().split()}
     assert pids and os.getpid() not in pids  # AppTest runs the page in this process: the script ran elsewhere

@@ -101,6 +101,11 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         settle(page, "No runs in")
         shot(page, "01_home_empty")
         page.get_by_role("button", name="Run the bundled example").click()
+        confirm = page.get_by_role("button", name="Confirm")
+        confirm.wait_for(timeout=30_000)
+        assert page.get_by_text("sha256:").count() >= 1  # the script's hash is shown before anything runs
+        shot(page, "01b_home_confirm")
+        confirm.click()
         deadline = time.time() + 240
         while time.time() < deadline:
             runs = Store(store).runs() if store.exists() else None
@@ -185,4 +190,32 @@ def watch_live_progress(browser, store):
         shot(page, "10_live_progress")
     finally:
         trainer.kill()
+        server.stop()
+
+
+def test_a_foreign_host_name_gets_no_run_data(tmp_path):
+    """DNS rebinding: a page served as evil.example that resolves to this machine reaches the server with
+    Host: evil.example. Chromium maps the name to 127.0.0.1; the session must get a refusal, not the runs."""
+    from playwright.sync_api import sync_playwright
+
+    store = tmp_path / "secret.db"
+    done = subprocess.run([sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/mlp_digits.py"),
+                           "--steps", "3", "--device", "cpu", "--name", "secret-run-name", "--store", str(store)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    server = Server(store)
+    try:
+        with sync_playwright() as p:
+            rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+            b = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, rules])
+            page = b.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"http://evil.example:{server.port}/")
+            settle(page, "not served under this host name")
+            assert "secret-run-name" not in page.inner_text("body")
+            shot(page, "11_foreign_host_refused")
+            page.goto(f"http://localhost:{server.port}/")  # the same server under its own name shows the run
+            settle(page, "Every recorded run")
+            page.get_by_text("secret-run-name").first.wait_for(state="attached", timeout=30_000)
+            b.close()
+    finally:
         server.stop()

@@ -8,14 +8,14 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
 from mpdiag.analysis.summaries import nonzero_finite, shadow_ranking, update_shares, whatif_shares
-from mpdiag.numerics.formats import EXP_MIN, FP16
-from mpdiag.numerics.updates import resolution_log2
+from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
 from mpdiag.store import Store
 
 FP16_LEVELS = ("O1", "O2", "O3")
@@ -352,3 +352,50 @@ def finding_resolved(before: Finding, after: list[Finding]) -> bool:
     """Whether a rerun no longer shows the rule a finding came from."""
     return all(f.rule != before.rule for f in after)
 
+
+
+def fix_options(runs: pd.DataFrame, run_id: int, finding: Finding) -> dict:
+    """Rerun options that apply ``finding``'s fix; with an FP32 twin when no FP32 reference exists to judge the
+    rerun's loss against (and the fix is not itself FP32)."""
+    twin = reference_run(runs, int(run_id)) is None and finding.fix.get("opt_level") != "O0"
+    return dict(finding.fix, pair=twin)
+
+
+#: anchors of the Findings page's own evidence sections, for findings whose page is "Findings"
+EVIDENCE_SECTIONS = {"gradient-error": "shadow", "update-swamping": "updates", "masters-needed": "updates"}
+
+
+def evidence_link(finding: Finding, run_id: int) -> str:
+    """Where a finding's evidence is shown: an anchor on the Findings page, or a page path with the run (and
+    the worst tensor on the Gradients page) as query parameters."""
+    if finding.page == "Findings":
+        return f"#{EVIDENCE_SECTIONS[finding.rule]}"
+    query = {"run": int(run_id)} if finding.page != "Compare" else {"runs": int(run_id)}
+    if finding.page == "Gradients" and finding.tensors:
+        query["tensor"] = finding.tensors[0]
+    return f"/{finding.page}?{urlencode(query)}"
+
+
+def rerun_outcomes(store: Store, run_id: int, findings: list[Finding]) -> pd.DataFrame:
+    """The reruns of a run (its mixed-precision children), one row each: run id, status, final loss; for a
+    finished rerun, per finding of the parent whether its rule is "gone" or "still there", and its final loss
+    against its FP32 reference ("vs FP32": relative difference). Empty when the run was never rerun."""
+    runs = store.runs()
+    if runs.empty:
+        return pd.DataFrame()
+    children = runs[(runs["parent_run_id"] == int(run_id)) & (runs["opt_level"] != "O0")]
+    rows = []
+    for _, child in children.iterrows():
+        row = {"run": int(child["run_id"]), "name": child["name"], "opt level": child["opt_level"],
+               "status": child["status"], "final loss": child["final_loss"]}
+        if child["status"] == "finished":
+            after = diagnose(store, int(child["run_id"]))
+            for f in findings:
+                row[f.rule] = "gone" if finding_resolved(f, after) else "still there"
+            ref = reference_run(runs, int(child["run_id"]))
+            if ref is not None:
+                ref_loss = float(runs.loc[runs["run_id"] == ref, "final_loss"].iloc[0])
+                row["FP32 final loss"] = ref_loss
+                row["vs FP32"] = (child["final_loss"] - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -199,3 +199,57 @@ def update_shares(updates: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
     per_tensor = shares(updates.groupby("tensor", sort=False)).sort_values("below_resolution_share", ascending=False)
     return per_tensor.reset_index(drop=True), shares(updates.groupby("step"))
+
+
+def nonfinite_losses(steps: pd.DataFrame) -> int:
+    """Steps whose recorded loss was NaN or infinite."""
+    return int((~np.isfinite(steps["loss"].to_numpy(dtype=float))).sum())
+
+
+def scale_at_step(steps: pd.DataFrame, step: int) -> float:
+    """The loss scale a step used (1.0 when the step is not recorded, e.g. no scaler)."""
+    return float(steps.set_index("step")["loss_scale"].get(step, 1.0)) if len(steps) else 1.0
+
+
+def exact_shares(at_step: pd.Series, fmt: str, at_scale: bool) -> dict[str, tuple[int, int]]:
+    """One tensor at one step (a Store.tensor_stats row): per category (underflow, subnormal, overflow) the exact
+    count of values that fell in it when cast to ``fmt`` (of S·g with ``at_scale``), and the denominator (finite
+    non-zero values)."""
+    denom = int(nonzero_finite(at_step.to_frame().T).iloc[0])
+    suffix = "_at_scale" if at_scale else ""
+    return {cat: (int(at_step[f"{fmt}_{cat}{suffix}"]), denom) for cat in ("underflow", "subnormal", "overflow")}
+
+
+def whatif_underflow_by_tensor(index: pd.DataFrame, counts: np.ndarray, log2_scale: int,
+                               fmt: Format = FP16) -> dict[str, tuple[float, float]]:
+    """Per tensor, bounds on its ``fmt`` underflow share were its unscaled gradient multiplied by 2**log2_scale
+    (:func:`whatif_shares`); ``index``/``counts``: every tensor's histogram at one step (Store.histogram_matrix)."""
+    return {t: whatif_shares(h, log2_scale, fmt)["underflow"] for t, h in zip(index["tensor"], counts, strict=True)}
+
+
+def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """The home page's table of runs (Store.runs, newest first): one row per run, settings and outcome."""
+    return pd.DataFrame({
+        "run": runs["run_id"],
+        "name": runs["name"],
+        "status": runs["status"],
+        "opt level": runs["opt_level"],
+        "scaling": runs["scaling"],
+        "init scale": runs["init_scale"],
+        "static scale": runs["loss_scale"],
+        "steps": runs["steps_done"].astype(str) + " / " + runs["steps"].astype(str),
+        "final loss": runs["final_loss"],
+        "skipped": runs["skipped_steps"],
+        "step ms (median)": runs["median_step_time_s"] * 1e3,
+        "device": runs["device"],
+        "parent": runs["parent_run_id"],
+        "FP32 twin": runs["pair_run_id"],
+        "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
+    })
+
+
+def worst_tensors(shares: pd.DataFrame, n: int = 12) -> pd.DataFrame:
+    """Rows of ``shares`` (tensor rankings of several runs, concatenated) for the ``n`` tensors with the highest
+    underflow share in any run."""
+    worst = shares.groupby("tensor")["underflow_share"].max().nlargest(n).index
+    return shares[shares["tensor"].isin(worst)]

@@ -1,82 +1,76 @@
-"""The shared Streamlit frame every page calls, plus cached store reads and run pickers.
+"""The shared Streamlit frame every page calls: page setup, the store, run pickers and how a run's state is told.
 
-Pages stay thin: ``store = frame("Gradients")`` sets up the page and sidebar and returns an open
-:class:`Store` (or None after telling the user what is wrong with the chosen file); reads go through
-:func:`read`, cached for runs that can no longer change.
+``store = frame("Gradients")`` sets up the page, refuses a session whose Host is not allowed
+(:func:`mpdiag.dashboard.untrusted.host_allowed`), and returns an open :class:`Store` chosen by the server's
+configuration (``MPDIAG_STORE``) or, in the sidebar, among the store files in that store's folder, or None after
+telling the user what is wrong with it. A URL cannot choose the store. Reads go through
+:mod:`mpdiag.dashboard.reads`; actions through :mod:`mpdiag.dashboard.actions`. Every user-supplied string is
+rendered through :func:`mpdiag.dashboard.untrusted.plain` or as ``st.code``/``st.text``.
+This module must not import torch (the run form imports the runner lazily until the run configuration is
+torch-free), run anything, or read SQL.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
+from mpdiag.dashboard.reads import is_final
+from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 from mpdiag.training.config import LEVELS, OPTIONS, UNSET, ConfigError, RunConfig
 
-FINAL_STATUSES = ("finished", "failed", "crashed")
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 
 
-def default_store_path() -> str:
-    return os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
+def configured_store() -> Path:
+    """The store the server was started with: MPDIAG_STORE, else ./mpdiag_runs.db."""
+    return Path(os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
+
+
+def store_choices(configured: Path) -> list[Path]:
+    """The configured store first, then the other store files (``*.db``) in its folder."""
+    others = sorted(p for p in configured.parent.glob("*.db") if p.is_file() and p != configured) \
+        if configured.parent.is_dir() else []
+    return [configured, *others]
+
+
+def request_host() -> str | None:
+    """The ``Host`` header of this session's request, or None when the session has no request headers."""
+    return st.context.headers.get("host")
 
 
 def frame(title: str) -> Store | None:
-    """Page config, title and the sidebar store picker. Returns the store, or None after explaining why
-    it cannot be opened (missing file, not SQLite, not an mpdiag store)."""
+    """Page config, the Host check, title and the sidebar store picker. Returns the store, or None after
+    explaining why it cannot be opened (missing file, not SQLite, not an mpdiag store)."""
     st.set_page_config(page_title=f"mpdiag · {title}", page_icon="🧮", layout="wide")
-    default = default_store_path()
+    if not host_allowed(request_host()):
+        st.error("This dashboard is not served under this host name. It answers on this machine's loopback "
+                 f"address, or on the names listed in {ALLOWED_HOSTS_ENV} where the server runs.")
+        st.stop()
+    configured = configured_store()
     with st.sidebar:
-        path = st.text_input(
-            "Store file", value=default, key="store", bind="query-params",
-            help="The SQLite file runs are recorded into (MPDIAG_STORE, else ./mpdiag_runs.db).",
-        ).strip() or default
-        st.caption("Runs start in child processes; uploaded scripts never run inside this server.")
+        path = st.selectbox("Store file", store_choices(configured), key="store_file", format_func=lambda p: p.name,
+                            help=f"Store files in {plain(configured.parent)}: the server's store (MPDIAG_STORE) "
+                                 "and any other .db file beside it.")
+        st.caption("Runs start in child processes, only when you click for them; uploaded scripts never run "
+                   "inside this server.")
     st.title(title)
     try:
-        # The default store is created on first use so a fresh machine opens on something; another path must exist.
-        return Store(path, create=Path(path) == Path(default))
+        # The configured store is created on first use so a fresh machine opens on something; another must exist.
+        return Store(path, create=path == configured)
     except StoreError as exc:
-        st.error(str(exc))
-        st.info("Pick another store file in the sidebar, or clear the field to return to the default store.")
+        st.error(plain(exc))
+        st.info("Pick another store file in the sidebar.")
         return None
 
 
-def _identity(path: Path) -> tuple[int, int]:
-    """Changes when the store file is replaced, so cached reads of a deleted store are not reused."""
-    stat = path.stat()
-    return stat.st_ino, stat.st_dev
-
-
-@st.cache_data(show_spinner=False, max_entries=256)
-def _cached_read(path: str, identity: tuple[int, int], method: str, run_id: int, args: tuple):
-    return getattr(Store(path, create=False), method)(run_id, *args)
-
-
-def read(store: Store, method: str, run_id: int, *args, final: bool):
-    """``store.<method>(run_id, *args)``, cached when the run is ``final`` (it can no longer change)."""
-    if final:
-        return _cached_read(str(store.path), _identity(store.path), method, int(run_id), tuple(args))
-    return getattr(store, method)(int(run_id), *args)
-
-
-def live_steps(store: Store, run_id: int) -> pd.DataFrame:
-    """The run's steps, reading only rows added since the previous call in this session."""
-    key = f"steps:{store.path}:{run_id}"
-    cached = st.session_state.get(key)
-    since = int(cached["step"].max()) if cached is not None and len(cached) else -1
-    fresh = store.steps(run_id, since_step=since)
-    steps = fresh if cached is None else pd.concat([cached, fresh], ignore_index=True) if len(fresh) else cached
-    st.session_state[key] = steps
-    return steps
-
-
 def run_label(run: pd.Series) -> str:
+    """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
     return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
 
 
@@ -107,11 +101,12 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
 
 
 def explain_run_state(run: pd.Series) -> None:
-    """Say what a failed or crashed run reported, or that a run is still starting."""
+    """Say what a failed or crashed run reported (its error as text), and any note stored with it."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
-        st.error(f"Run #{run['run_id']} {run['status']}:\n\n```\n{run['error'].strip()[-3000:]}\n```")
+        st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
+        st.code(run["error"].strip()[-3000:], language=None)
     if isinstance(run.get("note"), str):
-        st.info(run["note"])
+        st.info(plain(run["note"]))
 
 
 def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
@@ -124,7 +119,7 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     run_id = pick_run(runs)
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run)
-    return run, run["status"] in FINAL_STATUSES
+    return run, is_final(run)
 
 
 def single_run_page(title: str, view) -> None:
@@ -244,11 +239,3 @@ def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
     options["max_scale"] = cols[4].number_input("Max scale (optional)", value=base.max_scale, key=key["max_scale"],
                                                 help=OPTIONS["max_scale"].help)
     return options
-
-
-def safe_filename(name: str) -> str:
-    """A display name for an uploaded file: its base name only, limited characters, ending in .py."""
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("\\", "/").rsplit("/", 1)[-1])[:80] or "uploaded"
-    return base if base.endswith(".py") else base + ".py"
-
-

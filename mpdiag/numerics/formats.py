@@ -59,3 +59,10 @@ LOW_PRECISION = {fmt.name: fmt for fmt in (FP16, BF16)}
 EXP_MIN = FP32.min_subnormal_exponent  # -149
 EXP_MAX = FP32.max_exponent  # 127
 N_EXP_BINS = EXP_MAX - EXP_MIN + 1  # 277
+
+
+def resolution_log2(format_name: str) -> int:
+    """log2 of the relative update below which ``format_name`` weights lose it: -(mantissa bits + 1)."""
+    if format_name not in ("fp16", "bf16"):
+        raise ValueError(f"update_format must be 'fp16' or 'bf16', got {format_name!r}")
+    return -(LOW_PRECISION[format_name].mantissa_bits + 1)

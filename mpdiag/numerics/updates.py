@@ -27,17 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.formats import resolution_log2
 from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, DeviceReadback, work_items
 
 _BIT_VIEWS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # numba has no FP16/BF16 arrays
-
-
-def resolution_log2(format_name: str) -> int:
-    """log2 of the relative update below which ``format_name`` weights lose it: -(mantissa bits + 1)."""
-    if format_name not in ("fp16", "bf16"):
-        raise ValueError(f"update_format must be 'fp16' or 'bf16', got {format_name!r}")
-    return -(LOW_PRECISION[format_name].mantissa_bits + 1)
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""Everything the dashboard does besides reading: keep an uploaded script, and start runs, reruns, checks and
+probes, each in a child process through :mod:`mpdiag.sandbox`.
+
+Owns the one rule that makes a page safe to load: nothing here executes code unless a user clicked for it in
+this browser session, twice. :func:`confirmed` is a button that only arms a :class:`Pending` action; the action
+runs when the user then confirms a panel that names the script and its SHA-256 (so a click forged through a
+frame, or a stale form, starts nothing the user did not see). Page loads, query parameters and refreshes never
+reach :func:`start_run`, :func:`start_rerun`, :func:`check_upload` or :func:`probe`.
+This module must not import torch or train in this process: children do that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from mpdiag.sandbox.check import CheckReport, check_script
+from mpdiag.sandbox.launch import Launched, launch, rerun_command, run_command
+from mpdiag.sandbox.probe import run_probe
+from mpdiag.store import Store, StoreWriter
+
+MAX_UPLOAD_BYTES = 1_000_000  # also server.maxUploadSize in .streamlit/config.toml
+_LAUNCHED = "launched"  # session key: [(Launched, what)] started by this session
+
+
+class UploadRefused(ValueError):
+    """An uploaded file that is not a UTF-8 .py file within MAX_UPLOAD_BYTES; the message says which."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An action waiting for its confirmation: what it does, to which script, with which options."""
+
+    what: str
+    script_name: str
+    script_sha256: str
+    options: tuple[tuple[str, object], ...] = ()
+
+    def text(self) -> str:
+        lines = [self.what, f"script: {self.script_name}", f"sha256: {self.script_sha256}"]
+        lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False]
+        return "\n".join(lines)
+
+
+def pending(what: str, script_name: str, script_sha256: str, options: dict | None = None) -> Pending:
+    return Pending(what, script_name, script_sha256, tuple(sorted((options or {}).items())))
+
+
+def confirmed(label: str, key: str, action: Pending, **button_args) -> bool:
+    """A button that arms ``action``; True only on the run where the user confirms it in the panel shown
+    below the button (script name and hash included). Changing the form after arming drops the action."""
+    armed_key = f"pending:{key}"
+    if st.button(label, key=key, **button_args):
+        st.session_state[armed_key] = action
+    armed = st.session_state.get(armed_key)
+    if armed is None:
+        return False
+    if armed != action:
+        del st.session_state[armed_key]
+        return False
+    with st.container(border=True):
+        st.markdown("**Confirm:** this runs the script below as Python, in a child process.")
+        st.text(armed.text())
+        yes, no = st.columns(2)
+        go = yes.button("Confirm", key=f"{key}_confirm", type="primary")
+        stop = no.button("Cancel", key=f"{key}_cancel")
+    if go or stop:
+        del st.session_state[armed_key]
+    return go
+
+
+def script_sha256(path: str | Path) -> str:
+    """SHA-256 of a script file's text, as the store keys stored scripts."""
+    return hashlib.sha256(Path(path).read_text(encoding="utf-8").encode()).hexdigest()
+
+
+def safe_filename(name: str) -> str:
+    """A display name for an uploaded file: its base name only, limited characters, ending in .py."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("\\", "/").rsplit("/", 1)[-1])[:80] or "uploaded"
+    return base if base.endswith(".py") else base + ".py"
+
+
+def store_upload(store: Store, name: str, data: bytes) -> tuple[str, str]:
+    """Keep an uploaded script in the store under its content hash: (safe file name, sha256). Raises
+    UploadRefused for anything but a UTF-8 .py file of at most MAX_UPLOAD_BYTES. Nothing is executed."""
+    filename = safe_filename(name)
+    if not name.endswith(".py"):
+        raise UploadRefused(f"{filename}: only .py files are accepted.")
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise UploadRefused(f"{filename} is {len(data):,} bytes; the limit is {MAX_UPLOAD_BYTES:,}.")
+    try:
+        source = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UploadRefused(f"{filename} is not UTF-8 text.") from None
+    with StoreWriter(store.path) as writer:
+        return filename, writer.add_script(filename, source)
+
+
+def _started(proc: Launched, what: str) -> Launched:
+    st.session_state.setdefault(_LAUNCHED, []).append((proc, what))
+    return proc
+
+
+def start_run(store: Store, script: str, options: dict, what: str) -> Launched:
+    """A new supervised run of ``script`` (a path, or ``sha256:HASH`` of a stored script)."""
+    return _started(launch(run_command(store.path, script, options), store.path), what)
+
+
+def start_rerun(store: Store, run_id: int, options: dict, what: str) -> Launched:
+    """A supervised rerun of a stored run's script with ``options`` overridden."""
+    return _started(launch(rerun_command(store.path, int(run_id), options), store.path), what)
+
+
+def launched() -> list[tuple[Launched, str]]:
+    """The processes this browser session started, oldest first, with what each is."""
+    return list(st.session_state.get(_LAUNCHED, []))
+
+
+def check_upload(filename: str, source: str) -> CheckReport:
+    """Static warnings and a trial step of a script, in a supervised child (blocks until it ends)."""
+    return check_script(filename, source, device="auto")
+
+
+def probe(store: Store, run_id: int) -> dict:
+    """The scale-linearity probe of a stored run, in a supervised child; its result is stored with the run."""
+    return run_probe(store.path, int(run_id))
