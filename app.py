@@ -12,7 +12,7 @@ import streamlit as st
 from mpdiag.dashboard import charts
 from mpdiag.dashboard import frame as ui
 from mpdiag.examples import bundled_scripts
-from mpdiag.sandbox.launch import launch, rerun_command, run_command
+from mpdiag.sandbox.launch import launch, rerun_job, run_job
 
 FIRST_EXAMPLE = "mlp_digits.py"
 
@@ -24,9 +24,9 @@ def start(store, command: list[str], what: str) -> None:
 
 def launched_panel(runs: pd.DataFrame) -> None:
     """Processes this session started: those without a run row yet are starting, or failed to start."""
-    pids = set(runs["pid"].dropna().astype(int)) if len(runs) else set()
+    recorded = set(runs["run_id"]) if len(runs) else set()
     for proc, what in st.session_state.get("launched", []):
-        if proc.child_pid() in pids:
+        if recorded & set(proc.run_ids()):
             continue
         if proc.is_alive():
             st.info(f"Starting {what}…")
@@ -43,7 +43,7 @@ def runs_panel(store) -> None:
         st.info(f"No runs in {store.path} yet.")
         if st.button(f"▶ Run the bundled example {FIRST_EXAMPLE} (O1 with its FP32 twin, 200 steps)", type="primary"):
             script = str(bundled_scripts()[FIRST_EXAMPLE])
-            start(store, run_command(store.path, script, {"opt_level": "O1", "steps": 200, "pair": True}), FIRST_EXAMPLE)
+            start(store, run_job(script, {"opt_level": "O1", "steps": 200, "pair": True}), FIRST_EXAMPLE)
             st.rerun(scope="fragment")
         return
     running = runs[runs["status"] == "running"]
@@ -84,7 +84,7 @@ def new_run_form(store) -> None:
     st.caption("To use your own script, upload it on the Upload page: it is checked before it can run.")
     options = ui.run_options_form("new")
     if st.button("Start run", type="primary", key="new_start", disabled=not options):
-        start(store, run_command(store.path, scripts[chosen], options), f"{chosen} at {options['opt_level']}")
+        start(store, run_job(scripts[chosen], options), f"{chosen} at {options['opt_level']}")
 
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
@@ -97,7 +97,7 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
     options = ui.run_options_form("rerun", parent)
     st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
     if st.button("Rerun", type="primary", key="rerun_start", disabled=not options):
-        start(store, rerun_command(store.path, parent_id, options), f"rerun of #{parent_id} at {options['opt_level']}")
+        start(store, rerun_job(parent_id, options), f"rerun of #{parent_id} at {options['opt_level']}")
 
 
 store = ui.frame("Runs")

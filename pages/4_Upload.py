@@ -5,7 +5,7 @@ import streamlit as st
 
 from mpdiag.dashboard import frame as ui
 from mpdiag.sandbox.check import check_script
-from mpdiag.sandbox.launch import launch, run_command
+from mpdiag.sandbox.launch import launch, run_job
 from mpdiag.store import StoreWriter
 
 MAX_BYTES = 1_000_000  # also server.maxUploadSize in .streamlit/config.toml
@@ -80,6 +80,6 @@ if report.ready:
     st.subheader("Run it")
     options = ui.run_options_form("upload")
     if st.button("Start run", type="primary", key="upload_start", disabled=not options):
-        proc = launch(run_command(store.path, f"sha256:{sha}", options), store.path)
+        proc = launch(run_job(f"sha256:{sha}", options), store.path)
         st.session_state.setdefault("launched", []).append((proc, f"{filename} at {options['opt_level']}"))
         st.success(f"Started {filename} at {options['opt_level']}: follow it on the Runs page.")

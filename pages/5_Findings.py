@@ -10,7 +10,7 @@ from mpdiag.analysis.findings import GRADIENT_REL_ERROR, diagnose, finding_resol
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import charts
 from mpdiag.dashboard import frame as ui
-from mpdiag.sandbox.launch import launch, rerun_command
+from mpdiag.sandbox.launch import launch, rerun_job
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 
@@ -23,7 +23,7 @@ def start_fix(store, run: pd.Series, finding) -> None:
     """Rerun with the finding's fix; with an FP32 twin when no FP32 reference exists to judge the loss."""
     runs = store.runs()
     options = dict(finding.fix, pair=reference_run(runs, int(run["run_id"])) is None and finding.fix.get("opt_level") != "O0")
-    proc = launch(rerun_command(store.path, int(run["run_id"]), options), store.path)
+    proc = launch(rerun_job(int(run["run_id"]), options), store.path)
     st.session_state.setdefault("launched", []).append((proc, f"fix of {finding.rule} on #{run['run_id']}"))
     st.toast(f"Rerunning #{run['run_id']} with {finding.fix}")
 

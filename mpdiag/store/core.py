@@ -6,7 +6,8 @@ process writes through one ``StoreWriter`` connection. Contracts that SQLite imp
 * SQLite cannot hold NaN (it stores NULL). Float columns that may be NaN (loss, absmax, l2, min_nonzero)
   are read back with NULL -> NaN; ±inf round-trips as itself.
 * Histogram counts are one row per (run, step, tensor) with a BLOB (see :func:`encode_hist`).
-* A run whose status is ``running`` but whose process is gone is reported as ``crashed`` by every reader.
+* A run whose status is ``running`` or ``queued`` but whose process is gone is reported as ``crashed`` by every
+  reader; a ``running`` run whose heartbeat is older than STALL_S (its process stopped or hung) as ``stalled``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
 
 DEFAULT_STORE = "mpdiag_runs.db"
 SCHEMA_VERSION = 2  # 2: runs.update_format, update_steps, shadow_steps
-STATUSES = ("running", "finished", "failed", "crashed")
+STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
+STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
 REPRESENTABILITY_COLUMNS = [
     f"{fmt}_{cat}{suffix}"
@@ -263,9 +265,11 @@ class Store:
             df[col] = df[col].fillna(0).astype(int)
         df["final_loss"] = df["final_loss"].astype(float)
         df["median_step_time_s"] = df["median_step_time_s"].astype(float)
-        dead = (df["status"] == "running") & ~df.apply(
+        dead = df["status"].isin(["running", "queued"]) & ~df.apply(
             lambda r: _process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
         )
+        stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - STALL_S)
+        df.loc[stalled, "status"] = "stalled"
         df.loc[dead, "status"] = "crashed"
         df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
         for col in ("started_at", "finished_at", "heartbeat_at"):
@@ -531,7 +535,7 @@ class StoreWriter:
         return int(cur.lastrowid)
 
     def update_run(self, run_id: int, **fields) -> None:
-        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at"}
+        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at", "heartbeat_at"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
