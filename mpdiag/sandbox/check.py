@@ -14,11 +14,10 @@ from __future__ import annotations
 import ast
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from mpdiag.sandbox.child import run_task
+from mpdiag.sandbox.child import SOURCE_FILE, run_task
 from mpdiag.sandbox.supervisor import Limits
-
-SOURCE_FILE = "script_source.py"
 
 
 @dataclass
@@ -137,7 +136,7 @@ def _read_source(filename: str) -> str:
     """The source handed to the child, decoded; raises ScriptError for a file that is not UTF-8 text."""
     from mpdiag.training.script import ScriptError
 
-    data = open(SOURCE_FILE, "rb").read()  # noqa: SIM115 - read at once, in the child's scratch directory
+    data = Path(SOURCE_FILE).read_bytes()  # in the child's scratch directory, its working directory
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

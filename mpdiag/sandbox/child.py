@@ -49,6 +49,7 @@ from mpdiag.sandbox.supervisor import Limits, Outcome, supervise
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the mpdiag package
 WORK_DIR = Path(tempfile.gettempdir()) / "mpdiag-work"
+SOURCE_FILE = "script_source.py"  # where a task finds the script's source, in its scratch directory
 STALE_AFTER_S = 24 * 3600
 MAX_MESSAGE_BYTES = 256 * 2**20
 _HEADER = struct.Struct(">I")

@@ -32,10 +32,17 @@ from pathlib import Path
 
 import psutil
 
-from mpdiag.sandbox.child import WORK_DIR, StoreCallForwarder, TaskResult, child_env, run_task, scratch_dir
+from mpdiag.sandbox.child import (
+    SOURCE_FILE,
+    WORK_DIR,
+    StoreCallForwarder,
+    TaskResult,
+    child_env,
+    run_task,
+    scratch_dir,
+)
 from mpdiag.sandbox.supervisor import Limits
 
-SOURCE_FILE = "script_source.py"
 STATUS_FILE = "status.json"
 LOG_FILE = "output.log"
 STORED_PREFIX = "sha256:"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from mpdiag.sandbox.child import run_task
+from mpdiag.sandbox.child import SOURCE_FILE, run_task
 from mpdiag.sandbox.supervisor import Limits
 
 KIND = "scale-linearity"
@@ -22,7 +22,6 @@ PROBE_SCALES = (2.0**8, 2.0**12)  # high enough that FP16 underflow barely diffe
 FALLBACK_SCALES = (2.0**0, 2.0**4)  # when the higher pair overflows
 #: a tensor fails when its unscaled gradient norms at the two scales differ by more than this factor
 MAX_RATIO = 2.0
-SOURCE_FILE = "script_source.py"
 
 
 def custom_functions(loss) -> list[str]:
