@@ -32,6 +32,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import sys
@@ -71,25 +72,29 @@ def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=WORK_DIR))
 
 
-def _owner_alive(path: Path) -> bool:
-    """Whether the process named in a scratch directory's name still exists and is older than the directory."""
+_SCRATCH_NAME = re.compile(r"[a-z]+-(\d+)-\w+")  # what scratch_dir makes: PREFIX-PID-random
+
+
+def _owner_alive(path: Path, pid: int) -> bool:
+    """Whether process ``pid`` still exists and is older than the directory (not a reused pid)."""
     try:
-        pid = int(path.name.split("-")[1])
         return psutil.Process(pid).create_time() <= path.stat().st_mtime + 1.0
-    except (IndexError, ValueError, OSError, psutil.Error):
+    except (OSError, psutil.Error):
         return False
 
 
 def clean_stale_scratch(now: float | None = None) -> list[Path]:
-    """Remove scratch directories older than a day whose owner process is gone; returns what was removed."""
+    """Remove scratch directories older than a day whose owner process is gone; returns what was removed.
+    Anything else under WORK_DIR (the run slots) is left alone."""
     now = time.time() if now is None else now
     removed = []
     for path in WORK_DIR.iterdir() if WORK_DIR.is_dir() else ():
+        named = _SCRATCH_NAME.fullmatch(path.name)
         try:
             old = now - path.stat().st_mtime > STALE_AFTER_S
         except OSError:
             continue
-        if path.is_dir() and old and not _owner_alive(path):
+        if named and path.is_dir() and old and not _owner_alive(path, int(named.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -43,6 +43,7 @@ def test_stale_scratch_directories_are_cleaned(tmp_path, monkeypatch):
         path.mkdir()
         (path / "output.log").write_text("x")
     os.utime(young, (later - 60, later - 60))  # touched a minute before the clean-up
+    (tmp_path / "run-slots").mkdir()  # not a scratch directory: the run slots' lock files
     assert child.clean_stale_scratch(now=later) == [stale]
-    assert not stale.exists() and mine.exists() and young.exists()
+    assert not stale.exists() and mine.exists() and young.exists() and (tmp_path / "run-slots").exists()
     child.scratch_dir("check")  # starting a child cleans too
