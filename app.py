@@ -21,9 +21,9 @@ FIRST_EXAMPLE = "mlp_digits.py"
 
 def launched_panel(runs: pd.DataFrame) -> None:
     """Processes this session started: those without a run row yet are starting, or failed to start."""
-    pids = set(runs["pid"].dropna().astype(int)) if len(runs) else set()
+    recorded = set(runs["run_id"]) if len(runs) else set()
     for proc, what in actions.launched():
-        if proc.child_pid() in pids:
+        if recorded & set(proc.run_ids()):
             continue
         if proc.is_alive():
             st.info(f"Starting {plain(what)}…")

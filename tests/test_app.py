@@ -142,7 +142,7 @@ def _wait_for_runs(store, n, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         runs = Store(store).runs()
-        if len(runs) >= n and (runs["status"] != "running").all():
+        if len(runs) >= n and (~runs["status"].isin(["queued", "running"])).all():
             return runs
         time.sleep(0.5)
     raise AssertionError(f"runs did not finish: {Store(store).runs()[['run_id', 'status', 'error']]}")

@@ -14,7 +14,7 @@ import pytest
 from conftest import EXAMPLES, run_cli
 
 from mpdiag import Store
-from mpdiag.sandbox.launch import launch, run_command
+from mpdiag.sandbox.launch import launch, run_job
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -76,7 +76,7 @@ def test_supervised_run_ends_with_a_clear_record_and_others_untouched(script, sh
         monkeypatch.setenv(k, v)
     before = fingerprint(shared_store)
     known = set(Store(shared_store).runs()["run_id"])
-    proc = launch(run_command(shared_store, str(script), {"opt_level": "O1", "steps": 12, "device": "cpu"}), shared_store)
+    proc = launch(run_job(str(script), {"opt_level": "O1", "steps": 12, "device": "cpu"}), shared_store)
     deadline = time.time() + 120
     while proc.is_alive() and time.time() < deadline:
         time.sleep(0.3)

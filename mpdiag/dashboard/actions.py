@@ -19,7 +19,7 @@ from pathlib import Path
 import streamlit as st
 
 from mpdiag.sandbox.check import CheckReport, check_script
-from mpdiag.sandbox.launch import Launched, launch, rerun_command, run_command
+from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import Store, StoreWriter
 
@@ -107,12 +107,12 @@ def _started(proc: Launched, what: str) -> Launched:
 
 def start_run(store: Store, script: str, options: dict, what: str) -> Launched:
     """A new supervised run of ``script`` (a path, or ``sha256:HASH`` of a stored script)."""
-    return _started(launch(run_command(store.path, script, options), store.path), what)
+    return _started(launch(run_job(script, options), store.path), what)
 
 
 def start_rerun(store: Store, run_id: int, options: dict, what: str) -> Launched:
     """A supervised rerun of a stored run's script with ``options`` overridden."""
-    return _started(launch(rerun_command(store.path, int(run_id), options), store.path), what)
+    return _started(launch(rerun_job(int(run_id), options), store.path), what)
 
 
 def launched() -> list[tuple[Launched, str]]:

@@ -1,7 +1,14 @@
-"""A background thread that owns a training process's one writing connection to the store.
+"""A background thread that owns a training process's one writing path to the store, and its heartbeat.
 
-Training code submits jobs and moves on; SQLite commits happen on this thread, so a slow disk does not stall
-the step. A failed job's exception is raised in the submitting thread at its next call.
+Training code submits jobs and moves on; writes happen on this thread, so a slow disk does not stall the step.
+A failed job's exception is raised in the submitting thread at its next call.
+
+Jobs call write methods on a *sink*: in a process that may hold the store (the CLI, a user's own loop with a
+Recorder) the sink is a :class:`mpdiag.store.StoreWriter`; in a child started by the app it is
+:class:`mpdiag.sandbox.child.StoreCallForwarder`, which hands each call to the supervising process, the only one
+that writes that store. While a run this writer created is open, the thread sends ``update_run(run_id,
+heartbeat_at=now)`` every HEARTBEAT_S, so readers can tell a stopped process from a slow step. This module must
+not decide what a run records; it only carries the calls.
 """
 
 from __future__ import annotations
@@ -9,18 +16,54 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from mpdiag.store import StoreWriter
 
+HEARTBEAT_S = 5.0
+_ENDED = ("finished", "failed", "crashed")
+
+
+class _OpenRuns:
+    """The sink as jobs see it: every call passes through; the runs created here and not yet ended are noted,
+    for the heartbeat."""
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.open: set[int] = set()
+
+    def create_run(self, **fields) -> int:
+        run_id = self.sink.create_run(**fields)
+        self.open.add(int(run_id))
+        return run_id
+
+    def update_run(self, run_id: int, **fields) -> None:
+        self.sink.update_run(run_id, **fields)
+        if fields.get("status") in _ENDED:
+            self.open.discard(int(run_id))
+
+    def beat(self) -> None:
+        for run_id in sorted(self.open):
+            self.sink.update_run(run_id, heartbeat_at=time.time())
+
+    def __getattr__(self, name: str):
+        return getattr(self.sink, name)
+
 
 class BackgroundWriter:
-    """Runs ``job(writer)`` callables in submission order on one thread holding a :class:`StoreWriter`."""
+    """Runs ``job(sink)`` callables in submission order on one thread.
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = path
+    ``target``: a store path (the thread opens a :class:`StoreWriter` on it), or a callable returning a sink
+    (any object with the store writer's methods and ``close()``). ``heartbeat`` False: send none (a supervisor
+    writing on behalf of a child, whose own heartbeat is what tells whether it is alive)."""
+
+    def __init__(self, target: str | os.PathLike | Callable[[], Any], heartbeat: bool = True):
+        self.path = None if callable(target) else target
+        self._heartbeat = heartbeat
+        self._open_sink = target if callable(target) else (lambda: StoreWriter(target))
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         ready: Future = Future()
@@ -30,43 +73,56 @@ class BackgroundWriter:
 
     def _loop(self, ready: Future) -> None:
         try:
-            writer = StoreWriter(self.path)
+            sink = self._open_sink()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             ready.set_exception(exc)
             return
         ready.set_result(None)
+        runs = _OpenRuns(sink)
+        last_beat = time.monotonic()
         try:
             while True:
-                job, future = self._jobs.get()
-                if job is None:
+                try:
+                    job, future = self._jobs.get(timeout=HEARTBEAT_S)
+                except queue.Empty:
+                    job = future = None
+                if future is not None and job is None:
                     future.set_result(None)
                     return
-                try:
-                    future.set_result(job(writer))
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
-                    self._error = self._error or exc
-                    future.set_exception(exc)
+                if job is not None:
+                    try:
+                        future.set_result(job(runs))
+                    except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+                        self._error = self._error or exc
+                        future.set_exception(exc)
+                if self._heartbeat and time.monotonic() - last_beat >= HEARTBEAT_S:
+                    last_beat = time.monotonic()
+                    try:
+                        runs.beat()
+                    except Exception as exc:  # noqa: BLE001 - re-raised in the training thread
+                        self._error = self._error or exc
         finally:
-            writer.close()
+            sink.close()
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"writing to the store {self.path} failed: {error}") from error
+            where = f"the store {self.path}" if self.path is not None else "the supervising process"
+            raise RuntimeError(f"writing to {where} failed: {error}") from error
 
-    def submit(self, job: Callable[[StoreWriter], Any]) -> Future:
+    def submit(self, job: Callable[[Any], Any]) -> Future:
         """Queue a job; returns its future. Raises the error of an earlier failed job, if any."""
         self._raise_pending()
         future: Future = Future()
         self._jobs.put((job, future))
         return future
 
-    def call(self, job: Callable[[StoreWriter], Any]) -> Any:
+    def call(self, job: Callable[[Any], Any]) -> Any:
         """Run a job and wait for its result."""
         return self.submit(job).result()
 
     def close(self) -> None:
-        """Finish every queued job, then close the connection. Raises a job's error, if one failed."""
+        """Finish every queued job, then close the sink. Raises a job's error, if one failed."""
         if self._thread.is_alive():
             done: Future = Future()
             self._jobs.put((None, done))

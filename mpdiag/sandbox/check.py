@@ -1,24 +1,23 @@
-"""Checking a model script before any training: static AMP-mistake warnings, then a supervised trial step.
+"""Checking a model script before any training: static AMP-mistake warnings, then a trial step, all in a child.
 
-:func:`static_warnings` reads the source's syntax tree (nothing is executed). :func:`check_script` then runs
-``python -m mpdiag.sandbox.check`` in a child process under :mod:`mpdiag.sandbox.supervisor` limits: it imports the script,
-calls ``build(device)``, checks the contract, runs one forward/backward step and checks the loss is a finite
-scalar. The verdict is "ready" with a summary, or the exact problem with the script's own line numbers.
+:func:`check_script` (what the Upload page and ``mpdiag check`` call) hands the source, as bytes, to a child
+process under the protocol of :mod:`mpdiag.sandbox.child`. There :func:`check_in_child` decodes it, reads its
+syntax tree for :func:`static_warnings` (nothing executed), imports the script, calls ``build(device)``,
+checks the contract, runs one forward/backward step and checks the loss is a finite scalar. Parsing happens in
+the child too, so a pathological file (deep nesting, huge, binary, not UTF-8, null bytes) costs the child,
+never the server. The verdict, sent over the child channel, is "ready" with a summary, or the exact problem
+with the script's own line numbers. This module must not read a verdict from the script's output.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpdiag.sandbox.supervisor import Limits, supervise
-
-REPORT_MARKER = "MPDIAG-CHECK-REPORT:"
+from mpdiag.sandbox.child import SOURCE_FILE, run_task
+from mpdiag.sandbox.supervisor import Limits
 
 
 @dataclass
@@ -101,25 +100,23 @@ def static_warnings(source: str, cuda_available: bool) -> list[ScriptWarning]:
     return sorted(found, key=lambda w: w.line)
 
 
-def check_script(filename: str, source: str, device: str = "auto", limits: Limits | None = None) -> CheckReport:
-    """Static warnings, then a trial step in a supervised child. Never raises for what the script does."""
-    from mpdiag.sandbox.launch import child_env, scratch_dir
-    from mpdiag.sandbox.supervisor import cuda_present
-
-    report = CheckReport(filename=filename, ready=False, warnings=static_warnings(source, cuda_present()))
-    work = scratch_dir("check-")
-    source_file = work / "script_source.py"
-    source_file.write_text(source, encoding="utf-8")
-    command = [sys.executable, "-m", "mpdiag.sandbox.check", str(source_file), "--filename", filename, "--device", device]
-    outcome = supervise(command, limits or Limits.for_checks(), work, env=child_env())
-    lines = [ln for ln in outcome.output_tail.splitlines() if ln.startswith(REPORT_MARKER)]
-    if lines:
-        child = json.loads(lines[-1].removeprefix(REPORT_MARKER))
-        report.ready, report.problems, report.summary = child["ready"], child["problems"], child["summary"]
-    else:
-        tail = "\n".join(outcome.output_tail.strip().splitlines()[-15:])
-        report.problems.append(f"{filename}: the check did not complete: {outcome.message}."
-                               + (f"\nLast output:\n{tail}" if tail else ""))
+def check_script(filename: str, source: str | bytes, device: str = "auto", limits: Limits | None = None) -> CheckReport:
+    """Static warnings and a trial step, in a supervised child. Never raises for what the source is or does."""
+    data = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else bytes(source)
+    result = run_task("check", {"filename": filename, "device": device}, limits or Limits.for_checks(),
+                      files={SOURCE_FILE: data})
+    report = CheckReport(filename=filename, ready=False)
+    verdict = result.verdict
+    try:
+        if verdict is None:
+            raise ValueError(result.failure(f"{filename}: the check"))
+        report.ready = verdict["ready"] is True
+        report.problems = [str(p) for p in verdict["problems"]]
+        report.warnings = [ScriptWarning(int(line), str(message)) for line, message in verdict["warnings"]]
+        report.summary = {str(k): v for k, v in dict(verdict["summary"]).items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        report.ready, report.summary = False, {}
+        report.problems.append(str(exc) if verdict is None else f"{filename}: the check sent a malformed verdict ({exc!r})")
     return report
 
 
@@ -135,15 +132,47 @@ def _describe_batch(batch) -> str:
     return type(batch).__name__
 
 
-def _trial(source_path: str, filename: str, device_spec: str) -> dict:
-    """In the child: build, one forward/backward step; returns the report as a dict."""
+def _read_source(filename: str) -> str:
+    """The source handed to the child, decoded; raises ScriptError for a file that is not UTF-8 text."""
+    from mpdiag.training.script import ScriptError
+
+    data = Path(SOURCE_FILE).read_bytes()  # in the child's scratch directory, its working directory
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScriptError(f"{filename} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                          "save it as UTF-8.") from None
+
+
+def check_in_child(payload: dict, channel) -> dict:
+    """In the child: decode and parse the source, static warnings, then the trial step; the verdict."""
+    from mpdiag.sandbox.supervisor import cuda_present
+    from mpdiag.training.script import ScriptError
+
+    filename = payload["filename"]
+    verdict = {"ready": False, "problems": [], "summary": {}, "warnings": []}
+    try:
+        source = _read_source(filename)
+        warnings = static_warnings(source, cuda_present())
+        verdict["warnings"] = [(w.line, w.message) for w in warnings]
+    except ScriptError as exc:
+        verdict["problems"].append(str(exc))
+        return verdict
+    except (RecursionError, MemoryError, ValueError) as exc:  # a syntax tree too deep or large to walk
+        verdict["problems"].append(f"{filename}: the source could not be analysed ({type(exc).__name__}: {exc}).")
+        return verdict
+    return verdict | _trial(source, filename, payload["device"])
+
+
+def _trial(source: str, filename: str, device_spec: str) -> dict:
+    """In the child: build, one forward/backward step; returns ready, problems and summary."""
     from mpdiag.training.runner import resolve_device, seed_everything, to_device
     from mpdiag.training.script import ModelScript, ScriptError, build_model
 
     result = {"ready": False, "problems": [], "summary": {}}
     try:
         device = resolve_device(device_spec)
-        script = ModelScript(filename=filename, source=Path(source_path).read_text(encoding="utf-8"))
+        script = ModelScript(filename=filename, source=source)
         seed_everything(0)
         built = build_model(script, device)
         model = built.model.to(device)
@@ -176,20 +205,3 @@ def _trial(source_path: str, filename: str, device_spec: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - e.g. ConfigError for --device cuda without a GPU
         result["problems"].append(f"{filename}: {type(exc).__name__}: {exc}")
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.check")
-    parser.add_argument("source")
-    parser.add_argument("--filename", required=True)
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
-    result = _trial(args.source, args.filename, args.device)
-    sys.stdout.flush()
-    print("\n" + REPORT_MARKER + json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

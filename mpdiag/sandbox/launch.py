@@ -1,58 +1,103 @@
-"""Starting runs in supervised child processes (the app never trains, nor runs user code, in its own process).
+"""How the app starts runs: a supervising process that alone holds the store, and a child that trains.
 
-A launched run is ``python -m mpdiag.sandbox.supervisor ... -- python -m mpdiag run|rerun ...``: the supervisor applies
-the limits of :mod:`mpdiag.sandbox.supervisor`, keeps a bounded log, and records why the run ended if the run's own
-process could not. The run creates its run row itself; the app finds it by the child's pid.
+:func:`launch` (the app's Runs form, reruns, the Upload page's start button) starts
+``python -m mpdiag.sandbox.launch`` in its own session and hands it the job on stdin (never in argv or the
+environment, where a child could read it). That supervising process:
+
+1. plans the run (script source and :class:`~mpdiag.training.runner.RunConfig`; a bad option ends here with
+   its message), stores the script and creates the run rows with status ``queued`` (two with ``pair``);
+2. waits for one of :func:`max_concurrent_runs` run slots (lock files: a slot frees itself when its holder
+   dies);
+3. runs the ``run`` task of :mod:`mpdiag.sandbox.child` under :meth:`Limits.for_runs`. The child gets the
+   script source, the configuration and the run ids only; its Recorder's writes arrive as calls, applied by
+   :class:`RunOwner` after checking the method is allowed and the run is one this process created;
+4. marks any of its runs the child left open ``failed``, with why (a limit, a crash, ``os._exit``).
+
+This module must not let a child name the store or write a run it was not given.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the mpdiag package
-WORK_DIR = Path(tempfile.gettempdir()) / "mpdiag-work"
+from mpdiag.sandbox.child import (
+    SOURCE_FILE,
+    WORK_DIR,
+    StoreCallForwarder,
+    TaskResult,
+    child_env,
+    run_task,
+    scratch_dir,
+)
+from mpdiag.sandbox.supervisor import Limits
+
+STATUS_FILE = "status.json"
+LOG_FILE = "output.log"
+STORED_PREFIX = "sha256:"
+#: store writer methods a run child may call, each with the run id as its first argument
+ALLOWED_CALLS = frozenset({"create_run", "update_run", "add_tensors", "write_batch", "add_modules",
+                           "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run"})
 
 
-def child_env() -> dict[str, str]:
-    """Environment for children: mpdiag importable, the store location not advertised."""
-    env = {k: v for k, v in os.environ.items() if k != "MPDIAG_STORE"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    return env
+def max_concurrent_runs() -> int:
+    """Runs the app trains at once: ``MPDIAG_MAX_RUNS``, else the CPU count."""
+    try:
+        return max(1, int(os.environ["MPDIAG_MAX_RUNS"]))
+    except (KeyError, ValueError):
+        return os.cpu_count() or 1
 
 
-def scratch_dir(prefix: str) -> Path:
-    """A fresh working directory for one child, so relative paths it writes land there."""
-    WORK_DIR.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=WORK_DIR))
+def limits_text() -> str:
+    """The limits on runs started from the app, in one sentence for the pages."""
+    limits = Limits.for_runs()
+    return (f"Each run started here may use up to {limits.memory_mb:g} MB of memory and {limits.wall_s / 3600:g} h "
+            f"of wall time (the last {limits.log_bytes / 2**20:g} MiB of its output is kept); at most "
+            f"{max_concurrent_runs()} run(s) train at once, later ones wait as queued.")
+
+
+def run_job(script: str, options: dict) -> dict:
+    """A new run of ``script`` (a path, made absolute, or ``sha256:HASH`` of a stored script) with run options
+    by RunConfig field name (mpdiag.training.config), plus ``pair``."""
+    if not script.startswith(STORED_PREFIX):
+        script = os.path.abspath(script)
+    return {"kind": "run", "script": script, "options": dict(options)}
+
+
+def rerun_job(run_id: int, options: dict) -> dict:
+    """A rerun of ``run_id`` with ``options`` overridden."""
+    return {"kind": "rerun", "run_id": int(run_id), "options": dict(options)}
 
 
 @dataclass(frozen=True)
 class Launched:
     """A supervised run started by :func:`launch`."""
 
-    pid: int  # the supervisor's
+    pid: int  # the supervising process's; its run rows record it
     log_path: str
-    command: tuple[str, ...]
+    job: dict
     started_at: float
 
     def _status(self) -> dict:
         try:
-            return json.loads(Path(self.log_path).with_suffix(".json").read_text())
+            return json.loads((Path(self.log_path).parent / STATUS_FILE).read_text())
         except (OSError, ValueError):
             return {}
 
-    def child_pid(self) -> int | None:
-        """pid of the run process (what the run row records), once started."""
-        return self._status().get("child_pid")
+    def run_ids(self) -> list[int]:
+        """The run rows created for this job (empty until they exist, and when the job was refused)."""
+        return self._status().get("run_ids", [])
 
     def is_alive(self) -> bool:
         try:
@@ -61,7 +106,7 @@ class Launched:
             return False
 
     def ending(self) -> str | None:
-        """The supervisor's account of how the run process ended, once it has."""
+        """The supervisor's account of how the job ended, once it has."""
         return self._status().get("message")
 
     def log_tail(self, max_chars: int = 4000) -> str:
@@ -71,37 +116,209 @@ class Launched:
             return ""
 
 
-def _flags(options: dict) -> list[str]:
-    flags = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        # False is sent as --no-FLAG: a rerun would otherwise inherit the parent's True
-        flags += [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
-    return flags
+def launch(job: dict, store_path: str | os.PathLike, max_runs: int | None = None) -> Launched:
+    """Start a supervising process for ``job`` (from :func:`run_job` / :func:`rerun_job`); returns at once.
+    ``max_runs`` overrides :func:`max_concurrent_runs`."""
+    record = scratch_dir("launch")  # the log and status outlive the run, for the page that started it
+    full = {**job, "store": os.path.abspath(store_path), "max_runs": max_runs or max_concurrent_runs()}
+    with open(record / "supervisor.log", "wb") as errors:
+        proc = subprocess.Popen([sys.executable, "-m", "mpdiag.sandbox.launch"], cwd=record, env=child_env(),
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors,
+                                start_new_session=True)
+    proc.stdin.write(json.dumps(full).encode())
+    proc.stdin.close()
+    return Launched(pid=proc.pid, log_path=str(record / LOG_FILE), job=dict(job), started_at=time.time())
 
 
-def run_command(store_path: str | os.PathLike, script: str, options: dict) -> list[str]:
-    """Command line for a new run of ``script`` (a path, or ``sha256:HASH`` of a stored script). Paths are
-    made absolute: the child runs in a scratch directory."""
-    if not script.startswith("sha256:"):
-        script = os.path.abspath(script)
-    return [sys.executable, "-m", "mpdiag", "run", script, *_flags(options), "--store", os.path.abspath(store_path)]
+# -- the supervising process -------------------------------------------------------------------------------------
+def _forbid_inspection() -> None:
+    """Make this process non-dumpable: its /proc entries (open files, environment, memory) become unreadable
+    to processes of the same ordinary user, so the child cannot find the store through its supervisor. Root
+    is not stopped by this (nor by anything a process can do to itself)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        pass  # not Linux: nothing to hide this way
 
 
-def rerun_command(store_path: str | os.PathLike, run_id: int, options: dict) -> list[str]:
-    """Command line for a rerun of ``run_id`` with ``options`` overridden."""
-    return [sys.executable, "-m", "mpdiag", "rerun", str(int(run_id)), *_flags(options), "--store",
-            os.path.abspath(store_path)]
+@contextmanager
+def run_slot(max_runs: int, poll_s: float = 0.5):
+    """Hold one of ``max_runs`` slots (flock'ed files under WORK_DIR) while the block runs; waits for one."""
+    slots = WORK_DIR / "run-slots"
+    slots.mkdir(parents=True, exist_ok=True)
+    while True:
+        for i in range(max_runs):
+            handle = open(slots / f"{i}.lock", "a")  # noqa: SIM115 - held for the block, closed below
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            try:
+                yield
+            finally:
+                handle.close()
+            return
+        time.sleep(poll_s)
 
 
-def launch(command: list[str], store_path: str | os.PathLike) -> Launched:
-    """Start ``command`` under the supervisor in its own session; returns at once."""
-    work = scratch_dir("run-")
-    log_path = work / "output.log"
-    supervisor = [sys.executable, "-m", "mpdiag.sandbox.supervisor", "--store", os.path.abspath(store_path), "--log",
-                  str(log_path), "--cwd", str(work), "--", *command]
-    proc = subprocess.Popen(supervisor, cwd=work, env=child_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    return Launched(pid=proc.pid, log_path=str(log_path), command=tuple(command), started_at=time.time())
+def plan(job: dict, store_path: str):
+    """(script, config, pair) for a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
+    from mpdiag.store import Store
+    from mpdiag.training.config import UNSET
+    from mpdiag.training.runner import RunConfig, rerun_plan
+    from mpdiag.training.script import ModelScript
+
+    # None: not given (keep the default or the parent's value); UNSET: cleared; False stays False, so a rerun can
+    # turn off a switch its parent had on.
+    options = {k: None if v == UNSET else v for k, v in job["options"].items() if v is not None}
+    pair = bool(options.pop("pair", False))
+    if job["kind"] == "rerun":
+        script, config = rerun_plan(Store(store_path, create=False), job["run_id"], **options)
+        return script, config, pair
+    if job["script"].startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
+        filename, source = Store(store_path).script_source(job["script"].removeprefix(STORED_PREFIX))
+        script = ModelScript(filename=filename, source=source)
+    else:
+        script = ModelScript.from_path(job["script"])
+    config = RunConfig().with_options(**options)
+    config.validate()
+    return script, config, pair
+
+
+class RunOwner:
+    """Applies a run child's store calls to this process's writer, refusing what the child may not do."""
+
+    def __init__(self, writer, run_ids: list[int], parent_run_id: int | None):
+        self._writer = writer
+        self.run_ids = list(run_ids)
+        self._unclaimed = list(run_ids)
+        self._parent = parent_run_id
+
+    def apply(self, method: str, args: list, kwargs: dict) -> None:
+        if method not in ALLOWED_CALLS:
+            raise PermissionError(f"the child called {method!r}, which runs may not call")
+        run_id = args[0] if args else kwargs.get("run_id")
+        if not isinstance(run_id, int) or run_id not in self.run_ids:
+            raise PermissionError(f"the child tried to write run {run_id!r}; it may write only runs {self.run_ids}")
+        if method == "create_run":
+            if run_id not in self._unclaimed:
+                raise PermissionError(f"the child created run {run_id} twice")
+            self._unclaimed.remove(run_id)
+            method, kwargs = "update_run", {**kwargs, "status": "running"}
+        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed"):
+            raise PermissionError("a child may end its run only as finished or failed")
+        if method == "write_batch":
+            args = [run_id, *_row_records(*args[1:])]
+        if method == "update_run":
+            self._check_links(kwargs)
+            if "heartbeat_at" in kwargs or kwargs.get("status") == "running":
+                kwargs["heartbeat_at"] = time.time()  # this process's clock, not the child's
+        self._writer.call(lambda w: getattr(w, method)(*args, **kwargs))
+
+    def _check_links(self, fields: dict) -> None:
+        pair = fields.get("pair_run_id")
+        if pair is not None and pair not in self.run_ids:
+            raise PermissionError(f"the child tried to pair its run with run {pair!r}")
+        if "parent_run_id" in fields and fields["parent_run_id"] != self._parent:
+            raise PermissionError(f"the child tried to set parent run {fields['parent_run_id']!r}")
+
+    def close_unfinished(self, store_path: str, result: TaskResult) -> None:
+        """Mark the runs the child left queued or running failed, saying why."""
+        from mpdiag.store import Store
+
+        runs = Store(store_path).runs()
+        mine = runs[runs["run_id"].isin(self.run_ids) & runs["status"].isin(["queued", "running", "stalled"])]
+        verdict_error = (result.verdict or {}).get("error")
+        if result.refused or not isinstance(verdict_error, str):
+            tail = result.outcome.output_tail.strip()[-1500:]
+            error = result.outcome.message + (f"\nLast output:\n{tail}" if tail else "")
+        else:
+            error = verdict_error
+        for run_id in mine["run_id"]:
+            self._writer.call(lambda w, r=int(run_id): w.end_run(r, "failed", error=error))
+
+
+def _row_records(step_rows: list, tensor_rows: list) -> tuple[list, list]:
+    """write_batch's rows as the writer takes them: the channel carries named records as plain lists."""
+    from mpdiag.store import Representability, StepRow, TensorRow
+
+    return ([StepRow(*row) for row in step_rows],
+            [TensorRow(*row[:-1], {fmt: Representability(*counts) for fmt, counts in row[-1].items()})
+             for row in tensor_rows])
+
+
+def _queue_rows(writer, script, config, pair: bool) -> list[int]:
+    """Store the script and create the job's run rows with status queued; the child fills them in."""
+    name = config.name or os.path.basename(script.filename)
+    names = [(name, config.opt_level)] + ([(f"{name} (FP32 twin)", "O0")] if pair else [])
+
+    def create(w) -> list[int]:
+        sha = w.add_script(os.path.basename(script.filename), script.source)
+        ids = [w.create_run(name=n, opt_level=level, script_path=script.filename, script_sha256=sha,
+                            steps=config.steps, parent_run_id=config.parent_run_id) for n, level in names]
+        for run_id in ids:
+            w.update_run(run_id, status="queued")
+        return ids
+
+    return writer.call(create)
+
+
+def supervise_job(job: dict) -> None:
+    """The supervising process's work for one job (see the module docstring); never raises for the child."""
+    from mpdiag.recording.background import BackgroundWriter
+    from mpdiag.store import StoreError
+    from mpdiag.training.policies import ConfigError
+    from mpdiag.training.script import ScriptError
+
+    record = Path.cwd()
+    status = record / STATUS_FILE
+    store_path = job["store"]
+    try:
+        script, config, pair = plan(job, store_path)
+    except (ConfigError, ScriptError, StoreError, OSError) as exc:
+        status.write_text(json.dumps({"message": str(exc)}))
+        return
+    # heartbeat=False: the child's heartbeat is the one that tells whether the run is alive
+    writer = BackgroundWriter(store_path, heartbeat=False)
+    try:
+        owner = RunOwner(writer, _queue_rows(writer, script, config, pair), config.parent_run_id)
+        status.write_text(json.dumps({"run_ids": owner.run_ids}))
+        payload = {"filename": script.filename, "config": config.to_dict(), "pair": pair, "run_ids": owner.run_ids}
+        with run_slot(int(job["max_runs"])):
+            result = run_task("run", payload, Limits.for_runs(), files={SOURCE_FILE: script.source.encode()},
+                              log_path=record / LOG_FILE, on_call=owner.apply)
+        owner.close_unfinished(store_path, result)
+        status.write_text(json.dumps({"run_ids": owner.run_ids, "message": result.outcome.message}))
+    finally:
+        writer.close()
+
+
+def run_in_child(payload: dict, channel) -> dict:
+    """In the child: train the script into the runs the supervisor created, writing through ``channel``."""
+    from mpdiag.training.policies import ConfigError
+    from mpdiag.training.runner import RunConfig, train, train_pair
+    from mpdiag.training.script import ModelScript
+
+    run_ids = deque(payload["run_ids"])
+    script = ModelScript(filename=payload["filename"], source=Path(SOURCE_FILE).read_text(encoding="utf-8"))
+    config = RunConfig.from_dict(payload["config"])
+
+    def sink() -> StoreCallForwarder:
+        return StoreCallForwarder(channel, run_ids)
+
+    try:
+        ids = train_pair(script, config, sink) if payload["pair"] else (train(script, config, sink),)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {"run_ids": list(ids)}
+
+
+def main() -> int:
+    _forbid_inspection()
+    supervise_job(json.loads(sys.stdin.read()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,26 +3,25 @@
 Gradients of a correct graph are linear in the loss, so after unscaling, the gradients computed at two loss
 scales agree. A custom autograd Function whose backward ignores grad_output (reference section 7) breaks
 that: the gradients upstream of it do not grow with S, so unscaled they are S times too small. The probe
-recomputes one batch's gradients at PROBE_SCALES under the run's own opt level, in a supervised child
-process (it runs the run's stored script), compares each tensor's unscaled gradient norm, and names the
-custom autograd Functions in the graph. Results are stored with the run; :mod:`mpdiag.analysis.findings` reads them.
+recomputes one batch's gradients at PROBE_SCALES under the run's own opt level, in a child process under the
+protocol of :mod:`mpdiag.sandbox.child` (it runs the run's stored script; its result comes back as the child's
+verdict, never from its output), compares each tensor's unscaled gradient norm, and names the custom autograd
+Functions in the graph. :func:`run_probe`, in the calling process, stores the result with the run;
+:mod:`mpdiag.analysis.findings` reads it. The child never gets the store.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
-from mpdiag.sandbox.supervisor import Limits, supervise
+from mpdiag.sandbox.child import SOURCE_FILE, run_task
+from mpdiag.sandbox.supervisor import Limits
 
 KIND = "scale-linearity"
 PROBE_SCALES = (2.0**8, 2.0**12)  # high enough that FP16 underflow barely differs between them
 FALLBACK_SCALES = (2.0**0, 2.0**4)  # when the higher pair overflows
 #: a tensor fails when its unscaled gradient norms at the two scales differ by more than this factor
 MAX_RATIO = 2.0
-MARKER = "MPDIAG-PROBE-RESULT:"
 
 
 def custom_functions(loss) -> list[str]:
@@ -50,18 +49,18 @@ def _gradients_at(scale, model, optimizer, policy, built, batch):
     return loss, grads
 
 
-def _child(source_path: str, filename: str, config_json: str) -> dict:
+def _probe(filename: str, config_dict: dict) -> dict:
     from pathlib import Path
 
     from mpdiag.training.policies import make_policy
     from mpdiag.training.runner import RunConfig, resolve_device, seed_everything, to_device
     from mpdiag.training.script import ModelScript, build_model
 
-    config = RunConfig.from_dict(json.loads(config_json))
+    config = RunConfig.from_dict(config_dict)
     device = resolve_device(config.device)
     policy = make_policy(config, device)  # validates every option
     seed_everything(config.seed)
-    built = build_model(ModelScript(filename=filename, source=Path(source_path).read_text(encoding="utf-8")), device)
+    built = build_model(ModelScript(filename=filename, source=Path(SOURCE_FILE).read_text(encoding="utf-8")), device)
     model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
     batch = to_device(next(built.batches()), device)
     for scales in (PROBE_SCALES, FALLBACK_SCALES):
@@ -81,9 +80,16 @@ def _child(source_path: str, filename: str, config_json: str) -> dict:
             "functions": custom_functions(loss)}
 
 
+def probe_in_child(payload: dict, channel) -> dict:
+    """In the child: the probe's result (a failure is a result too)."""
+    try:
+        return _probe(payload["filename"], payload["config"])
+    except Exception as exc:  # noqa: BLE001 - reported as the probe's outcome
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
+
+
 def run_probe(store_path, run_id: int) -> dict:
     """Run the probe for a stored run in a supervised child, store and return its result."""
-    from mpdiag.sandbox.launch import child_env, scratch_dir
     from mpdiag.store import Store, StoreError, StoreWriter
 
     store = Store(store_path, create=False)
@@ -92,35 +98,14 @@ def run_probe(store_path, run_id: int) -> dict:
     if not stored:
         return {"ok": False, "reason": "runs recorded from a user's own loop cannot be probed"}
     filename, source = store.script_source(run["script_sha256"])
-    work = scratch_dir("probe-")
-    (work / "script_source.py").write_text(source, encoding="utf-8")
-    command = [sys.executable, "-m", "mpdiag.sandbox.probe", str(work / "script_source.py"), "--filename",
-               run["script_path"] or filename, "--config", json.dumps(stored)]
-    outcome = supervise(command, Limits.for_checks(), work, env=child_env())
-    lines = [ln for ln in outcome.output_tail.splitlines() if ln.startswith(MARKER)]
-    result = json.loads(lines[-1].removeprefix(MARKER)) if lines else {
-        "ok": False, "reason": f"the probe did not complete: {outcome.message}", "output": outcome.output_tail[-2000:]}
+    task = run_task("probe", {"filename": run["script_path"] or filename, "config": stored}, Limits.for_checks(),
+                    files={SOURCE_FILE: source.encode("utf-8", "surrogatepass")})
+    result = task.verdict if task.verdict is not None else {
+        "ok": False, "reason": f"the probe did not complete: {task.outcome.message}",
+        "output": task.outcome.output_tail[-2000:]}
     try:
         with StoreWriter(store.path) as writer:
             writer.add_probe(run_id, KIND, result)
     except StoreError as exc:  # e.g. a store in a read-only folder: the result is still shown, just not kept
         result = {**result, "not_stored": str(exc)}
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.probe")
-    parser.add_argument("source")
-    parser.add_argument("--filename", required=True)
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args(argv)
-    try:
-        result = _child(args.source, args.filename, args.config)
-    except Exception as exc:  # noqa: BLE001 - reported as the probe's outcome
-        result = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
-    print("\n" + MARKER + json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

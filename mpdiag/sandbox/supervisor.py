@@ -1,28 +1,26 @@
-"""Running untrusted model-script work in a supervised child process.
+"""The limits on a child process: wall time, memory, output; and why it ended, in words a user can act on.
 
 :func:`supervise` starts a command in its own process group with a wall-time limit, a memory limit (an
 address-space rlimit on CPU-only machines, and a resident-memory watchdog over the whole process tree
-everywhere), a scratch working directory, and its output captured to a bounded log that keeps the *last*
-part of a huge output. It never raises for what the child does: it returns an :class:`Outcome` that says
-how the child ended, in words a user can act on.
+everywhere), and its output captured to a bounded log that keeps the *last* part of a huge output. When the
+child ends, whatever it left running in its group is killed. It never raises for what the child does: it
+returns an :class:`Outcome`.
 
-``python -m mpdiag.sandbox.supervisor [limits] -- COMMAND...`` supervises a training run started by the app: when the
-run's own process could not close its run (killed at a limit, ``os._exit``, a crash), the supervisor
-records why in the store, so the run reads ``failed`` with that reason instead of a bare ``crashed``.
+This module is the mechanism only: it knows nothing of tasks, verdicts or the store. The protocol that every
+run, check and probe child follows (scratch directory, verdict channel, forwarded store writes) is
+:mod:`mpdiag.sandbox.child`; it must not parse the child's output for anything but a log.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -59,7 +57,8 @@ class Limits:
 
 @dataclass
 class Outcome:
-    """How a supervised child ended. ``reason``: exited, wall_time, memory."""
+    """How a supervised child ended. ``reason``: exited, wall_time, memory, or refused (its parent stopped it
+    for breaking the child protocol; ``message`` says how)."""
 
     exit_code: int | None
     reason: str
@@ -132,13 +131,18 @@ def _tree_rss(proc: psutil.Process) -> int:
 
 
 def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_path: Path | None = None,
-              env: dict | None = None, on_start=None) -> Outcome:
-    """Run ``command`` under ``limits`` in ``cwd``; returns when it ends or is stopped at a limit."""
+              env: dict | None = None, on_start: Callable[[int], None] | None = None, pass_fds: tuple[int, ...] = (),
+              refusal: Callable[[], str | None] | None = None) -> Outcome:
+    """Run ``command`` under ``limits`` in ``cwd``; returns when it ends or is stopped at a limit.
+
+    ``pass_fds`` are inherited by the child (its verdict channel); ``on_start(pid)`` runs once it started;
+    ``refusal()``, polled while it runs, returns why the parent wants it stopped (or None to let it run)."""
     log = BoundedLog(log_path, limits.log_bytes)
     start = time.monotonic()
     proc = subprocess.Popen(
         command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=None if cuda_present() else _limit_address_space(limits.memory_mb),
+        start_new_session=True, pass_fds=pass_fds,
+        preexec_fn=None if cuda_present() else _limit_address_space(limits.memory_mb),
     )
     if on_start is not None:
         on_start(proc.pid)
@@ -146,21 +150,25 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
                               daemon=True)
     reader.start()
     watched = psutil.Process(proc.pid)
-    reason = "exited"
+    reason, refused = "exited", None
     while proc.poll() is None:
-        if time.monotonic() - start > limits.wall_s:
+        refused = refusal() if refusal is not None else None
+        if refused is not None:
+            reason = "refused"
+        elif time.monotonic() - start > limits.wall_s:
             reason = "wall_time"
         elif _tree_rss(watched) > limits.memory_mb * MiB:
             reason = "memory"
         if reason != "exited":
-            _kill_group(proc)
             break
         time.sleep(0.1)
+    _kill_group(proc)  # also what the child left behind: nothing it started outlives it
     proc.wait()
     reader.join(timeout=5)
     log.flush()
     code = proc.returncode
-    return Outcome(exit_code=code, reason=reason, message=_describe(reason, code, limits), output_tail=log.text(),
+    message = refused or _describe(reason, code, limits)
+    return Outcome(exit_code=code, reason=reason, message=message, output_tail=log.text(),
                    dropped_bytes=log.dropped, child_pid=proc.pid, seconds=time.monotonic() - start)
 
 
@@ -185,47 +193,3 @@ def _describe(reason: str, code: int | None, limits: Limits) -> str:
     if code == 0:
         return "the process exited normally"
     return f"the process exited with code {code}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Supervise one training run for the app and record in the store why it ended, if it could not."""
-    parser = argparse.ArgumentParser(prog="python -m mpdiag.sandbox.supervisor")
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--log", required=True)
-    parser.add_argument("--cwd", required=True)
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    log = Path(args.log)
-    status = log.with_suffix(".json")
-
-    def started(pid: int) -> None:
-        status.write_text(json.dumps({"child_pid": pid}))
-
-    Path(args.cwd).mkdir(parents=True, exist_ok=True)
-    outcome = supervise(command, Limits.for_runs(), args.cwd, log, on_start=started)
-    status.write_text(json.dumps(asdict(outcome) | {"output_tail": outcome.output_tail[-4000:]}))
-    _record_unclosed_run(args.store, outcome)
-    return 0
-
-
-def _record_unclosed_run(store_path: str, outcome: Outcome) -> None:
-    """Mark the child's run failed with the reason when the child could not close it itself."""
-    from mpdiag.store import Store, StoreError, StoreWriter
-
-    try:
-        runs = Store(store_path, create=False).runs()
-    except StoreError:
-        return
-    mine = runs[(runs["pid"] == outcome.child_pid) & (runs["status"].isin(["running", "crashed"]))]
-    if mine.empty:
-        return
-    tail = outcome.output_tail.strip()[-1500:]
-    error = outcome.message + (f"\nLast output:\n{tail}" if tail else "")
-    with StoreWriter(store_path) as writer:
-        for run_id in mine["run_id"]:
-            writer.end_run(int(run_id), "failed", error=error)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

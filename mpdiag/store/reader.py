@@ -9,7 +9,8 @@ schema, goes through the writer's path in schema.py to create or migrate it. Con
 * Histogram counts are one row per (run, step, tensor) with a BLOB (see :func:`encode_hist`).
 * Representability counts are one row per (run, step, tensor, format) in a long table; the wide
   ``fp16_underflow``... columns of :meth:`Store.tensor_stats` and :meth:`Store.tensor_totals` are built from it.
-* A run whose status is ``running`` but whose process is gone is reported as ``crashed`` by every reader.
+* A run whose status is ``running`` or ``queued`` but whose process is gone is reported as ``crashed`` by every
+  reader; a ``running`` run whose heartbeat is older than STALL_S (its process stopped or hung) as ``stalled``.
 * Every SQLite failure reaches the caller as one :class:`StoreError` naming the file.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
@@ -32,6 +34,7 @@ from mpdiag.store.schema import (
     REPRESENTABILITY_KINDS,
     SCHEMA_VERSION,
     SPECIAL_COUNT_COLUMNS,
+    STALL_S,
     STEP_COLUMNS,
     TENSOR_STAT_COLUMNS,
     StoreError,
@@ -158,9 +161,11 @@ class Store:
             df[col] = df[col].fillna(0).astype(int)
         df["final_loss"] = df["final_loss"].astype(float)
         df["median_step_time_s"] = df["median_step_time_s"].astype(float)
-        dead = (df["status"] == "running") & ~df.apply(
+        dead = df["status"].isin(["running", "queued"]) & ~df.apply(
             lambda r: process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
         )
+        stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - STALL_S)
+        df.loc[stalled, "status"] = "stalled"
         df.loc[dead, "status"] = "crashed"
         df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
         for col in ("started_at", "finished_at", "heartbeat_at"):

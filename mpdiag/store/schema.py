@@ -27,7 +27,8 @@ from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
 DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
 SCHEMA_VERSION = 3
-STATUSES = ("running", "finished", "failed", "crashed")
+STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
+STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
 #: The six representability counts of one tensor at one step in one format: of the unscaled gradient g, then of
 #: S*g (suffix _at_scale).

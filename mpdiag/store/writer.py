@@ -169,7 +169,7 @@ class StoreWriter:
             self._update_run(run_id, fields)
 
     def _update_run(self, run_id: int, fields: dict) -> None:
-        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at"}
+        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at", "heartbeat_at"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
