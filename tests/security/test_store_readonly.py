@@ -19,7 +19,8 @@ import pytest
 from conftest import EXAMPLES
 
 from mpdiag import cli
-from mpdiag.sandbox import launch, probe
+from mpdiag.sandbox import child, probe
+from mpdiag.sandbox.child import TaskResult
 from mpdiag.sandbox.supervisor import Outcome
 from mpdiag.store import Store, StoreError, StoreWriter
 from mpdiag.store.schema import connect_read
@@ -53,11 +54,12 @@ def _as_nobody(job):
     return payload["ok"]
 
 
-def _the_probe_result(command, limits, cwd, env=None, **kwargs):
+def _the_probe_result(task, payload, limits, files=None, **kwargs):
     """Stands in for the supervised probe child (nobody cannot start this interpreter, which lives under /root)."""
     result = {"ok": True, "scales": [1.0, 2.0], "ratios": {}, "failing": [], "functions": []}
-    return Outcome(exit_code=0, reason="exited", message="exited with code 0",
-                   output_tail="\n" + probe.MARKER + json.dumps(result), dropped_bytes=0, child_pid=1, seconds=0.1)
+    outcome = Outcome(exit_code=0, reason="exited", message="exited with code 0", output_tail="", dropped_bytes=0,
+                      child_pid=1, seconds=0.1)
+    return TaskResult(outcome=outcome, verdict=result, refused=None)
 
 
 @pytest.fixture
@@ -77,11 +79,11 @@ def readonly_store():
 
 def test_readonly_folder_store_lists_reads_and_diagnoses(readonly_store, monkeypatch):
     path = readonly_store
-    monkeypatch.setattr(probe, "supervise", _the_probe_result)
+    monkeypatch.setattr(probe, "run_task", _the_probe_result)
     scratch = path.parent.parent / "scratch"  # the probe's own working folder, which nobody may write
     scratch.mkdir(mode=0o777)
     scratch.chmod(0o777)
-    monkeypatch.setattr(launch, "WORK_DIR", scratch)
+    monkeypatch.setattr(child, "WORK_DIR", scratch)
 
     def job():
         results = {}
