@@ -1,4 +1,4 @@
-"""Command line: ``python -m mpdiag run|runs|export``.
+"""Command line: ``python -m mpdiag run|watch|runs|export|...``.
 
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input.
 """
@@ -21,6 +21,7 @@ from mpdiag.store import DEFAULT_STORE, Store, StoreError
 from mpdiag.training.policies import POLICIES, ConfigError, ScalingConfig
 from mpdiag.training.runner import RunConfig, rerun_plan, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
+from mpdiag.training.watch import WatchConfig, watch
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
     rerun.add_argument("run_id", type=int)
     _run_options(rerun, inherit=True)
+    watch = sub.add_parser("watch", help="run an unmodified training script (python SCRIPT ARGS...) and record it",
+                           usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]")
+    watch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE would")
+    watch.add_argument("--name", default=None, help="display name of the run (default: the script's file name)")
+    watch.add_argument("--every", type=int, default=1, help="record tensor statistics every N steps (default 1)")
+    watch.add_argument("--trace-modules", action="store_true", help="record each module's output and gradient "
+                       "absmax per step, to locate the first inf/NaN")
+    watch.add_argument("--opt-level", default=None, help="O0, O1 or bf16: override the script's autocast and "
+                       "GradScaler settings (default: leave them alone)")
+    watch.add_argument("--init-scale", type=float, default=None, help="initial scale of every GradScaler the script creates")
+    _store_arg(watch)
+    watch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                       help="the script and its arguments: everything after SCRIPT belongs to the script")
     export = sub.add_parser("export", help="write a run's records as Parquet and CSV")
     export.add_argument("run_id", type=int)
     export.add_argument("--out", required=True, help="output directory")
@@ -189,6 +203,21 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    if args.module is None and not args.command_line:
+        raise ConfigError("watch needs a script (watch [options] SCRIPT [ARGS...]) or -m MODULE")
+    target, rest = (args.module, args.command_line) if args.module else (args.command_line[0], args.command_line[1:])
+    config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
+                         every=args.every, trace_modules=args.trace_modules, opt_level=args.opt_level,
+                         init_scale=args.init_scale)
+    store = Store(args.store)
+    run_id, code = watch(config, store.path)
+    run = store.run(run_id)
+    print(f"mpdiag watch: run {run_id} ({run['name']}): {run['status']}, {run['steps_done']} steps, "
+          f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)
+    return code
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     runs = Store(args.store).runs()
     if runs.empty:
@@ -233,7 +262,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export,
+            "watch": cmd_watch}
 
 
 def main(argv: list[str] | None = None) -> int:
