@@ -186,7 +186,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     store = Store(args.store, create=False)
     run = store.run(args.run_id)
-    if not args.no_probe and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
+    own_loop = not isinstance(run["script_sha256"], str)  # recorded by a Recorder or watch: nothing to rerun or probe
+    if not args.no_probe and not own_loop and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
         print(f"probing run {args.run_id}: recomputing one batch at two loss scales in a child process…", file=sys.stderr)
         run_probe(store.path, args.run_id)
     findings = diagnose(store, args.run_id)
@@ -197,7 +198,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
-        if f.fix:
+        if f.fix and own_loop:
+            print("  check it: change these settings in your own loop (the run was recorded from it, "
+                  f"so mpdiag cannot rerun it): {f.fix}")
+        elif f.fix:
             flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in f.fix.items())
             print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}")
     return 0

@@ -256,3 +256,15 @@ def test_killed_script_leaves_the_run_crashed(tmp_path, sig):
     assert run["status"] == "crashed"
     if sig == signal.SIGTERM:
         assert run["error"] == "stopped by signal SIGTERM" and run["steps_done"] >= 3
+
+
+def test_diagnose_of_a_watched_run_offers_no_rerun_and_probes_nothing(store_path, tmp_path, capsys):
+    from mpdiag.cli import main
+
+    _, run_id, _ = watched(store_path, AMP_LOOP, tmp_path / "log.json", "--steps", 6, init_scale=2.0**40)
+    capsys.readouterr()
+    assert main(["diagnose", str(run_id), "--store", str(store_path)]) == 0
+    out = capsys.readouterr()
+    assert "probing" not in out.err and "mpdiag rerun" not in out.out
+    assert "[error]" in out.out or "[warning]" in out.out  # every step skipped: a scale finding is made
+    assert "recorded from it" in out.out

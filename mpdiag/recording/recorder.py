@@ -144,6 +144,7 @@ class Recorder:
         fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
         extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
         fields.setdefault("opt_level", "custom")
+        fields.setdefault("scaling", "none" if self.scaler is None else "dynamic")  # no scaler: no scale findings
         fields.setdefault("every", self.every)
         fields.setdefault("device", str(self.device))
         fields.setdefault("torch_version", torch.__version__)
