@@ -22,7 +22,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from common import write_result  # noqa: E402
 
-from mpdiag import Recorder, Store, charts, summaries  # noqa: E402
+from mpdiag import Recorder, Store  # noqa: E402
+from mpdiag.analysis import summaries  # noqa: E402
+from mpdiag.dashboard import charts  # noqa: E402
 from mpdiag.examples.data import digits  # noqa: E402
 
 

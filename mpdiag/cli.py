@@ -1,6 +1,9 @@
-"""Command line: ``python -m mpdiag run|watch|runs|export|...``.
+"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|runs|export``.
 
-Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input.
+Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
+on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run
+options, their defaults or their bounds: the run flags are generated from
+:data:`mpdiag.training.config.OPTIONS`, and validated by it before any store is opened.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
-from mpdiag.training.policies import POLICIES, ConfigError, ScalingConfig
-from mpdiag.training.runner import RunConfig, rerun_plan, train, train_pair
+from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, flag
+from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
 from mpdiag.training.watch import WatchConfig, watch
 
@@ -30,40 +33,32 @@ def _store_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _loss_scale(text: str) -> str | float:
-    if text == "dynamic":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number, got {text!r}") from None
+def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = False) -> None:
+    """The flag of RunConfig option ``name``, from its metadata. With ``inherit`` (rerun) it defaults to the
+    parent run's value, so only typed options are present in the parsed arguments."""
+    spec = OPTIONS[name]
+    applies = "" if spec.levels == ALL_LEVELS else f"; applies to {', '.join(spec.levels)}"
+    help_text = (spec.help + applies + ("" if inherit else f" (default {spec.default})")).replace("%", "%%")
+    default = argparse.SUPPRESS if inherit else spec.default
+    if spec.kind == "flag":
+        parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=default,
+                            help=help_text)
+        return
+
+    def parse(text: str):
+        try:
+            return spec.parse(text)
+        except ValueError:
+            return text  # not a number: validation refuses it with the option's one-line message
+
+    parser.add_argument(flag(name), dest=name, type=parse, default=default, help=help_text)
 
 
 def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None:
-    """Run options. With ``inherit`` (rerun) every option defaults to the parent run's value."""
-    d = ScalingConfig()
-
-    def add(flag, default, help_text, **kw):
-        parser.add_argument(flag, default=argparse.SUPPRESS if inherit else default,
-                            help=help_text + ("" if inherit else f" (default {default})"), **kw)
-
-    add("--opt-level", "O1", f"one of {', '.join(POLICIES)}")
-    add("--loss-scale", None, "'dynamic', or a number for a static scale; default: the level's own", type=_loss_scale)
-    add("--init-scale", d.init_scale, "initial dynamic loss scale", type=float)
-    add("--growth-factor", d.growth_factor, "dynamic scale growth factor", type=float)
-    add("--backoff-factor", d.backoff_factor, "dynamic scale backoff factor", type=float)
-    add("--growth-interval", d.growth_interval, "clean steps before the scale grows", type=int)
-    add("--min-scale", None, "lower bound of the dynamic scale", type=float)
-    add("--max-scale", None, "upper bound of the dynamic scale", type=float)
-    add("--steps", 200, "training steps", type=int)
-    add("--seed", 0, "seed for torch, numpy and random", type=int)
-    add("--every", 1, "record tensor statistics every N steps", type=int)
-    add("--shadow-every", 0, "every N steps, compare each tensor's gradient with an FP32 computation on the same "
-        "weights and batch (0: off)", type=int)
-    add("--device", "auto", "auto (CUDA when present), cpu or cuda[:N]")
-    add("--name", None, "display name of the run")
-    parser.add_argument("--trace-modules", action="store_true", default=argparse.SUPPRESS if inherit else False,
-                        help="record each module's output and gradient absmax per step, to locate the first inf/NaN")
+    """Every run option that has a flag (mpdiag.training.config.OPTIONS), then --pair and --store."""
+    for name, spec in OPTIONS.items():
+        if spec.no_flag is None:
+            _add_option(parser, name, inherit)
     parser.add_argument("--pair", action="store_true", help="also run an O0 twin on identical weights and batches")
     _store_arg(parser)
 
@@ -76,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(run)
     check = sub.add_parser("check", help="check a model script in a supervised child process, without training")
     check.add_argument("script")
-    check.add_argument("--device", default="auto")
+    _add_option(check, "device")
     diagnose = sub.add_parser("diagnose", help="findings: what is wrong with a run, where, and what to change")
     diagnose.add_argument("run_id", type=int)
     diagnose.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -103,18 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the script and its arguments: everything after SCRIPT belongs to the script")
     export = sub.add_parser("export", help="write a run's records as Parquet and CSV")
     export.add_argument("run_id", type=int)
-    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--out", required=True, help="output directory: new or empty (see --force)")
+    export.add_argument("--force", action="store_true", help="write into a directory that is not empty, replacing "
+                        "files of the same names")
     _store_arg(export)
     return parser
 
 
-OPTION_NAMES = ("opt_level", "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                "min_scale", "max_scale", "steps", "seed", "every", "shadow_every", "device", "name", "trace_modules")
-
-
 def _options(args: argparse.Namespace) -> dict:
-    """The run options given on the command line (all of them for run, only those typed for rerun)."""
-    return {k: getattr(args, k) for k in OPTION_NAMES if hasattr(args, k)}
+    """The run options given on the command line (all of them for run, only those typed for rerun), each
+    checked on its own: bad values are refused before a store is opened or created."""
+    options = {k: getattr(args, k) for k in OPTIONS if hasattr(args, k)}
+    check_values(options)
+    return options
 
 
 def _progress(total: int):
@@ -160,23 +156,30 @@ STORED_PREFIX = "sha256:"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    store = Store(args.store)
+    config = RunConfig().with_options(**_options(args))
+    config.validate()  # every option and combination, before any file is created
+    if args.pair:
+        config.fp32_twin()
+    resolve_device(config.device)  # a CUDA device that is not there, too
     if args.script.startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
+        store = Store(args.store, create=False)
         filename, source = store.script_source(args.script.removeprefix(STORED_PREFIX))
         script = ModelScript(filename=filename, source=source)
     else:
         script = ModelScript.from_path(args.script)
-    config = RunConfig().with_options(**_options(args))
+        store = Store(args.store)
     return _execute(script, config, store, args.pair)
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
+    options = _options(args)
     store = Store(args.store, create=False)
-    script, config = rerun_plan(store, args.run_id, **_options(args))
+    script, config = rerun_plan(store, args.run_id, **options)
     return _execute(script, config, store, args.pair)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    check_values({"device": args.device})
     script = ModelScript.from_path(args.script)
     report = check_script(script.filename, script.source, args.device)
     print(report.text())
@@ -202,7 +205,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             print("  check it: change these settings in your own loop (the run was recorded from it, "
                   f"so mpdiag cannot rerun it): {f.fix}")
         elif f.fix:
-            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in f.fix.items())
+            flags = " ".join(f"{flag(k)} {v}" for k, v in f.fix.items())
             print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}")
     return 0
 
@@ -238,7 +241,9 @@ def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
     """Write every table of one run as Parquet and CSV into ``out``; returns the written paths."""
     out.mkdir(parents=True, exist_ok=True)
     tables = {
-        "run": store.run(run_id).to_frame().T,
+        # dict fields (config, model_state) as JSON text: Parquet cannot store an empty struct (a run that
+        # crashed before its first step has no model_state)
+        "run": store.run(run_id).map(lambda v: json.dumps(v) if isinstance(v, dict) else v).to_frame().T,
         "steps": store.steps(run_id),
         "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
         "tensor_stats": store.tensor_stats(run_id),
@@ -261,7 +266,16 @@ def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    written = export_run(Store(args.store, create=False), args.run_id, Path(args.out))
+    store = Store(args.store, create=False)
+    store.run(args.run_id)  # an unknown run is refused before anything is created
+    out = Path(args.out)
+    try:
+        if out.is_dir() and any(out.iterdir()) and not args.force:
+            return _refuse(f"{out} is not empty; export into a new or empty directory, or pass --force to write into "
+                           "it (files of the same names are replaced)")
+        written = export_run(store, args.run_id, out)
+    except OSError as exc:
+        return _refuse(f"cannot write the export to {out}: {exc.strerror or exc}")
     print("\n".join(str(p) for p in written))
     return 0
 
@@ -270,10 +284,36 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun
             "watch": cmd_watch}
 
 
+def _refuse(message: str) -> int:
+    print(f"mpdiag: {message}", file=sys.stderr)
+    return 2
+
+
+VALUE_FLAGS = frozenset(flag(name) for name, spec in OPTIONS.items() if spec.no_flag is None and spec.kind != "flag")
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """``--name -x`` as ``--name=-x``: argparse reads an argument starting with a dash as an option, not as
+    the value the flag before it needs; a run option's value is the next argument, whatever it looks like."""
+    joined: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            joined += [arg, *args]
+            break
+        value = next(args, None) if arg in VALUE_FLAGS else None
+        if value is not None and value.startswith("-"):
+            joined.append(f"{arg}={value}")
+        else:
+            joined += [arg] if value is None else [arg, value]
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # watch: everything after SCRIPT is the script's own, passed on untouched
+    args = build_parser().parse_args(argv if argv[:1] == ["watch"] else _attach_dash_values(argv))
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, ScriptError, StoreError) as exc:
-        print(f"mpdiag: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))

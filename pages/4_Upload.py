@@ -26,11 +26,8 @@ def store_upload(store, upload) -> str | None:
     except UnicodeDecodeError:
         st.error(f"{filename} is not UTF-8 text.")
         return None
-    writer = StoreWriter(store.path)
-    try:
+    with StoreWriter(store.path) as writer:
         return writer.add_script(filename, source)
-    finally:
-        writer.close()
 
 
 def show_report(report) -> None:

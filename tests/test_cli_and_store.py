@@ -54,6 +54,8 @@ def test_device_cuda_without_gpu_is_a_clear_error(store_path):
 def test_bad_options_exit_2_with_message(store_path):
     result = run_cli("run", EXAMPLES / "mlp_digits.py", "--opt-level", "O9", "--store", store_path)
     assert result.returncode == 2 and "unknown opt level 'O9'" in result.stderr
+    assert not store_path.exists()  # refused before the store was created
+    Store(store_path)
     result = run_cli("export", "42", "--out", store_path.parent / "x", "--store", store_path)
     assert result.returncode == 2 and "No run 42" in result.stderr
 
@@ -150,7 +152,7 @@ def test_cli_pair_and_rerun(store_path):
     assert run["opt_level"] == "O3" and run["scaling"] == "dynamic" and run["parent_run_id"] == 1
     assert run["steps"] == 8  # inherited from the parent
     bad = run_cli("rerun", "1", "--loss-scale", "lots", "--store", store_path)
-    assert bad.returncode == 2 and "expected 'dynamic' or a number" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr == "mpdiag: --loss-scale must be 'dynamic' or a finite number > 0, got 'lots'\n"
 
 
 def test_running_totals_equal_the_sum_of_recorded_rows(store_path):

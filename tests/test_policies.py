@@ -1,6 +1,7 @@
 """Opt-level semantics: what each level does to weights, gradients, updates and the loss scale."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -9,15 +10,16 @@ from torch import nn
 
 from mpdiag import Store
 from mpdiag.analysis.compare import first_divergence, loss_comparison, reference_run
-from mpdiag.training.policies import BF16Mixed, ConfigError, ScalingConfig, make_policy
-from mpdiag.training.runner import RunConfig, model_state_bytes, rerun, train, train_pair
+from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.policies import BF16Mixed, make_policy
+from mpdiag.training.runner import model_state_bytes, rerun, train, train_pair
 from mpdiag.training.script import ModelScript
 
 CPU = torch.device("cpu")
 
 
 def prepared(level, model, scaling=None, lr=0.1, opt=torch.optim.SGD):
-    policy = make_policy(level, CPU, scaling or ScalingConfig())
+    policy = make_policy(RunConfig(opt_level=level, **(scaling or {})), CPU)
     model, optimizer = policy.prepare(model, lambda params: opt(params, lr=lr))
     return policy, model, optimizer
 
@@ -67,7 +69,7 @@ def test_swamping_update_survives_o2_but_is_lost_in_o3():
 
     results = {}
     for level in ("O2", "O3"):
-        policy, model, optimizer = prepared(level, Scalar(1.0), ScalingConfig(loss_scale=1.0), lr=1.0)
+        policy, model, optimizer = prepared(level, Scalar(1.0), {"loss_scale": 1.0}, lr=1.0)
         for _ in range(4):
             one_step(policy, model, optimizer, loss_fn)
         results[level] = (model.w.detach().float().item(), [m.item() for m in policy.master_params()])
@@ -146,7 +148,7 @@ def test_static_scale_never_changes_but_still_skips_nonfinite(store_path, write_
 
 def test_min_and_max_scale_bound_the_dynamic_scale():
     policy, model, optimizer = prepared(
-        "O1", nn.Linear(2, 1), ScalingConfig(init_scale=8.0, growth_interval=1, min_scale=4.0, max_scale=16.0)
+        "O1", nn.Linear(2, 1), {"init_scale": 8.0, "growth_interval": 1, "min_scale": 4.0, "max_scale": 16.0}
     )
     scales = []
     for step in range(6):
@@ -159,30 +161,35 @@ def test_min_and_max_scale_bound_the_dynamic_scale():
 @pytest.mark.parametrize(
     "scaling, match",
     [
-        (ScalingConfig(loss_scale=0.0), "--loss-scale must be a finite number > 0"),
-        (ScalingConfig(loss_scale=-5.0), "--loss-scale must be a finite number > 0"),
-        (ScalingConfig(loss_scale="auto"), "--loss-scale must be 'dynamic' or a number"),
-        (ScalingConfig(init_scale=-1.0), "--init-scale"),
-        (ScalingConfig(growth_factor=0.5), "--growth-factor must be > 1"),
-        (ScalingConfig(backoff_factor=2.0), "--backoff-factor must be between 0 and 1"),
-        (ScalingConfig(min_scale=10.0, max_scale=1.0), "--min-scale 10.0 is above --max-scale 1.0"),
+        ({"loss_scale": 0.0}, "--loss-scale must be 'dynamic' or a finite number > 0, got 0.0"),
+        ({"loss_scale": -5.0}, "--loss-scale must be 'dynamic' or a finite number > 0"),
+        ({"loss_scale": "auto"}, "--loss-scale must be 'dynamic' or a finite number > 0, got 'auto'"),
+        ({"loss_scale": math.inf}, "--loss-scale must be 'dynamic' or a finite number > 0, got inf"),
+        ({"init_scale": -1.0}, "--init-scale must be a finite number > 0"),
+        ({"init_scale": math.nan}, "--init-scale must be a finite number > 0, got nan"),
+        ({"growth_factor": 0.5}, "--growth-factor must be a finite number > 1"),
+        ({"growth_factor": math.inf}, "--growth-factor must be a finite number > 1, got inf"),
+        ({"backoff_factor": 2.0}, "--backoff-factor must be a finite number between 0 and 1"),
+        ({"growth_interval": 2.5}, "--growth-interval must be an integer >= 1"),
+        ({"min_scale": 10.0, "max_scale": 1.0}, "--min-scale 10.0 is above --max-scale 1.0"),
     ],
 )
 def test_bad_scaling_is_refused(scaling, match):
-    with pytest.raises(ConfigError, match=match):
-        make_policy("O2", CPU, scaling)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        make_policy(RunConfig(opt_level="O2", **scaling), CPU)
 
 
-def test_scaling_on_a_level_without_it_is_refused():
-    with pytest.raises(ConfigError, match="O0 does not scale the loss"):
-        make_policy("O0", CPU, ScalingConfig(loss_scale=128.0))
+@pytest.mark.parametrize("option", ["loss_scale", "init_scale", "min_scale"])
+def test_scaling_on_a_level_without_it_is_refused(option):
+    with pytest.raises(ConfigError, match=f"O0 does not scale the loss; drop --{option.replace('_', '-')}"):
+        make_policy(RunConfig(opt_level="O0", **{option: 128.0}), CPU)
 
 
 def test_bf16_on_hardware_without_it_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
     with pytest.raises(ConfigError, match="Tesla V100 has no BF16 support"):
-        BF16Mixed.check(torch.device("cuda"), ScalingConfig())
+        BF16Mixed.check(torch.device("cuda"))
 
 
 def test_o2_with_an_optimizer_that_cannot_be_rebuilt_fails_before_training(store_path, write_script):

@@ -9,7 +9,6 @@ import torch
 from mpdiag import Recorder, Store
 from mpdiag.numerics.formats import BF16, FP16
 from mpdiag.numerics.gradstats import category_counts_by_casting
-from mpdiag.training.policies import ScalingConfig
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -84,7 +83,8 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, devi
     ran = []
     opt.register_step_post_hook(lambda *a: ran.append(True))
     truth = []
-    with Recorder(model, store=store_path, name="loop", scaler=scaler, flush_interval_s=0.0) as rec:
+    with Recorder(model, store=store_path, name="loop", scaler=scaler) as rec:
+        rec.flush_interval_s = 0.0  # commit at every record(): the flush path runs once per step
         for step in range(steps):
             opt.zero_grad()
             with torch.autocast(device, dtype=torch.float16):
@@ -174,17 +174,17 @@ def test_failed_context_marks_run_failed_and_keeps_steps(store_path):
 
 
 def test_invalid_scaling_is_refused_before_training(store_path, write_script):
-    from mpdiag.training.policies import ConfigError
+    from mpdiag.training.config import ConfigError
 
     script = ModelScript.from_path(write_script(ANALYTIC_SCRIPT))
     for bad, match in [
-        (ScalingConfig(init_scale=0), "init-scale"),
-        (ScalingConfig(growth_factor=1.0), "growth-factor"),
-        (ScalingConfig(backoff_factor=1.0), "backoff-factor"),
-        (ScalingConfig(growth_interval=0), "growth-interval"),
+        ({"init_scale": 0}, "init-scale"),
+        ({"growth_factor": 1.0}, "growth-factor"),
+        ({"backoff_factor": 1.0}, "backoff-factor"),
+        ({"growth_interval": 0}, "growth-interval"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            train(script, RunConfig(scaling=bad, device="cpu"), store_path)
+            train(script, RunConfig(device="cpu", **bad), store_path)
     with pytest.raises(ConfigError, match="unknown opt level"):
         train(script, RunConfig(opt_level="O7", device="cpu"), store_path)
     assert Store(store_path).runs().empty  # nothing was written

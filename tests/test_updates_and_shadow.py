@@ -1,8 +1,6 @@
 """Weight-update swamping counts and the FP32 shadow, checked against ground truth computed here
 independently: float64 arithmetic and torch's own FP16 rounding, not the code under test."""
 
-import math
-import sqlite3
 
 import numpy as np
 import pytest
@@ -13,6 +11,8 @@ from torch import nn
 from mpdiag import Recorder, Store
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.recorder import RunnerAttachment
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -113,11 +113,16 @@ def test_update_counts_equal_float64_arithmetic(dtype, fmt, contiguous):
     assert 0 < expected[1] < expected[0] and (expected[2] > 0) == (dtype != torch.float32)  # the data reaches every count
 
 
-def test_update_targets_must_match_the_model():
+def test_update_targets_must_match_the_model(store_path):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="update_targets must match"):
-        Recorder(model, store=":memory:", optimizer=optimizer, update_format="fp16", update_targets=[torch.zeros(3)])
+    writer = BackgroundWriter(store_path)
+    try:
+        attachment = RunnerAttachment(run_id=1, writer=writer, update_targets=[torch.zeros(3)])
+        with pytest.raises(ValueError, match="update_targets must match"):
+            Recorder.attached(model, attachment, optimizer=optimizer, update_format="fp16")
+    finally:
+        writer.close()
     with pytest.raises(ValueError, match="needs optimizer"):
         Recorder(model, store=":memory:", update_format="fp16")
 
@@ -184,17 +189,3 @@ def test_shadow_ranking_puts_negligible_references_last():
     ranking = shadow_ranking(pd.DataFrame(shadow))
     assert ranking["tensor"].tolist() == ["c", "a", "bias_before_bn"]
     assert ranking["meaningful"].tolist() == [True, True, False]
-
-
-def test_a_version_1_store_is_upgraded_and_keeps_its_rows(store_path):
-    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(steps=2, device="cpu"), store_path)
-    with sqlite3.connect(store_path) as conn:  # make it look like schema version 1
-        conn.execute("DROP TABLE update_steps")
-        conn.execute("DROP TABLE shadow_steps")
-        conn.execute("ALTER TABLE runs DROP COLUMN update_format")
-        conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    store = Store(store_path)
-    assert store.update_stats(run_id).empty and store.shadow_stats(run_id).empty
-    assert len(store.steps(run_id)) == 2 and math.isnan(float(store.run(run_id)["update_format"] or math.nan))
-    with sqlite3.connect(store_path) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mpdiag.store import Store
-from mpdiag.training.policies import ConfigError
+from mpdiag.training.config import ConfigError
 from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,17 +7,16 @@ Pages stay thin: ``store = frame("Gradients")`` sets up the page and sidebar and
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
-import torch
 
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
-from mpdiag.training.policies import POLICIES, ConfigError
-from mpdiag.training.runner import RunConfig
+from mpdiag.training.config import LEVELS, OPTIONS, UNSET, ConfigError, RunConfig
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
@@ -141,54 +140,109 @@ def single_run_page(title: str, view) -> None:
     st.fragment(view, run_every=None if final else LIVE_REFRESH_S)(store, run, final)
 
 
+#: the widget (key after the form's prefix) that sets each run option; an option missing here says why in its
+#: metadata (mpdiag.training.config.OPTIONS[name].no_widget)
+FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
+             "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
+             "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
+             "trace_modules": "trace", "name": "name"}
+DEVICES = ["auto", "cpu", "cuda"]
+
+
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
-    """Widgets for a run's options (defaults from ``parent`` when rerunning); returns CLI options, validated
-    here so a bad combination is refused before any process starts (an error is shown and {} returned)."""
-    levels = list(POLICIES)
+    """Widgets for every run option (defaults: the parent run's options when rerunning, else RunConfig's).
+
+    Returns the options for the command line (mpdiag.sandbox.launch): ``opt_level``, every option that
+    differs from those defaults (an optional option cleared as ``"default"``), and ``pair`` when ticked. They
+    are validated here, without torch, so a bad combination is refused before any process starts (the error
+    is shown and {} returned). Whether a CUDA device exists is known only in the run's process."""
+    try:
+        base = RunConfig.from_dict(parent["config"].get("run", {})) if parent is not None else RunConfig()
+    except ConfigError as exc:
+        st.error(f"The stored options of this run cannot be read: {exc}")
+        return {}
+    key = {name: f"{prefix}_{suffix}" for name, suffix in FORM_KEYS.items()}
+    levels = list(LEVELS)
     cols = st.columns(4)
-    level = cols[0].selectbox("Opt level", levels, key=f"{prefix}_level",
-                              index=levels.index(parent["opt_level"]) if parent is not None else levels.index("O1"),
-                              help="\n".join(f"{k}: {v.summary}" for k, v in POLICIES.items()))
-    steps = cols[1].number_input("Steps", 1, 1_000_000, int(parent["steps"]) if parent is not None else 200,
-                                 key=f"{prefix}_steps")
-    seed = cols[2].number_input("Seed", 0, 2**31 - 1, int(parent["seed"]) if parent is not None else 0,
-                                key=f"{prefix}_seed")
-    devices = ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    device = cols[3].selectbox("Device", devices, key=f"{prefix}_device")
-    options = {"opt_level": level, "steps": int(steps), "seed": int(seed), "device": device}
-    parent_shadow = parent["config"].get("run", {}).get("shadow_every", 0) if parent is not None else 0
-    options["shadow_every"] = int(st.number_input(
-        "FP32 shadow every N steps (0: off)", 0, 1_000_000, int(parent_shadow), key=f"{prefix}_shadow",
+    chosen = {"opt_level": cols[0].selectbox(
+        "Opt level", levels, index=levels.index(base.opt_level), key=key["opt_level"],
+        help="\n".join(f"{k}: {v.summary}" for k, v in LEVELS.items()))}
+    chosen["steps"] = int(cols[1].number_input("Steps", OPTIONS["steps"].minimum, 1_000_000, base.steps,
+                                               key=key["steps"], help=OPTIONS["steps"].help))
+    chosen["seed"] = int(cols[2].number_input("Seed", OPTIONS["seed"].minimum, OPTIONS["seed"].maximum, base.seed,
+                                              key=key["seed"], help=OPTIONS["seed"].help))
+    devices = DEVICES + ([base.device] if base.device not in DEVICES else [])
+    chosen["device"] = cols[3].selectbox(
+        "Device", devices, index=devices.index(base.device), key=key["device"],
+        help=OPTIONS["device"].help + ". A CUDA device must exist where the run starts; if not, the run refuses "
+        "to start and says so.")
+    chosen["shadow_every"] = int(st.number_input(
+        "FP32 shadow every N steps (0: off)", OPTIONS["shadow_every"].minimum, 1_000_000, base.shadow_every,
+        key=key["shadow_every"],
         help="Every N steps, recompute the gradients in FP32 on the same weights and batch and store each tensor's "
              "relative error and cosine (Findings page). Costs one FP32 forward and backward per shadow step."))
-    if POLICIES[level].default_scaling is not None:
-        options.update(_scaling_options(prefix))
-    options["pair"] = level != "O0" and st.checkbox(
-        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair", disabled=level == "O0")
-    if parent is None:
-        options["name"] = st.text_input("Run name (optional)", key=f"{prefix}_name") or None
+    if LEVELS[chosen["opt_level"]].scales_loss:
+        chosen.update(_scaling_options(key, base, chosen["opt_level"]))
+    with st.expander("More options"):
+        chosen["every"] = int(st.number_input("Tensor statistics every N steps", OPTIONS["every"].minimum, 1_000_000,
+                                              base.every, key=key["every"], help=OPTIONS["every"].help))
+        chosen["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
+                                              help=OPTIONS["trace_modules"].help)
+        chosen["name"] = st.text_input("Run name (optional)", base.name or "", key=key["name"],
+                                       help="Empty: the script's file name (a rerun: the parent's name and level).")
+        chosen["name"] = chosen["name"] or None
+    pair = chosen["opt_level"] != "O0" and st.checkbox(
+        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair",
+        disabled=chosen["opt_level"] == "O0")
     try:
-        RunConfig().with_options(**{k: v for k, v in options.items() if k != "pair"}).validate()
+        config = base.with_options(**chosen)
+        config.validate()
+        if pair:
+            config.fp32_twin()
     except ConfigError as exc:
         st.error(str(exc))
         return {}
-    return options
+    options = {"opt_level": config.opt_level}
+    for name, value in chosen.items():
+        if value is None and name == "name":
+            continue  # no name typed: the run's own default name (a rerun's: the parent's name and level)
+        if value != getattr(base, name):
+            options[name] = UNSET if value is None else value
+    return options | ({"pair": True} if pair else {})
 
 
-def _scaling_options(prefix: str) -> dict:
-    """Loss-scale widgets; returns the CLI options they set (an empty dict keeps the level's default)."""
-    mode = st.radio("Loss scaling", ["level default", "dynamic", "static"], horizontal=True, key=f"{prefix}_mode")
-    options: dict = {}
+def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
+    """Loss-scale widgets, defaults from ``base``; returns the options they set. The scale pickers offer powers
+    of two, and the base's own value when it is not one (a value is never changed by not touching it)."""
+    modes = ["level default", "dynamic", "static"]
+    current = 0 if base.loss_scale is None else 1 if base.loss_scale == "dynamic" else 2
+    mode = st.radio("Loss scaling", modes, index=current, horizontal=True, key=key["loss_scale"],
+                    help=OPTIONS["loss_scale"].help)
+
+    def scale_picker(label: str, name: str, value: float) -> float:
+        choices = sorted({2.0**k for k in range(25)} | {float(value)})
+        return st.select_slider(label, choices, value=float(value), key=key[name], help=OPTIONS[name].help,
+                                format_func=lambda v: f"2^{math.log2(v):g}" if math.log2(v).is_integer() else f"{v:g}")
+
     if mode == "static":
-        options["loss_scale"] = 2.0 ** st.select_slider("Static scale (power of two)", list(range(0, 25)), value=7,
-                                                        key=f"{prefix}_static", format_func=lambda k: f"2^{k}")
-    else:
-        if mode == "dynamic":
-            options["loss_scale"] = "dynamic"
-        options["init_scale"] = 2.0 ** st.select_slider("Initial scale (dynamic)", list(range(0, 25)), value=16,
-                                                        key=f"{prefix}_init", format_func=lambda k: f"2^{k}")
-        options["growth_interval"] = st.number_input("Growth interval (clean steps before ×2)", 1, 100_000, 2000,
-                                                     key=f"{prefix}_growth")
+        static = base.loss_scale if current == 2 else 2.0**7
+        return {"loss_scale": scale_picker("Static scale", "loss_scale", static)}
+    options: dict = {"loss_scale": "dynamic" if mode == "dynamic" else None}
+    if mode != "dynamic" and LEVELS[level].default_scaling != "dynamic":
+        return options  # the level's own static scale: no dynamic settings to show
+    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale)
+    cols = st.columns(5)
+    options["growth_interval"] = int(cols[0].number_input(
+        "Growth interval", OPTIONS["growth_interval"].minimum, 1_000_000, base.growth_interval,
+        key=key["growth_interval"], help=OPTIONS["growth_interval"].help))
+    options["growth_factor"] = cols[1].number_input("Growth factor", value=float(base.growth_factor),
+                                                    key=key["growth_factor"], help=OPTIONS["growth_factor"].help)
+    options["backoff_factor"] = cols[2].number_input("Backoff factor", value=float(base.backoff_factor),
+                                                     key=key["backoff_factor"], help=OPTIONS["backoff_factor"].help)
+    options["min_scale"] = cols[3].number_input("Min scale (optional)", value=base.min_scale, key=key["min_scale"],
+                                                help=OPTIONS["min_scale"].help)
+    options["max_scale"] = cols[4].number_input("Max scale (optional)", value=base.max_scale, key=key["max_scale"],
+                                                help=OPTIONS["max_scale"].help)
     return options
 
 

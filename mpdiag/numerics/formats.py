@@ -1,6 +1,9 @@
-"""Floating-point formats mpdiag reasons about, with their limits taken from torch itself.
+"""The registry of floating-point formats mpdiag reasons about: one typed-in entry per format.
 
-The limits come from ``torch.finfo`` so they are torch's ground truth, not constants typed in by hand.
+This module owns each format's name, torch dtype name and limits, and the exponent-bin range of an fp32
+histogram. It must not import torch: the dashboard reads formats and never imports torch. The limits are typed
+in here and a test checks every entry against ``torch.finfo`` of its dtype (the ground truth); numerics code that
+needs the dtype itself asks :attr:`Format.dtype`, which imports torch only when called.
 Exponents are base-2: a value x lies in exponent bin e when 2**e <= |x| < 2**(e+1).
 """
 
@@ -9,19 +12,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Format:
-    """A floating-point format: its torch dtype and its representable range (all magnitudes)."""
+    """A floating-point format: the name of its torch dtype and its representable range (all magnitudes)."""
 
     name: str
-    dtype: torch.dtype
+    dtype_name: str  # attribute of the torch module, e.g. "float16"
     max_finite: float
     min_normal: float
     min_subnormal: float
-    mantissa_bits: int
+    mantissa_bits: int  # stored fraction bits (without the implicit leading one)
+
+    @property
+    def dtype(self):
+        """The torch dtype, imported on demand so that reading the registry never loads torch."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def max_exponent(self) -> int:
@@ -37,24 +45,15 @@ class Format:
         return math.frexp(self.min_subnormal)[1] - 1
 
 
-def _format(name: str, dtype: torch.dtype) -> Format:
-    info = torch.finfo(dtype)
-    return Format(
-        name=name,
-        dtype=dtype,
-        max_finite=float(info.max),
-        min_normal=float(info.smallest_normal),
-        min_subnormal=float(info.smallest_normal) * float(info.eps),
-        mantissa_bits=round(-math.log2(float(info.eps))),
-    )
+FP32 = Format("fp32", "float32", max_finite=(2 - 2**-23) * 2.0**127, min_normal=2.0**-126, min_subnormal=2.0**-149,
+              mantissa_bits=23)
+FP16 = Format("fp16", "float16", max_finite=65504.0, min_normal=2.0**-14, min_subnormal=2.0**-24, mantissa_bits=10)
+BF16 = Format("bf16", "bfloat16", max_finite=(2 - 2**-7) * 2.0**127, min_normal=2.0**-126, min_subnormal=2.0**-133,
+              mantissa_bits=7)
 
-
-FP32 = _format("fp32", torch.float32)
-FP16 = _format("fp16", torch.float16)
-BF16 = _format("bf16", torch.bfloat16)
-
-#: The low-precision formats whose representability mpdiag counts, by name.
-LOW_PRECISION = {"fp16": FP16, "bf16": BF16}
+#: The registry: the low-precision formats whose representability mpdiag counts, by name. The store keys its
+#: representability rows by these names, so a format added here needs no new column anywhere.
+LOW_PRECISION = {fmt.name: fmt for fmt in (FP16, BF16)}
 
 #: Exponent bins of an fp32 histogram: every finite non-zero fp32 value falls in one of these.
 EXP_MIN = FP32.min_subnormal_exponent  # -149

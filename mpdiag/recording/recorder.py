@@ -5,6 +5,10 @@ The Recorder reads every parameter's ``.grad`` at that moment. What it learns on
 the optimizer step ran, the scale and growth tracker after ``update()`` - it reads at the next ``record`` (or
 at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict()``, never by re-deriving
 GradScaler's rule.
+
+Owns the Recorder's public constructor (a user's loop) and the runner's alternate one (:meth:`Recorder.attached`),
+and the per-step bookkeeping. Must not validate run options (:mod:`mpdiag.training.config` does) nor import
+from the training layer above it.
 """
 
 from __future__ import annotations
@@ -17,17 +21,28 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.tracing import ModuleTracer
-from mpdiag.store import DEFAULT_STORE, REPRESENTABILITY_COLUMNS, RUN_FIELDS, Store, encode_hist
+from mpdiag.store import (
+    DEFAULT_STORE,
+    REPRESENTABILITY_KINDS,
+    RUN_FIELDS,
+    Representability,
+    StepRow,
+    Store,
+    TensorRow,
+    encode_hist,
+)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -55,6 +70,24 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
             **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
 
 
+FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
+
+
+@dataclass(frozen=True)
+class RunnerAttachment:
+    """What mpdiag's runner hands a Recorder beyond the public arguments (:meth:`Recorder.attached`).
+
+    run_id: the run row the runner created beforehand (with the whole run configuration).
+    writer: the runner's :class:`BackgroundWriter`, shared; the runner closes it.
+    update_targets: the tensors the optimizer updates, one per trainable parameter of the model in order,
+        when they are not the parameters themselves (FP32 master weights, as at O2).
+    """
+
+    run_id: int
+    writer: BackgroundWriter
+    update_targets: Sequence[torch.Tensor] | None = None
+
+
 class Recorder:
     """Records per-step scalars and per-tensor gradient statistics of ``model`` into a store.
 
@@ -69,16 +102,15 @@ class Recorder:
         every: record tensor statistics every ``every`` steps (scalars are recorded every step).
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
             settings, stored with the run.
-        run_id: attach to a run row created beforehand (the CLI runner does this) instead of creating one.
-        writer: a :class:`BackgroundWriter` to share (the runner's); one is created when None.
-        flush_interval_s: rows are committed at least this often (live readers lag at most this much).
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
             flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.recording.tracing`).
-        update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates
-            smaller than that format's resolution (see :mod:`mpdiag.numerics.updates`). Needs ``optimizer``; costs a
-            copy of the updated weights per logged step, in workspaces allocated once.
-        update_targets: the tensors the optimizer updates, one per trainable parameter of ``model`` in order,
-            when they are not the parameters themselves (FP32 master weights, as at O2).
+        update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates of the
+            model's parameters smaller than that format's resolution (see :mod:`mpdiag.numerics.updates`).
+            Needs ``optimizer``; costs a copy of the updated weights per logged step, in workspaces allocated
+            once.
+
+    mpdiag's runner builds its Recorder with :meth:`attached` instead (a run row made beforehand, a shared
+    writer, FP32 master weights as the update targets).
     """
 
     def __init__(
@@ -90,41 +122,47 @@ class Recorder:
         optimizer: torch.optim.Optimizer | None = None,
         every: int = 1,
         config: dict[str, Any] | None = None,
-        run_id: int | None = None,
-        writer: BackgroundWriter | None = None,
-        flush_interval_s: float = 0.5,
+        *,
         trace_modules: bool = False,
         update_format: str | None = None,
-        update_targets: Sequence[torch.Tensor] | None = None,
     ):
+        self._start(model, scaler, optimizer, every, update_format, update_targets=None)
+        path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
+        self._owns_writer = True
+        self._writer = BackgroundWriter(path)
+        self.run_id = self._create_run(name, {"update_format": update_format, **(config or {})})
+        self._hook_in(model, optimizer, trace_modules)
+
+    @classmethod
+    def attached(cls, model: torch.nn.Module, attachment: RunnerAttachment, *, scaler=None,
+                 optimizer: torch.optim.Optimizer | None = None, every: int = 1, trace_modules: bool = False,
+                 update_format: str | None = None) -> Recorder:
+        """A Recorder writing into the run ``attachment.run_id`` through ``attachment.writer`` (the runner's)."""
+        recorder = cls.__new__(cls)
+        recorder._start(model, scaler, optimizer, every, update_format, attachment.update_targets)
+        recorder._owns_writer = False
+        recorder._writer = attachment.writer
+        recorder.run_id = attachment.run_id
+        if update_format is not None:
+            recorder._writer.submit(lambda w: w.update_run(attachment.run_id, update_format=update_format))
+        recorder._hook_in(model, optimizer, trace_modules)
+        return recorder
+
+    def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
+        """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
-        self.flush_interval_s = flush_interval_s
+        self.flush_interval_s = FLUSH_INTERVAL_S
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
-        self._updates = self._update_tracker(update_format, update_targets, optimizer)  # may refuse: before the writer
-        self._owns_writer = writer is None
-        self._writer = writer or BackgroundWriter(path)
-        if run_id is None:
-            run_id = self._create_run(name, {"update_format": update_format, **(config or {})})
-        elif update_format is not None:
-            self._writer.submit(lambda w: w.update_run(run_id, update_format=update_format))
-        self.run_id = run_id
-        self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
-
-        self._tracer = ModuleTracer(model) if trace_modules else None
-        if self._tracer is not None:
-            modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
-            self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
+        self._updates = self._update_tracker(update_format, update_targets, optimizer)
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
-        self._hooks = self._install_step_hooks(optimizer)
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
         self._step = 0
@@ -138,6 +176,16 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._last_record = time.perf_counter()
         self._closed = False
+
+    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool) -> None:
+        """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
+        so a store that cannot be opened leaves no hook behind."""
+        self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
+        self._tracer = ModuleTracer(model) if trace_modules else None
+        self._hooks = self._install_step_hooks(optimizer)
+        if self._tracer is not None:
+            modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
+            self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _create_run(self, name: str | None, config: dict[str, Any]) -> int:
@@ -308,7 +356,7 @@ class Recorder:
             row[1], row[2] = float(loss), float(scale)
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
-            self._step_rows.append(tuple(row))
+            self._step_rows.append(StepRow(*row))
         if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
@@ -322,14 +370,14 @@ class Recorder:
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats) -> None:
         for k, i in enumerate(present):
-            self._tensor_rows_buf.append(
-                (
-                    step, i, encode_hist(stats.hist[k]),
-                    *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
-                    float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
-                    *(int(stats.counts[c][k]) for c in REPRESENTABILITY_COLUMNS),
-                )
-            )
+            self._tensor_rows_buf.append(TensorRow(
+                step, i, encode_hist(stats.hist[k]),
+                *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
+                float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
+                representability={fmt: Representability(*(int(stats.counts[f"{fmt}_{kind}"][k])
+                                                          for kind in REPRESENTABILITY_KINDS))
+                                  for fmt in LOW_PRECISION},
+            ))
 
     def flush(self) -> None:
         """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
@@ -364,11 +412,8 @@ class Recorder:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
         self.flush()
-        fields = {"status": status, "finished_at": time.time(), "error": error}
-        if note:
-            fields["note"] = note
-        self._writer.submit(lambda w: w.write_summary(self.run_id))  # after the last rows: jobs run in order
-        self._writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        # After the last rows: jobs run in order, so the stored summary counts every step.
+        self._writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
         if self._owns_writer:
             self._writer.close()
 

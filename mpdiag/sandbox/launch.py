@@ -74,10 +74,11 @@ class Launched:
 def _flags(options: dict) -> list[str]:
     flags = []
     for key, value in options.items():
-        if value is None or value is False:
+        if value is None:
             continue
         flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        # False is sent as --no-FLAG: a rerun would otherwise inherit the parent's True
+        flags += [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
     return flags
 
 

@@ -54,12 +54,12 @@ def _child(source_path: str, filename: str, config_json: str) -> dict:
     from pathlib import Path
 
     from mpdiag.training.policies import make_policy
-    from mpdiag.training.runner import RunConfig, seed_everything, to_device
+    from mpdiag.training.runner import RunConfig, resolve_device, seed_everything, to_device
     from mpdiag.training.script import ModelScript, build_model
 
     config = RunConfig.from_dict(json.loads(config_json))
-    device = config.validate()
-    policy = make_policy(config.opt_level, device, config.scaling)
+    device = resolve_device(config.device)
+    policy = make_policy(config, device)  # validates every option
     seed_everything(config.seed)
     built = build_model(ModelScript(filename=filename, source=Path(source_path).read_text(encoding="utf-8")), device)
     model, optimizer = policy.prepare(built.model.to(device), built.make_optimizer)
@@ -84,7 +84,7 @@ def _child(source_path: str, filename: str, config_json: str) -> dict:
 def run_probe(store_path, run_id: int) -> dict:
     """Run the probe for a stored run in a supervised child, store and return its result."""
     from mpdiag.sandbox.launch import child_env, scratch_dir
-    from mpdiag.store import Store, StoreWriter
+    from mpdiag.store import Store, StoreError, StoreWriter
 
     store = Store(store_path, create=False)
     run = store.run(run_id)
@@ -100,11 +100,11 @@ def run_probe(store_path, run_id: int) -> dict:
     lines = [ln for ln in outcome.output_tail.splitlines() if ln.startswith(MARKER)]
     result = json.loads(lines[-1].removeprefix(MARKER)) if lines else {
         "ok": False, "reason": f"the probe did not complete: {outcome.message}", "output": outcome.output_tail[-2000:]}
-    writer = StoreWriter(store.path)
     try:
-        writer.add_probe(run_id, KIND, result)
-    finally:
-        writer.close()
+        with StoreWriter(store.path) as writer:
+            writer.add_probe(run_id, KIND, result)
+    except StoreError as exc:  # e.g. a store in a read-only folder: the result is still shown, just not kept
+        result = {**result, "not_stored": str(exc)}
     return result
 
 

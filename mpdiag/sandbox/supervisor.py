@@ -222,13 +222,9 @@ def _record_unclosed_run(store_path: str, outcome: Outcome) -> None:
         return
     tail = outcome.output_tail.strip()[-1500:]
     error = outcome.message + (f"\nLast output:\n{tail}" if tail else "")
-    writer = StoreWriter(store_path)
-    try:
+    with StoreWriter(store_path) as writer:
         for run_id in mine["run_id"]:
-            writer.write_summary(int(run_id))
-            writer.update_run(int(run_id), status="failed", error=error, finished_at=time.time())
-    finally:
-        writer.close()
+            writer.end_run(int(run_id), "failed", error=error)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,29 @@
 """The run store: one SQLite file holding runs, their steps and per-tensor statistics. All of mpdiag's SQL
-lives in this package; nothing outside it builds a query."""
+lives in this package; nothing outside it builds a query.
 
-from mpdiag.store.core import (
+schema.py owns the file format (DDL, versions, migrations, connections), reader.py the :class:`Store` that
+answers questions with DataFrames, writer.py the :class:`StoreWriter` and its row records, liveness.py whether
+a run's process still exists. Import from here: ``from mpdiag.store import Store, StoreWriter, StoreError``.
+"""
+
+from mpdiag.store.reader import Store
+from mpdiag.store.schema import (
     DEFAULT_STORE,
     REPRESENTABILITY_COLUMNS,
+    REPRESENTABILITY_KINDS,
     RUN_FIELDS,
     SCHEMA_VERSION,
     STATUSES,
-    Store,
+    TOTAL_COLUMNS,
     StoreError,
-    StoreWriter,
     decode_hist,
     decode_hists,
     encode_hist,
 )
+from mpdiag.store.writer import Representability, StepRow, StoreWriter, TensorRow
 
 __all__ = [
-    "DEFAULT_STORE", "REPRESENTABILITY_COLUMNS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "Store", "StoreError",
-    "StoreWriter", "decode_hist", "decode_hists", "encode_hist",
+    "DEFAULT_STORE", "REPRESENTABILITY_COLUMNS", "REPRESENTABILITY_KINDS", "RUN_FIELDS", "SCHEMA_VERSION",
+    "STATUSES", "TOTAL_COLUMNS", "Representability", "StepRow", "Store", "StoreError", "StoreWriter", "TensorRow",
+    "decode_hist", "decode_hists", "encode_hist",
 ]

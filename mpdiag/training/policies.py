@@ -26,68 +26,25 @@ bf16-pure bf16         no             bf16                 no             none
 Every FP16 level scales through :class:`LossScaler` (a ``torch.amp.GradScaler``), so "skipped" and the scale
 trajectory mean the same at every level: a step whose gradients hold inf/NaN is skipped, and a dynamic
 scale is multiplied by ``backoff_factor``.
+
+Owns the torch side of each level. Must not define or validate options: the options, their bounds, the level
+names, summaries and default scaling are :mod:`mpdiag.training.config`'s (importable without torch).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from mpdiag.numerics.nested import map_tensors
+from mpdiag.training.config import ConfigError, RunConfig
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
-
-
-class ConfigError(ValueError):
-    """A run option is invalid; raised before any training starts. The message names the option."""
-
-
-@dataclass(frozen=True)
-class ScalingConfig:
-    """Loss-scale settings.
-
-    ``loss_scale``: None for the opt level's default, ``"dynamic"``, or a number for a static scale.
-    The dynamic settings are ``torch.amp.GradScaler``'s; ``min_scale`` / ``max_scale`` bound a dynamic scale
-    (apex's dynamic scaler stops at 2**24; GradScaler has no bound unless one is given here).
-    """
-
-    loss_scale: str | float | None = None
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float | None = None
-    max_scale: float | None = None
-
-    def validate(self) -> None:
-        def positive(name: str, value) -> None:
-            if value is not None and not (0 < value < float("inf")):
-                raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
-
-        if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
-            raise ConfigError(f"--loss-scale must be 'dynamic' or a number > 0, got {self.loss_scale!r}")
-        if not isinstance(self.loss_scale, str):
-            positive("loss-scale", self.loss_scale)
-        positive("init-scale", self.init_scale)
-        positive("min-scale", self.min_scale)
-        positive("max-scale", self.max_scale)
-        if not self.growth_factor > 1:
-            raise ConfigError(f"--growth-factor must be > 1, got {self.growth_factor}")
-        if not 0 < self.backoff_factor < 1:
-            raise ConfigError(f"--backoff-factor must be between 0 and 1 (exclusive), got {self.backoff_factor}")
-        if self.growth_interval < 1:
-            raise ConfigError(f"--growth-interval must be >= 1, got {self.growth_interval}")
-        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
-            raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -99,7 +56,7 @@ class LossScaler(torch.amp.GradScaler):
       ``allow_fp16`` path (the one FSDP's ShardedGradScaler uses). GradScaler refuses them otherwise.
     """
 
-    def __init__(self, device_type: str, scaling: ScalingConfig, static: float | None, allow_fp16_grads: bool):
+    def __init__(self, device_type: str, scaling: RunConfig, static: float | None, allow_fp16_grads: bool):
         super().__init__(
             device_type,
             init_scale=static if static is not None else scaling.init_scale,
@@ -137,33 +94,29 @@ def _cast_io(module: nn.Module, inputs_to: torch.dtype, outputs_to: torch.dtype)
 
 
 class PrecisionPolicy:
-    """How one opt level trains. Subclasses set the class attributes and override what differs."""
+    """How one opt level trains. Subclasses set the class attributes and override what differs; the level's
+    summary and default loss scaling are in :data:`mpdiag.training.config.LEVELS` under ``name``."""
 
     name: ClassVar[str]
-    summary: ClassVar[str]
-    #: the default loss scaling: None (no scaling), "dynamic", or a static number
-    default_scaling: ClassVar[str | float | None] = None
     #: weights (and so gradients) of non-norm layers are stored in this dtype
     weight_dtype: ClassVar[torch.dtype] = torch.float32
     #: the low-precision format the model's weights are stored in, whose resolution the Recorder checks
     #: optimizer updates against (mpdiag.numerics.updates): updates are lost in it (O3) or kept by masters (O2)
     update_format: ClassVar[str | None] = None
 
-    def __init__(self, device: torch.device, scaling: ScalingConfig | None = None):
+    def __init__(self, device: torch.device, config: RunConfig):
         self.device = device
-        self.scaling = scaling or ScalingConfig()
-        mode = self.scaling.loss_scale if self.scaling.loss_scale is not None else self.default_scaling
+        self.config = config
+        mode = config.scaling
         self.scaler: LossScaler | None = None
         if mode is not None:
             static = None if mode == "dynamic" else float(mode)
-            self.scaler = LossScaler(device.type, self.scaling, static, allow_fp16_grads=self.weight_dtype != torch.float32)
+            self.scaler = LossScaler(device.type, config, static, allow_fp16_grads=self.weight_dtype != torch.float32)
         self.model: nn.Module | None = None
 
     @classmethod
-    def check(cls, device: torch.device, scaling: ScalingConfig) -> None:
-        """Raise ConfigError when this level cannot run on ``device`` or with ``scaling``."""
-        if cls.default_scaling is None and scaling.loss_scale is not None:
-            raise ConfigError(f"--opt-level {cls.name} does not scale the loss; drop --loss-scale")
+    def check(cls, device: torch.device) -> None:
+        """Raise ConfigError when this level cannot run on ``device`` (the options were validated before)."""
 
     @property
     def scaling_mode(self) -> str:
@@ -200,13 +153,10 @@ class PrecisionPolicy:
 
 class O0(PrecisionPolicy):
     name = "O0"
-    summary = "pure FP32: no casting, no loss scaling (the reference)"
 
 
 class O1(PrecisionPolicy):
     name = "O1"
-    summary = "autocast FP16 (per-op casting), FP32 weights, dynamic loss scaling"
-    default_scaling = "dynamic"
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.float16)
@@ -214,8 +164,6 @@ class O1(PrecisionPolicy):
 
 class O2(PrecisionPolicy):
     name = "O2"
-    summary = "FP16 weights except norm layers, FP32 master weights in the optimizer, dynamic loss scaling"
-    default_scaling = "dynamic"
     weight_dtype = torch.float16
     update_format = "fp16"
 
@@ -262,8 +210,6 @@ class _PureLowPrecision(PrecisionPolicy):
 
 class O3(_PureLowPrecision):
     name = "O3"
-    summary = "pure FP16: weights, BatchNorm and optimizer in FP16, no master weights, static scale 1.0"
-    default_scaling = 1.0
     weight_dtype = torch.float16
     update_format = "fp16"
 
@@ -277,11 +223,9 @@ def _require_bf16(name: str, device: torch.device) -> None:
 
 class BF16Mixed(PrecisionPolicy):
     name = "bf16"
-    summary = "autocast BF16 (per-op casting), FP32 weights, no loss scaling"
 
     @classmethod
-    def check(cls, device, scaling):
-        super().check(device, scaling)
+    def check(cls, device):
         _require_bf16(cls.name, device)
 
     def autocast(self):
@@ -290,25 +234,20 @@ class BF16Mixed(PrecisionPolicy):
 
 class BF16Pure(_PureLowPrecision):
     name = "bf16-pure"
-    summary = "pure BF16: weights, activations and optimizer in BF16, no loss scaling"
     weight_dtype = torch.bfloat16
     update_format = "bf16"
 
     @classmethod
-    def check(cls, device, scaling):
-        super().check(device, scaling)
+    def check(cls, device):
         _require_bf16(cls.name, device)
 
 
 POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure)}
 
 
-def make_policy(opt_level: str, device: torch.device, scaling: ScalingConfig | None = None) -> PrecisionPolicy:
-    """The policy for ``opt_level``, after checking the level, the device and the scale settings."""
-    cls = POLICIES.get(opt_level)
-    if cls is None:
-        raise ConfigError(f"unknown opt level {opt_level!r}; choose one of: {', '.join(POLICIES)}")
-    scaling = scaling or ScalingConfig()
-    scaling.validate()
-    cls.check(device, scaling)
-    return cls(device, scaling)
+def make_policy(config: RunConfig, device: torch.device) -> PrecisionPolicy:
+    """The policy for ``config.opt_level`` on ``device``, after validating every option."""
+    config.validate()
+    cls = POLICIES[config.opt_level]
+    cls.check(device)
+    return cls(device, config)

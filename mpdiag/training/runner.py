@@ -3,19 +3,19 @@
 Data path: script -> :func:`mpdiag.training.script.build_model` -> policy (:mod:`mpdiag.training.policies`) -> this loop ->
 :class:`mpdiag.recording.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
 run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
+
+Owns the loop, device resolution and the Recorder's wiring. Must not define or validate options (that is
+:mod:`mpdiag.training.config`'s; :class:`RunConfig` is re-exported here for callers of :func:`train`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,9 +23,10 @@ import torch
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.recording.recorder import Recorder
-from mpdiag.store import Store
-from mpdiag.training.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
+from mpdiag.recording.recorder import Recorder, RunnerAttachment
+from mpdiag.store import Store, StoreWriter
+from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
 ProgressFn = Callable[[int, float], None]
@@ -35,57 +36,9 @@ class RunStopped(Exception):
     """The run was asked to stop (SIGTERM)."""
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything that defines a run besides its script. Validated by :meth:`validate`."""
-
-    opt_level: str = "O1"
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    steps: int = 200
-    seed: int = 0
-    every: int = 1
-    device: str = "auto"
-    name: str | None = None
-    parent_run_id: int | None = None
-    trace_modules: bool = False
-    #: every this many steps, compare the gradients with an FP32 computation on the same weights and batch
-    #: (mpdiag.numerics.shadow); 0 turns it off
-    shadow_every: int = 0
-
-    def validate(self) -> torch.device:
-        """Check every option and return the device to run on; raises ConfigError with the fix."""
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        if self.every < 1:
-            raise ConfigError(f"--every must be >= 1, got {self.every}")
-        if self.shadow_every < 0:
-            raise ConfigError(f"--shadow-every must be >= 0 (0 turns the FP32 shadow off), got {self.shadow_every}")
-        device = resolve_device(self.device)
-        make_policy(self.opt_level, device, self.scaling)
-        return device
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RunConfig:
-        data = dict(data)
-        data["scaling"] = ScalingConfig(**data.get("scaling", {}))
-        return cls(**data)
-
-    def with_options(self, **options) -> RunConfig:
-        """A copy with run options and scaling options (by their field names) replaced."""
-        scaling_names = {f.name for f in dataclasses.fields(ScalingConfig)}
-        unknown = set(options) - scaling_names - {f.name for f in dataclasses.fields(RunConfig)}
-        if unknown:
-            raise ConfigError(f"unknown run options: {', '.join(sorted(unknown))}")
-        scaling = dataclasses.replace(self.scaling, **{k: v for k, v in options.items() if k in scaling_names})
-        rest = {k: v for k, v in options.items() if k not in scaling_names}
-        return dataclasses.replace(self, scaling=scaling, **rest)
-
-
 def resolve_device(spec: str) -> torch.device:
-    """``auto`` -> the CUDA GPU when there is one, else the CPU; ``cuda`` without a GPU is an error."""
+    """``auto`` -> the CUDA GPU when there is one, else the CPU; ``cuda`` without a GPU is an error. (The
+    configuration checks only the string; whether the device exists is known here, at run time.)"""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -161,9 +114,8 @@ def _run_fields(script: ModelScript, config: RunConfig, device: torch.device, sh
         config={"run": config.to_dict()},
     )
     if policy.scaling_mode == "dynamic":
-        s = config.scaling
-        fields.update(init_scale=s.init_scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor,
-                      growth_interval=s.growth_interval, min_scale=s.min_scale, max_scale=s.max_scale)
+        fields.update({k: getattr(config, k) for k in ("init_scale", "growth_factor", "backoff_factor",
+                                                        "growth_interval", "min_scale", "max_scale")})
     elif policy.scaling_mode == "static":
         fields.update(loss_scale=policy.scaler.static)
     return fields
@@ -181,8 +133,9 @@ def train(
     Raises ConfigError before anything is written when an option is invalid. Script problems do not raise:
     the run is recorded as ``failed`` with the message (read it from ``Store.run(run_id)['error']``).
     """
-    device = config.validate()
-    policy = make_policy(config.opt_level, device, config.scaling)
+    config.validate()
+    device = resolve_device(config.device)
+    policy = make_policy(config, device)
     writer = BackgroundWriter(store_path)
     recorder = None
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -196,10 +149,10 @@ def train(
             fp32_model = built.model.to(device)
             shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
             model, optimizer = policy.prepare(fp32_model, built.make_optimizer)
-            recorder = Recorder(
-                model, scaler=policy.scaler, optimizer=optimizer, every=config.every, run_id=run_id, writer=writer,
+            attachment = RunnerAttachment(run_id=run_id, writer=writer, update_targets=policy.master_params() or None)
+            recorder = Recorder.attached(
+                model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=policy.update_format,
-                update_targets=policy.master_params() or None,
             )
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
             state = model_state_bytes(model, optimizer, policy)
@@ -225,8 +178,7 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
     if recorder is not None:
         recorder.fail(error)
     else:
-        writer.submit(lambda w: (w.write_summary(run_id),
-                                 w.update_run(run_id, status="failed", error=error, finished_at=time.time())))
+        writer.submit(lambda w: w.end_run(run_id, "failed", error=error))
 
 
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
@@ -264,18 +216,12 @@ def train_pair(
 ) -> tuple[int, int]:
     """Run ``config`` and an O0 twin (same seed, hence same initial weights and batches) and link them.
     Returns (mixed run id, FP32 run id)."""
-    if config.opt_level == "O0":
-        raise ConfigError("--pair runs an O0 twin beside a mixed-precision run; choose another --opt-level")
-    twin = dataclasses.replace(config, opt_level="O0", scaling=ScalingConfig(),
-                               name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
-    twin.validate()
+    twin = config.fp32_twin(name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
     mixed_id = train(script, config, store_path, progress)
     fp32_id = train(script, twin, store_path, progress)
-    writer = BackgroundWriter(store_path)
-    try:
-        writer.call(lambda w: (w.update_run(mixed_id, pair_run_id=fp32_id), w.update_run(fp32_id, pair_run_id=mixed_id)))
-    finally:
-        writer.close()
+    with StoreWriter(store_path) as writer:
+        writer.update_run(mixed_id, pair_run_id=fp32_id)
+        writer.update_run(fp32_id, pair_run_id=mixed_id)
     return mixed_id, fp32_id
 
 
@@ -288,11 +234,8 @@ def rerun_plan(store: Store, run_id: int, **overrides) -> tuple[ModelScript, Run
     if not stored:
         raise ConfigError(f"run {run_id} was recorded by a Recorder in a user's loop; only runs started by mpdiag can be rerun")
     base = RunConfig.from_dict(stored)
-    level = overrides.get("opt_level", base.opt_level)
-    if level in POLICIES and POLICIES[level].default_scaling is None and "loss_scale" not in overrides:
-        overrides["loss_scale"] = None  # a level without loss scaling drops the parent's static scale
     overrides.setdefault("name", f"{parent['name']} ↻ {overrides.get('opt_level', base.opt_level)}")
-    config = base.with_options(parent_run_id=int(run_id), **overrides)
+    config = base.with_options(parent_run_id=int(run_id), **overrides)  # drops what the new level does not use
     config.validate()
     return ModelScript(filename=parent["script_path"] or filename, source=source), config
 

@@ -22,7 +22,6 @@ import runpy
 import signal
 import sys
 import threading
-import time
 import traceback
 import warnings
 import weakref
@@ -34,8 +33,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.recording.recorder import Recorder, scaler_run_fields
-from mpdiag.training.policies import ConfigError
+from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
+from mpdiag.training.config import ConfigError
 
 #: what each level does to the script's own autocast regions (dtype, or False to disable) and GradScalers
 WATCH_LEVELS = {
@@ -296,8 +295,8 @@ class Watcher:
         enabled = scaler is not None and scaler.is_enabled()
         fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
         self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
-        return Recorder(params, scaler=scaler if enabled else None, every=self.config.every, run_id=self.run_id,
-                        writer=self.writer, trace_modules=self.config.trace_modules)
+        return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
+                                 every=self.config.every, trace_modules=self.config.trace_modules)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
@@ -324,8 +323,7 @@ class Watcher:
             else:
                 self.recorder.fail(error, status=status)
             return
-        fields = {"status": status, "error": error, "finished_at": time.time(), "note": note}
-        self.writer.submit(lambda w: (w.write_summary(self.run_id), w.update_run(self.run_id, **fields)))
+        self.writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
 
 
 def _stop(signum, frame):

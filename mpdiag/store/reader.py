@@ -1,0 +1,365 @@
+"""Reading a store: :class:`Store` answers typed questions about runs with pandas DataFrames.
+
+Owns every read query. It opens a short read-only connection per call, so a dashboard never holds the file,
+and never writes, except that opening a store that does not exist yet (``create=True``), or one with an older
+schema, goes through the writer's path in schema.py to create or migrate it. Contracts:
+
+* SQLite cannot hold NaN (it stores NULL). Float columns that may be NaN (loss, absmax, l2, min_nonzero)
+  are read back with NULL -> NaN; +-inf round-trips as itself.
+* Histogram counts are one row per (run, step, tensor) with a BLOB (see :func:`encode_hist`).
+* Representability counts are one row per (run, step, tensor, format) in a long table; the wide
+  ``fp16_underflow``... columns of :meth:`Store.tensor_stats` and :meth:`Store.tensor_totals` are built from it.
+* A run whose status is ``running`` but whose process is gone is reported as ``crashed`` by every reader.
+* Every SQLite failure reaches the caller as one :class:`StoreError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
+from mpdiag.store.liveness import process_is_alive
+from mpdiag.store.schema import (
+    DEFAULT_STORE,
+    REPRESENTABILITY_KINDS,
+    SCHEMA_VERSION,
+    SPECIAL_COUNT_COLUMNS,
+    STEP_COLUMNS,
+    TENSOR_STAT_COLUMNS,
+    StoreError,
+    connect_read,
+    decode_hists,
+    needs_immutable,
+    open_for_writing,
+    read_error,
+    refuse_newer,
+    stored_version,
+)
+
+SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
+# Errors a read can raise: sqlite3's own, and pandas' wrapper around them from read_sql_query.
+_READ_ERRORS = (sqlite3.DatabaseError, pd.errors.DatabaseError)
+
+
+def step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> pd.DataFrame:
+    """Per run (index run_id): steps_done, skipped_steps, peak_mem_bytes, final_loss (NaN kept) and the
+    median step time after the first (warm-up) step, from the steps table. Reads only these runs' rows."""
+    ids = [int(r) for r in run_ids]
+    if not ids:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS, index=pd.Index([], name="run_id"))
+    marks = ", ".join("?" * len(ids))
+    agg = pd.read_sql_query(
+        f"""SELECT run_id, COUNT(*) AS steps_done, COALESCE(SUM(skipped), 0) AS skipped_steps,
+                   MAX(peak_mem_bytes) AS peak_mem_bytes,
+                   (SELECT CASE WHEN s2.loss IS NULL THEN 'nan' ELSE s2.loss END FROM steps s2
+                    WHERE s2.run_id = steps.run_id ORDER BY s2.step DESC LIMIT 1) AS final_loss
+            FROM steps WHERE run_id IN ({marks}) GROUP BY run_id""", conn, params=ids).set_index("run_id")
+    times = pd.read_sql_query(f"SELECT run_id, step_time_s FROM steps WHERE run_id IN ({marks}) AND step > 0",
+                              conn, params=ids)
+    agg["final_loss"] = agg["final_loss"].astype(float)
+    agg["median_step_time_s"] = times.groupby("run_id")["step_time_s"].median()
+    return agg.reindex(ids).assign(steps_done=lambda d: d["steps_done"].fillna(0).astype(int),
+                                   skipped_steps=lambda d: d["skipped_steps"].fillna(0).astype(int))
+
+
+def _known_format(fmt: str) -> str:
+    if fmt not in LOW_PRECISION:
+        raise ValueError(f"unknown format {fmt!r}; the known formats are {', '.join(LOW_PRECISION)}")
+    return fmt
+
+
+def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> tuple[str, str]:
+    """(select list, joins) adding each format's six counts from ``table`` (representability, or
+    representability_totals) to the rows of alias ``src``: named like REPRESENTABILITY_COLUMNS, in its order,
+    when ``wide``, else by kind alone (one format)."""
+    step_key = " AND r{i}.step = src.step" if table == "representability" else ""
+    joins = " ".join(f"JOIN {table} r{i} ON r{i}.run_id = src.run_id AND r{i}.tensor_id = src.tensor_id"
+                     f"{step_key.format(i=i)} AND r{i}.fmt = '{fmt}'"  # registry names, never user text
+                     for i, fmt in enumerate(formats))
+    if not wide:
+        return ", ".join(f"r0.{k}" for k in REPRESENTABILITY_KINDS), joins
+    columns = [f"r{i}.{cat}{suffix} AS {fmt}_{cat}{suffix}" for suffix in ("", "_at_scale")
+               for i, fmt in enumerate(formats) for cat in ("underflow", "subnormal", "overflow")]
+    return ", ".join(columns), joins
+
+
+class Store:
+    """Read access to a store file, returning pandas DataFrames. Creating a Store creates the file's schema
+    if the file does not exist yet (``create=True``), so the CLI and the app can start on an empty path, and
+    migrates a store of an older schema version in place. A store in a folder this process cannot write is
+    read as it is (``immutable``), as long as its schema is current."""
+
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+        # Absolute, so a script that changes the working directory cannot redirect later opens.
+        self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
+        if not self.path.exists() and not create:
+            raise StoreError(f"No store at {self.path}: run `python -m mpdiag run SCRIPT` to create one.")
+        self._immutable = False
+        if not self.path.exists():
+            open_for_writing(self.path).close()
+        self._check(create)
+
+    def _connect(self) -> sqlite3.Connection:
+        return connect_read(self.path, immutable=self._immutable)
+
+    def _check(self, create: bool) -> None:
+        """Refuse what is not an mpdiag store of a known version; create or migrate what needs it."""
+        try:
+            self._immutable = needs_immutable(self.path)
+            with closing(self._connect()) as conn:
+                version = stored_version(conn, self.path)
+        except sqlite3.DatabaseError as exc:
+            raise read_error(self.path, exc) from exc
+        refuse_newer(self.path, version)
+        if version is None and not create:
+            raise StoreError(f"{self.path} is an empty SQLite file, not an mpdiag store.")
+        if version != SCHEMA_VERSION:  # new (another process may be creating it right now) or older: fix it
+            try:
+                open_for_writing(self.path).close()
+            except StoreError as exc:
+                if version is None:
+                    raise
+                raise StoreError(f"{self.path} has mpdiag schema version {version} and must be upgraded to "
+                                 f"{SCHEMA_VERSION} before it can be read: make it writable once. ({exc})") from exc
+
+    def _query(self, sql: str, params: Sequence = ()) -> pd.DataFrame:
+        try:
+            with closing(self._connect()) as conn:
+                return pd.read_sql_query(sql, conn, params=list(params))
+        except _READ_ERRORS as exc:
+            raise read_error(self.path, exc.__cause__ or exc) from exc
+
+    # -- runs -----------------------------------------------------------------------------------------------
+    def runs(self) -> pd.DataFrame:
+        """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised.
+        Status ``running`` is reported as ``crashed`` when the owning process no longer exists."""
+        df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
+        if df.empty:
+            return df
+        # Finished runs carry the summary their writer stored when they ended; only the others are read live.
+        stored = {int(r): json.loads(v) for r, v in zip(df["run_id"], df.pop("summary"), strict=True) if isinstance(v, str)}
+        try:
+            with closing(self._connect()) as conn:
+                live = step_summaries(conn, [r for r in df["run_id"] if int(r) not in stored])
+        except _READ_ERRORS as exc:
+            raise read_error(self.path, exc.__cause__ or exc) from exc
+        summaries = pd.concat([pd.DataFrame.from_dict(stored, orient="index"), live])
+        for col in SUMMARY_COLUMNS:
+            df[col] = df["run_id"].map(summaries[col]) if col in summaries else np.nan
+        for col in ("steps_done", "skipped_steps"):
+            df[col] = df[col].fillna(0).astype(int)
+        df["final_loss"] = df["final_loss"].astype(float)
+        df["median_step_time_s"] = df["median_step_time_s"].astype(float)
+        dead = (df["status"] == "running") & ~df.apply(
+            lambda r: process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
+        )
+        df.loc[dead, "status"] = "crashed"
+        df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
+        for col in ("started_at", "finished_at", "heartbeat_at"):
+            df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+        for col in ("config", "model_state"):
+            df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else {})
+        for col in ("parent_run_id", "pair_run_id"):  # ids stay integers; absent is <NA>, never a float NaN
+            df[col] = df[col].astype("Int64")
+        return df
+
+    def run(self, run_id: int) -> pd.Series:
+        """One run's row, as in :meth:`runs`. Raises StoreError naming the id when it does not exist."""
+        runs = self.runs()
+        match = runs[runs["run_id"] == int(run_id)] if len(runs) else runs
+        if match.empty:
+            raise StoreError(f"No run {run_id} in {self.path}. `python -m mpdiag runs` lists the runs.")
+        return match.iloc[0]
+
+    def scripts(self) -> pd.DataFrame:
+        """Stored scripts, newest first: sha256, filename, added_at (UTC), runs (how many runs used it)."""
+        df = self._query(
+            "SELECT s.sha256, s.filename, s.added_at, (SELECT COUNT(*) FROM runs r WHERE r.script_sha256 = s.sha256) "
+            "AS runs FROM scripts s ORDER BY s.added_at DESC"
+        )
+        df["added_at"] = pd.to_datetime(df["added_at"], unit="s", utc=True)
+        return df
+
+    def script_source(self, sha256: str) -> tuple[str, str]:
+        """(original file name, source text) of a stored script."""
+        df = self._query("SELECT filename, source FROM scripts WHERE sha256 = ?", (sha256,))
+        if df.empty:
+            raise StoreError(f"No stored script with hash {sha256} in {self.path}.")
+        return df.iloc[0]["filename"], df.iloc[0]["source"]
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def steps(self, run_id: int, since_step: int = -1) -> pd.DataFrame:
+        """Per-step records of a run (steps after ``since_step``), loss NaN restored from NULL.
+        ``skipped`` is 1 when the optimizer step did not run, 0 when it ran, NaN when unknown (the run stopped
+        inside that step); ``growth_tracker`` is NaN for runs without a scaler."""
+        df = self._query(
+            f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id = ? AND step > ? ORDER BY step",
+            (int(run_id), int(since_step)),
+        )
+        for col in ("loss", "loss_scale", "skipped", "growth_tracker", "scale_after"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def tensors(self, run_id: int) -> pd.DataFrame:
+        """The recorded parameter tensors: tensor_id, name (dotted), shape (list), numel, param and grad dtype."""
+        df = self._query(
+            "SELECT tensor_id, name, shape, numel, param_dtype, grad_dtype FROM tensors WHERE run_id = ? "
+            "ORDER BY tensor_id",
+            (int(run_id),),
+        )
+        df["shape"] = df["shape"].map(json.loads)
+        return df
+
+    def _tensor_steps(self, columns: str, run_id: int, tensor: str | None, since_step: int,
+                      until_step: int | None = None, joins: str = "") -> pd.DataFrame:
+        """step, tensor and ``columns`` of tensor_steps rows (alias ``src``, with ``joins``) after ``since_step``
+        (up to ``until_step``), one tensor or all."""
+        # One tensor: walk the (run_id, tensor_id, step) index; the planner otherwise prefers the primary key
+        # and reads every row of the run. Joined tables are then looked up by their primary keys.
+        source = "tensor_steps src INDEXED BY tensor_steps_by_tensor" if tensor is not None else "tensor_steps src"
+        sql = (
+            f"SELECT src.step, t.name AS tensor, {columns} FROM {source} "
+            f"JOIN tensors t ON t.run_id = src.run_id AND t.tensor_id = src.tensor_id {joins} "
+            "WHERE src.run_id = ? AND src.step > ?"
+        )
+        params: list = [int(run_id), int(since_step)]
+        if until_step is not None:
+            sql += " AND src.step <= ?"
+            params.append(int(until_step))
+        if tensor is not None:
+            sql += " AND src.tensor_id = (SELECT tensor_id FROM tensors WHERE run_id = ? AND name = ?)"
+            params += [int(run_id), tensor]
+        return self._query(sql + " ORDER BY src.step, src.tensor_id", params)
+
+    def tensor_totals(self, run_id: int) -> pd.DataFrame:
+        """Per tensor, counts summed over every logged step: numel (summed), zeros, nan, posinf, neginf and the
+        representability counts of every registry format (``fp16_underflow`` ... ``bf16_overflow_at_scale``);
+        numel_per_step is the tensor's size. Read from running totals the writer keeps, so its cost does not
+        grow with the number of steps."""
+        counts, joins = _representability_joins("representability_totals", list(LOW_PRECISION), wide=True)
+        sums = ", ".join(f"src.{c}" for c in SPECIAL_COUNT_COLUMNS)
+        return self._query(
+            f"SELECT t.name AS tensor, t.numel AS numel_per_step, t.numel * src.logged_steps AS numel, "
+            f"src.logged_steps, {sums}, {counts} FROM tensor_totals src "
+            f"JOIN tensors t ON t.run_id = src.run_id AND t.tensor_id = src.tensor_id {joins} "
+            "WHERE src.run_id = ? ORDER BY src.tensor_id",
+            (int(run_id),),
+        )
+
+    def logged_steps(self, run_id: int) -> list[int]:
+        """Steps at which tensor statistics were recorded."""
+        df = self._query("SELECT step FROM steps WHERE run_id = ? AND logged = 1 ORDER BY step", (int(run_id),))
+        return df["step"].tolist()
+
+    def tensor_stats(
+        self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
+    ) -> pd.DataFrame:
+        """Per logged step and tensor: counts, absmax, min_nonzero, l2 and the representability counts of the
+        unscaled gradient g in every registry format (``fp16_underflow``, ``bf16_subnormal``, ...), and the same
+        counts with suffix ``_at_scale`` for S*g; after ``since_step``, or at exactly ``step``."""
+        counts, joins = _representability_joins("representability", list(LOW_PRECISION), wide=True)
+        stats = ", ".join(f"src.{c}" for c in TENSOR_STAT_COLUMNS[1:])
+        df = self._tensor_steps(f"t.numel, {stats}, {counts}", run_id, tensor,
+                                since_step if step is None else step - 1, until_step=step, joins=joins)
+        for col in ("absmax", "min_nonzero", "l2"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def representability(
+        self, run_id: int, fmt: str, tensor: str | None = None, since_step: int = -1, step: int | None = None
+    ) -> pd.DataFrame:
+        """Per logged step and tensor, how the gradient fits format ``fmt`` (a name in the format registry,
+        mpdiag.numerics.formats.LOW_PRECISION): columns step, tensor, numel, underflow, subnormal, overflow
+        (elements of the unscaled gradient g) and underflow_at_scale, subnormal_at_scale, overflow_at_scale
+        (of S*g). After ``since_step``, or at exactly ``step``; one tensor or all. Raises ValueError naming the
+        known formats for any other ``fmt``."""
+        counts, joins = _representability_joins("representability", [_known_format(fmt)], wide=False)
+        return self._tensor_steps(f"t.numel, {counts}", run_id, tensor, since_step if step is None else step - 1,
+                                  until_step=step, joins=joins)
+
+    def histogram_matrix(
+        self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
+    ) -> tuple[pd.DataFrame, np.ndarray]:
+        """(index, counts): index has step and tensor per row; counts[i, b] is the count of exponent bin
+        EXP_MIN + b for that row, for one tensor or all, after ``since_step`` or at exactly ``step``.
+        The compact form for aggregation; :meth:`histograms` is the long form."""
+        df = self._tensor_steps("src.hist", run_id, tensor, since_step if step is None else step - 1, until_step=step)
+        return df, decode_hists(df.pop("hist").tolist())
+
+    def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
+        """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
+        index, counts = self.histogram_matrix(run_id, tensor)
+        rows, bins = np.nonzero(counts)
+        long = pd.DataFrame(
+            {
+                "step": index["step"].to_numpy()[rows],
+                "tensor": index["tensor"].to_numpy()[rows],
+                "exponent": (bins + EXP_MIN).astype(object),
+                "count": counts[rows, bins],
+            }
+        )
+        special = self.tensor_stats(run_id, tensor)[["step", "tensor", "zeros", "nan", "posinf", "neginf"]]
+        special = special.rename(columns={"zeros": "zero"}).melt(
+            id_vars=["step", "tensor"], var_name="exponent", value_name="count"
+        )
+        special = special[special["count"] > 0]
+        return pd.concat([long, special], ignore_index=True).sort_values(["step", "tensor"], kind="stable").reset_index(
+            drop=True
+        )
+
+    def module_stats(self, run_id: int) -> pd.DataFrame:
+        """With ``--trace-modules``: per step and module, the order in which the module ran in the forward pass,
+        the absmax of its output, whether that output was all finite, and the same for the gradient flowing
+        into its output in the backward pass (scaled by S, as it was). absmax is NaN where a NaN occurred."""
+        df = self._query(
+            "SELECT ms.step, m.name AS module, m.type, ms.fwd_order, ms.fwd_absmax, ms.fwd_finite, ms.bwd_order, "
+            "ms.bwd_absmax, ms.bwd_finite FROM module_steps ms JOIN modules m ON m.run_id = ms.run_id AND "
+            "m.module_id = ms.module_id WHERE ms.run_id = ? ORDER BY ms.step, ms.fwd_order",
+            (int(run_id),),
+        )
+        for col in ("fwd_absmax", "bwd_absmax"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def update_stats(self, run_id: int) -> pd.DataFrame:
+        """Optimizer updates checked against the run's ``update_format`` (see mpdiag.numerics.updates), per logged step
+        that stepped and per tensor: ``updated`` values had a finite non-zero gradient; of those,
+        ``below_resolution`` changed by less than 2^-(mantissa bits + 1) of their magnitude and ``unchanged``
+        did not change at all."""
+        return self._query(
+            "SELECT u.step, t.name AS tensor, t.numel, u.updated, u.below_resolution, u.unchanged FROM update_steps u "
+            "JOIN tensors t ON t.run_id = u.run_id AND t.tensor_id = u.tensor_id WHERE u.run_id = ? "
+            "ORDER BY u.step, u.tensor_id", (int(run_id),))
+
+    def shadow_stats(self, run_id: int) -> pd.DataFrame:
+        """Per shadow step and tensor: the relative error ||g - g32|| / ||g32|| and cosine of the recorded
+        (unscaled) gradient against an FP32 computation on the same weights and batch, and ||g32||. NaN where
+        a norm is zero or a value non-finite."""
+        df = self._query(
+            "SELECT s.step, t.name AS tensor, t.numel, s.rel_error, s.cosine, s.ref_norm FROM shadow_steps s "
+            "JOIN tensors t ON t.run_id = s.run_id AND t.tensor_id = s.tensor_id WHERE s.run_id = ? "
+            "ORDER BY s.step, s.tensor_id", (int(run_id),))
+        for col in ("rel_error", "cosine", "ref_norm"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def probe(self, run_id: int, kind: str) -> dict | None:
+        """The stored result of a diagnostic probe of a run (see mpdiag.sandbox.probe), or None."""
+        df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
+        return json.loads(df.iloc[0]["result"]) if len(df) else None
+
+    def max_step(self, run_id: int) -> int:
+        """Last recorded step of a run, -1 when none."""
+        df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))
+        value = df.iloc[0]["s"]
+        return -1 if pd.isna(value) else int(value)
+
+

@@ -1,0 +1,315 @@
+"""The store's on-disk format and how a store file is opened.
+
+This module owns the DDL, SCHEMA_VERSION and the migrations that bring an older file up to it in place, the
+histogram blob codec, the error type, and connections: read-only ones (falling back to ``immutable=1`` where
+the file's directory cannot be written) and the writing one, which is opened only after the file passed an
+integrity check. It must not read or write runs' data (reader.py, writer.py do), and it must never write to a
+file that is damaged, is not an mpdiag store, or carries a schema version newer than this code knows.
+
+SQLite contracts the rest of the package relies on: the file is in WAL mode, so readers never block the one
+writer; schema creation and migration run inside one ``BEGIN IMMEDIATE`` transaction, so processes that
+open the same new or old file at once serialise on it and the later ones find the work done.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+
+from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
+
+DEFAULT_STORE = "mpdiag_runs.db"
+# 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
+SCHEMA_VERSION = 3
+STATUSES = ("running", "finished", "failed", "crashed")
+
+#: The six representability counts of one tensor at one step in one format: of the unscaled gradient g, then of
+#: S*g (suffix _at_scale).
+REPRESENTABILITY_KINDS = (
+    "underflow", "subnormal", "overflow", "underflow_at_scale", "subnormal_at_scale", "overflow_at_scale",
+)
+#: The wide column names readers give them (``fp16_underflow``, ..., ``bf16_overflow_at_scale``).
+REPRESENTABILITY_COLUMNS = [
+    f"{fmt}_{cat}{suffix}"
+    for suffix in ("", "_at_scale")
+    for fmt in LOW_PRECISION
+    for cat in ("underflow", "subnormal", "overflow")
+]
+SPECIAL_COUNT_COLUMNS = ["zeros", "nan", "posinf", "neginf"]
+TENSOR_STAT_COLUMNS = ["numel", *SPECIAL_COUNT_COLUMNS, "absmax", "min_nonzero", "l2"]
+STEP_COLUMNS = [
+    "step", "loss", "loss_scale", "skipped", "growth_tracker", "scale_after", "step_time_s", "peak_mem_bytes",
+]
+#: Counts summed per (run, tensor) over all logged steps, as :meth:`Store.tensor_totals` reports them.
+TOTAL_COLUMNS = [*SPECIAL_COUNT_COLUMNS, *REPRESENTABILITY_COLUMNS]
+#: Run columns a writer may set (run_id, status bookkeeping and process identity are managed by the writer).
+RUN_FIELDS = [
+    "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
+    "backoff_factor", "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every",
+    "device", "gpu_name", "torch_version", "parent_run_id", "pair_run_id", "batch_size", "params",
+    "model_state", "config", "update_format",
+]
+# Tables every mpdiag store has had since schema version 1: a file without them is not a store.
+_CORE_TABLES = {"runs", "steps", "tensors", "tensor_steps", "scripts"}
+
+_KIND_COLUMNS = ", ".join(f"{k} INTEGER NOT NULL" for k in REPRESENTABILITY_KINDS)
+_TENSOR_STEPS_DDL = """CREATE TABLE IF NOT EXISTS tensor_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
+    zeros INTEGER, nan INTEGER, posinf INTEGER, neginf INTEGER, absmax REAL, min_nonzero REAL, l2 REAL,
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID"""
+_TENSOR_STEPS_INDEX_DDL = "CREATE INDEX IF NOT EXISTS tensor_steps_by_tensor ON tensor_steps (run_id, tensor_id, step)"
+_TENSOR_TOTALS_DDL = """CREATE TABLE IF NOT EXISTS tensor_totals (
+    run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
+    zeros INTEGER, nan INTEGER, posinf INTEGER, neginf INTEGER,
+    PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID"""
+_STATEMENTS = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+    """CREATE TABLE IF NOT EXISTS scripts (
+    sha256 TEXT PRIMARY KEY, filename TEXT NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS runs (
+    run_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT, script_path TEXT, script_sha256 TEXT REFERENCES scripts(sha256),
+    opt_level TEXT, init_scale REAL, growth_factor REAL, backoff_factor REAL, growth_interval INTEGER,
+    scaling TEXT, loss_scale REAL, min_scale REAL, max_scale REAL,
+    seed INTEGER, steps INTEGER, every INTEGER, device TEXT, gpu_name TEXT, torch_version TEXT,
+    status TEXT NOT NULL, error TEXT, note TEXT,
+    started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
+    pid INTEGER, host TEXT, process_started_at REAL,
+    parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT)""",
+    """CREATE TABLE IF NOT EXISTS tensors (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
+    shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
+    PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS steps (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL,
+    loss REAL, loss_scale REAL, skipped INTEGER, growth_tracker INTEGER, scale_after REAL,
+    step_time_s REAL, peak_mem_bytes INTEGER, logged INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, step)) WITHOUT ROWID""",
+    _TENSOR_STEPS_DDL,
+    _TENSOR_STEPS_INDEX_DDL,
+    # One row per (run, step, tensor, format): a format added to the registry adds rows, never a column. Its key
+    # leads with (run, step), so one step's tensors are one range; one tensor's history is read through
+    # tensor_steps_by_tensor with a key lookup here per row (no second index needed: see the query plans).
+    f"""CREATE TABLE IF NOT EXISTS representability (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
+    PRIMARY KEY (run_id, step, tensor_id, fmt)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS modules (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), module_id INTEGER NOT NULL, name TEXT NOT NULL,
+    type TEXT NOT NULL, PRIMARY KEY (run_id, module_id)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS module_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module_id INTEGER NOT NULL,
+    fwd_order INTEGER, fwd_absmax REAL, fwd_finite INTEGER, bwd_order INTEGER, bwd_absmax REAL, bwd_finite INTEGER,
+    PRIMARY KEY (run_id, step, module_id)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS probes (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), kind TEXT NOT NULL, result TEXT NOT NULL,
+    created_at REAL NOT NULL, PRIMARY KEY (run_id, kind)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS update_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL,
+    updated INTEGER NOT NULL, below_resolution INTEGER NOT NULL, unchanged INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS shadow_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL,
+    rel_error REAL, cosine REAL, ref_norm REAL,
+    PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID""",
+    _TENSOR_TOTALS_DDL,
+    f"""CREATE TABLE IF NOT EXISTS representability_totals (
+    run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
+    PRIMARY KEY (run_id, tensor_id, fmt)) WITHOUT ROWID""",
+]
+
+
+class StoreError(RuntimeError):
+    """The store file is missing, unreadable, damaged or not an mpdiag store of a known version; the message says
+    which and where."""
+
+
+def encode_hist(counts: np.ndarray) -> bytes:
+    """Pack an exponent histogram (length N_EXP_BINS) as: int16 first bin, then int64 counts up to the last
+    non-empty bin. Empty histograms pack to the 2-byte header alone."""
+    nonzero = np.flatnonzero(counts)
+    if nonzero.size == 0:
+        return np.int16(0).tobytes()
+    lo, hi = int(nonzero[0]), int(nonzero[-1])
+    return np.int16(lo).tobytes() + counts[lo : hi + 1].astype("<i8").tobytes()
+
+
+def decode_hist(blob: bytes) -> np.ndarray:
+    """Inverse of :func:`encode_hist`: a full-length int64 histogram."""
+    return decode_hists([blob])[0]
+
+
+def decode_hists(blobs: Sequence[bytes]) -> np.ndarray:
+    """Many :func:`encode_hist` blobs at once, as an (n, N_EXP_BINS) int64 matrix (vectorised)."""
+    out = np.zeros((len(blobs), N_EXP_BINS), dtype=np.int64)
+    if not blobs:
+        return out
+    first = np.array([int.from_bytes(b[:2], "little", signed=True) for b in blobs], dtype=np.int64)
+    lengths = np.array([(len(b) - 2) // 8 for b in blobs], dtype=np.int64)
+    values = np.frombuffer(b"".join(b[2:] for b in blobs), dtype="<i8")
+    rows = np.repeat(np.arange(len(blobs)), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out[rows, np.repeat(first, lengths) + np.arange(values.size) - starts] = values
+    return out
+
+
+def read_error(path: Path, exc: Exception) -> StoreError:
+    """The StoreError for an SQLite error met while reading ``path``, worded for the person who chose the file."""
+    text = str(exc)
+    if "not a database" in text:
+        return StoreError(f"{path} is not an SQLite database ({text}). Choose an mpdiag store file.")
+    if "malformed" in text or "corrupt" in text:
+        return StoreError(f"{path} is damaged ({text}); mpdiag did not write to it. Restore it from a copy or "
+                          "choose another store.")
+    return StoreError(f"Could not read {path}: {text}")
+
+
+def connect_read(path: Path, immutable: bool = False) -> sqlite3.Connection:
+    """A read-only connection. ``immutable`` opens a file that SQLite cannot share safely because its directory
+    is not writable (no -shm can be made beside it): only correct while nobody writes the file."""
+    uri = f"file:{quote(str(path))}?{'immutable=1' if immutable else 'mode=ro'}"
+    conn = sqlite3.connect(uri, uri=True, timeout=10)
+    conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
+def needs_immutable(path: Path) -> bool:
+    """Whether ``path`` can only be read with ``immutable=1``: a WAL file in a directory this process cannot
+    write, with no -shm beside it, which a ``mode=ro`` connection cannot open."""
+    try:
+        conn = connect_read(path)
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:
+        return path.exists() and not Path(str(path) + "-shm").exists()
+    except sqlite3.DatabaseError:
+        return False  # not a database at all: the caller's read reports that
+    return False
+
+
+def stored_version(conn: sqlite3.Connection, path: Path) -> int | None:
+    """The schema version stamped in the file; None for an empty database (one being created). Raises
+    StoreError when the file holds tables but is not an mpdiag store."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if not tables:
+        return None
+    missing = _CORE_TABLES - tables
+    if missing:
+        raise StoreError(f"{path} is an SQLite file but not an mpdiag store "
+                         f"(missing tables: {', '.join(sorted(missing))}).")
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if "meta" in tables else None
+    if row is None:
+        return 1  # the first stores were stamped from the start; a store without a stamp predates nothing newer
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):
+        raise StoreError(f"{path} carries an unreadable schema version {row[0]!r}.") from None
+
+
+def refuse_newer(path: Path, version: int | None) -> None:
+    if version is not None and version > SCHEMA_VERSION:
+        raise StoreError(f"{path} has mpdiag schema version {version}, newer than this mpdiag's version "
+                         f"{SCHEMA_VERSION}: upgrade mpdiag to read it. The file was not changed.")
+
+
+def _check_integrity(path: Path) -> None:
+    """Raise StoreError unless ``path`` is a healthy SQLite file (or empty): run before any write."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        conn = connect_read(path, immutable=needs_immutable(path))
+        try:
+            problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise read_error(path, exc) from exc
+    if problems != ["ok"]:
+        raise StoreError(f"{path} is damaged (SQLite integrity check: {'; '.join(problems[:3])}); mpdiag did not "
+                         "write to it. Restore it from a copy or choose another store.")
+
+
+def open_for_writing(path: Path) -> sqlite3.Connection:
+    """The writing connection to ``path``, after checking the file's integrity, creating the schema in a new
+    file or migrating an older one in place. Raises StoreError, having written nothing, for a damaged file, a
+    file that is not an mpdiag store, a newer schema version, or a file this process cannot write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_integrity(path)
+    conn = sqlite3.connect(path, timeout=30)
+    try:
+        conn.execute("PRAGMA busy_timeout=30000")
+        version = stored_version(conn, path)  # the cheap look first: a current store needs no write lock
+        refuse_newer(path, version)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        if version != SCHEMA_VERSION:
+            _bring_up_to_date(conn, path)
+    except StoreError:
+        conn.close()
+        raise
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are writable.") \
+            from exc
+    return conn
+
+
+def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
+    """Create or migrate the schema in one IMMEDIATE transaction; the version is read again under the lock, so
+    a process that lost the race finds the work done and changes nothing."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = stored_version(conn, path)
+        refuse_newer(path, version)
+        if version != SCHEMA_VERSION:
+            for statement in _STATEMENTS:  # every table that is missing, as the current version has it
+                conn.execute(statement)
+            _add_missing_run_columns(conn)
+            if version is not None and version < 3:
+                _move_representability_to_long_table(conn)
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def _add_missing_run_columns(conn: sqlite3.Connection) -> None:
+    """Older stores lack run columns added since (summary, update_format): add them, empty."""
+    runs_ddl = next(s for s in _STATEMENTS if "TABLE IF NOT EXISTS runs" in s)
+    with closing(sqlite3.connect(":memory:")) as scratch:
+        scratch.execute(runs_ddl)
+        wanted = [(r[1], r[2]) for r in scratch.execute("PRAGMA table_info(runs)")]
+    have = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+    for name, kind in wanted:
+        if name not in have:
+            conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+
+
+# The formats whose counts schema versions 1 and 2 kept as columns named {fmt}_{kind}.
+_COLUMN_ERA_FORMATS = ("fp16", "bf16")
+
+
+def _move_representability_to_long_table(conn: sqlite3.Connection) -> None:
+    """Migration to version 3: the per-format columns of tensor_steps and tensor_totals become rows of
+    representability and representability_totals; both tables are rebuilt without those columns."""
+    for fmt in _COLUMN_ERA_FORMATS:
+        kinds = ", ".join(f"{fmt}_{k}" for k in REPRESENTABILITY_KINDS)
+        conn.execute(f"INSERT INTO representability SELECT run_id, step, tensor_id, ?, {kinds} FROM tensor_steps",
+                     (fmt,))
+        conn.execute(f"INSERT INTO representability_totals SELECT run_id, tensor_id, ?, {kinds} FROM tensor_totals",
+                     (fmt,))
+    for table, ddl in (("tensor_steps", _TENSOR_STEPS_DDL), ("tensor_totals", _TENSOR_TOTALS_DDL)):
+        conn.execute(f"ALTER TABLE {table} RENAME TO {table}_v2")
+        conn.execute(ddl)
+        columns = ", ".join(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
+        conn.execute(f"INSERT INTO {table} SELECT {columns} FROM {table}_v2")
+        conn.execute(f"DROP TABLE {table}_v2")  # its index went with it
+    conn.execute(_TENSOR_STEPS_INDEX_DDL)

@@ -1,0 +1,246 @@
+"""Writing a store: :class:`StoreWriter`, the one object every path that writes uses, and the row records it
+takes.
+
+Owns every INSERT and UPDATE of runs' data and the running totals, kept in the same transaction as the rows
+they sum. It must not create or migrate the schema (schema.py does that when the writer opens the file) and
+must not answer questions about runs (reader.py). Use it as a context manager: a run created through it that
+is still open when the block raises is marked failed with the traceback, and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.store.liveness import process_start_time, this_host
+from mpdiag.store.reader import step_summaries
+from mpdiag.store.schema import RUN_FIELDS, SPECIAL_COUNT_COLUMNS, STATUSES, open_for_writing
+
+
+class StepRow(NamedTuple):
+    """One training step, as the steps table holds it (field order = column order after run_id)."""
+
+    step: int
+    loss: float | None
+    loss_scale: float | None
+    skipped: int | None  # 1: the optimizer step did not run, 0: it ran, None: unknown (the run stopped in it)
+    growth_tracker: int | None
+    scale_after: float | None
+    step_time_s: float
+    peak_mem_bytes: int
+    logged: int  # 1 when tensor statistics were recorded at this step
+
+
+class Representability(NamedTuple):
+    """How one tensor's gradient at one step fits one format: element counts for g, then for S*g."""
+
+    underflow: int
+    subnormal: int
+    overflow: int
+    underflow_at_scale: int
+    subnormal_at_scale: int
+    overflow_at_scale: int
+
+
+class TensorRow(NamedTuple):
+    """One tensor's gradient statistics at one step; ``representability`` maps registry format names to counts."""
+
+    step: int
+    tensor_id: int
+    hist: bytes  # see encode_hist
+    zeros: int
+    nan: int
+    posinf: int
+    neginf: int
+    absmax: float
+    min_nonzero: float
+    l2: float
+    representability: Mapping[str, Representability]
+
+
+def _json_fields(fields: dict) -> dict:
+    """Serialise the JSON-valued run fields (config, model_state) given as dicts."""
+    return {
+        k: json.dumps(v, sort_keys=True, default=str) if k in ("config", "model_state") and isinstance(v, dict) else v
+        for k, v in fields.items()
+    }
+
+
+class StoreWriter:
+    """The single writing connection of a process. Not thread-safe: one thread owns it.
+
+    ``with StoreWriter(path) as w: run_id = w.create_run(...); ...`` marks the run failed with the traceback
+    when the block raises, and finished when the block ends cleanly if ``finish_runs`` (otherwise a run that is
+    still open stays ``running``, for a caller that ends it later with :meth:`end_run`)."""
+
+    def __init__(self, path: str | os.PathLike, finish_runs: bool = False):
+        self.path = Path(path).absolute()
+        self._conn = open_for_writing(self.path)  # checks, creates or migrates; raises StoreError having written nothing
+        self._finish_runs = finish_runs
+        self._open_runs: list[int] = []  # created here and not yet ended
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            for run_id in list(self._open_runs):
+                if exc is not None:
+                    error = "".join(traceback.format_exception(exc_type, exc, tb))
+                    try:
+                        self.end_run(run_id, "failed", error=error)
+                    except sqlite3.Error as store_exc:  # the block's own error is the one to raise
+                        exc.add_note(f"mpdiag could not mark run {run_id} failed in {self.path}: {store_exc}")
+                elif self._finish_runs:
+                    self.end_run(run_id, "finished")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def add_script(self, filename: str, source: str) -> str:
+        """Store a script's source under its SHA-256 (idempotent) and return the hash."""
+        sha = hashlib.sha256(source.encode()).hexdigest()
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR IGNORE INTO scripts VALUES (?, ?, ?, ?)", (sha, filename, source, time.time())
+            )
+        return sha
+
+    def _insert(self, table: str, run_id: int, rows: Sequence[tuple], verb: str = "INSERT") -> None:
+        """One transaction adding ``rows`` (the table's columns after run_id) to ``table`` for ``run_id``."""
+        if rows:
+            marks = ", ".join("?" * (len(rows[0]) + 1))
+            with self._conn:
+                self._conn.executemany(f"{verb} INTO {table} VALUES ({marks})", [(int(run_id), *row) for row in rows])
+
+    def add_modules(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (module_id, dotted name, type name)."""
+        self._insert("modules", run_id, rows, verb="INSERT OR REPLACE")
+
+    def add_module_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, module_id, fwd_order, fwd_absmax, fwd_finite, bwd_order, bwd_absmax, bwd_finite)."""
+        self._insert("module_steps", run_id, rows)
+
+    def add_update_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, tensor_id, updated, below_resolution, unchanged)."""
+        self._insert("update_steps", run_id, rows)
+
+    def add_shadow_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
+        self._insert("shadow_steps", run_id, rows)
+
+    def add_probe(self, run_id: int, kind: str, result: dict) -> None:
+        with self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?)",
+                               (int(run_id), kind, json.dumps(result), time.time()))
+
+    def create_run(self, **fields) -> int:
+        """Insert a run with status ``running``, owned by this process. Unknown field names are an error."""
+        unknown = set(fields) - set(RUN_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown run fields: {sorted(unknown)}")
+        fields = _json_fields(fields)
+        now = time.time()
+        pid = os.getpid()
+        fields.update(
+            status="running", started_at=now, heartbeat_at=now, pid=pid, host=this_host(),
+            process_started_at=process_start_time(pid),
+        )
+        names = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        with self._conn:
+            cur = self._conn.execute(f"INSERT INTO runs ({names}) VALUES ({marks})", list(fields.values()))
+        self._open_runs.append(int(cur.lastrowid))
+        return int(cur.lastrowid)
+
+    def update_run(self, run_id: int, **fields) -> None:
+        """Set run fields (RUN_FIELDS, status, error, note, finished_at); unknown names are an error."""
+        with self._conn:
+            self._update_run(run_id, fields)
+
+    def _update_run(self, run_id: int, fields: dict) -> None:
+        allowed = set(RUN_FIELDS) | {"status", "error", "note", "finished_at"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown run fields: {sorted(unknown)}")
+        if "status" in fields and fields["status"] not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}")
+        fields = _json_fields(fields)
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._conn.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*fields.values(), int(run_id)])
+
+    def end_run(self, run_id: int, status: str, error: str | None = None, note: str | None = None) -> None:
+        """End a run: store its step summary (once its last rows are committed, so readers need not scan its steps
+        again), its status, ``error`` and the time, and ``note`` when given, in one transaction."""
+        summary = step_summaries(self._conn, [run_id]).iloc[0].to_dict()
+        summary = {k: (v.item() if hasattr(v, "item") else v) for k, v in summary.items()}
+        fields = {"status": status, "error": error, "finished_at": time.time(), **({"note": note} if note else {})}
+        with self._conn:
+            self._update_run(run_id, fields)
+            self._conn.execute("UPDATE runs SET summary = ? WHERE run_id = ?", (json.dumps(summary), int(run_id)))
+        if int(run_id) in self._open_runs:
+            self._open_runs.remove(int(run_id))
+
+    def add_tensors(self, run_id: int, rows: Iterable[tuple]) -> None:
+        """rows: (tensor_id, name, shape list, numel, param_dtype, grad_dtype)."""
+        with self._conn:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(int(run_id), t, n, json.dumps(list(s)), int(k), p, g) for t, n, s, k, p, g in rows],
+            )
+
+    def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow]) -> None:
+        """Commit step and tensor rows, add the tensor rows' counts to the running totals and refresh the run's
+        heartbeat, in one transaction. Each (step, tensor) must be written once: the totals would count a
+        rewrite twice. A representability key that is not a registry format is a ValueError."""
+        run_id = int(run_id)
+        unknown = {fmt for row in tensor_rows for fmt in row.representability} - set(LOW_PRECISION)
+        if unknown:
+            raise ValueError(f"unknown formats {sorted(unknown)}; the known formats are {', '.join(LOW_PRECISION)}")
+        special, per_format = _sum_counts(tensor_rows)
+        kinds = Representability._fields
+        with self._conn:
+            self._conn.executemany(f"INSERT INTO steps VALUES ({', '.join('?' * (len(StepRow._fields) + 1))})",
+                                   [(run_id, *row) for row in step_rows])
+            self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
+                                   [(run_id, *row[:-1]) for row in tensor_rows])
+            self._conn.executemany(
+                f"INSERT INTO representability VALUES ({', '.join('?' * (4 + len(kinds)))})",
+                [(run_id, row.step, row.tensor_id, fmt, *counts) for row in tensor_rows
+                 for fmt, counts in row.representability.items()])
+            self._conn.executemany(
+                f"INSERT INTO tensor_totals VALUES ({', '.join('?' * (3 + len(SPECIAL_COUNT_COLUMNS)))}) "
+                "ON CONFLICT (run_id, tensor_id) DO UPDATE SET "
+                + ", ".join(f"{c} = {c} + excluded.{c}" for c in ["logged_steps", *SPECIAL_COUNT_COLUMNS]),
+                [(run_id, tensor_id, *sums) for tensor_id, sums in special.items()])
+            self._conn.executemany(
+                f"INSERT INTO representability_totals VALUES ({', '.join('?' * (3 + len(kinds)))}) "
+                "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
+                [(run_id, tensor_id, fmt, *sums) for (tensor_id, fmt), sums in per_format.items()])
+            self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
+
+
+def _sum_counts(tensor_rows: Sequence[TensorRow]) -> tuple[dict[int, list[int]], dict[tuple[int, str], list[int]]]:
+    """Over ``tensor_rows``: tensor_id -> [logged steps, zeros, nan, posinf, neginf] and
+    (tensor_id, format) -> the six representability sums."""
+    special: dict[int, list[int]] = {}
+    per_format: dict[tuple[int, str], list[int]] = {}
+    for row in tensor_rows:
+        acc = special.setdefault(row.tensor_id, [0] * (1 + len(SPECIAL_COUNT_COLUMNS)))
+        for k, value in enumerate((1, row.zeros, row.nan, row.posinf, row.neginf)):
+            acc[k] += value
+        for fmt, counts in row.representability.items():
+            sums = per_format.setdefault((row.tensor_id, fmt), [0] * len(counts))
+            for k, value in enumerate(counts):
+                sums[k] += value
+    return special, per_format

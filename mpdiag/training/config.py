@@ -1,0 +1,241 @@
+"""A run's configuration: every option, its default, bounds, help text and the opt levels it applies to.
+
+Owns :class:`RunConfig` (one frozen dataclass whose field metadata is the option table :data:`OPTIONS`), the
+torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), and
+:class:`ConfigError`. The command line's run options, the dashboard's run form, a rerun's override merging and
+the configuration stored with a run are all generated from or checked against this module.
+
+Must not import torch (the dashboard validates its form with it) and must not build policies or look at
+devices: a device is checked here only as a string; :func:`mpdiag.training.runner.resolve_device` decides at
+run time whether it exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run option is invalid; raised before any training starts. The message names the option."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """What the configuration needs to know about an opt level (its training code is in policies.py)."""
+
+    name: str
+    summary: str
+    #: the loss scaling the level uses unless --loss-scale says otherwise: None (no scaling), "dynamic" or a
+    #: static number
+    default_scaling: str | float | None = None
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.default_scaling is not None
+
+
+LEVELS: dict[str, Level] = {level.name: level for level in (
+    Level("O0", "pure FP32: no casting, no loss scaling (the reference)"),
+    Level("O1", "autocast FP16 (per-op casting), FP32 weights, dynamic loss scaling", "dynamic"),
+    Level("O2", "FP16 weights except norm layers, FP32 master weights in the optimizer, dynamic loss scaling",
+          "dynamic"),
+    Level("O3", "pure FP16: weights, BatchNorm and optimizer in FP16, no master weights, static scale 1.0", 1.0),
+    Level("bf16", "autocast BF16 (per-op casting), FP32 weights, no loss scaling"),
+    Level("bf16-pure", "pure BF16: weights, activations and optimizer in BF16, no loss scaling"),
+)}
+ALL_LEVELS = tuple(LEVELS)
+SCALING_LEVELS = tuple(name for name, level in LEVELS.items() if level.scales_loss)
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+UNSET = "default"  # on the command line, an optional number set to this is cleared (--min-scale default)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
+
+    Bounds: ``above`` / ``below`` exclusive, ``minimum`` / ``maximum`` inclusive; floats must also be finite.
+    ``no_flag`` / ``no_widget`` say why the option has no command-line flag / no widget in the run form.
+    """
+
+    default: Any
+    help: str
+    kind: str
+    levels: tuple[str, ...] = ALL_LEVELS
+    above: float | None = None
+    below: float | None = None
+    minimum: int | None = None
+    maximum: int | None = None
+    no_flag: str | None = None
+    no_widget: str | None = None
+
+    def requirement(self) -> str:
+        """What a valid value is, in words (the end of an error message)."""
+        if self.kind == "level":
+            return f"one of: {', '.join(ALL_LEVELS)}"
+        if self.kind == "device":
+            return "auto, cpu, cuda or cuda:N"
+        if self.kind == "text":
+            return "text"
+        if self.kind == "flag":
+            return "true or false"
+        if self.kind in ("int", "run_id"):
+            low = "" if self.minimum is None else f" >= {self.minimum}"
+            high = "" if self.maximum is None else f" and <= {self.maximum}"
+            return f"an integer{low}{high}"
+        number = (f"a finite number between {self.above:g} and {self.below:g} (exclusive)" if self.below is not None
+                  else f"a finite number > {self.above:g}")
+        return f"'dynamic' or {number}" if self.kind == "loss_scale" else number
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` (already of the Python type, not a command-line string) is valid on its own."""
+        if value is None:
+            return self.default is None  # optional options accept None, meaning "not set"
+        if self.kind == "level":
+            return isinstance(value, str) and value in LEVELS
+        if self.kind == "device":
+            return isinstance(value, str) and DEVICE_PATTERN.fullmatch(value) is not None
+        if self.kind == "text":
+            return isinstance(value, str)
+        if self.kind == "flag":
+            return isinstance(value, bool)
+        if self.kind in ("int", "run_id"):
+            return (isinstance(value, int) and not isinstance(value, bool)
+                    and (self.minimum is None or value >= self.minimum)
+                    and (self.maximum is None or value <= self.maximum))
+        if self.kind == "loss_scale" and value == "dynamic":
+            return True
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value > self.above and (self.below is None or value < self.below))
+
+    def parse(self, text: str) -> Any:
+        """A command-line string as this option's Python type (bounds are checked later, by validation).
+        ``default`` clears an optional number (a rerun would inherit the parent's otherwise)."""
+        if text == UNSET and self.default is None and self.kind in ("float", "loss_scale"):
+            return None
+        if self.kind in ("int", "run_id"):
+            return int(text)
+        if self.kind == "float" or (self.kind == "loss_scale" and text != "dynamic"):
+            return float(text)
+        return text
+
+
+def option(default: Any, help: str, kind: str, **details) -> Any:
+    """A RunConfig field whose metadata is its :class:`Option`."""
+    return field(default=default, metadata={"option": Option(default, help, kind, **details)})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run besides its script. Every field is an option described in its metadata
+    (see :data:`OPTIONS`); :meth:`validate` checks them all and how they combine."""
+
+    opt_level: str = option("O1", "opt level: " + "; ".join(f"{k}: {v.summary}" for k, v in LEVELS.items()), "level")
+    loss_scale: str | float | None = option(
+        None, "'dynamic', or a number for a static scale; default: the level's own", "loss_scale",
+        levels=SCALING_LEVELS, above=0)
+    init_scale: float = option(2.0**16, "initial dynamic loss scale", "float", levels=SCALING_LEVELS, above=0)
+    growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1)
+    backoff_factor: float = option(0.5, "dynamic scale backoff factor", "float", levels=SCALING_LEVELS,
+                                   above=0, below=1)
+    growth_interval: int = option(2000, "clean steps before the dynamic scale grows", "int", levels=SCALING_LEVELS,
+                                  minimum=1)
+    min_scale: float | None = option(None, "lower bound of the dynamic scale", "float", levels=SCALING_LEVELS,
+                                     above=0)
+    max_scale: float | None = option(None, "upper bound of the dynamic scale", "float", levels=SCALING_LEVELS,
+                                     above=0)
+    steps: int = option(200, "training steps", "int", minimum=1)
+    # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
+    seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1)
+    every: int = option(1, "record tensor statistics every N steps", "int", minimum=1)
+    shadow_every: int = option(0, "every N steps, compare each tensor's gradient with an FP32 computation on the "
+                                  "same weights and batch (0: off)", "int", minimum=0)
+    device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]", "device")
+    name: str | None = option(None, "display name of the run", "text")
+    trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
+                                        "first inf/NaN", "flag")
+    parent_run_id: int | None = option(
+        None, "the run this one reruns", "run_id", minimum=1,
+        no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid option, or the first bad combination, with the fix."""
+        check_values(self.to_dict())
+        level = LEVELS[self.opt_level]
+        if not level.scales_loss:
+            for name in SCALING_OPTIONS:
+                if getattr(self, name) != OPTIONS[name].default:
+                    raise ConfigError(f"--opt-level {self.opt_level} does not scale the loss; drop {flag(name)} "
+                                      f"(it applies to {', '.join(OPTIONS[name].levels)})")
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
+
+    def fp32_twin(self, name: str | None = None) -> RunConfig:
+        """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss
+        scaling; validated."""
+        if self.opt_level == "O0":
+            raise ConfigError("--pair runs an O0 twin beside a mixed-precision run; choose another --opt-level")
+        twin = self.with_options(opt_level="O0", name=name)
+        twin.validate()
+        return twin
+
+    @property
+    def scaling(self) -> str | float | None:
+        """The loss scaling this run uses: None (none), "dynamic", or a static scale."""
+        return self.loss_scale if self.loss_scale is not None else LEVELS[self.opt_level].default_scaling
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        """The configuration stored with a run (``to_dict``'s output). Not validated: callers validate after
+        applying their overrides. Runs stored before the options were one table nest the loss-scale options
+        under ``scaling``; they are read as well."""
+        data = dict(data)
+        nested = data.pop("scaling", None)
+        if isinstance(nested, Mapping):
+            data = {**nested, **data}
+        unknown = set(data) - set(OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown run options: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def with_options(self, **options) -> RunConfig:
+        """A copy with ``options`` (field names) replaced. Options that do not apply to the resulting opt level
+        and are not among ``options`` return to their defaults (an O1 parent's scale settings do not follow a
+        rerun at bf16)."""
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown run options: {', '.join(sorted(unknown))}")
+        level = options.get("opt_level", self.opt_level)
+        reset = {name: spec.default for name, spec in OPTIONS.items()
+                 if level not in spec.levels and name not in options}
+        return dataclasses.replace(self, **reset, **options)
+
+
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(RunConfig)}
+SCALING_OPTIONS = tuple(name for name, spec in OPTIONS.items() if spec.levels == SCALING_LEVELS)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of option ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_values(values: Mapping[str, Any]) -> None:
+    """Check each given option on its own (bounds, types), so bad values are refused before a store is even
+    opened; raises ConfigError with a one-line message."""
+    for name, value in values.items():
+        spec = OPTIONS.get(name)
+        if spec is None:
+            raise ConfigError(f"unknown run option {name!r}")
+        if spec.kind == "level" and not spec.accepts(value):
+            raise ConfigError(f"--opt-level: unknown opt level {value!r}; choose one of: {', '.join(ALL_LEVELS)}")
+        if not spec.accepts(value):
+            raise ConfigError(f"{flag(name)} must be {spec.requirement()}, got {value!r}")

@@ -1,0 +1,117 @@
+"""The one run configuration: torch-free, and the CLI, the run form and the stored config all follow it."""
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import EXAMPLES, ROOT
+from streamlit.testing.v1 import AppTest
+
+from mpdiag import Store
+from mpdiag.cli import build_parser
+from mpdiag.dashboard.frame import FORM_KEYS
+from mpdiag.training.config import LEVELS, OPTIONS, ConfigError, RunConfig, flag
+from mpdiag.training.policies import POLICIES
+from mpdiag.training.runner import rerun_plan, train
+from mpdiag.training.script import ModelScript
+
+
+def test_the_configuration_validates_without_importing_torch():
+    code = ("import sys; from mpdiag.training.config import RunConfig; "
+            "RunConfig(opt_level='O2', init_scale=1024.0, device='cuda:1').validate(); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_one_policy_class_per_level_of_the_table():
+    assert list(POLICIES) == list(LEVELS)
+
+
+def test_the_option_table_is_the_dataclass():
+    assert list(OPTIONS) == [f.name for f in dataclasses.fields(RunConfig)]
+    assert all(getattr(RunConfig(), name) == spec.default for name, spec in OPTIONS.items())
+
+
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.Action]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.dest: a for a in sub._actions}
+
+
+@pytest.mark.parametrize("command", ["run", "rerun"])
+def test_every_option_has_a_flag_or_says_why_not(command):
+    actions = _flags(build_parser(), command)
+    for name, spec in OPTIONS.items():
+        if spec.no_flag:
+            assert name not in actions
+        else:
+            assert flag(name) in actions[name].option_strings and spec.help in actions[name].help
+
+
+def test_every_option_has_a_widget_in_the_run_form_or_says_why_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPDIAG_STORE", str(tmp_path / "form.db"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=30).run()
+    assert at.selectbox(key="new_level").value == "O1"  # a level with a dynamic scale: every widget is shown
+    keys = {w.key for kind in ("selectbox", "number_input", "radio", "select_slider", "checkbox", "text_input")
+            for w in getattr(at, kind)}
+    without = {name for name, spec in OPTIONS.items() if spec.no_widget}
+    assert set(FORM_KEYS) == set(OPTIONS) - without
+    assert {f"new_{suffix}" for suffix in FORM_KEYS.values()} <= keys
+
+
+def test_the_form_refuses_a_bad_combination_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPDIAG_STORE", str(tmp_path / "form.db"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=30).run()
+    at.number_input(key="new_min_scale").set_value(1024.0).run()
+    at.number_input(key="new_max_scale").set_value(2.0).run()
+    assert "--min-scale 1024.0 is above --max-scale 2.0" in [e.value for e in at.error]
+    assert at.button(key="new_start").disabled
+    at.number_input(key="new_growth_factor").set_value(1.0).run()
+    assert any("--growth-factor must be a finite number > 1" in e.value for e in at.error)
+
+
+def test_the_stored_config_of_a_run_round_trips(store_path):
+    config = RunConfig(opt_level="O2", steps=2, seed=5, device="cpu", init_scale=512.0, growth_interval=3,
+                       min_scale=2.0, name="round trip", trace_modules=True)
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store_path)
+    stored = Store(store_path).run(run_id)["config"]["run"]
+    assert RunConfig.from_dict(json.loads(json.dumps(stored))) == config
+
+
+def test_a_config_stored_before_the_table_is_read():
+    legacy = {"opt_level": "O1", "scaling": {"loss_scale": 64.0, "init_scale": 65536.0, "growth_factor": 2.0,
+                                             "backoff_factor": 0.5, "growth_interval": 2000, "min_scale": None,
+                                             "max_scale": None},
+              "steps": 3, "seed": 0, "every": 1, "device": "cpu", "name": None, "parent_run_id": None,
+              "trace_modules": False, "shadow_every": 0}
+    assert RunConfig.from_dict(legacy) == RunConfig(opt_level="O1", loss_scale=64.0, steps=3, device="cpu")
+    with pytest.raises(ConfigError, match="unknown run options: colour"):
+        RunConfig.from_dict({**legacy, "colour": "red"})
+
+
+def test_options_the_new_level_does_not_use_are_dropped_unless_given():
+    parent = RunConfig(opt_level="O1", loss_scale=128.0, init_scale=1024.0, steps=7)
+    assert parent.with_options(opt_level="bf16") == RunConfig(opt_level="bf16", steps=7)
+    with pytest.raises(ConfigError, match="bf16 does not scale the loss; drop --init-scale"):
+        parent.with_options(opt_level="bf16", init_scale=8.0).validate()
+    assert parent.with_options(opt_level="O2").init_scale == 1024.0
+
+
+def test_rerun_overrides_are_merged_and_checked(store_path):
+    parent = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"),
+                   RunConfig(opt_level="O1", steps=2, device="cpu", loss_scale=64.0, min_scale=1.0), store_path)
+    _, config = rerun_plan(Store(store_path), parent, opt_level="O2", min_scale=None)
+    assert (config.opt_level, config.loss_scale, config.min_scale, config.steps, config.parent_run_id) == \
+        ("O2", 64.0, None, 2, parent)
+    with pytest.raises(ConfigError, match="--backoff-factor must be a finite number between 0 and 1"):
+        rerun_plan(Store(store_path), parent, backoff_factor=1.5)
+
+
+def test_default_on_the_command_line_clears_an_inherited_optional_number():
+    args = build_parser().parse_args(["rerun", "1", "--min-scale", "default", "--loss-scale", "default"])
+    assert args.min_scale is None and args.loss_scale is None
+    assert build_parser().parse_args(["rerun", "1", "--no-trace-modules"]).trace_modules is False
+    assert not hasattr(build_parser().parse_args(["rerun", "1"]), "trace_modules")  # untyped: inherited

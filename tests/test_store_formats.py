@@ -1,0 +1,30 @@
+"""The format registry's typed-in limits against torch's own (torch.finfo is the ground truth)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from mpdiag.numerics.formats import FP32, LOW_PRECISION, Format
+
+
+@pytest.mark.parametrize("fmt", [FP32, *LOW_PRECISION.values()], ids=lambda f: f.name)
+def test_registry_entry_equals_torch_finfo(fmt: Format):
+    info = torch.finfo(fmt.dtype)
+    assert fmt.dtype is getattr(torch, fmt.dtype_name)
+    assert fmt.max_finite == float(info.max)
+    assert fmt.min_normal == float(info.smallest_normal)
+    assert fmt.min_subnormal == float(torch.tensor(info.smallest_normal, dtype=fmt.dtype) * info.eps)
+    assert fmt.min_subnormal == float(torch.nextafter(torch.zeros((), dtype=fmt.dtype), torch.ones((), dtype=fmt.dtype)))
+    assert 2.0**-fmt.mantissa_bits == float(info.eps)
+
+
+def test_registry_imports_no_torch():
+    # Loaded from its file: the module itself must not pull torch in (mpdiag/__init__ imports the Recorder).
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('formats', 'mpdiag/numerics/formats.py'); "
+            "f = sys.modules['formats'] = u.module_from_spec(s); s.loader.exec_module(f); f.LOW_PRECISION['fp16'].max_exponent; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,199 @@
+"""Schema versions, migration of real v1/v2 stores, representability by format, and the writer's run context.
+
+Ground truth for migrated data is the old file itself, read with plain SQL before mpdiag touched it.
+"""
+
+import json
+import shutil
+import sqlite3
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT
+
+from mpdiag.store import (
+    REPRESENTABILITY_COLUMNS,
+    REPRESENTABILITY_KINDS,
+    SCHEMA_VERSION,
+    Representability,
+    StepRow,
+    Store,
+    StoreError,
+    StoreWriter,
+    TensorRow,
+    decode_hist,
+    encode_hist,
+)
+
+DATA = ROOT / "tests" / "data"
+
+
+def _raw(path, sql):
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return pd.read_sql_query(sql, conn)
+
+
+def _stamp(path):
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_old_store_migrates_in_place_and_reads_back_identical_data(tmp_path, version):
+    original = DATA / f"store_v{version}.db"
+    assert _stamp(original) == str(version)
+    old_rows = _raw(original, "SELECT * FROM tensor_steps ORDER BY run_id, step, tensor_id")
+    old_totals = _raw(original, "SELECT * FROM tensor_totals ORDER BY run_id, tensor_id")
+    old_runs = _raw(original, "SELECT * FROM runs ORDER BY run_id")
+    old_steps = _raw(original, "SELECT * FROM steps ORDER BY run_id, step")
+    path = tmp_path / "old.db"
+    shutil.copy(original, path)
+
+    store = Store(path)
+    assert _stamp(path) == str(SCHEMA_VERSION)
+    with sqlite3.connect(path) as conn:
+        columns = {r[1] for r in conn.execute("PRAGMA table_info(tensor_steps)")}
+        assert not columns & set(REPRESENTABILITY_COLUMNS)  # moved, not copied
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+    runs = store.runs().sort_values("run_id")
+    for col in ("name", "status", "error", "opt_level", "seed", "script_sha256"):
+        assert runs[col].tolist() == old_runs[col].tolist(), col
+    assert runs["parent_run_id"].isna().tolist() == [True, False] and runs["parent_run_id"].iloc[1] == 1
+    for run_id in (1, 2):
+        rows = old_rows[old_rows["run_id"] == run_id].reset_index(drop=True)
+        steps = store.steps(run_id)
+        expected_steps = old_steps[old_steps["run_id"] == run_id].reset_index(drop=True)
+        pd.testing.assert_frame_equal(steps, expected_steps[steps.columns].astype(steps.dtypes.to_dict()))
+        stats = store.tensor_stats(run_id)
+        for col in ["zeros", "nan", "posinf", "neginf", "absmax", "min_nonzero", "l2", *REPRESENTABILITY_COLUMNS]:
+            assert stats[col].tolist() == rows[col].tolist(), col
+        for fmt in ("fp16", "bf16"):
+            long = store.representability(run_id, fmt)
+            assert list(long.columns) == ["step", "tensor", "numel", *REPRESENTABILITY_KINDS]
+            for kind in REPRESENTABILITY_KINDS:
+                assert long[kind].tolist() == rows[f"{fmt}_{kind}"].tolist(), (fmt, kind)
+        index, counts = store.histogram_matrix(run_id)
+        assert (counts == np.stack([decode_hist(b) for b in rows["hist"]])).all()
+        totals = store.tensor_totals(run_id)
+        old = old_totals[old_totals["run_id"] == run_id].reset_index(drop=True)
+        for col in ["logged_steps", "zeros", "nan", "posinf", "neginf", *REPRESENTABILITY_COLUMNS]:
+            assert totals[col].tolist() == old[col].tolist(), col
+    if version == 1:  # version 2 added update tracking and the shadow: a v1 store has none of either
+        assert store.update_stats(1).empty and store.shadow_stats(2).empty
+        assert runs["update_format"].isna().all()
+    if version == 2:
+        assert store.update_stats(1)["below_resolution"].tolist() == [0, 0, 1, 1, 2, 2]
+        assert store.shadow_stats(2)["ref_norm"].tolist() == [2.0, 3.0] * 3
+
+
+def test_migrated_store_takes_new_runs(tmp_path):
+    path = tmp_path / "old.db"
+    shutil.copy(DATA / "store_v1.db", path)
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = writer.create_run(name="after migration")
+        writer.add_tensors(run_id, [(0, "w", [3], 3, "float32", "float32")])
+        writer.write_batch(run_id, [StepRow(0, 1.0, 1.0, 0, 0, 1.0, 0.1, 10, 1)], [_tensor_row(0, 0, 3)])
+    assert run_id == 3 and Store(path).run(3)["status"] == "finished"
+    assert Store(path).representability(3, "bf16")["overflow_at_scale"].tolist() == [3 * 10 + 6 + 5]
+
+
+@pytest.mark.parametrize("opener", [Store, StoreWriter], ids=["Store", "StoreWriter"])
+def test_newer_store_is_refused_naming_both_versions_and_left_unchanged(tmp_path, opener):
+    path = tmp_path / "future.db"
+    Store(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=rf"schema version 99, newer than this mpdiag's version {SCHEMA_VERSION}"):
+        opener(path)
+    assert _stamp(path) == "99" and path.read_bytes() == before
+
+
+def _tensor_row(step, tensor_id, base):
+    """A tensor row whose counts are distinct per format and kind: base*10 + position."""
+    reps = {fmt: Representability(*(base * 10 + k + 6 * f for k in range(6))) for f, fmt in enumerate(("fp16", "bf16"))}
+    hist = np.zeros(277, dtype=np.int64)
+    hist[100] = base
+    return TensorRow(step, tensor_id, encode_hist(hist), 1, 0, 0, 0, 2.0, 0.5, 1.0, reps)
+
+
+def _new_run(writer, steps=2, tensors=2):
+    run_id = writer.create_run(name="t", opt_level="O1")
+    writer.add_tensors(run_id, [(t, f"w{t}", [3], 3, "float32", "float32") for t in range(tensors)])
+    writer.write_batch(run_id, [StepRow(s, 1.0, 2.0, 0, s, 2.0, 0.1, 100, 1) for s in range(steps)],
+                       [_tensor_row(s, t, s + t) for s in range(steps) for t in range(tensors)])
+    return run_id
+
+
+def test_representability_by_format_and_wide_columns_come_from_the_same_rows(tmp_path):
+    with StoreWriter(tmp_path / "s.db", finish_runs=True) as writer:
+        run_id = _new_run(writer, steps=3)
+    store = Store(tmp_path / "s.db")
+    bf16 = store.representability(run_id, "bf16", tensor="w1")
+    assert bf16["step"].tolist() == [0, 1, 2] and set(bf16["tensor"]) == {"w1"}
+    assert bf16["underflow"].tolist() == [10 + 6, 20 + 6, 30 + 6]  # base = step + 1, bf16 starts at position 6
+    at_step = store.representability(run_id, "fp16", step=2)
+    assert at_step["tensor"].tolist() == ["w0", "w1"] and at_step["overflow_at_scale"].tolist() == [25, 35]
+    wide = store.tensor_stats(run_id)
+    assert wide["bf16_overflow_at_scale"].tolist() == (store.representability(run_id, "bf16")["overflow_at_scale"]).tolist()
+    totals = store.tensor_totals(run_id).set_index("tensor")
+    assert totals.loc["w0", "fp16_subnormal"] == sum(10 * b + 1 for b in (0, 1, 2))
+    assert (totals[REPRESENTABILITY_COLUMNS] == wide.groupby("tensor")[REPRESENTABILITY_COLUMNS].sum()).all().all()
+    with pytest.raises(ValueError, match="unknown format 'fp8'; the known formats are fp16, bf16"):
+        store.representability(run_id, "fp8")
+
+
+def test_write_batch_refuses_a_format_outside_the_registry(tmp_path):
+    with StoreWriter(tmp_path / "s.db") as writer:
+        run_id = writer.create_run(name="t")
+        row = _tensor_row(0, 0, 1)._replace(representability={"fp8": Representability(0, 0, 0, 0, 0, 0)})
+        with pytest.raises(ValueError, match=r"unknown formats \['fp8'\]"):
+            writer.write_batch(run_id, [], [row])
+    assert Store(tmp_path / "s.db").tensor_stats(run_id).empty
+
+
+def test_writer_context_marks_its_run_failed_with_the_traceback(tmp_path):
+    path = tmp_path / "s.db"
+
+    def boom():
+        raise RuntimeError("the loss exploded")
+
+    with pytest.raises(RuntimeError, match="the loss exploded"):
+        with StoreWriter(path) as writer:
+            run_id = _new_run(writer)
+            boom()
+    run = Store(path).run(run_id)
+    assert run["status"] == "failed" and run["finished_at"] is not pd.NaT
+    assert "Traceback" in run["error"] and "in boom" in run["error"] and "RuntimeError: the loss exploded" in run["error"]
+    assert run["steps_done"] == 2  # the summary was stored with the status
+
+
+def test_writer_context_finishes_only_when_asked(tmp_path):
+    path = tmp_path / "s.db"
+    with StoreWriter(path, finish_runs=True) as writer:
+        finished = _new_run(writer)
+    with StoreWriter(path) as writer:
+        left_open = writer.create_run(name="continued elsewhere")
+        ended = writer.create_run(name="ended explicitly")
+        writer.end_run(ended, "failed", error="stopped", note="by hand")
+    with sqlite3.connect(path) as conn:
+        rows = dict(conn.execute("SELECT run_id, status FROM runs").fetchall())
+        summary = json.loads(conn.execute("SELECT summary FROM runs WHERE run_id = ?", (finished,)).fetchone()[0])
+    assert rows == {finished: "finished", left_open: "running", ended: "failed"}
+    assert summary["steps_done"] == 2
+    assert Store(path).run(ended)["note"] == "by hand"
+
+
+def test_run_ids_are_integers(tmp_path):
+    path = tmp_path / "s.db"
+    with StoreWriter(path) as writer:
+        parent = writer.create_run(name="parent")
+        child = writer.create_run(name="rerun", parent_run_id=parent)
+        writer.update_run(parent, pair_run_id=child)
+    runs = Store(path).runs().set_index("name")
+    assert str(runs["parent_run_id"].dtype) == "Int64" and str(runs["pair_run_id"].dtype) == "Int64"
+    assert runs.loc["rerun", "parent_run_id"] == 1 and repr(runs.loc["rerun", "parent_run_id"]) == "np.int64(1)"
+    assert pd.isna(runs.loc["parent", "parent_run_id"]) and runs.loc["parent", "pair_run_id"] == child
+    assert runs["run_id"].dtype == np.int64
