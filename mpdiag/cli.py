@@ -1,4 +1,4 @@
-"""Command line: ``python -m mpdiag run|rerun|check|diagnose|runs|export``.
+"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|runs|export``.
 
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
 on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run
@@ -24,6 +24,7 @@ from mpdiag.store import DEFAULT_STORE, Store, StoreError
 from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, flag
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
+from mpdiag.training.watch import WatchConfig, watch
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
     rerun.add_argument("run_id", type=int)
     _run_options(rerun, inherit=True)
+    watch = sub.add_parser("watch", help="run an unmodified training script (python SCRIPT ARGS...) and record it",
+                           usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]")
+    watch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE would")
+    watch.add_argument("--name", default=None, help="display name of the run (default: the script's file name)")
+    watch.add_argument("--every", type=int, default=1, help="record tensor statistics every N steps (default 1)")
+    watch.add_argument("--trace-modules", action="store_true", help="record each module's output and gradient "
+                       "absmax per step, to locate the first inf/NaN")
+    watch.add_argument("--opt-level", default=None, help="O0, O1 or bf16: override the script's autocast and "
+                       "GradScaler settings (default: leave them alone)")
+    watch.add_argument("--init-scale", type=float, default=None, help="initial scale of every GradScaler the script creates")
+    _store_arg(watch)
+    watch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                       help="the script and its arguments: everything after SCRIPT belongs to the script")
     export = sub.add_parser("export", help="write a run's records as Parquet and CSV")
     export.add_argument("run_id", type=int)
     export.add_argument("--out", required=True, help="output directory: new or empty (see --force)")
@@ -175,7 +189,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     store = Store(args.store, create=False)
     run = store.run(args.run_id)
-    if not args.no_probe and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
+    own_loop = not isinstance(run["script_sha256"], str)  # recorded by a Recorder or watch: nothing to rerun or probe
+    if not args.no_probe and not own_loop and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
         print(f"probing run {args.run_id}: recomputing one batch at two loss scales in a child process…", file=sys.stderr)
         run_probe(store.path, args.run_id)
     findings = diagnose(store, args.run_id)
@@ -186,10 +201,28 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
-        if f.fix:
+        if f.fix and own_loop:
+            print("  check it: change these settings in your own loop (the run was recorded from it, "
+                  f"so mpdiag cannot rerun it): {f.fix}")
+        elif f.fix:
             flags = " ".join(f"{flag(k)} {v}" for k, v in f.fix.items())
             print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}")
     return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    if args.module is None and not args.command_line:
+        raise ConfigError("watch needs a script (watch [options] SCRIPT [ARGS...]) or -m MODULE")
+    target, rest = (args.module, args.command_line) if args.module else (args.command_line[0], args.command_line[1:])
+    config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
+                         every=args.every, trace_modules=args.trace_modules, opt_level=args.opt_level,
+                         init_scale=args.init_scale)
+    store = Store(args.store)
+    run_id, code = watch(config, store.path)
+    run = store.run(run_id)
+    print(f"mpdiag watch: run {run_id} ({run['name']}): {run['status']}, {run['steps_done']} steps, "
+          f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)
+    return code
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -247,7 +280,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export,
+            "watch": cmd_watch}
 
 
 def _refuse(message: str) -> int:
@@ -276,7 +310,9 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_attach_dash_values(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    # watch: everything after SCRIPT is the script's own, passed on untouched
+    args = build_parser().parse_args(argv if argv[:1] == ["watch"] else _attach_dash_values(argv))
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, ScriptError, StoreError) as exc:

@@ -63,6 +63,13 @@ def _grads_already_unscaled(scaler) -> bool:
     return any(state.get("stage") is OptState.UNSCALED for state in states.values())
 
 
+def scaler_run_fields(scaler) -> dict[str, Any]:
+    """The run fields a dynamic scaler defines, from its own ``state_dict()`` (its scale now as the initial one)."""
+    state = scaler.state_dict()
+    return {"init_scale": state.get("scale"),
+            **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
+
+
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
 
 
@@ -185,14 +192,13 @@ class Recorder:
         fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
         extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
         fields.setdefault("opt_level", "custom")
+        fields.setdefault("scaling", "none" if self.scaler is None else "dynamic")  # no scaler: no scale findings
         fields.setdefault("every", self.every)
         fields.setdefault("device", str(self.device))
         fields.setdefault("torch_version", torch.__version__)
         if self.scaler is not None:
-            state = self.scaler.state_dict()
-            fields.setdefault("init_scale", state.get("scale"))
-            for key in ("growth_factor", "backoff_factor", "growth_interval"):
-                fields.setdefault(key, state.get(key))
+            for key, value in scaler_run_fields(self.scaler).items():
+                fields.setdefault(key, value)
         return self._writer.call(lambda w: w.create_run(name=name, config=extra, **fields))
 
     def _tensor_rows(self) -> list[tuple]:

@@ -1,0 +1,385 @@
+"""``mpdiag watch``: record an unmodified training script, run in this process as ``python SCRIPT ARGS`` would.
+
+This module owns the interception: for the watch's lifetime it hooks torch's global optimizer step hooks and
+patches GradScaler (``__init__``, ``scale``, ``step``; whether ``unscale_`` ran the Recorder reads from its state), autocast's
+``__init__``, ``torch.autograd.backward`` and the gradient-clipping functions, and restores every one of them
+afterwards. It must not compute statistics itself: every number goes through the
+:class:`mpdiag.recording.recorder.Recorder`, fed at the moment a step's gradients are complete.
+
+A step is one ``scaler.step(optimizer)`` call, or one ``optimizer.step()`` where no scaler steps it; several
+optimizer steps after the same backward passes are one step. Its gradients are read once, at the first of: a
+clip call, a scaler step, an optimizer step - so before any clipping, and unscaled by the Recorder whether or
+not the script called ``unscale_``. Its loss is the sum of the (unscaled) values ``backward`` was called on
+since the previous step: with accumulation over k micro-batches of ``loss / k``, their mean.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import runpy
+import signal
+import sys
+import threading
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
+from mpdiag.training.config import ConfigError
+
+#: what each level does to the script's own autocast regions (dtype, or False to disable) and GradScalers
+WATCH_LEVELS = {
+    "O0": (False, False),
+    "O1": (torch.float16, True),
+    "bf16": (torch.bfloat16, False),
+}
+REFUSED_LEVELS = {
+    "O2": "O2 keeps FP16 weights with FP32 master weights owned by the optimizer; only `mpdiag run` can set that "
+          "up, because it builds the model and the optimizer itself",
+    "O3": "O3 casts the model's weights to FP16, which means changing how the script builds its model; "
+          "only `mpdiag run` can do that",
+    "bf16-pure": "bf16-pure casts the model's weights to BF16, which means changing how the script builds its "
+                 "model; only `mpdiag run` can do that",
+}
+
+
+class WatchStopped(BaseException):
+    """The watched process got SIGTERM. A BaseException, so the script's ``except Exception`` lets it through."""
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """What to run and how to record it. ``target`` is a script path, or a module name when ``module``."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    name: str | None = None
+    every: int = 1
+    trace_modules: bool = False
+    opt_level: str | None = None
+    init_scale: float | None = None
+    cwd: str = field(default_factory=os.getcwd)
+
+    def validate(self) -> None:
+        """Raise ConfigError (nothing run, nothing stored) for an option watch cannot honour."""
+        if self.opt_level in REFUSED_LEVELS:
+            raise ConfigError(f"watch --opt-level {self.opt_level} is refused: {REFUSED_LEVELS[self.opt_level]}. "
+                              f"watch takes {', '.join(WATCH_LEVELS)}, or no --opt-level to keep the script's own settings.")
+        if self.opt_level is not None and self.opt_level not in WATCH_LEVELS:
+            raise ConfigError(f"--opt-level {self.opt_level!r}: watch takes {', '.join(WATCH_LEVELS)}")
+        if self.every < 1:
+            raise ConfigError(f"--every must be >= 1, got {self.every}")
+        if self.init_scale is not None and not 0 < self.init_scale < float("inf"):
+            raise ConfigError(f"--init-scale must be a finite number > 0, got {self.init_scale}")
+        if not self.module and not os.path.isfile(self.target):
+            raise ConfigError(f"{self.target}: no such file. Give the training script's path (or -m MODULE).")
+
+    def command(self) -> list[str]:
+        """The command line the watched process ran, as ``python`` would be given it."""
+        return [*(["-m"] if self.module else []), self.target, *self.args]
+
+
+class OptimizedParameters(nn.Module):
+    """The parameters the script's optimizers hold, each once, named by its path in the module owning it:
+    what the Recorder reads. It registers nothing, so it changes no module of the script."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], roots: list[tuple[str, nn.Module]]):
+        super().__init__()
+        self._named_params = named
+        self._roots = roots
+
+    def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named_params)
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        for root_prefix, root in self._roots:
+            yield from root.named_modules(prefix=root_prefix)
+
+
+def optimized_parameters(optimizers) -> OptimizedParameters:
+    """Name every distinct parameter of ``optimizers`` by its path in the outermost module holding it (found
+    among the live modules); modules in the order their first parameter appears in the optimizers."""
+    held = list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
+    position = {id(p): i for i, p in enumerate(held)}
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        live = [m for m in gc.get_objects() if isinstance(m, nn.Module)]
+    candidates = [m for m in live if any(id(p) in position for p in m.parameters())]
+    inner = {id(c) for m in candidates for c in list(m.modules())[1:]}
+    roots = [m for m in candidates if id(m) not in inner]
+    roots.sort(key=lambda m: min(position[id(p)] for p in m.parameters() if id(p) in position))
+    named, seen, prefixed = [], set(), []
+    for root in roots:
+        prefix = "" if len(roots) == 1 else f"{type(root).__name__}{'' if not prefixed else len(prefixed)}"
+        prefixed.append((prefix, root))
+        for name, p in root.named_parameters(prefix=prefix):
+            if id(p) in position and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    named += [(f"param{position[id(p)]}", p) for p in held if id(p) not in seen]  # held by no module
+    return OptimizedParameters(named, prefixed)
+
+
+class _Patches:
+    """Attribute replacements undone in reverse order by :meth:`restore`."""
+
+    def __init__(self):
+        self._undo: list[Callable[[], None]] = []
+
+    def set(self, owner, name: str, value) -> None:
+        old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, old))
+
+    def hook(self, handle) -> None:
+        self._undo.append(handle.remove)
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _bound(fn, args, kwargs) -> inspect.BoundArguments:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+class Watcher:
+    """Installs the interception, feeds the Recorder and ends the run. One per watched process."""
+
+    def __init__(self, config: WatchConfig, writer: BackgroundWriter, run_id: int):
+        self.config, self.writer, self.run_id = config, writer, run_id
+        self.recorder: Recorder | None = None
+        self.steps = 0
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._scalers: list = []  # GradScalers the script created, newest last (weak references)
+        self._scaled: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # scaler.scale() output -> unscaled loss
+        self._loss: torch.Tensor | None = None
+        self._recorded = False  # this step's gradients have been given to the Recorder
+        self._stepped = False  # an optimizer or scaler step has run since they were
+        self._patches = _Patches()
+
+    # -- interception --------------------------------------------------------------------------------------
+    def install(self) -> None:
+        p, watcher = self._patches, self
+        level = WATCH_LEVELS.get(self.config.opt_level)
+
+        opt_init = torch.optim.Optimizer.__init__
+
+        def optimizer_init(opt, *args, **kwargs):
+            opt_init(opt, *args, **kwargs)
+            watcher._optimizers.add(opt)
+
+        p.set(torch.optim.Optimizer, "__init__", optimizer_init)
+        p.hook(register_optimizer_step_pre_hook(lambda opt, args, kwargs: watcher._capture()))
+        p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._mark_stepped()))
+
+        scaler_cls = torch.amp.GradScaler
+        scaler_init, scaler_scale, scaler_step = scaler_cls.__init__, scaler_cls.scale, scaler_cls.step
+
+        def init(scaler, *args, **kwargs):
+            bound = _bound(scaler_init, (scaler, *args), kwargs)
+            if level is not None:
+                bound.arguments["enabled"] = level[1]
+                if level[1] and bound.arguments["device"] == "cuda" and not torch.cuda.is_available():
+                    bound.arguments["device"] = "cpu"  # O1 on a CPU-only machine: a CUDA scaler would disable itself
+            if watcher.config.init_scale is not None:
+                bound.arguments["init_scale"] = watcher.config.init_scale
+            scaler_init(*bound.args, **bound.kwargs)
+            watcher._scalers.append(weakref.ref(scaler))
+
+        def scale(scaler, outputs):
+            scaled = scaler_scale(scaler, outputs)
+            if torch.is_tensor(outputs) and torch.is_tensor(scaled):
+                watcher._scaled[id(scaled)] = (weakref.ref(scaled), outputs.detach())
+            return scaled
+
+        def step(scaler, optimizer, *args, **kwargs):
+            watcher._capture(scaler)
+            try:
+                return scaler_step(scaler, optimizer, *args, **kwargs)
+            finally:
+                watcher._mark_stepped()  # also when GradScaler skipped the optimizer's step
+
+        p.set(scaler_cls, "__init__", init)
+        p.set(scaler_cls, "scale", scale)
+        p.set(scaler_cls, "step", step)
+
+        backward = torch.autograd.backward
+
+        def watched_backward(tensors, *args, **kwargs):
+            watcher._on_backward(tensors)
+            return backward(tensors, *args, **kwargs)
+
+        p.set(torch.autograd, "backward", watched_backward)
+
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in ("clip_grad_norm_", "clip_grad_value_"):
+                p.set(module, name, self._before(getattr(torch.nn.utils.clip_grad, name)))
+
+        if level is not None:
+            autocast_cls = torch.amp.autocast_mode.autocast
+            autocast_init = autocast_cls.__init__
+
+            def autocast(region, *args, **kwargs):
+                bound = _bound(autocast_init, (region, *args), kwargs)
+                if level[0] is False:
+                    bound.arguments["enabled"] = False
+                else:
+                    bound.arguments["dtype"] = level[0]
+                autocast_init(*bound.args, **bound.kwargs)
+
+            p.set(autocast_cls, "__init__", autocast)
+
+    def _before(self, clip):
+        def clipped(*args, **kwargs):
+            self._capture()
+            return clip(*args, **kwargs)
+
+        clipped.__wrapped__ = clip
+        return clipped
+
+    def restore(self) -> None:
+        self._patches.restore()
+
+    # -- step boundaries -----------------------------------------------------------------------------------
+    def _on_backward(self, tensors) -> None:
+        if self._recorded and self._stepped:  # the first backward of a new step
+            self._recorded = self._stepped = False
+        if not torch.is_tensor(tensors) or tensors.numel() != 1:
+            return
+        ref, unscaled = self._scaled.get(id(tensors), (None, None))
+        value = unscaled if ref is not None and ref() is tensors else tensors.detach()
+        value = value.reshape(()).double()
+        self._loss = value if self._loss is None else self._loss + value
+
+    def _mark_stepped(self) -> None:
+        if self._recorded:
+            self._stepped = True
+
+    def _capture(self, scaler=None) -> None:
+        """Give this step's gradients to the Recorder, once per step, before anything changes them."""
+        if self._recorded:
+            return
+        if self.recorder is None:
+            self.recorder = self._start_recorder(scaler)
+            if self.recorder is None:
+                return
+        loss = self._loss if self._loss is not None else float("nan")
+        self.recorder.record(loss)
+        self.steps += 1
+        self._loss, self._scaled = None, {}
+        self._recorded = True
+
+    def _start_recorder(self, scaler) -> Recorder | None:
+        """The Recorder over every parameter the script's optimizers hold, with the scaler that steps them
+        (the newest enabled GradScaler when the first capture is a clip call)."""
+        live = [s for s in (ref() for ref in self._scalers) if s is not None]
+        if scaler is None:
+            scaler = next((s for s in reversed(live) if s.is_enabled()), None)
+        optimizers = list(self._optimizers)
+        if not optimizers:
+            return None
+        params = optimized_parameters(optimizers)
+        enabled = scaler is not None and scaler.is_enabled()
+        fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
+        self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
+                                 every=self.config.every, trace_modules=self.config.trace_modules)
+
+    # -- the script ----------------------------------------------------------------------------------------
+    def run_script(self) -> None:
+        """Run the target as ``python [-m] TARGET ARGS`` would, in this process."""
+        saved_argv, saved_path = sys.argv, list(sys.path)
+        try:
+            if self.config.module:
+                sys.argv = [self.config.target, *self.config.args]  # runpy puts the module's file in argv[0]
+                sys.path[0:0] = [self.config.cwd]
+                runpy.run_module(self.config.target, run_name="__main__", alter_sys=True)
+            else:
+                path = os.path.abspath(self.config.target)
+                sys.argv = [self.config.target, *self.config.args]
+                sys.path[0:0] = [os.path.dirname(path)]
+                runpy.run_path(path, run_name="__main__")
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+
+    def end(self, status: str, error: str | None) -> None:
+        note = None if self.steps else "no optimizer step was observed: nothing to record"
+        if self.recorder is not None:
+            if status == "finished":
+                self.recorder.close()
+            else:
+                self.recorder.fail(error, status=status)
+            return
+        self.writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
+
+
+def _stop(signum, frame):
+    raise WatchStopped(f"stopped by signal {signal.Signals(signum).name}")
+
+
+def _exit_code(code) -> int:
+    """``sys.exit(code)``'s process exit status, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def watch(config: WatchConfig, store_path: str | os.PathLike) -> tuple[int, int]:
+    """Run the script under ``config``, record it as one run and return (run id, the script's exit code).
+
+    Raises ConfigError before anything runs or is stored when an option is refused."""
+    config.validate()
+    writer = BackgroundWriter(store_path)
+    try:
+        settings = {"argv": config.command(), "cwd": config.cwd, "opt_level": config.opt_level,
+                    "init_scale": config.init_scale, "every": config.every, "trace_modules": config.trace_modules}
+        run_id = writer.call(lambda w: w.create_run(
+            name=config.name or os.path.basename(config.target), script_path=None if config.module else
+            os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
+            every=config.every, device="cpu", torch_version=torch.__version__, config={"watch": settings}))
+        watcher = Watcher(config, writer, run_id)
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
+        watcher.install()
+        try:
+            watcher.run_script()
+            status, error, code = "finished", None, 0
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+            status, error = ("finished", None) if code == 0 else \
+                ("failed", f"the script called sys.exit({exc.code!r})")
+        except WatchStopped as exc:
+            status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
+        except KeyboardInterrupt:
+            status, error, code = "crashed", "stopped by keyboard interrupt (SIGINT)", 128 + signal.SIGINT
+        except BaseException:  # noqa: BLE001 - the script's own error: recorded, printed, exit 1 as python would
+            error = traceback.format_exc()
+            print(error, file=sys.stderr, end="")
+            status, code = "failed", 1
+        finally:
+            watcher.restore()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if watcher.recorder is not None:
+            device = str(watcher.recorder.device)
+            writer.submit(lambda w: w.update_run(run_id, device=device))
+        watcher.end(status, error)
+        return run_id, code
+    finally:
+        writer.close()

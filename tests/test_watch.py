@@ -1,0 +1,270 @@
+"""`mpdiag watch`: an unmodified training script recorded as one run, checked against what the script itself
+computes (clip_grad_norm_'s returned norm, GradScaler's own state, its accumulated loss), never against mpdiag."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mpdiag.store import Store
+from mpdiag.training.config import ConfigError
+from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AMP_LOOP = os.path.join(ROOT, "tests", "scripts", "amp_loop.py")
+
+
+def watched(store_path, target, *args, **options):
+    run_id, code = watch(WatchConfig(target=str(target), args=tuple(map(str, args)), **options), store_path)
+    return Store(store_path), run_id, code
+
+
+def cli(*argv, cwd=None, **popen):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "mpdiag", *map(str, argv)], cwd=cwd or ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, **popen)
+
+
+def test_amp_loop_norms_loss_and_scaler_trajectory_are_the_loops_own(store_path, tmp_path):
+    log_path = tmp_path / "log.json"
+    store, run_id, code = watched(store_path, AMP_LOOP, log_path, "--steps", 6, "--accumulate", 2)
+    log = json.loads(log_path.read_text())
+    assert code == 0
+    run, steps = store.run(run_id), store.steps(run_id)
+    assert (run["status"], run["scaling"], run["init_scale"]) == ("finished", "dynamic", 2.0**16)
+    settings = run["config"]["watch"]  # what a rerun repeats: the command line and its directory
+    assert settings["argv"] == [AMP_LOOP, str(log_path), "--steps", "6", "--accumulate", "2"]
+    assert settings["cwd"] == os.getcwd()
+    assert list(steps["step"]) == list(range(6))
+    # the loss: the sum of the two micro-batch losses / 2 that backward was called on, unscaled
+    assert steps["loss"].tolist() == pytest.approx(log["loss"], rel=1e-6)
+    # the scaler's own trajectory, step by step, including the step it skipped (2)
+    assert steps["loss_scale"].tolist() == log["scale"]
+    assert steps["scale_after"].tolist() == log["scale_after"]
+    assert steps["growth_tracker"].tolist() == log["tracker_after"]
+    expected_skips = [int(after < before) for before, after in zip(log["scale"], log["scale_after"], strict=True)]
+    assert expected_skips == [0, 0, 1, 0, 0, 0]
+    assert steps["skipped"].tolist() == expected_skips
+    # every step's gradients unscaled and before clipping: their global norm is what clip_grad_norm_ returned
+    stats = store.tensor_stats(run_id)
+    for step, norm in enumerate(log["grad_norm"]):
+        rows = stats[stats["step"] == step]
+        assert len(rows) == 6
+        if math.isfinite(norm):
+            assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6)
+        else:
+            assert (rows["nan"] + rows["posinf"] + rows["neginf"]).sum() > 0
+    names = store.tensors(run_id)["name"].tolist()
+    assert names == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+
+
+def test_fp32_loop_without_scaler_has_no_scaling_and_no_skips(store_path, tmp_path):
+    log_path = tmp_path / "log.json"
+    store, run_id, _ = watched(store_path, AMP_LOOP, log_path, "--steps", 4, "--dtype", "float32")
+    log = json.loads(log_path.read_text())
+    run, steps = store.run(run_id), store.steps(run_id)
+    assert run["scaling"] == "none"
+    assert steps["skipped"].tolist() == [0, 0, 0, 0]
+    assert steps["loss_scale"].tolist() == [1.0] * 4
+    assert steps["loss"].tolist() == pytest.approx(log["loss"], rel=1e-6)
+    stats = store.tensor_stats(run_id)
+    for step, norm in enumerate(log["grad_norm"]):
+        assert math.sqrt((stats[stats["step"] == step]["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6)
+
+
+def test_bf16_autocast_loop(store_path, tmp_path):
+    log_path = tmp_path / "log.json"
+    store, run_id, _ = watched(store_path, AMP_LOOP, log_path, "--steps", 3, "--dtype", "bfloat16")
+    log = json.loads(log_path.read_text())
+    steps, stats = store.steps(run_id), store.tensor_stats(run_id)
+    assert store.run(run_id)["scaling"] == "none"
+    assert steps["loss"].tolist() == pytest.approx(log["loss"], rel=1e-6)
+    for step, norm in enumerate(log["grad_norm"]):
+        assert math.sqrt((stats[stats["step"] == step]["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6)
+
+
+WRAPPED = '''
+import torch
+from torch import nn
+
+class WrappedOptimizer:
+    """Like Accelerate's AcceleratedOptimizer / Lightning's: not an Optimizer, it calls the real one's step."""
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler = optimizer, scaler
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+head = nn.Linear(2, 1)
+head.weight = nn.Parameter(torch.ones(1, 2))
+opt = WrappedOptimizer(torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1),
+                       torch.amp.GradScaler("cpu", init_scale=8.0))
+for step in range(3):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = head(model(torch.randn(5, 4))).float().pow(2).mean()
+    opt.scaler.scale(loss).backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_wrapped_optimizer_and_two_modules(store_path, write_script):
+    store, run_id, code = watched(store_path, write_script(WRAPPED, "wrapped.py"))
+    assert code == 0
+    steps = store.steps(run_id)
+    assert len(steps) == 3 and steps["skipped"].tolist() == [0, 0, 0]
+    assert steps["loss_scale"].tolist() == [8.0, 8.0, 8.0]
+    assert store.tensors(run_id)["name"].tolist() == ["Linear.weight", "Linear.bias", "Linear1.weight", "Linear1.bias"]
+
+
+def test_tied_weight_is_one_tensor_named_by_its_first_path():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.out = torch.nn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+    model = Tied()
+    params = optimized_parameters([torch.optim.AdamW(model.parameters())])
+    assert [n for n, _ in params.named_parameters()] == ["embed.weight"]
+
+
+NO_OPTIMIZER = '''
+import torch
+w = torch.nn.Parameter(torch.ones(3))
+for _ in range(3):
+    (w * 2).sum().backward()
+    with torch.no_grad():
+        w -= 0.1 * w.grad
+    w.grad = None
+'''
+
+
+def test_loop_without_optimizer_records_no_steps(store_path, write_script):
+    store, run_id, code = watched(store_path, write_script(NO_OPTIMIZER, "by_hand.py"))
+    run = store.run(run_id)
+    assert (code, run["status"], run["steps_done"], run["scaling"]) == (0, "finished", 0, "none")
+    assert "no optimizer step" in run["note"]
+
+
+def test_levels_override_the_scripts_settings(store_path, tmp_path):
+    log = tmp_path / "log.json"
+    store, o0, _ = watched(store_path, AMP_LOOP, log, "--steps", 3, opt_level="O0")
+    assert store.run(o0)["scaling"] == "none" and store.run(o0)["opt_level"] == "O0"
+    assert store.steps(o0)["skipped"].tolist() == [0, 0, 0]
+    assert store.steps(o0)["loss_scale"].tolist() == [1.0] * 3
+    assert store.tensors(o0)["grad_dtype"].tolist() == ["float32"] * 6
+    _, o1, _ = watched(store_path, AMP_LOOP, log, "--steps", 3, "--dtype", "float32", opt_level="O1", init_scale=1024.0)
+    assert store.run(o1)["scaling"] == "dynamic"
+    assert store.steps(o1)["loss_scale"].tolist()[0] == 1024.0
+    _, scaled, _ = watched(store_path, AMP_LOOP, log, "--steps", 3, init_scale=256.0)
+    assert store.steps(scaled)["loss_scale"].tolist() == [256.0, 256.0, 256.0]
+    assert store.steps(scaled)["scale_after"].tolist() == [256.0, 256.0, 128.0]  # step 2 overflows and backs off
+    _, bf16, _ = watched(store_path, AMP_LOOP, log, "--steps", 3, opt_level="bf16")
+    assert store.run(bf16)["scaling"] == "none" and store.steps(bf16)["skipped"].tolist() == [0, 0, 0]
+
+
+def test_patches_are_restored_after_a_watch(store_path, write_script):
+    originals = (torch.autograd.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.__init__,
+                 torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_value_,
+                 torch.amp.autocast_mode.autocast.__init__, torch.optim.Optimizer.__init__)
+    watched(store_path, write_script("raise ValueError('x')\n", "boom.py"), opt_level="O1")
+    assert originals == (torch.autograd.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.__init__,
+                         torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_value_,
+                         torch.amp.autocast_mode.autocast.__init__, torch.optim.Optimizer.__init__)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "bf16-pure"])
+def test_weight_casting_levels_are_refused_before_anything_runs(store_path, level):
+    with pytest.raises(ConfigError, match=f"{level} is refused"):
+        watch(WatchConfig(target=AMP_LOOP, args=("x",), opt_level=level), store_path)
+    assert not store_path.exists() or Store(store_path).runs().empty
+
+
+def test_cli_exit_codes_and_statuses(tmp_path):
+    db, log = tmp_path / "runs.db", tmp_path / "log.json"
+    refused = cli("watch", "--store", db, "--opt-level", "O2", AMP_LOOP, log)
+    assert refused.returncode == 2 and "O2 is refused" in refused.stderr and not log.exists()
+    raised = cli("watch", "--store", db, AMP_LOOP, log, "--fail-at", 2)
+    assert raised.returncode == 1 and "the loop broke at step 2" in raised.stderr
+    exited = cli("watch", "--store", db, AMP_LOOP, log, "--exit-at", 3)
+    assert exited.returncode == 3
+    fine = cli("watch", "--store", db, "--name", "fine", AMP_LOOP, log, "--steps", 2)
+    assert fine.returncode == 0 and "done 2 steps" in fine.stdout  # the script's output passes through
+    runs = Store(db).runs().set_index("name")
+    assert len(runs) == 3  # the refused level stored nothing
+    failed = runs.loc["amp_loop.py"].sort_values("run_id")
+    assert failed["status"].tolist() == ["failed", "failed"]
+    assert "RuntimeError: the loop broke at step 2" in failed["error"].iloc[0]
+    assert failed["error"].iloc[1] == "the script called sys.exit(3)"
+    assert failed["steps_done"].tolist() == [2, 3]  # the steps before the failure are kept
+    assert runs.loc["fine", "status"] == "finished"
+
+
+def test_module_mode_runs_as_python_dash_m(tmp_path):
+    pkg = tmp_path / "trainpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(
+        "import sys, torch\nassert __name__ == '__main__'\nm = torch.nn.Linear(2, 1)\n"
+        "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(int(sys.argv[1])):\n    m(torch.ones(1, 2)).sum().backward(); o.step(); o.zero_grad()\n")
+    done = cli("watch", "--store", tmp_path / "runs.db", "-m", "trainpkg.train", "4", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert Store(tmp_path / "runs.db").runs()["steps_done"].tolist() == [4]
+
+
+SLOW = '''
+import time, torch
+m = torch.nn.Linear(2, 1)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+for step in range(100000):
+    m(torch.ones(1, 2)).sum().backward(); o.step(); o.zero_grad()
+    if step == 2:
+        print("ready", flush=True)
+    time.sleep(0.05)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_script_leaves_the_run_crashed(tmp_path, sig):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW)
+    db = tmp_path / "runs.db"
+    proc = subprocess.Popen([sys.executable, "-m", "mpdiag", "watch", "--store", str(db), str(script)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(sig)
+    code = proc.wait(timeout=120)
+    assert code == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    for _ in range(100):  # a SIGKILLed process's run reads as crashed once the process is gone
+        run = Store(db).runs().iloc[0]
+        if run["status"] == "crashed":
+            break
+        time.sleep(0.1)
+    assert run["status"] == "crashed"
+    if sig == signal.SIGTERM:
+        assert run["error"] == "stopped by signal SIGTERM" and run["steps_done"] >= 3
+
+
+def test_diagnose_of_a_watched_run_offers_no_rerun_and_probes_nothing(store_path, tmp_path, capsys):
+    from mpdiag.cli import main
+
+    _, run_id, _ = watched(store_path, AMP_LOOP, tmp_path / "log.json", "--steps", 6, init_scale=2.0**40)
+    capsys.readouterr()
+    assert main(["diagnose", str(run_id), "--store", str(store_path)]) == 0
+    out = capsys.readouterr()
+    assert "probing" not in out.err and "mpdiag rerun" not in out.out
+    assert "[error]" in out.out or "[warning]" in out.out  # every step skipped: a scale finding is made
+    assert "recorded from it" in out.out
