@@ -81,3 +81,11 @@ def test_no_import_circles():
 def test_every_module_says_what_it_owns(module):
     docstring = ast.get_docstring(ast.parse(MODULES[module].read_text()))
     assert docstring and len(docstring.split()) >= 8, f"{module} needs a docstring saying what it owns"
+
+
+def test_no_text_points_to_a_document_that_does_not_ship():
+    """Messages, docstrings and comments explain themselves or point into the README, never to files outside it."""
+    shipped = [*(ROOT / "mpdiag").rglob("*.py"), ROOT / "app.py", *(ROOT / "pages").glob("*.py"), ROOT / "README.md"]
+    offenders = [str(path.relative_to(ROOT)) for path in shipped
+                 if any(phrase in path.read_text() for phrase in ("reference section", "shared/reference", "reference §"))]
+    assert not offenders

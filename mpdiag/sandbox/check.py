@@ -76,7 +76,8 @@ def static_warnings(source: str, cuda_available: bool) -> list[ScriptWarning]:
                         found.append(ScriptWarning(fn.lineno, (
                             f"autograd.Function {node.name}.{fn.name} has no @torch.amp.{wanted}: under autocast it "
                             "runs in whatever dtype arrives, and its backward must multiply by grad_output or loss "
-                            "scaling breaks (reference section 7)")))
+                            "scaling breaks: its gradients then skip the loss scale S and end up S times too small "
+                            "after unscaling")))
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name.endswith(("BCELoss", "binary_cross_entropy")) and "with_logits" not in name and "Logits" not in name:
