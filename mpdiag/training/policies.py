@@ -21,6 +21,8 @@ O2       fp16          no             fp32                 fp32           dynami
 O3       fp16          no             fp16                 no             static 1.0
 bf16     fp32          autocast bf16  (autocast lists)     no             none
 bf16-pure bf16         no             bf16                 no             none
+fp8-sim  fp32          as bf16; every (autocast lists)     no             none
+                       Linear via FP8
 ======== ============= ============== ==================== ============== ==================
 
 Every FP16 level scales through :class:`LossScaler` (a ``torch.amp.GradScaler``), so "skipped" and the scale
@@ -38,7 +40,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.nested import map_tensors
+from mpdiag.training.fp8_sim import simulate_fp8
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -300,15 +304,38 @@ class BF16Pure(_PureLowPrecision):
         _require_bf16(cls.name, device)
 
 
-POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure)}
+class FP8Sim(BF16Mixed):
+    """The bf16 level with every Linear computing through simulated FP8 (mpdiag.training.fp8_sim)."""
+
+    name = "fp8-sim"
+    summary = "as bf16, with every Linear's input, weight and output gradient quantized through FP8 (simulated)"
+
+    def __init__(self, device, scaling=None, fp8: Fp8Settings | None = None):
+        super().__init__(device, scaling)
+        self.fp8 = fp8 or Fp8Settings()
+        try:
+            self.fp8.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.fp8.recipe == "both":
+            raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current or delayed, not both")
+
+    def prepare(self, model, make_optimizer):
+        simulate_fp8(model, self.fp8, self.device)
+        return super().prepare(model, make_optimizer)
 
 
-def make_policy(opt_level: str, device: torch.device, scaling: ScalingConfig | None = None) -> PrecisionPolicy:
-    """The policy for ``opt_level``, after checking the level, the device and the scale settings."""
+POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure, FP8Sim)}
+
+
+def make_policy(opt_level: str, device: torch.device, scaling: ScalingConfig | None = None,
+                fp8: Fp8Settings | None = None) -> PrecisionPolicy:
+    """The policy for ``opt_level``, after checking the level, the device and the scale settings
+    (``fp8``: the recipe of the fp8-sim level)."""
     cls = POLICIES.get(opt_level)
     if cls is None:
         raise ConfigError(f"unknown opt level {opt_level!r}; choose one of: {', '.join(POLICIES)}")
     scaling = scaling or ScalingConfig()
     scaling.validate()
     cls.check(device, scaling)
-    return cls(device, scaling)
+    return cls(device, scaling, fp8) if cls is FP8Sim else cls(device, scaling)
