@@ -145,6 +145,11 @@ class Fp8StatsComputer:
         self._room = 0
         self._layout: tuple | None = None  # (sizes, segments with their owner index tensors)
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the reusable workspaces allocated so far (the delayed history besides)."""
+        return 20 * self._room
+
     def _workspaces(self, room: int) -> None:
         if room > self._room:
             self._room = room

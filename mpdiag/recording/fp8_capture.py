@@ -70,6 +70,10 @@ class Fp8Capture:
         self._pieces: list[list[torch.Tensor]] = [[] for _ in self.tensors]
         self._handles = [m.register_forward_hook(self._on_forward(i)) for i, (_, m) in enumerate(self.modules)]
 
+    @property
+    def workspace_bytes(self) -> int:
+        return self._computer.workspace_bytes
+
     def _on_forward(self, index: int):
         first = 3 * index
 
