@@ -26,38 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import write_result  # noqa: E402
+from common import add_transformer_options, sync, timed, transformer_setup, write_result  # noqa: E402
 
-from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
 from mpdiag.numerics.fp8_recipes import Fp8Settings  # noqa: E402
 from mpdiag.recording.fp8_capture import Fp8Capture  # noqa: E402
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant (after 3 warm-up)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--d-model", type=int, default=352)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/fp8_overhead.json"))
+    add_transformer_options(parser, steps=20, out="fp8_overhead.json")
     args = parser.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-
-    torch.manual_seed(0)
-    data, vocab = encoded_text(device)
-    plain_model = make_model(vocab, context=64, d_model=args.d_model, n_layers=args.layers, n_heads=8).to(device)
+    device, plain_model, vocab, inputs, targets = transformer_setup(args)
     fp8_model = copy.deepcopy(plain_model)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, fp8_model)}
-    starts = torch.randint(0, len(data) - 65, (args.batch,), device=device)
-    window = data[starts[:, None] + torch.arange(65, device=device)]
-    inputs, targets = window[:, :-1], window[:, 1:]
     capture = Fp8Capture(fp8_model, Fp8Settings(recipe="both"))
     times = {"plain": [], "capture_step": [], "capture_own": []}
 
@@ -74,17 +55,10 @@ def main() -> None:
             own.append(time.perf_counter() - t0)
         opt.step()
 
-    def timed(fn):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0
-
     for i in range(args.steps + 3):
         own: list[float] = []
-        plain = timed(lambda: step(plain_model))
-        with_capture = timed(lambda i=i, own=own: step(fp8_model, i, own))
+        plain = timed(lambda: step(plain_model), device)
+        with_capture = timed(lambda i=i, own=own: step(fp8_model, i, own), device)
         if i >= 3:
             times["plain"].append(plain)
             times["capture_step"].append(with_capture)

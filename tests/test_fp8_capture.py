@@ -9,8 +9,8 @@ from test_fp8_numerics import by_casting, exponent_histogram
 from torch import nn
 
 from mpdiag.numerics.fp8 import EXP_MIN
-from mpdiag.recording.fp8_capture import RECORD_COLUMNS, Fp8Capture
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings
+from mpdiag.recording.fp8_capture import RECORD_COLUMNS, Fp8Capture
 
 FMAX = {name: np.float32(fmt.max_finite) for name, fmt in FP8_FORMATS.items()}
 

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from mpdiag.numerics.fp8 import CATEGORY_EDGES, EXP_MIN, Fp8StatsComputer
-from mpdiag.numerics.fp8_recipes import (FP8_E4M3, FP8_E5M2, FP8_FORMATS, FP32_MAX, Fp8Settings, delayed_reference,
-                                         recipe_scales, scale_from_reference)
+from mpdiag.numerics.fp8_recipes import (
+    FP8_E4M3,
+    FP8_E5M2,
+    FP8_FORMATS,
+    FP32_MAX,
+    Fp8Settings,
+    delayed_reference,
+    recipe_scales,
+    scale_from_reference,
+)
 
 DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
