@@ -19,6 +19,7 @@ from mpdiag.numerics.fp8_recipes import (
     delayed_reference,
     recipe_scales,
     scale_from_reference,
+    whatif_counts,
 )
 
 DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -200,3 +201,25 @@ def test_settings_refuse_bad_options():
     for bad in (dict(recipe="dynamic"), dict(history=0), dict(margin=-1), dict(grad_format="e3m4")):
         with pytest.raises(ValueError, match="--fp8-"):
             Fp8Settings(**bad).validate()
+
+
+def test_whatif_bounds_from_the_histogram_hold_the_exact_counts():
+    """For other scales (another history, margin or format), the stored histogram bounds the counts; a
+    binade that no edge crosses after scaling is exact."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(3000, generator=g) * 2.0 ** float(torch.randint(-30, 30, (), generator=g)) for _ in range(12)]
+    computer = Fp8StatsComputer(["fp8_e4m3"] * 6 + ["fp8_e5m2"] * 6, Fp8Settings(recipe="current"))
+    stats = computer.start([[x] for x in tensors]).result()
+    for t, x in enumerate(tensors):
+        fmt = FP8_E4M3 if t < 6 else FP8_E5M2
+        for scale in (float(stats.scale["current"][t]), 2.0 ** (t - 6), 3.0e4, 1e-3):
+            bounds = whatif_counts(stats.hist[t], EXP_MIN, scale, fmt)
+            exact = by_casting(x, scale, fmt.name)
+            for (low, high), count in zip(bounds.values(), exact, strict=True):
+                assert low <= count <= high, (t, scale, bounds, exact)
+    # 1.5 * 2^j for j = -24 .. 8 after a power-of-two scale: exact counts (14, 4, 0); the binades holding an
+    # E4M3 edge (2^-10 itself ties to 0; 2^-6 - 2^-10; 464) stay uncertain, every other one is exact
+    x = torch.tensor([1.5 * 2.0**k for k in range(-20, 13)])
+    bounds = whatif_counts(exponent_histogram(x), EXP_MIN, 2.0**-4, FP8_E4M3)
+    assert by_casting(x, 2.0**-4, "fp8_e4m3") == (14, 4, 0)
+    assert bounds == {"underflow": (14, 15), "subnormal": (2, 4), "overflow": (0, 1)}

@@ -25,7 +25,17 @@ import numpy as np
 import torch
 
 from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
-from mpdiag.numerics.fp8_recipes import FP8_E4M3, FP8_E5M2, FP8_FORMATS, Fp8Format, Fp8Settings, scale_from_reference
+from mpdiag.numerics.fp8_recipes import (
+    FP8_E4M3,
+    FP8_E5M2,
+    FP8_FORMATS,
+    NORMAL,
+    OVERFLOW,
+    SUBNORMAL,
+    Fp8Format,
+    Fp8Settings,
+    scale_from_reference,
+)
 from mpdiag.numerics.gradstats import SEGMENT, DeviceReadback, _segments
 
 MAGNITUDE = 0x7FFFFFFF
@@ -72,8 +82,10 @@ def _category_edges(fmt: Fp8Format) -> tuple[int, int, int]:
         overflow = threshold + 1
     else:
         overflow = _first_bits(lambda b: _cast_magnitude(b, fmt) == float("inf"))
-    if not fmt.overflows(float(torch.tensor([overflow], dtype=torch.int32).view(torch.float32)[0])):
-        raise AssertionError(f"{fmt.name}: the overflow edge disagrees with the format's rule")
+    for edge, category in ((nonzero, SUBNORMAL), (normal, NORMAL), (overflow, OVERFLOW)):
+        below, at = (float(torch.tensor([b], dtype=torch.int32).view(torch.float32)[0]) for b in (edge - 1, edge))
+        if fmt.category(below) != category - 1 or fmt.category(at) != category:
+            raise AssertionError(f"{fmt.name}: the torch-free category rule disagrees with torch's casts at {at}")
     return nonzero, normal, overflow
 
 

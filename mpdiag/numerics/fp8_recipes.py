@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+UNDERFLOW, SUBNORMAL, NORMAL, OVERFLOW = range(4)
+
 
 @dataclass(frozen=True)
 class Fp8Format:
@@ -44,6 +46,17 @@ class Fp8Format:
             return magnitude > self.overflow_above
         return magnitude >= self.overflow_from
 
+    def category(self, magnitude: float) -> int:
+        """Category of a finite non-zero magnitude about to be cast, by round to nearest even: UNDERFLOW
+        (at most half the min subnormal: ties to 0), SUBNORMAL (below the midpoint between the largest
+        subnormal and min normal, which rounds up to min normal), NORMAL, or OVERFLOW. Checked against
+        torch's casts, edge by edge, in :mod:`mpdiag.numerics.fp8`."""
+        if magnitude <= self.min_subnormal / 2:
+            return UNDERFLOW
+        if magnitude < self.min_normal - self.min_subnormal / 2:
+            return SUBNORMAL
+        return OVERFLOW if self.overflows(magnitude) else NORMAL
+
 
 #: 464 is the midpoint between 448 and the next E4M3 step (480, not a finite value); it ties to the even 448
 FP8_E4M3 = Fp8Format("fp8_e4m3", "float8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, overflow_above=464.0)
@@ -54,6 +67,7 @@ FP8_FORMATS = {fmt.name: fmt for fmt in (FP8_E4M3, FP8_E5M2)}
 GRAD_FORMATS = {"e5m2": FP8_E5M2, "e4m3": FP8_E4M3}
 
 ROLES = ("input", "weight", "grad_output")
+CATEGORY_NAMES = ("underflow", "subnormal", "overflow")
 RECIPES = ("current", "delayed")
 FP32_MAX = float(np.finfo(np.float32).max)
 
@@ -135,3 +149,26 @@ def recipe_scales(amax: np.ndarray, recipe: str, fmt: Fp8Format, settings: Fp8Se
     if recipe == "delayed":
         return scale_from_reference(delayed_reference(amax, settings.history), fmt, settings.margin, settings.pow2)
     raise ValueError(f"unknown FP8 recipe {recipe!r}")
+
+
+def whatif_counts(hist: np.ndarray, exp_min: int, scale: float, fmt: Fp8Format) -> dict[str, tuple[int, int]]:
+    """Lower and upper bounds of the underflow / subnormal / overflow counts of a tensor times ``scale`` in
+    ``fmt``, from its exponent histogram alone (``hist[i]`` counts 2**(exp_min + i) <= |x| < 2**(exp_min + i + 1)).
+    The values of a binade, scaled, lie between the fp32 products of its two ends; a binade whose two ends
+    fall in one category counts in both bounds, one that straddles an edge only in the upper bounds of the
+    categories it reaches. The FP8 edges (2^-10, 2^-6 - 2^-10, 464 for E4M3) lie inside binades, so a
+    binade scaled onto one stays uncertain even at a power-of-two scale."""
+    hist = np.asarray(hist, dtype=np.int64)
+    bounds = {name: [0, 0] for name in CATEGORY_NAMES}
+    s = np.float32(scale)
+    with np.errstate(over="ignore"):
+        for i in np.flatnonzero(hist):
+            low = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i))) * s)
+            high = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i) + 1)) * s)
+            first, last = fmt.category(low) if low > 0 else UNDERFLOW, fmt.category(high)
+            for category, name in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
+                if first == last == category:
+                    bounds[name][0] += int(hist[i])
+                if first <= category <= last:
+                    bounds[name][1] += int(hist[i])
+    return {name: (low, high) for name, (low, high) in bounds.items()}
