@@ -14,3 +14,49 @@ def write_result(result: dict, out: str | Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))
     print(f"wrote {out}")
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU), so wall-clock timings cover it."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def add_transformer_options(parser, steps: int, out: str) -> None:
+    """The options of a benchmark that times steps of the bundled transformer."""
+    parser.add_argument("--steps", type=int, default=steps, help="measured steps per variant (after 3 warm-up)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--d-model", type=int, default=352)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default=str(RESULTS / out))
+
+
+def transformer_setup(args):
+    """(device, model, vocab, inputs, targets): the bundled transformer at the size the options ask, seeded,
+    and one fixed batch of 64-token windows (a step's cost then does not depend on the data)."""
+    import torch
+
+    from mpdiag.examples.transformer_lm import encoded_text, make_model
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    torch.manual_seed(0)
+    data, vocab = encoded_text(device)
+    model = make_model(vocab, context=64, d_model=args.d_model, n_layers=args.layers, n_heads=8).to(device)
+    starts = torch.randint(0, len(data) - 65, (args.batch,), device=device)
+    window = data[starts[:, None] + torch.arange(65, device=device)]
+    return device, model, vocab, window[:, :-1], window[:, 1:]
+
+
+def timed(fn, device) -> float:
+    """Seconds ``fn()`` takes, the device's queued work before and after it included."""
+    import time
+
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start

@@ -20,46 +20,26 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import write_result  # noqa: E402
+from common import add_transformer_options, timed, transformer_setup, write_result  # noqa: E402
 
 from mpdiag import Recorder, Store  # noqa: E402
-from mpdiag.examples.transformer_lm import encoded_text, make_model  # noqa: E402
 from mpdiag.recording.recorder import peak_memory_bytes  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="measured steps per variant (after 3 warm-up)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--d-model", type=int, default=352)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/recorder_overhead.json"))
+    add_transformer_options(parser, steps=30, out="recorder_overhead.json")
     args = parser.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-
-    torch.manual_seed(0)
-    data, vocab = encoded_text(device)
-    model = make_model(vocab, context=64, d_model=args.d_model, n_layers=args.layers, n_heads=8).to(device)
+    device, model, vocab, inputs, targets = transformer_setup(args)
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-4)
     scaler = torch.amp.GradScaler(device.type)
-    starts = torch.randint(0, len(data) - 65, (args.batch,), device=device)
-    window = data[starts[:, None] + torch.arange(65, device=device)]
-    inputs, targets = window[:, :-1], window[:, 1:]
 
     def forward_backward():
         opt.zero_grad(set_to_none=True)
@@ -82,13 +62,6 @@ def main() -> None:
     names = [n for n, _ in model.named_parameters()]
     times = {k: [] for k in ("plain", "recorder_step", "recorder_own", "tb_step", "tb_own", "yardstick_own")}
 
-    def timed(fn):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0
-
     for i in range(args.steps + 3):
         record = {}
 
@@ -98,21 +71,21 @@ def main() -> None:
 
         def with_recorder(record=record):
             loss = forward_backward()
-            record["own"] = timed(lambda: recorder.record(loss))
+            record["own"] = timed(lambda: recorder.record(loss), device)
             finish()
 
         def with_tb(record=record, step=i):
             forward_backward()
-            record["tb"] = timed(lambda: [tb.add_histogram(n, p.grad, step) for n, p in zip(names, params, strict=True)])
+            record["tb"] = timed(lambda: [tb.add_histogram(n, p.grad, step) for n, p in zip(names, params, strict=True)], device)
             finish()
 
         def yardstick(record=record):
             forward_backward()
-            record["norm"] = timed(lambda: torch._foreach_norm([p.grad for p in params]))
+            record["norm"] = timed(lambda: torch._foreach_norm([p.grad for p in params]), device)
             finish()
 
-        samples = {"plain": timed(plain), "recorder_step": timed(with_recorder), "tb_step": timed(with_tb)}
-        timed(yardstick)
+        samples = {"plain": timed(plain, device), "recorder_step": timed(with_recorder, device), "tb_step": timed(with_tb, device)}
+        timed(yardstick, device)
         if i >= 3:
             for k, v in samples.items():
                 times[k].append(v)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpdiag.numerics.fp8_recipes import Fp8Settings
+
 
 class ConfigError(ValueError):
     """A run option is invalid; raised before any training starts. The message names the option."""
@@ -47,6 +49,8 @@ LEVELS: dict[str, Level] = {level.name: level for level in (
     Level("O3", "pure FP16: weights, BatchNorm and optimizer in FP16, no master weights, static scale 1.0", 1.0),
     Level("bf16", "autocast BF16 (per-op casting), FP32 weights, no loss scaling"),
     Level("bf16-pure", "pure BF16: weights, activations and optimizer in BF16, no loss scaling"),
+    Level("fp8-sim", "as bf16, with every Linear's input, weight and output gradient quantized and dequantized "
+                     "through FP8 at the recipe's scales (simulated, any device)"),
 )}
 ALL_LEVELS = tuple(LEVELS)
 SCALING_LEVELS = tuple(name for name, level in LEVELS.items() if level.scales_loss)
@@ -125,6 +129,10 @@ class Option:
         return text
 
 
+#: why the run form has no FP8 recipe widgets: the form runs fp8-sim with the default recipe
+_FP8_FORM = "the run form runs fp8-sim with the default recipe (delayed, history 1024, margin 0, E5M2); other recipes: `mpdiag run --fp8-*`"
+
+
 def option(default: Any, help: str, kind: str, **details) -> Any:
     """A RunConfig field whose metadata is its :class:`Option`."""
     return field(default=default, metadata={"option": Option(default, help, kind, **details)})
@@ -159,6 +167,16 @@ class RunConfig:
     name: str | None = option(None, "display name of the run", "text")
     trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
                                         "first inf/NaN", "flag")
+    fp8_recipe: str = option("delayed", "fp8-sim: the FP8 scaling recipe, current or delayed", "text",
+                             levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_history: int = option(1024, "fp8-sim, delayed recipe: recorded steps of amax history", "int",
+                              levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM)
+    fp8_margin: int = option(0, "fp8-sim, delayed recipe: divide the scale by 2^margin", "int", levels=("fp8-sim",),
+                             minimum=0, maximum=64, no_widget=_FP8_FORM)
+    fp8_grad_format: str = option("e5m2", "fp8-sim: the output gradients' format, e5m2 (HYBRID) or e4m3", "text",
+                                  levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_pow2: bool = option(False, "fp8-sim: round each scale down to a power of two", "flag", levels=("fp8-sim",),
+                            no_widget=_FP8_FORM)
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
@@ -167,13 +185,25 @@ class RunConfig:
         """Raise ConfigError naming the first invalid option, or the first bad combination, with the fix."""
         check_values(self.to_dict())
         level = LEVELS[self.opt_level]
-        if not level.scales_loss:
-            for name in SCALING_OPTIONS:
-                if getattr(self, name) != OPTIONS[name].default:
-                    raise ConfigError(f"--opt-level {self.opt_level} does not scale the loss; drop {flag(name)} "
-                                      f"(it applies to {', '.join(OPTIONS[name].levels)})")
+        for name, spec in OPTIONS.items():
+            if self.opt_level not in spec.levels and getattr(self, name) != spec.default:
+                why = "does not scale the loss" if name in SCALING_OPTIONS and not level.scales_loss else "does not use it"
+                raise ConfigError(f"--opt-level {self.opt_level} {why}; drop {flag(name)} "
+                                  f"(it applies to {', '.join(spec.levels)})")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
+        if self.opt_level == "fp8-sim":
+            try:
+                self.fp8_settings().validate()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if self.fp8_recipe == "both":
+                raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current or delayed, not both")
+
+    def fp8_settings(self) -> Fp8Settings:
+        """The FP8 recipe of the fp8-sim level, as the numerics take it."""
+        return Fp8Settings(recipe=self.fp8_recipe, history=self.fp8_history, margin=self.fp8_margin,
+                           grad_format=self.fp8_grad_format, pow2=self.fp8_pow2)
 
     def fp32_twin(self, name: str | None = None) -> RunConfig:
         """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss

@@ -21,6 +21,8 @@ O2       fp16          no             fp32                 fp32           dynami
 O3       fp16          no             fp16                 no             static 1.0
 bf16     fp32          autocast bf16  (autocast lists)     no             none
 bf16-pure bf16         no             bf16                 no             none
+fp8-sim  fp32          as bf16; every (autocast lists)     no             none
+                       Linear via FP8
 ======== ============= ============== ==================== ============== ==================
 
 Every FP16 level scales through :class:`LossScaler` (a ``torch.amp.GradScaler``), so "skipped" and the scale
@@ -42,6 +44,7 @@ from torch import nn
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.fp8_sim import simulate_fp8
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -242,7 +245,20 @@ class BF16Pure(_PureLowPrecision):
         _require_bf16(cls.name, device)
 
 
-POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure)}
+class FP8Sim(BF16Mixed):
+    """The bf16 level with every Linear computing through simulated FP8 (mpdiag.training.fp8_sim)."""
+
+    name = "fp8-sim"
+
+    def __init__(self, device: torch.device, config: RunConfig):
+        super().__init__(device, config)
+        self.fp8 = config.fp8_settings()  # validated with the rest of the configuration
+
+    def prepare(self, model, make_optimizer):
+        simulate_fp8(model, self.fp8, self.device)
+        return super().prepare(model, make_optimizer)
+
+POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure, FP8Sim)}
 
 
 def make_policy(config: RunConfig, device: torch.device) -> PrecisionPolicy:

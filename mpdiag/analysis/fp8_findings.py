@@ -1,0 +1,106 @@
+"""FP8 findings: which Linear layers an FP8 recipe would hurt, where, and what to change. Pure functions over
+the FP8 records (a DataFrame with the columns of ``mpdiag.recording.fp8_capture.RECORD_COLUMNS``, as
+``Store.fp8(run_id)`` is to return them).
+
+It reads only the recorded counts and amax series and the recipe's own scale arithmetic
+(:mod:`mpdiag.numerics.fp8_recipes`); it does not touch a store or torch. Each finding's ``fix`` holds the
+run options of an ``fp8-sim`` rerun that should remove it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.analysis.findings import Finding
+from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
+
+#: a layer's role loses more than this share of its values to underflow at some recorded step: a warning
+LOST_SHARE = 0.01
+MAX_MARGIN = 64
+
+
+def _fix(**options) -> dict:
+    return {"opt_level": "fp8-sim", **options}
+
+
+def lost_values(records: pd.DataFrame) -> list[Finding]:
+    """Per module, role and recipe: a recorded step where more than LOST_SHARE of the values underflow, or
+    any value overflows. The fix: current scaling where only delayed scaling loses them (or the recording
+    has no current-scaling rows), else keeping the layer in BF16 (the format cannot hold the tensor)."""
+    if records.empty:
+        return []
+    rows = records.assign(share=records["underflow"] / records["numel"].where(records["numel"] > 0))
+    bad = rows[(rows["share"] > LOST_SHARE) | (rows["overflow"] > 0)]
+    findings = []
+    for (module, role, recipe), hit in bad.groupby(["module", "role", "recipe"], sort=False):
+        worst = hit.loc[hit["share"].idxmax()] if hit["overflow"].sum() == 0 else hit.loc[hit["overflow"].idxmax()]
+        current = bad[(bad["module"] == module) & (bad["role"] == role) & (bad["recipe"] == "current")]
+        recorded_current = ((records["recipe"] == "current") & (records["module"] == module)).any()
+        if recipe == "delayed" and current.empty:
+            fix = _fix(fp8_recipe="current")
+            advice = ("Use current scaling (the scale from this step's own amax)"
+                      + ("; with both recipes recorded, current scaling loses nothing here." if recorded_current else "."))
+        else:
+            fix = _fix(fp8_bf16_modules=[module])
+            advice = f"Keep {module} in BF16: its {role} does not fit {worst['fmt']} even at its own amax's scale."
+        findings.append(Finding(
+            rule="fp8-lost-values", severity="warning", page="FP8",
+            title=f"FP8 ({recipe} scaling) loses values of {module}'s {role}",
+            evidence=(f"{len(hit)} of {int(((records['module'] == module) & (records['role'] == role) & (records['recipe'] == recipe)).sum())} "
+                      f"recorded steps lose values in {worst['fmt']}; worst at step {int(worst['step'])}: "
+                      f"{int(worst['underflow'])} of {int(worst['numel'])} underflow ({worst['share']:.2%}), "
+                      f"{int(worst['overflow'])} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
+            recommendation=advice, tensors=[f"{module}:{role}"], fix=fix))
+    return findings
+
+
+def amax_jumps(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
+    """Per module and role: recorded steps whose amax exceeds what the delayed recipe's scale (from the
+    history before that step, under ``settings``) lets through without overflow; the step and the ratio of
+    the amax to the history's largest. The fix: current scaling; the margin that would have absorbed every
+    jump is in the advice."""
+    if records.empty:
+        return []
+    findings = []
+    series = records.drop_duplicates(["step", "module", "role"]).sort_values("step")
+    for (module, role), one in series.groupby(["module", "role"], sort=False):
+        fmt = FP8_FORMATS[one["fmt"].iloc[0]]
+        amax = one["amax"].to_numpy(np.float32)
+        reference = delayed_reference(amax, settings.history)
+        scale = scale_from_reference(reference, fmt, settings.margin, settings.pow2)
+        scaled = amax * scale  # fp32, as the cast sees the largest value
+        jumped = np.flatnonzero(np.array([fmt.overflows(float(v)) for v in scaled], dtype=bool) & np.isfinite(amax))
+        if not jumped.size:
+            continue
+        ratios = amax[jumped].astype(np.float64) / reference[jumped]
+        worst = int(np.argmax(ratios))
+        margin = _absorbing_margin(amax[jumped], reference[jumped], fmt, settings)
+        steps = one["step"].to_numpy()[jumped]
+        findings.append(Finding(
+            rule="fp8-amax-jump", severity="warning", page="FP8",
+            title=f"An amax jump of {module}'s {role} overflows the delayed FP8 scale",
+            evidence=(f"At {len(jumped)} recorded step(s) (first {int(steps[0])}) the amax exceeded what the "
+                      f"history of {settings.history} steps allows in {fmt.name}; worst at step {int(steps[worst])}: "
+                      f"{float(amax[jumped][worst]):.6g}, {ratios[worst]:.4g} times the history's largest."),
+            recommendation=("Use current scaling" + (f", or a margin of {margin} (--fp8-margin)" if margin is not None else "")
+                            + " so the jump does not saturate."),
+            tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current")))
+    return findings
+
+
+def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp8Settings) -> int | None:
+    """The smallest margin under which none of these amaxes overflows their delayed scale, if any <= MAX_MARGIN."""
+    for margin in range(settings.margin, MAX_MARGIN + 1):
+        scale = scale_from_reference(reference, fmt, margin, settings.pow2)
+        if not any(fmt.overflows(float(v)) for v in amax * scale):
+            return margin
+    return None
+
+
+def fp8_findings(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
+    """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order."""
+    return [*amax_jumps(records, settings), *lost_values(records)]
+
+
+__all__ = ["LOST_SHARE", "amax_jumps", "fp8_findings", "lost_values"]

@@ -1,0 +1,174 @@
+"""FP8 recipes: which format each role of an ``nn.Linear`` is cast to, and the per-tensor scale a recipe uses.
+
+It owns the FP8 formats' limits and overflow rules, the settings of an FP8 recipe (:class:`Fp8Settings`) and
+the scale arithmetic, written once for numpy arrays and torch tensors alike (``xp`` is the ``numpy`` or
+``torch`` module), so the capture on the device, the ``fp8-sim`` level and the what-if page on stored amax
+series compute bit-identical scales. It must not import torch (the dashboard process uses it) and does not
+count anything: counting is :mod:`mpdiag.numerics.fp8`.
+
+Recipes (NVIDIA Transformer Engine's names):
+
+* **current**: scale = fmt_max / amax of the tensor itself, one fp32 division (torchao's tensorwise scaling).
+* **delayed**: scale = fmt_max / max(amax of the H recorded steps before this one) / 2^margin; fewer than H at
+  the start; the tensor's own amax at its first recorded step (TE's ``DelayedScaling``).
+* ``pow2``: each scale rounded down to the largest power of two not above it (zeroing the fp32 mantissa).
+
+A reference amax that is zero or not finite gives scale 1 (TE keeps the previous scale instead; there is no
+previous scale at a first step, and 1 keeps the rule stateless); a scale past fp32's range is clamped to the
+largest fp32 value, so a zero stays zero when multiplied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+UNDERFLOW, SUBNORMAL, NORMAL, OVERFLOW = range(4)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """An FP8 format's limits (magnitudes) and the rule for overflow of a value y about to be cast:
+    ``|y| > overflow_above`` (E4M3, whose cast saturates) or ``|y| >= overflow_from`` (E5M2, whose cast
+    gives inf). The limits are checked against ``torch.finfo`` in :mod:`mpdiag.numerics.fp8`."""
+
+    name: str
+    torch_dtype: str
+    max_finite: float
+    min_normal: float
+    min_subnormal: float
+    overflow_above: float | None = None
+    overflow_from: float | None = None
+
+    def overflows(self, magnitude: float) -> bool:
+        if self.overflow_above is not None:
+            return magnitude > self.overflow_above
+        return magnitude >= self.overflow_from
+
+    def category(self, magnitude: float) -> int:
+        """Category of a finite non-zero magnitude about to be cast, by round to nearest even: UNDERFLOW
+        (at most half the min subnormal: ties to 0), SUBNORMAL (below the midpoint between the largest
+        subnormal and min normal, which rounds up to min normal), NORMAL, or OVERFLOW. Checked against
+        torch's casts, edge by edge, in :mod:`mpdiag.numerics.fp8`."""
+        if magnitude <= self.min_subnormal / 2:
+            return UNDERFLOW
+        if magnitude < self.min_normal - self.min_subnormal / 2:
+            return SUBNORMAL
+        return OVERFLOW if self.overflows(magnitude) else NORMAL
+
+
+#: 464 is the midpoint between 448 and the next E4M3 step (480, not a finite value); it ties to the even 448
+FP8_E4M3 = Fp8Format("fp8_e4m3", "float8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, overflow_above=464.0)
+#: 61440 is the midpoint between 57344 and 65536; it ties to the even 65536, which is inf
+FP8_E5M2 = Fp8Format("fp8_e5m2", "float8_e5m2", 57344.0, 2.0**-14, 2.0**-16, overflow_from=61440.0)
+FP8_FORMATS = {fmt.name: fmt for fmt in (FP8_E4M3, FP8_E5M2)}
+#: the --fp8-grad-format choices
+GRAD_FORMATS = {"e5m2": FP8_E5M2, "e4m3": FP8_E4M3}
+
+ROLES = ("input", "weight", "grad_output")
+CATEGORY_NAMES = ("underflow", "subnormal", "overflow")
+RECIPES = ("current", "delayed")
+FP32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """An FP8 recipe as the ``--fp8-*`` options give it.
+
+    ``recipe``: "current", "delayed" or "both" (both only for recording); ``history``: H, recorded steps of
+    amax history (delayed only); ``margin``: the delayed scale is divided by 2^margin; ``grad_format``:
+    "e5m2" (HYBRID) or "e4m3" for output gradients; ``pow2``: round scales down to powers of two;
+    ``bf16_modules``: names of Linear modules the ``fp8-sim`` level leaves in BF16 (a finding's fix).
+    """
+
+    recipe: str = "delayed"
+    history: int = 1024
+    margin: int = 0
+    grad_format: str = "e5m2"
+    pow2: bool = False
+    bf16_modules: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option when a setting is invalid."""
+        if self.recipe not in (*RECIPES, "both"):
+            raise ValueError(f"--fp8-recipe must be current, delayed or both, got {self.recipe!r}")
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"--fp8-history must be an integer >= 1, got {self.history!r}")
+        if not isinstance(self.margin, int) or not 0 <= self.margin <= 64:
+            raise ValueError(f"--fp8-margin must be an integer from 0 to 64, got {self.margin!r}")
+        if self.grad_format not in GRAD_FORMATS:
+            raise ValueError(f"--fp8-grad-format must be e5m2 or e4m3, got {self.grad_format!r}")
+
+    @property
+    def recipes(self) -> tuple[str, ...]:
+        return RECIPES if self.recipe == "both" else (self.recipe,)
+
+    def role_format(self, role: str) -> Fp8Format:
+        """The format a recipe casts ``role`` to: E4M3 forward, the grad format backward."""
+        return GRAD_FORMATS[self.grad_format] if role == "grad_output" else FP8_E4M3
+
+
+def scale_from_reference(reference, fmt: Fp8Format, margin: int = 0, pow2: bool = False, xp=np):
+    """fp32 scales from fp32 reference amaxes (a numpy array or a torch tensor, with ``xp`` its module):
+    fmt_max / reference in one fp32 division, divided by 2^margin, rounded down to a power of two when
+    ``pow2``; 1 where the reference is zero or not finite, the largest fp32 value where the division
+    overflows."""
+    if xp is np:
+        reference = np.asarray(reference, dtype=np.float32)
+    usable = xp.isfinite(reference) & (reference > 0)
+    ones = xp.ones_like(reference)
+    # a tensor / tensor division: torch computes ``number / tensor`` as number * reciprocal (two roundings)
+    with np.errstate(over="ignore"):  # a tiny amax: the quotient is past fp32's range, clamped below
+        scale = xp.full_like(reference, fmt.max_finite) / xp.where(usable, reference, ones)
+    if margin:
+        scale = scale / float(2**margin)  # exact: a power of two
+    scale = xp.where(xp.isfinite(scale), scale, xp.full_like(scale, FP32_MAX))
+    if pow2:  # keep sign and exponent bits: the largest power of two not above a positive normal value
+        scale = (scale.view(xp.int32) & -(1 << 23)).view(xp.float32)
+    return xp.where(usable, scale, ones)
+
+
+def delayed_reference(amax: np.ndarray, history: int) -> np.ndarray:
+    """The delayed recipe's reference amax at each recorded step of one tensor, from its amax series:
+    the largest of the ``history`` amaxes before it (fewer at the start), its own at the first step. NaN
+    anywhere in the window gives NaN (hence scale 1), as the streaming version on the device does."""
+    amax = np.asarray(amax, dtype=np.float32)
+    if amax.size == 0:
+        return amax
+    padded = np.concatenate([np.zeros(history, np.float32), amax[:-1]])  # zeros never raise a max of |x|
+    reference = np.lib.stride_tricks.sliding_window_view(padded, history).max(axis=1)
+    reference[0] = amax[0]
+    return reference
+
+
+def recipe_scales(amax: np.ndarray, recipe: str, fmt: Fp8Format, settings: Fp8Settings) -> np.ndarray:
+    """The scales ``recipe`` uses at each recorded step of one tensor whose amax series is ``amax``."""
+    if recipe == "current":
+        return scale_from_reference(amax, fmt, 0, settings.pow2)
+    if recipe == "delayed":
+        return scale_from_reference(delayed_reference(amax, settings.history), fmt, settings.margin, settings.pow2)
+    raise ValueError(f"unknown FP8 recipe {recipe!r}")
+
+
+def whatif_counts(hist: np.ndarray, exp_min: int, scale: float, fmt: Fp8Format) -> dict[str, tuple[int, int]]:
+    """Lower and upper bounds of the underflow / subnormal / overflow counts of a tensor times ``scale`` in
+    ``fmt``, from its exponent histogram alone (``hist[i]`` counts 2**(exp_min + i) <= |x| < 2**(exp_min + i + 1)).
+    The values of a binade, scaled, lie between the fp32 products of its two ends; a binade whose two ends
+    fall in one category counts in both bounds, one that straddles an edge only in the upper bounds of the
+    categories it reaches. The FP8 edges (2^-10, 2^-6 - 2^-10, 464 for E4M3) lie inside binades, so a
+    binade scaled onto one stays uncertain even at a power-of-two scale."""
+    hist = np.asarray(hist, dtype=np.int64)
+    bounds = {name: [0, 0] for name in CATEGORY_NAMES}
+    s = np.float32(scale)
+    with np.errstate(over="ignore"):
+        for i in np.flatnonzero(hist):
+            low = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i))) * s)
+            high = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i) + 1)) * s)
+            first, last = fmt.category(low) if low > 0 else UNDERFLOW, fmt.category(high)
+            for category, name in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
+                if first == last == category:
+                    bounds[name][0] += int(hist[i])
+                if first <= category <= last:
+                    bounds[name][1] += int(hist[i])
+    return {name: (low, high) for name, (low, high) in bounds.items()}

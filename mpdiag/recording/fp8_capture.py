@@ -1,0 +1,121 @@
+"""FP8 capture (``--fp8``): what an FP8 recipe would have cast in every ``nn.Linear``, per recorded step.
+
+Hooks on every Linear keep references to its input activation and its weight (forward) and to the gradient
+flowing into its output (backward); :meth:`Fp8Capture.start` hands one step's tensors to
+:class:`mpdiag.numerics.fp8.Fp8StatsComputer` (all tensors at once, one readback) and returns the step's
+named records. Call it after ``backward`` and before the optimizer step, so the weights are the ones that
+forward pass used; the output gradients are divided by the loss scale (they hold S*g at loss-scaled levels).
+It owns the hooks and the naming of records; it does not write to a store (the Recorder does) and counts
+nothing itself.
+
+Only forward passes with autograd enabled are captured (not evaluation passes). A module called several
+times in a step contributes all its calls to one input and one output-gradient tensor; its weight counts
+once. Between recorded steps call :meth:`Fp8Capture.skip`: the references would otherwise keep the tensors
+alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from mpdiag.numerics.fp8 import EXP_MIN, Fp8Stats, Fp8StatsComputer, PendingFp8Stats
+from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
+
+#: the columns of a record, as ``Store.fp8(run_id)`` is to return them
+RECORD_COLUMNS = ("step", "module", "role", "fmt", "recipe", "scale", "amax", "numel", "underflow", "subnormal",
+                  "overflow")
+HISTOGRAM_COLUMNS = ("step", "module", "role", "exponent", "count")
+
+
+@dataclass
+class Fp8StepRecords:
+    """One recorded step: ``records`` (tuples in RECORD_COLUMNS order, one per module x role x recipe, for the
+    tensors present) and ``histograms`` (tuples in HISTOGRAM_COLUMNS order, non-zero bins only)."""
+
+    records: list[tuple]
+    histograms: list[tuple]
+
+
+class PendingFp8Records:
+    """A step's records on their way to the host (see :class:`mpdiag.numerics.fp8.PendingFp8Stats`)."""
+
+    def __init__(self, step: int, pending: PendingFp8Stats, capture: Fp8Capture):
+        self.step, self._pending, self._capture = step, pending, capture
+
+    def ready(self) -> bool:
+        return self._pending.ready()
+
+    def result(self) -> Fp8StepRecords:
+        return self._capture.records(self.step, self._pending.result())
+
+
+class Fp8Capture:
+    """Hooks on every ``nn.Linear`` of ``model`` (named as in ``model.named_modules()``)."""
+
+    def __init__(self, model: nn.Module, settings: Fp8Settings, device: torch.device | str | None = None):
+        settings.validate()
+        self.settings = settings
+        self.modules = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        #: tensor t = 3 * module index + role index
+        self.tensors = [(name, role) for name, _ in self.modules for role in ROLES]
+        self.formats = [settings.role_format(role).name for _, role in self.tensors]
+        if device is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._computer = Fp8StatsComputer(self.formats, settings, device,
+                                          divide_by_loss_scale=[role == "grad_output" for _, role in self.tensors])
+        self._pieces: list[list[torch.Tensor]] = [[] for _ in self.tensors]
+        self._handles = [m.register_forward_hook(self._on_forward(i)) for i, (_, m) in enumerate(self.modules)]
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self._computer.workspace_bytes
+
+    def _on_forward(self, index: int):
+        first = 3 * index
+
+        def hook(module: nn.Linear, args, output):
+            if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
+                return
+            self._pieces[first].append(args[0].detach())
+            if not self._pieces[first + 1]:
+                self._pieces[first + 1].append(module.weight.detach())
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda g: self._pieces[first + 2].append(g.detach()))
+
+        return hook
+
+    def start(self, step: int, loss_scale: float | torch.Tensor = 1.0) -> PendingFp8Records:
+        """Count the tensors captured since the last call (``loss_scale``: what the output gradients hold,
+        a number or GradScaler's scale tensor) and forget them; nothing waits for the device."""
+        pieces, self._pieces = self._pieces, [[] for _ in self.tensors]
+        return PendingFp8Records(step, self._computer.start(pieces, loss_scale), self)
+
+    def take(self, step: int, loss_scale: float | torch.Tensor = 1.0) -> Fp8StepRecords:
+        """:meth:`start`, waiting for the records."""
+        return self.start(step, loss_scale).result()
+
+    def skip(self) -> None:
+        """Forget the tensors captured since the last call (a step that is not recorded)."""
+        self._pieces = [[] for _ in self.tensors]
+
+    def records(self, step: int, stats: Fp8Stats) -> Fp8StepRecords:
+        """Name one step's statistics."""
+        records, histograms = [], []
+        for t, (module, role) in enumerate(self.tensors):
+            if not stats.numel[t]:
+                continue
+            for recipe in self.settings.recipes:
+                records.append((step, module, role, self.formats[t], recipe, float(stats.scale[recipe][t]),
+                                float(stats.amax[t]), int(stats.numel[t]), *map(int, stats.counts[recipe][t])))
+            bins = np.flatnonzero(stats.hist[t])
+            histograms += [(step, module, role, int(EXP_MIN + b), int(stats.hist[t, b])) for b in bins]
+        return Fp8StepRecords(records, histograms)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.skip()
