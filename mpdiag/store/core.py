@@ -43,12 +43,24 @@ STEP_COLUMNS = [
 ]
 # Counts summed per (run, tensor) over all logged steps, maintained by the writer as rows are committed.
 TOTAL_COLUMNS = ["zeros", "nan", "posinf", "neginf", *REPRESENTABILITY_COLUMNS]
+# -- distributed runs (issue 17): the job's shape on the run row, one row per (step, rank) ------------------
+#: run columns of a job launched on several processes (world_size NULL: a one-process run)
+DISTRIBUTED_RUN_COLUMNS = ["world_size", "backend", "launch_command"]
+_DISTRIBUTED_COLUMN_TYPES = {"world_size": "INTEGER", "backend": "TEXT", "launch_command": "TEXT"}
+#: per step and rank: that rank's local loss and, for DDP, its local gradients' inf/NaN count before the all-reduce
+_RANK_STEPS_DDL = """
+CREATE TABLE IF NOT EXISTS rank_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
+    PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID;
+"""
+# -- end of the distributed block ----------------------------------------------------------------------------
+
 # Run columns a writer may set (run_id, status bookkeeping and process identity are managed here).
 RUN_FIELDS = [
     "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
     "backoff_factor", "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every",
     "device", "gpu_name", "torch_version", "parent_run_id", "pair_run_id", "batch_size", "params",
-    "model_state", "config", "update_format",
+    "model_state", "config", "update_format", *DISTRIBUTED_RUN_COLUMNS,
 ]
 
 _SCHEMA = f"""
@@ -65,7 +77,8 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
-    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT);
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT,
+    world_size INTEGER, backend TEXT, launch_command TEXT);
 CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
@@ -103,7 +116,7 @@ CREATE TABLE IF NOT EXISTS tensor_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
     {", ".join(f"{c} INTEGER" for c in TOTAL_COLUMNS)},
     PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID;
-"""
+""" + _RANK_STEPS_DDL
 
 
 class StoreError(RuntimeError):
@@ -161,6 +174,8 @@ def _write_schema(path: Path) -> None:
         have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
         if "update_format" not in have:
             conn.execute("ALTER TABLE runs ADD COLUMN update_format TEXT")
+        for column in set(DISTRIBUTED_RUN_COLUMNS) - have:
+            conn.execute(f"ALTER TABLE runs ADD COLUMN {column} {_DISTRIBUTED_COLUMN_TYPES[column]}")
         conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
 
@@ -228,7 +243,7 @@ class Store:
             raise StoreError(
                 f"{self.path} is an SQLite file but not an mpdiag store (missing tables: {', '.join(sorted(missing))})."
             )
-        if {"update_steps", "shadow_steps"} - tables:  # a store from schema version 1: add what version 2 added
+        if {"update_steps", "shadow_steps", "rank_steps"} - tables:  # an older store: add what came since
             try:
                 _write_schema(self.path)
             except sqlite3.DatabaseError as exc:
@@ -268,6 +283,7 @@ class Store:
         )
         df.loc[dead, "status"] = "crashed"
         df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
+        df["world_size"] = df["world_size"].fillna(1).astype(int)  # NULL: recorded by one process
         for col in ("started_at", "finished_at", "heartbeat_at"):
             df[col] = pd.to_datetime(df[col], unit="s", utc=True)
         for col in ("config", "model_state"):
@@ -442,6 +458,17 @@ class Store:
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
         return json.loads(df.iloc[0]["result"]) if len(df) else None
 
+    # -- distributed runs (issue 17) ----------------------------------------------------------------------
+    def rank_steps(self, run_id: int) -> pd.DataFrame:
+        """Per step and rank of a distributed run: ``loss`` (that rank's local loss; NaN restored from NULL)
+        and ``nonfinite`` (DDP: the inf/NaN values in that rank's local gradients before the all-reduce; NaN
+        where not counted, as under FSDP2). Empty for a one-process run."""
+        df = self._query("SELECT step, rank, loss, nonfinite FROM rank_steps WHERE run_id = ? ORDER BY step, rank",
+                         (int(run_id),))
+        for col in ("loss", "nonfinite"):
+            df[col] = df[col].astype(float)
+        return df
+
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""
         df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))
@@ -506,6 +533,10 @@ class StoreWriter:
     def add_shadow_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
         self._insert("shadow_steps", run_id, rows)
+
+    def add_rank_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, rank, loss, nonfinite); a non-finite loss and an uncounted nonfinite are stored as NULL."""
+        self._insert("rank_steps", run_id, rows)
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:
