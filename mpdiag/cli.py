@@ -61,6 +61,8 @@ def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None
         "weights and batch (0: off)", type=int)
     add("--device", "auto", "auto (CUDA when present), cpu or cuda[:N]")
     add("--name", None, "display name of the run")
+    add("--nproc", 1, "processes of a data-parallel job, launched through torch.distributed.run", type=int)
+    add("--parallel", "ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)")
     parser.add_argument("--trace-modules", action="store_true", default=argparse.SUPPRESS if inherit else False,
                         help="record each module's output and gradient absmax per step, to locate the first inf/NaN")
     parser.add_argument("--pair", action="store_true", help="also run an O0 twin on identical weights and batches")
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 OPTION_NAMES = ("opt_level", "loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                "min_scale", "max_scale", "steps", "seed", "every", "shadow_every", "device", "name", "trace_modules")
+                "min_scale", "max_scale", "steps", "seed", "every", "shadow_every", "device", "name", "trace_modules",
+                "nproc", "parallel")
 
 
 def _options(args: argparse.Namespace) -> dict:
