@@ -148,19 +148,25 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
 def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     """The run is ``crashed``, its error naming each rank that died and the step it had not finished
     recording (one past its last row that reached rank_steps; rank 0 writes those rows, so if rank 0 was
-    killed too, rows it had not flushed make this step earlier): killed ranks first, as the cause, then the
-    ranks that exited with an error (typically because a peer was gone)."""
+    killed too, rows it had not flushed make this step earlier). The launcher stops the surviving ranks with
+    SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
     rank_steps = Store(store_path).rank_steps(run_id)
-    parts = []
-    for rank, failure in sorted(failures.items(), key=lambda item: (item[1].signal_name() == "<N/A>", item[0])):
-        done = rank_steps[rank_steps["rank"] == rank]["step"]
-        at = 0 if done.empty else int(done.max()) + 1
-        how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        parts.append(f"rank {rank} died ({how}) at step {at}")
+
+    def at_step(rank: int) -> int:
+        done = rank_steps.loc[rank_steps["rank"] == rank, "step"]
+        return 0 if done.empty else int(done.max()) + 1
+
+    def how(failure) -> str:
+        return failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+
+    stopped = {rank for rank, failure in failures.items() if failure.signal_name() == "SIGTERM"}
+    causes = sorted(set(failures) - stopped) or sorted(stopped)
+    parts = [f"rank {rank} died ({how(failures[rank])}) at step {at_step(rank)}" for rank in causes]
+    parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
     writer = BackgroundWriter(store_path)
     try:
-        writer.call(lambda w: (w.write_summary(run_id), w.update_run(run_id, status="crashed", error="; ".join(parts),
-                                                                      finished_at=time.time())))
+        writer.call(lambda w: (w.write_summary(run_id),
+                               w.update_run(run_id, status="crashed", error="; ".join(parts), finished_at=time.time())))
     finally:
         writer.close()
 

@@ -23,9 +23,9 @@ import torch
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.recorder import Recorder
 from mpdiag.store import Store
-from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.training import distributed
 from mpdiag.training.policies import POLICIES, ConfigError, PrecisionPolicy, ScalingConfig, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
