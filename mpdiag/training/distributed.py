@@ -1,8 +1,8 @@
 """Running the model-script runner on several processes: ``python -m mpdiag run SCRIPT --nproc N``.
 
-Owns: the launch (torch's own elastic launcher, the one behind ``torchrun``, with this module as every
-rank's entry point), each rank's setup (process group, DDP or FSDP2 wrapping, ShardedGradScaler, the seed
-offset by the rank), and the end of a job whose rank crashed or was killed (the run becomes ``crashed``,
+Owns: the launch (torch's own elastic launcher, the one behind ``torchrun``, starting
+:mod:`mpdiag.training.rank` in every rank), each rank's setup (process group, DDP or FSDP2 wrapping,
+ShardedGradScaler, the seed offset by the rank), and the end of a job whose rank crashed or was killed (the run becomes ``crashed``,
 its error naming the rank). Must not: record anything itself (the Recorder does, on rank 0, see
 :mod:`mpdiag.recording.distributed`) or open the store on a rank other than 0.
 
@@ -35,6 +35,8 @@ PARALLEL = ("ddp", "fsdp")
 FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
 #: the environment variable naming the launch spec a rank reads (see :func:`launch`)
 SPEC_ENV = "MPDIAG_DISTRIBUTED_SPEC"
+#: every rank's entry point (it imports the runner, which imports this module)
+RANK_ENTRY = "mpdiag.training.rank"
 #: the folder holding the mpdiag package, put on the ranks' PYTHONPATH so they import this same mpdiag
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -136,7 +138,7 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
         os.environ[SPEC_ENV] = spec  # the ranks inherit this process's environment
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, saved["PYTHONPATH"]) if p)
         try:
-            elastic_launch(launcher, entrypoint=sys.executable)("-m", __name__)
+            elastic_launch(launcher, entrypoint=sys.executable)("-m", RANK_ENTRY)
         except ChildFailedError as exc:
             _mark_crashed(store_path, run_id, exc.failures)
         finally:
@@ -169,17 +171,3 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
                                w.update_run(run_id, status="crashed", error="; ".join(parts), finished_at=time.time())))
     finally:
         writer.close()
-
-
-def _rank_main() -> None:
-    """A rank's entry point: train the launch spec's script, recording on rank 0 into the launcher's run."""
-    from mpdiag.training.runner import RunConfig, train
-
-    with open(os.environ[SPEC_ENV]) as f:
-        spec = json.load(f)
-    train(ModelScript(filename=spec["filename"], source=spec["source"]), RunConfig.from_dict(spec["config"]),
-          spec["store"], run_id=spec["run_id"])
-
-
-if __name__ == "__main__":
-    _rank_main()
