@@ -321,6 +321,36 @@ def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store, shadow: pd
     )
 
 
+def rank_nonfinite(rank_steps: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
+    """A finding when some rank's local gradients held inf/NaN before the all-reduce at any step (one is
+    enough: after the all-reduce every rank holds them and the scaler skips the step everywhere). Evidence
+    names the first such step as the store numbers it, each rank that held them there, and how the step
+    ended; the other steps with such ranks are counted."""
+    bad = rank_steps[rank_steps["nonfinite"].fillna(0) > 0]
+    if bad.empty:
+        return None
+    first_step = int(bad["step"].min())
+    at_first = bad[bad["step"] == first_step]
+    held = ", ".join(f"rank {int(r.rank)}'s local gradients held {int(r.nonfinite)} inf/NaN"
+                     for r in at_first.itertuples())
+    skipped = steps.loc[steps["step"] == first_step, "skipped"]
+    outcome = {1.0: "every rank skipped the step", 0.0: "the optimizer step ran on every rank"}.get(
+        float(skipped.iloc[0]) if len(skipped) else float("nan"), "whether the step ran is not recorded")
+    others = bad["step"].nunique() - 1
+    culprits = sorted({int(r) for r in bad["rank"]})
+    more = f" {others} later step(s) had such ranks too (ranks {', '.join(map(str, culprits))} in all)." if others else ""
+    return Finding(
+        rule="rank-nonfinite",
+        severity="warning",
+        title=f"rank {int(at_first['rank'].iloc[0])}'s batch produced inf/NaN gradients first",
+        evidence=f"step {first_step}: {held} before the all-reduce; {outcome}.{more}",
+        recommendation="Inspect what that rank's data loader gave it at that step (its shard of the data): an "
+                       "outlier batch overflows on one rank and costs every rank the step. If it recurs on "
+                       "varying ranks, the model itself overflows; see the loss-scale findings.",
+        page="Loss_scale",
+    )
+
+
 def diagnose(store: Store, run_id: int) -> list[Finding]:
     """All findings of one run, most severe first."""
     runs = store.runs()
@@ -343,6 +373,7 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
         dead_gradients(run, totals),
         needs_bf16_range(run, index, counts),
         fp32_divergence(run, runs, store, shadow),
+        rank_nonfinite(store.rank_steps(run_id), steps),
     ]
     findings = [f for f in found if f is not None]
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])

@@ -32,6 +32,7 @@ from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
     DEFAULT_STORE,
@@ -129,8 +130,8 @@ class Recorder:
         self._start(model, scaler, optimizer, every, update_format, update_targets=None)
         path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
         self._owns_writer = True
-        self._writer = BackgroundWriter(path)
-        self.run_id = self._create_run(name, {"update_format": update_format, **(config or {})})
+        self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
+        self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **(config or {})})
         self._hook_in(model, optimizer, trace_modules)
 
     @classmethod
@@ -155,7 +156,8 @@ class Recorder:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
         self.flush_interval_s = FLUSH_INTERVAL_S
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
+        self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
         self._updates = self._update_tracker(update_format, update_targets, optimizer)
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
@@ -253,8 +255,8 @@ class Recorder:
             raise RuntimeError("record() called on a closed Recorder")
         now = time.perf_counter()
         self._close_previous_row(known=True)
-        scale, state = self._scaler_state(loss)
         step = self._step
+        scale, state = self._scaler_state(self._dist.exchange_loss(step, loss))
         logged = step % self.every == 0 and self._record_tensors(step, scale)
         self._update_step = step if logged and self._updates is not None else None
         if self._tracer is not None:
@@ -290,16 +292,18 @@ class Recorder:
     def _record_tensors(self, step: int, scale: float) -> bool:
         """Compute and buffer every present gradient's statistics; False when no parameter has a grad."""
         present = tuple(i for i, (_, p) in enumerate(self._params) if p.grad is not None)
-        if not present:
+        if not present or not self._dist.computes_stats:
             return False
+        grads = [self._dist.local(self._params[i][1].grad) for i in present]
         computer = self._computers.get(present)
         if computer is None:
-            numels = [self._params[i][1].numel() for i in present]
-            computer = self._computers[present] = GradStatsComputer(numels, self.device)
-        grads = [self._params[i][1].grad for i in present]
+            computer = self._computers[present] = GradStatsComputer([g.numel() for g in grads], self.device)
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         self._unscale_by = 1.0 if unscaled else scale
-        self._unread_stats.append((step, present, computer.start(grads, scale, grads_are_scaled=not unscaled)))
+        pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
+        if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
+            return False
+        self._unread_stats.append((step, present, pending))
         unseen = [i for i in present if i not in self._grad_dtype_known]
         if unseen:
             self._note_grad_dtypes(unseen)
@@ -387,6 +391,9 @@ class Recorder:
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+        ranks = self._dist.take_rank_rows(wait=self._closed)
+        if ranks:
+            self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
         if updates:
             self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
 
@@ -405,6 +412,7 @@ class Recorder:
         self._closed = True
         for hook in self._hooks:
             hook.remove()
+        self._dist.close()
         if self._tracer is not None:
             self._tracer.remove()
         self._close_previous_row(known=known)

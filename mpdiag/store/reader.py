@@ -168,6 +168,8 @@ class Store:
         df.loc[stalled, "status"] = "stalled"
         df.loc[dead, "status"] = "crashed"
         df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
+        # NULL (or a store too old to have the column): recorded by one process
+        df["world_size"] = df["world_size"].fillna(1).astype(int) if "world_size" in df else 1
         for col in ("started_at", "finished_at", "heartbeat_at"):
             df[col] = pd.to_datetime(df[col], unit="s", utc=True)
         for col in ("config", "model_state"):
@@ -353,6 +355,16 @@ class Store:
             "JOIN tensors t ON t.run_id = s.run_id AND t.tensor_id = s.tensor_id WHERE s.run_id = ? "
             "ORDER BY s.step, s.tensor_id", (int(run_id),))
         for col in ("rel_error", "cosine", "ref_norm"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def rank_steps(self, run_id: int) -> pd.DataFrame:
+        """Per step and rank of a distributed run: ``loss`` (that rank's local loss; NaN restored from NULL)
+        and ``nonfinite`` (DDP: the inf/NaN values in that rank's local gradients before the all-reduce; NaN
+        where not counted, as under FSDP2). Empty for a one-process run."""
+        df = self._query("SELECT step, rank, loss, nonfinite FROM rank_steps WHERE run_id = ? ORDER BY step, rank",
+                         (int(run_id),))
+        for col in ("loss", "nonfinite"):
             df[col] = df[col].astype(float)
         return df
 

@@ -26,7 +26,8 @@ from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
 
 DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
-SCHEMA_VERSION = 3
+# 4: distributed runs: runs.world_size, backend, launch_command; rank_steps.
+SCHEMA_VERSION = 4
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
@@ -54,7 +55,7 @@ RUN_FIELDS = [
     "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
     "backoff_factor", "growth_interval", "loss_scale", "min_scale", "max_scale", "seed", "steps", "every",
     "device", "gpu_name", "torch_version", "parent_run_id", "pair_run_id", "batch_size", "params",
-    "model_state", "config", "update_format",
+    "model_state", "config", "update_format", "world_size", "backend", "launch_command",
 ]
 # Tables every mpdiag store has had since schema version 1: a file without them is not a store.
 _CORE_TABLES = {"runs", "steps", "tensors", "tensor_steps", "scripts"}
@@ -83,7 +84,8 @@ _STATEMENTS = [
     started_at REAL NOT NULL, finished_at REAL, heartbeat_at REAL,
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
-    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT)""",
+    batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT,
+    world_size INTEGER, backend TEXT, launch_command TEXT)""",
     """CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,
@@ -119,6 +121,11 @@ _STATEMENTS = [
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL,
     rel_error REAL, cosine REAL, ref_norm REAL,
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID""",
+    # per step and rank of a distributed run: that rank's local loss and, for DDP, its local gradients' inf/NaN
+    # count before the all-reduce
+    """CREATE TABLE IF NOT EXISTS rank_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
+    PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID""",
     _TENSOR_TOTALS_DDL,
     f"""CREATE TABLE IF NOT EXISTS representability_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},

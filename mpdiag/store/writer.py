@@ -139,6 +139,10 @@ class StoreWriter:
         """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
         self._insert("shadow_steps", run_id, rows)
 
+    def add_rank_steps(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, rank, loss, nonfinite); a non-finite loss and an uncounted nonfinite are stored as NULL."""
+        self._insert("rank_steps", run_id, rows)
+
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:
             self._conn.execute("INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?)",

@@ -129,6 +129,10 @@ class Option:
         return text
 
 
+#: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
+PARALLEL = ("ddp", "fsdp")
+FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
+
 #: why the run form has no FP8 recipe widgets: the form runs fp8-sim with the default recipe
 _FP8_FORM = "the run form runs fp8-sim with the default recipe (delayed, history 1024, margin 0, E5M2); other recipes: `mpdiag run --fp8-*`"
 
@@ -177,6 +181,10 @@ class RunConfig:
                                   levels=("fp8-sim",), no_widget=_FP8_FORM)
     fp8_pow2: bool = option(False, "fp8-sim: round each scale down to a power of two", "flag", levels=("fp8-sim",),
                             no_widget=_FP8_FORM)
+    nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
+                        minimum=1)
+    parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
+                           "text")
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
@@ -192,6 +200,13 @@ class RunConfig:
                                   f"(it applies to {', '.join(spec.levels)})")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if self.nproc > 1 and self.parallel == "fsdp" and self.opt_level not in FSDP_LEVELS:
+            raise ConfigError(f"--parallel fsdp runs opt levels {', '.join(FSDP_LEVELS)}; {self.opt_level} needs "
+                              "--parallel ddp")
+        if self.nproc > 1 and self.shadow_every:
+            raise ConfigError("--shadow-every compares one process's gradients; drop it with --nproc above 1")
         if self.opt_level == "fp8-sim":
             try:
                 self.fp8_settings().validate()

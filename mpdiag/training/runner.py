@@ -23,8 +23,10 @@ import torch
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store, StoreWriter
+from mpdiag.training import distributed
 from mpdiag.training.config import ConfigError, RunConfig
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
@@ -126,33 +128,43 @@ def _raise_stop(signum, frame):
 
 
 def train(
-    script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None
+    script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
+    run_id: int | None = None,
 ) -> int:
     """Run ``script`` under ``config``, record it into the store and return the run id.
 
     Raises ConfigError before anything is written when an option is invalid. Script problems do not raise:
     the run is recorded as ``failed`` with the message (read it from ``Store.run(run_id)['error']``).
+    With ``config.nproc`` above 1 this launches the ranks (:mod:`mpdiag.training.distributed`), which run
+    this function again with the ``run_id`` the launch created; rank 0 records, the others write nothing.
     """
     config.validate()
     device = resolve_device(config.device)
     policy = make_policy(config, device)
-    writer = BackgroundWriter(store_path)
+    if config.nproc > 1 and run_id is None:
+        return distributed.launch(script, config, store_path, _run_fields(script, config, device, None, policy))
+    job = distributed.RankJob.join(config.parallel, device) if config.nproc > 1 else None
+    writer = BackgroundWriter(store_path) if job is None or job.is_writer else DiscardingWriter()
     recorder = None
     on_main_thread = threading.current_thread() is threading.main_thread()
     try:
-        sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-        run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha, policy)))
+        if run_id is None:
+            sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
+            run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha, policy)))
         previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
         try:
-            seed_everything(config.seed)
+            seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
             built = build_model(script, device)
             fp32_model = built.model.to(device)
             shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
-            model, optimizer = policy.prepare(fp32_model, built.make_optimizer)
-            attachment = RunnerAttachment(run_id=run_id, writer=writer, update_targets=policy.master_params() or None)
+            model, optimizer = job.prepare(policy, fp32_model, built.make_optimizer) if job else \
+                policy.prepare(fp32_model, built.make_optimizer)
+            sharded = job is not None and job.parallel == "fsdp"  # update tracking reads whole weights
+            attachment = RunnerAttachment(run_id=run_id, writer=writer,
+                                          update_targets=None if sharded else policy.master_params() or None)
             recorder = Recorder.attached(
                 model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
-                trace_modules=config.trace_modules, update_format=policy.update_format,
+                trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
             )
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
             state = model_state_bytes(model, optimizer, policy)
@@ -172,6 +184,8 @@ def train(
         return run_id
     finally:
         writer.close()
+        if job is not None:
+            job.close()
 
 
 def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str) -> None:

@@ -1,0 +1,217 @@
+"""What the Recorder does differently when its model trains on several processes (torchrun, DDP or FSDP2).
+
+Owns: finding the job's shape (rank, world size, backend, DDP or FSDP2), the one-writer rule (rank 0 writes,
+the other ranks send nothing to the store and never open it), the exact combination of FSDP2 shard
+statistics, and the per-rank rows (local loss, DDP's local inf/NaN count before the all-reduce).
+Must not: gather gradient values, issue a collective at a point where ranks can disagree (every collective
+here runs inside ``Recorder.record``, which every rank calls once per step, in the same order), or write
+SQL (rows go through the Recorder's writer).
+
+Collectives per recorded step (see the README's design note): one ``all_gather`` of 2 float64 per rank (loss,
+non-finite count); under FSDP2 one more ``all_gather`` of each rank's packed per-tensor statistics on the
+steps whose tensor statistics are logged. DDP needs none for statistics: after its all-reduce every rank
+holds the same gradients, so rank 0 computes them alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from mpdiag.numerics.gradstats import DeviceReadback, PendingStats, StepGradStats
+
+#: the name prefix DDP adds to its module's parameters; dropped so a DDP run's tensors are named as the model's
+DDP_PREFIX = "module."
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or a submodule (its parameters are DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def launch_command() -> str:
+    """The launcher's command line: the parent process's (torchrun's agent) when started by torchrun."""
+    process = psutil.Process(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else psutil.Process()
+    try:
+        return shlex.join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+class DiscardingWriter:
+    """The writer of a rank other than 0: takes the Recorder's jobs and runs none, so those ranks never open
+    the store (one writer per job, no schema race when the store file does not exist yet)."""
+
+    def submit(self, job) -> None:
+        return None
+
+    def call(self, job) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class RankContext:
+    """This process's place in the job. ``parallel`` is "ddp", "fsdp" or None (one process, or a model
+    wrapped by neither: then each rank's gradients are its own and only rank 0's are recorded)."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    parallel: str | None = None
+    _counter: NonfiniteCounter | None = None
+    _pending_rows: list[tuple[int, DeviceReadback]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> RankContext:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        parallel = "ddp" if isinstance(model, DistributedDataParallel) else "fsdp" if _is_fsdp2(model) else None
+        context = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), parallel)
+        if parallel == "ddp":
+            context._counter = NonfiniteCounter(model)
+        return context
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def computes_stats(self) -> bool:
+        """FSDP2: every rank counts its shard; otherwise rank 0 alone (DDP's gradients are the same everywhere)."""
+        return self.is_writer or self.parallel == "fsdp"
+
+    def run_fields(self) -> dict:
+        """Run columns describing the job (none for one process)."""
+        if not self.distributed:
+            return {}
+        return {"world_size": self.world_size, "backend": self.backend, "launch_command": launch_command()}
+
+    def tensor_name(self, name: str) -> str:
+        return name.removeprefix(DDP_PREFIX) if self.parallel == "ddp" else name
+
+    @staticmethod
+    def local(grad: torch.Tensor) -> torch.Tensor:
+        """The part of a gradient this rank holds: an FSDP2 DTensor's local shard, else the tensor itself."""
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def combine(self, pending: PendingStats) -> PendingStats | None:
+        """FSDP2: the statistics of the full gradients from every rank's shard statistics, with one
+        all_gather of the packed counts (no gradient values); None on ranks other than 0. Otherwise
+        ``pending`` itself. The local statistics are read here (at once on the CPU; on a GPU this waits for
+        them: the price of combining before the next step's collectives)."""
+        if self.parallel != "fsdp":
+            return pending
+        local = pending.result()
+        packed = torch.from_numpy(pack_stats(local))
+        gathered = [torch.empty_like(packed) for _ in range(self.world_size)]
+        dist.all_gather(gathered, packed.to(_collective_device(self.backend)))
+        if not self.is_writer:
+            return None
+        combined = combine_packed(np.stack([g.cpu().numpy() for g in gathered]), local)
+        return PendingStats(lambda _: combined)
+
+    def exchange_loss(self, step: int, loss: torch.Tensor | float) -> torch.Tensor | float:
+        """Every rank's local loss and local inf/NaN count for ``step`` to rank 0 (one small all_gather,
+        without waiting for the device); returns the mean of the ranks' losses, the job's loss."""
+        if not self.distributed:
+            return loss
+        device = _collective_device(self.backend)
+        local_loss = loss.detach().reshape(1).double().to(device) if torch.is_tensor(loss) else \
+            torch.tensor([float(loss)], dtype=torch.float64, device=device)
+        counted = self._counter.take().to(device) if self._counter is not None else \
+            torch.full((1,), float("nan"), dtype=torch.float64, device=device)
+        mine = torch.cat([local_loss, counted])
+        everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=device)
+        dist.all_gather_single(everyone, mine)
+        everyone = everyone.view(self.world_size, 2)
+        if self.is_writer:
+            self._pending_rows.append((step, DeviceReadback(everyone)))
+        return everyone[:, 0].mean()
+
+    def take_rank_rows(self, wait: bool) -> list[tuple]:
+        """(step, rank, loss, nonfinite) rows whose values reached the host (all of them with ``wait``)."""
+        rows = []
+        while self._pending_rows and (wait or self._pending_rows[0][1].ready()):
+            step, readback = self._pending_rows.pop(0)
+            for rank, (loss, nonfinite) in enumerate(readback.numpy()):
+                rows.append((step, rank, float(loss) if np.isfinite(loss) else None,
+                             None if np.isnan(nonfinite) else int(nonfinite)))
+        return rows
+
+    def close(self) -> None:
+        if self._counter is not None:
+            self._counter.remove()
+
+
+def _collective_device(backend: str | None) -> torch.device:
+    """NCCL moves CUDA tensors (this rank's current device); gloo moves CPU tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class NonfiniteCounter:
+    """DDP: counts the inf/NaN values of this rank's own gradients before DDP's all-reduce.
+
+    A post-accumulate-grad hook on every parameter sees ``.grad`` once autograd has accumulated this rank's
+    gradient into it, before DDP's reducer (a hook on the same gradient accumulator, run after it) copies it
+    into a bucket; the reduced values reach ``.grad`` only when the backward pass ends. Backward passes under
+    ``no_sync()`` accumulate without an all-reduce and are not counted: the syncing pass sees the sum.
+    This leaves DDP's communication hook (a user's, or none) untouched, so no hook is wrapped or refused,
+    and adds no communication (the count travels in :meth:`RankContext.exchange_loss`'s all_gather)."""
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self._ddp = ddp
+        self._count: torch.Tensor | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._count_local)
+                         for p in ddp.module.parameters() if p.requires_grad]
+
+    def _count_local(self, param: torch.Tensor) -> None:
+        if not self._ddp.require_backward_grad_sync:
+            return
+        bad = torch.count_nonzero(~torch.isfinite(param.grad))
+        self._count = bad if self._count is None else self._count + bad
+
+    def take(self) -> torch.Tensor:
+        """This step's count (float64, one element), then start the next step's at zero."""
+        count, self._count = self._count, None
+        return torch.zeros(1, dtype=torch.float64) if count is None else count.reshape(1).double()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# -- FSDP2 shard statistics: packed per tensor as int64, floats by their bits ---------------------------------
+def pack_stats(stats: StepGradStats) -> np.ndarray:
+    """One int64 row per tensor: histogram, every count (in sorted name order), then absmax, min_nonzero and
+    the squared L2 norm as float64 bit patterns, so one all_gather carries them without rounding."""
+    floats = np.stack([stats.absmax, stats.min_nonzero, stats.l2**2], axis=1).astype(np.float64)
+    counts = np.stack([stats.counts[name] for name in sorted(stats.counts)], axis=1).astype(np.int64)
+    return np.concatenate([stats.hist.astype(np.int64), counts, floats.view(np.int64)], axis=1)
+
+
+def combine_packed(per_rank: np.ndarray, like: StepGradStats) -> StepGradStats:
+    """The statistics of the full gradients from every rank's :func:`pack_stats` rows, shape (ranks, T,
+    columns), counted under the names of ``like`` (this rank's own statistics): histograms and counts summed,
+    absmax the max (NaN if any shard holds a NaN), min_nonzero the smallest (NaN only where no shard has a
+    non-zero value: NaN marks 'none'), L2 the root of the summed squares."""
+    names, bins = sorted(like.counts), like.hist.shape[1]
+    ints = per_rank[:, :, : bins + len(names)].sum(axis=0)
+    floats = np.ascontiguousarray(per_rank[:, :, bins + len(names) :]).view(np.float64)  # (ranks, T, 3)
+    return StepGradStats(hist=ints[:, :bins], counts={name: ints[:, bins + k] for k, name in enumerate(names)},
+                         absmax=floats[:, :, 0].max(axis=0), min_nonzero=np.fmin.reduce(floats[:, :, 1], axis=0),
+                         l2=np.sqrt(floats[:, :, 2].sum(axis=0)), other_view=like.other_view)

@@ -1,0 +1,159 @@
+"""Running the model-script runner on several processes: ``python -m mpdiag run SCRIPT --nproc N``.
+
+Owns: the launch (torch's own elastic launcher, the one behind ``torchrun``, starting
+:mod:`mpdiag.training.rank` in every rank), each rank's setup (process group, DDP or FSDP2 wrapping,
+ShardedGradScaler, the seed offset by the rank), and the end of a job whose rank crashed or was killed (the run becomes ``crashed``,
+its error naming the rank). Must not: record anything itself (the Recorder does, on rank 0, see
+:mod:`mpdiag.recording.distributed`) or open the store on a rank other than 0.
+
+The launching process creates the run row before any rank starts (so ranks never race to create the store)
+and owns it: while it lives the run is ``running``; when the job ends it is ended by rank 0's Recorder, or
+here when a rank died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mpdiag.recording.background import BackgroundWriter
+from mpdiag.store import Store
+from mpdiag.training.policies import LossScaler, PrecisionPolicy
+from mpdiag.training.script import ModelScript
+
+#: opt levels FSDP2 runs (O2's FP32 master copies and O3's FP16 optimizer are not sharded here)
+#: the environment variable naming the launch spec a rank reads (see :func:`launch`)
+SPEC_ENV = "MPDIAG_DISTRIBUTED_SPEC"
+#: every rank's entry point (it imports the runner, which imports this module)
+RANK_ENTRY = "mpdiag.training.rank"
+#: the folder holding the mpdiag package, put on the ranks' PYTHONPATH so they import this same mpdiag
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+# -- in each rank -------------------------------------------------------------------------------------------
+@dataclass
+class RankJob:
+    """This rank's part of a job launched by :func:`launch`."""
+
+    rank: int
+    world_size: int
+    parallel: str
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def join(cls, parallel: str, device: torch.device) -> RankJob:
+        """Join the job's process group (torchrun's environment names the rank and the rendezvous)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend_for(device))
+        return cls(dist.get_rank(), dist.get_world_size(), parallel)
+
+    def prepare(self, policy: PrecisionPolicy, model: torch.nn.Module, make_optimizer):
+        """(model, optimizer) wrapped for data-parallel training, from weights equal on every rank (rank 0's:
+        each rank built its own from its own seed)."""
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        model, optimizer = policy.prepare(model, make_optimizer)
+        if self.parallel == "ddp":
+            return torch.nn.parallel.DistributedDataParallel(model), optimizer
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # the policy's autocast does the per-op casting; gradients are reduced in FP32
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        if policy.scaler is not None:
+            policy.scaler = ShardedLossScaler(policy.device.type, policy.scaling, policy.scaler.static,
+                                              policy.scaler.allow_fp16_grads)
+        return model, make_optimizer(model.parameters())  # fully_shard replaced the parameters
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _sharded_scaler_base():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler
+
+
+class ShardedLossScaler(LossScaler, _sharded_scaler_base()):
+    """The opt levels' LossScaler (static scale, scale bounds) over FSDP's ShardedGradScaler, which finds
+    inf/NaN in every rank's shard and agrees on skipping the step across ranks."""
+
+
+# -- in the launching process -------------------------------------------------------------------------------
+def launch(script: ModelScript, config, store_path: str | os.PathLike, run_fields: dict) -> int:
+    """Run ``script`` under ``config`` on ``config.nproc`` processes through torch's elastic launcher; returns
+    the run id. ``run_fields`` are the run row's fields (see ``runner._run_fields``)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    device = torch.device(run_fields["device"])
+    writer = BackgroundWriter(store_path)
+    try:
+        sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
+        fields = {**run_fields, "script_sha256": sha, "world_size": config.nproc, "backend": backend_for(device),
+                  "launch_command": shlex.join(sys.orig_argv)}
+        run_id = writer.call(lambda w: w.create_run(**fields))
+    finally:
+        writer.close()
+    with tempfile.TemporaryDirectory(prefix="mpdiag-job-") as folder:
+        spec = os.path.join(folder, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"filename": script.filename, "source": script.source, "config": config.to_dict(),
+                       "store": str(Store(store_path).path), "run_id": run_id}, f)
+        launcher = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.nproc, rdzv_backend="c10d",
+                                rdzv_endpoint="localhost:0", run_id=f"mpdiag-{run_id}", max_restarts=0,
+                                monitor_interval=0.5)
+        saved = {name: os.environ.get(name) for name in (SPEC_ENV, "PYTHONPATH")}
+        os.environ[SPEC_ENV] = spec  # the ranks inherit this process's environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, saved["PYTHONPATH"]) if p)
+        try:
+            elastic_launch(launcher, entrypoint=sys.executable)("-m", RANK_ENTRY)
+        except ChildFailedError as exc:
+            _mark_crashed(store_path, run_id, exc.failures)
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    return run_id
+
+
+def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
+    """The run is ``crashed``, its error naming each rank that died and the step it had not finished
+    recording (one past its last row that reached rank_steps; rank 0 writes those rows, so if rank 0 was
+    killed too, rows it had not flushed make this step earlier). The launcher stops the surviving ranks with
+    SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
+    rank_steps = Store(store_path).rank_steps(run_id)
+
+    def at_step(rank: int) -> int:
+        done = rank_steps.loc[rank_steps["rank"] == rank, "step"]
+        return 0 if done.empty else int(done.max()) + 1
+
+    def how(failure) -> str:
+        return failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+
+    stopped = {rank for rank, failure in failures.items() if failure.signal_name() == "SIGTERM"}
+    causes = sorted(set(failures) - stopped) or sorted(stopped)
+    parts = [f"rank {rank} died ({how(failures[rank])}) at step {at_step(rank)}" for rank in causes]
+    parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
+    writer = BackgroundWriter(store_path)
+    try:
+        writer.call(lambda w: w.end_run(run_id, "crashed", error="; ".join(parts)))
+    finally:
+        writer.close()

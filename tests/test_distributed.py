@@ -1,0 +1,105 @@
+"""Distributed recording under torchrun (issue 17): two processes with gloo on the CPU.
+
+Ground truth is a single-process computation: the full gradients a rank saw (DDP: after the all-reduce;
+FSDP2: gathered with ``full_tensor()`` outside the Recorder) through GradStatsComputer on one process.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mpdiag.analysis.findings import diagnose
+from mpdiag.numerics.gradstats import GradStatsComputer
+from mpdiag.store import REPRESENTABILITY_COLUMNS, Store
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "tests", "distributed")
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _torchrun(*args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, parallel):
+    store_path, out = tmp_path / "runs.db", tmp_path / "grads.pt"
+    done = _torchrun(os.path.join(HERE, "user_loop.py"), str(store_path), str(out), parallel)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store, saved = Store(store_path), torch.load(out, weights_only=False)
+    runs = store.runs()
+    assert len(runs) == 1  # one run per job: rank 1 wrote nothing
+    run = runs.iloc[0]
+    assert (run["status"], run["world_size"], run["backend"]) == ("finished", 2, "gloo")
+    assert "torch.distributed.run" in run["launch_command"] and "user_loop.py" in run["launch_command"]
+    tensors = store.tensors(run["run_id"])
+    assert dict(zip(tensors["name"], tensors["shape"], strict=True)) == saved["shapes"]  # full shapes, not shards
+    assert tensors["numel"].tolist() == [int(np.prod(s)) for s in saved["shapes"].values()]
+
+    stats, (index, hists) = store.tensor_stats(run["run_id"]), store.histogram_matrix(run["run_id"])
+    steps, ranks = store.steps(run["run_id"]), store.rank_steps(run["run_id"])
+    assert len(saved["steps"]) == len(steps) == 3
+    for step, record in enumerate(saved["steps"]):
+        grads = record["grads"]
+        truth = GradStatsComputer([g.numel() for g in grads]).compute(grads, record["scale"])
+        rows = stats[stats["step"] == step].reset_index(drop=True)
+        for name in ("zeros", "nan", "posinf", "neginf", *REPRESENTABILITY_COLUMNS):
+            assert rows[name].tolist() == truth.counts[name].tolist(), (step, name)
+        assert np.array_equal(hists[index["step"].to_numpy() == step], truth.hist)
+        assert rows["absmax"].tolist() == truth.absmax.tolist()
+        assert np.array_equal(rows["min_nonzero"].to_numpy(), truth.min_nonzero, equal_nan=True)
+        np.testing.assert_allclose(rows["l2"].to_numpy(), truth.l2, rtol=1e-6)
+        assert steps.loc[step, "loss_scale"] == record["scale"]
+        mine = ranks[ranks["step"] == step]
+        assert mine["rank"].tolist() == [0, 1]
+        assert mine.loc[mine["rank"] == 0, "loss"].item() == pytest.approx(record["loss"], rel=1e-12)
+        assert steps.loc[step, "loss"] == pytest.approx(mine["loss"].mean(), rel=1e-12)
+    if parallel == "ddp":
+        assert (ranks["nonfinite"] == 0).all()
+    else:
+        assert ranks["nonfinite"].isna().all()  # FSDP2 counts no per-rank inf/NaN
+
+
+def _mpdiag_run(store_path, *options, **env) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mpdiag", "run", os.path.join(HERE, "planted.py"), "--nproc", "2",
+               "--device", "cpu", "--store", str(store_path), *options]
+    return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_path):
+    store_path = tmp_path / "runs.db"
+    done = _mpdiag_run(store_path, "--steps", "4", "--opt-level", "O1", "--init-scale", "1024")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    store = Store(store_path)
+    run = store.runs().iloc[0]
+    assert (run["status"], run["world_size"]) == ("finished", 2), run["error"]
+    assert run["config"]["run"]["nproc"] == 2 and run["config"]["run"]["parallel"] == "ddp"  # a rerun keeps them
+    ranks = store.rank_steps(run["run_id"]).set_index(["step", "rank"])["nonfinite"]
+    assert ranks[(2, 1)] > 0 and ranks[(2, 0)] == 0  # rank 1's batch, counted before the all-reduce
+    assert (ranks.drop([(2, 1)]) == 0).all()
+    steps = store.steps(run["run_id"]).set_index("step")
+    assert steps["skipped"].tolist() == [0, 0, 1, 0]  # rank 0's scaler skipped step 2, with rank 1's inf
+    assert steps.loc[2, "scale_after"] == steps.loc[2, "loss_scale"] / 2
+    # every rank skipped it: the script's loss_fn fails the run if the ranks' weights ever differ
+    found = {f.rule: f for f in diagnose(store, run["run_id"])}
+    evidence = found["rank-nonfinite"].evidence
+    assert evidence.startswith(f"step 2: rank 1's local gradients held {int(ranks[(2, 1)])} inf/NaN")
+    assert "every rank skipped the step" in evidence
+
+
+def test_killed_rank_leaves_the_run_crashed_naming_it(tmp_path):
+    store_path = tmp_path / "runs.db"
+    done = _mpdiag_run(store_path, "--steps", "6", "--opt-level", "O0", MPDIAG_TEST_KILL_STEP="2")
+    run = Store(store_path).runs().iloc[0]
+    assert run["status"] == "crashed", (run["error"], done.stderr[-3000:])
+    assert run["error"].startswith("rank 1 died (SIGKILL) at step 2"), run["error"]
