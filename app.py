@@ -66,7 +66,8 @@ def new_run_form(store) -> None:
                 for r in store.scripts().itertuples()}
     chosen = st.selectbox("Script", list(scripts), key="new_script",
                           help="Bundled examples, and scripts uploaded (and checked) on the Upload page.")
-    st.caption("To use your own script, upload it on the Upload page: it is checked before it can run.")
+    st.caption("To use your own script, upload it on the Upload page: it is checked before it can run. "
+               + plain(actions.limits_text()))
     options = ui.run_options_form("new")
     name, script, sha = scripts[chosen]
     action = actions.pending(f"Start a run of {name}", name, sha, options)

@@ -20,6 +20,7 @@ import streamlit as st
 
 from mpdiag.sandbox.check import CheckReport, check_script
 from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job
+from mpdiag.sandbox.launch import limits_text as limits_text  # the pages state the limits of what they start
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import Store, StoreWriter
 

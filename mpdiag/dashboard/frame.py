@@ -22,7 +22,7 @@ import streamlit as st
 from mpdiag.dashboard.reads import is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
-from mpdiag.training.config import LEVELS, OPTIONS, UNSET, ConfigError, RunConfig
+from mpdiag.training.config import FSDP_LEVELS, LEVELS, OPTIONS, PARALLEL, UNSET, ConfigError, RunConfig
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 
@@ -140,7 +140,7 @@ def single_run_page(title: str, view) -> None:
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
-             "trace_modules": "trace", "name": "name"}
+             "trace_modules": "trace", "name": "name", "nproc": "nproc", "parallel": "parallel"}
 DEVICES = ["auto", "cpu", "cuda"]
 
 
@@ -183,6 +183,12 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
                                               base.every, key=key["every"], help=OPTIONS["every"].help))
         chosen["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
                                               help=OPTIONS["trace_modules"].help)
+        chosen["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
+                                              OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
+                                              help=OPTIONS["nproc"].help))
+        chosen["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
+                                          key=key["parallel"], disabled=chosen["nproc"] == 1,
+                                          help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")")
         chosen["name"] = st.text_input("Run name (optional)", base.name or "", key=key["name"],
                                        help="Empty: the script's file name (a rerun: the parent's name and level).")
         chosen["name"] = chosen["name"] or None
