@@ -34,7 +34,7 @@ names, summaries and default scaling are :mod:`mpdiag.training.config`'s (import
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -43,7 +43,8 @@ from torch import nn
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.training.config import ConfigError, RunConfig
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+#: ``factory(params, originals=None)``: see :attr:`mpdiag.training.script.BuiltModel.make_optimizer`
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
 
@@ -180,7 +181,7 @@ class O2(PrecisionPolicy):
                         setattr(module, name, buf.half())
         _cast_io(model, torch.float16, torch.float32)
         self._pairs = [(p, p.detach().clone().float().requires_grad_(True)) for p in model.parameters() if p.requires_grad]
-        return model, make_optimizer([master for _, master in self._pairs])
+        return model, make_optimizer([master for _, master in self._pairs], originals=[p for p, _ in self._pairs])
 
     def master_params(self):
         return [master for _, master in self._pairs]

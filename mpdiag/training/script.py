@@ -106,7 +106,9 @@ class BuiltModel:
     """What ``build(device)`` returned, checked and normalised."""
 
     model: torch.nn.Module
-    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    #: ``make_optimizer(params, originals=None)``: an optimizer over ``params``; ``originals``, when given, are
+    #: the model parameters that ``params`` stand in for, in the same order (O2's FP32 masters)
+    make_optimizer: Callable[..., torch.optim.Optimizer]
     batches: Callable[[], Iterator[Any]]
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     name: str
@@ -115,20 +117,27 @@ class BuiltModel:
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, filename: str):
-    """A factory that returns ``optimizer`` for the model's own parameters and rebuilds it (same class and
-    defaults) over any other parameters, e.g. FP32 master weights."""
-    own = [p for group in optimizer.param_groups for p in group["params"]]
+    """A factory that returns ``optimizer`` itself for the model's own parameters, and over stand-ins for them
+    (``params[i]`` replacing ``originals[i]``, e.g. FP32 master weights) a new optimizer of the same class with
+    every parameter group and its hyper-parameters, each parameter mapped by identity. Parameters without a
+    stand-in (frozen ones) are left out of the new groups: nothing would update them."""
 
-    def make(params):
-        params = list(params)
-        if [id(p) for p in params] == [id(p) for p in own]:
+    def make(params, originals=None):
+        if originals is None:
             return optimizer
+        stand_in = {id(original): param for original, param in zip(originals, params, strict=True)}
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"},
+             "params": [stand_in[id(p)] for p in group["params"] if id(p) in stand_in]}
+            for group in optimizer.param_groups
+        ]
         try:
-            return type(optimizer)(params, **optimizer.defaults)
+            return type(optimizer)(groups)
         except Exception as exc:  # noqa: BLE001 - reported to the user with the fix
             raise ScriptError(
-                f"{filename}: cannot rebuild {type(optimizer).__name__} over new parameters ({exc}). "
-                "Return 'optimizer' as a callable, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)."
+                f"{filename}: cannot rebuild {type(optimizer).__name__} from its parameter groups over the FP32 "
+                f"master weights ({exc}). Return 'optimizer' as a callable, e.g. "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)."
             ) from exc
 
     return make
@@ -214,7 +223,7 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
 
 
 def _checked_factory(factory, script: ModelScript):
-    def make(params):
+    def make(params, originals=None):  # noqa: ARG001 - a callable builds over whatever it is given
         with script_errors(script, "in the optimizer factory"):
             opt = factory(params)
         if not isinstance(opt, torch.optim.Optimizer):
