@@ -144,7 +144,14 @@ class PrecisionPolicy:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
+        """Unscale, clip the 2-norm of every gradient the optimizer uses to ``clip_grad_norm`` when given (after
+        unscaling, so the bound is on the true gradients), step (skipped on inf/NaN) and update the scale."""
+        if self.scaler is not None and clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)  # GradScaler.step then reuses this unscale and its inf check
+        if clip_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type=2.0)
         if self.scaler is None:
             optimizer.step()
             return
@@ -190,11 +197,10 @@ class O2(PrecisionPolicy):
         self.model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
 
-    def step(self, optimizer):
+    def step(self, optimizer, clip_grad_norm=None):
         for param, master in self._pairs:
             master.grad = None if param.grad is None else param.grad.float()  # still scaled: S * g
-        self.scaler.step(optimizer)  # unscales the FP32 master grads, skips the step on inf/NaN
-        self.scaler.update()
+        super().step(optimizer, clip_grad_norm)  # unscales (and clips) the FP32 master grads, skips on inf/NaN
         with torch.no_grad():
             for param, master in self._pairs:
                 param.copy_(master)  # FP32 master -> FP16 model weight (rounds to nearest)

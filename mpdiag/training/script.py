@@ -6,7 +6,11 @@ A model script is a Python file defining ``build(device)`` that returns a dict w
 * ``optimizer``: a ``torch.optim.Optimizer`` over ``model.parameters()``, or a callable ``params -> Optimizer``;
 * ``batches``: an iterable of batches, or a callable ``step -> batch``;
 * ``loss_fn``: a callable ``(model, batch) -> scalar loss tensor``;
-* optionally ``name`` and ``description`` (strings).
+* optionally ``name`` and ``description`` (strings);
+* optionally ``clip_grad_norm`` (a number > 0: the gradients' 2-norm is clipped to it before every optimizer
+  step, after unscaling), ``scheduler`` (a callable ``optimizer -> LRScheduler``, stepped once after every
+  optimizer step, skipped ones included) and ``accumulate`` (an integer k >= 1: k micro-batches per optimizer
+  step).
 
 Every problem is reported as a :class:`ScriptError` whose message names the file and what to change; an
 exception raised by the script's own code carries the script's traceback lines.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import math
 import re
 import sys
 import traceback
@@ -114,6 +119,12 @@ class BuiltModel:
     name: str
     description: str
     optimizer_rebuildable: bool
+    #: the max 2-norm gradients are clipped to before each optimizer step, or None
+    clip_grad_norm: float | None = None
+    #: ``make_scheduler(optimizer)`` -> the LRScheduler over the optimizer that steps, or None
+    make_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
+    #: micro-batches per optimizer step
+    accumulate: int = 1
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, filename: str):
@@ -219,7 +230,56 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
         name=spec.get("name") or Path(fname).stem,
         description=spec.get("description", ""),
         optimizer_rebuildable=rebuildable,
+        **_optional_training_keys(spec, script),
     )
+
+
+def _optional_training_keys(spec: dict, script: ModelScript) -> dict:
+    """The checked ``clip_grad_norm``, ``scheduler`` and ``accumulate`` keys as BuiltModel fields."""
+    fname, fields = script.filename, {}
+    clip = spec.get("clip_grad_norm")
+    if clip is not None:
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0:
+            raise ScriptError(f"{fname}: 'clip_grad_norm' is {clip!r}; it must be a finite number > 0 (the max 2-norm).")
+        fields["clip_grad_norm"] = float(clip)
+    scheduler = spec.get("scheduler")
+    if scheduler is not None:
+        if not callable(scheduler) or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ScriptError(
+                f"{fname}: 'scheduler' is a {type(scheduler).__name__}; it must be a callable optimizer -> LRScheduler "
+                "(the runner builds it over the optimizer that actually steps), e.g. "
+                "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)."
+            )
+        fields["make_scheduler"] = _checked_scheduler(scheduler, script)
+    accumulate = spec.get("accumulate", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ScriptError(f"{fname}: 'accumulate' is {accumulate!r}; it must be an integer >= 1 (micro-batches per optimizer step).")
+    fields["accumulate"] = accumulate
+    return fields
+
+
+def _checked_scheduler(factory, script: ModelScript):
+    def make(optimizer):
+        with script_errors(script, "in the scheduler callable"):
+            scheduler = factory(optimizer)
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned {type(scheduler).__name__}; it must return "
+                "a torch.optim.lr_scheduler.LRScheduler."
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned ReduceLROnPlateau, whose step() needs a "
+                "metric; the runner calls step() with no arguments after every optimizer step."
+            )
+        if scheduler.optimizer is not optimizer:
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned a scheduler over another optimizer; build "
+                "it over the optimizer it is given."
+            )
+        return scheduler
+
+    return make
 
 
 def _checked_factory(factory, script: ModelScript):
