@@ -27,6 +27,7 @@ from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store, StoreWriter
 from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.nonfinite_step import NonfiniteStepCheck
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
@@ -155,9 +156,12 @@ def train(
                 model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=policy.update_format,
             )
-            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
+            check = NonfiniteStepCheck(model, optimizer, policy.master_params() or None)
+            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
+                         check)
             state = model_state_bytes(model, optimizer, policy)
-            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"]))
+            stored = _stored_config(config, check)
+            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"], config=stored))
             recorder.close(note=note)
         except (ScriptError, RunStopped) as exc:
             _fail(writer, recorder, run_id, str(exc))
@@ -182,8 +186,18 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
         writer.submit(lambda w: w.end_run(run_id, "failed", error=error))
 
 
+def _stored_config(config: RunConfig, check: NonfiniteStepCheck) -> dict:
+    """The run's stored configuration: its options, the optimizer's class and state dtype, and the first
+    optimizer step that made weights or state non-finite from finite values (when there was one)."""
+    stored = {"run": config.to_dict(),
+              "optimizer": {"class": type(check.optimizer).__name__, "state_dtype": check.state_dtype()}}
+    if check.found is not None:
+        stored["optimizer_step_nonfinite"] = check.found
+    return stored
+
+
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
-          shadow: Fp32Shadow | None) -> str | None:
+          shadow: Fp32Shadow | None, check: NonfiniteStepCheck) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
     the batches ran out early."""
     batches = built.batches()
@@ -212,10 +226,15 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
             losses.append(loss.detach().float())
             if shadow_step:
                 reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
-        recorder.record(losses[0] if k == 1 else torch.stack(losses).mean())
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        recorder.record(loss)
         if shadow_step:
             recorder.compare_gradients(reference)
+        check.before(loss)
         policy.step(optimizer, built.clip_grad_norm)
+        if check.after(step) is not None:
+            stored = _stored_config(config, check)  # now, so a run that fails later still shows it
+            writer.submit(lambda w, stored=stored: w.update_run(run_id, config=stored))
         if scheduler is not None:
             with warnings.catch_warnings():
                 # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
