@@ -14,15 +14,14 @@ CPU = torch.device("cpu")
 
 
 class LayerNorm(nn.Module):
-    """nanoGPT's: LayerNorm with an optional bias."""
+    """GPT codebases' LayerNorm: its own weight and bias through F.layer_norm (bias=None when bias=False)."""
 
     def __init__(self, ndim, bias):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+        self.weight, self.bias = nn.Parameter(torch.ones(ndim)), nn.Parameter(torch.zeros(ndim)) if bias else None
 
     def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, 1e-5)
 
 
 class Scaled(nn.Module):
