@@ -161,8 +161,9 @@ class Recorder:
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
-        #: whether an optimizer step can be seen at all: one was given, or a step over our parameters was seen
-        self._observable = optimizer is not None
+        #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
+        #: step over our parameters was seen
+        self._observable = optimizer is not None or self.scaler is not None
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
@@ -342,8 +343,8 @@ class Recorder:
     def _close_previous_row(self, known: bool) -> None:
         """Note whether the previous recorded step's optimizer step ran (the step hooks are on the host).
         ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'; so is
-        every step of a loop whose optimizer steps cannot be seen (no optimizer given and no torch.optim step over
-        the model's parameters yet: weights updated by hand)."""
+        every step of a loop whose optimizer steps cannot be seen (no optimizer or scaler given and no torch.optim
+        step over the model's parameters yet: weights updated by hand)."""
         if self._unread_steps and self._unread_steps[-1][0] is not None:
             self._unread_steps[-1][0][3] = 0 if self._stepped else (1 if known and self._observable else None)
 
