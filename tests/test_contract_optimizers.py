@@ -60,7 +60,7 @@ def test_o2_rebuilds_groups_over_masters(name):
     policy.zero_grad(rebuilt)
     policy.backward(model(torch.ones(2, 4)).float().pow(2).mean())
     policy.step(rebuilt)
-    assert any(not torch.equal(b, m) for b, (_, m) in zip(before, policy._pairs))
+    assert any(not torch.equal(b, m) for b, (_, m) in zip(before, policy._pairs, strict=True))
     assert all(torch.equal(p, m.half()) for p, m in policy._pairs)
 
 
