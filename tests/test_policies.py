@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 def prepared(level, model, scaling=None, lr=0.1, opt=torch.optim.SGD):
     policy = make_policy(RunConfig(opt_level=level, **(scaling or {})), CPU)
-    model, optimizer = policy.prepare(model, lambda params: opt(params, lr=lr))
+    model, optimizer = policy.prepare(model, lambda params, originals=None: opt(params, lr=lr))
     return policy, model, optimizer
 
 
@@ -210,7 +210,7 @@ def test_o2_with_an_optimizer_that_cannot_be_rebuilt_fails_before_training(store
     run_id = train(ModelScript.from_path(path), RunConfig(opt_level="O2", steps=3, device="cpu"), store_path)
     run = Store(store_path).run(run_id)
     assert run["status"] == "failed" and run["steps_done"] == 0
-    assert "cannot rebuild Picky over new parameters" in run["error"] and "lambda params" in run["error"]
+    assert "cannot rebuild Picky from its parameter groups over the FP32 master weights" in run["error"] and "lambda params" in run["error"]
 
 
 def test_model_state_account_matches_the_level():

@@ -107,6 +107,39 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding
     )
 
 
+#: where weights and optimizer state in a low-precision format break inside the step, the level that keeps
+#: them in FP32 (masters and FP32 optimizer state)
+FP32_STATE_LEVEL = {"O3": "O2", "bf16-pure": "bf16"}
+
+
+def optimizer_step_nonfinite(run: pd.Series) -> Finding | None:
+    """An optimizer step that made weights or optimizer state inf/NaN while the loss, gradients, weights and
+    state it started from were finite: the update itself overflowed (recorded by the runner)."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    event = config.get("optimizer_step_nonfinite")
+    if not event:
+        return None
+    names = ", ".join(event["values"][:6]) + (" ..." if len(event["values"]) > 6 else "")
+    evidence = (f"Step {event['step']}: {event['optimizer']} (weights {event['weight_dtype']}, optimizer state "
+                f"{event['state_dtype'] or 'none'}) made {len(event['tensors'])} tensor(s) non-finite: {names}. "
+                "The loss, every gradient, weight and state value were finite before that step.")
+    target = FP32_STATE_LEVEL.get(run["opt_level"])
+    if target is not None:
+        recommendation = (f"Keep FP32 master weights and FP32 optimizer state: --opt-level {target}. In "
+                          f"{event['state_dtype']} the optimizer's small terms (e.g. Adam's eps=1e-8, squared "
+                          "gradients) round to 0 and its update divides by zero.")
+    else:
+        recommendation = ("The update itself overflows although the optimizer runs in "
+                          f"{event['state_dtype'] or event['weight_dtype']}: lower the learning rate or raise "
+                          "the optimizer's eps.")
+    return Finding(
+        rule="optimizer-step-nonfinite", severity="error",
+        title="The optimizer step made weights or optimizer state non-finite",
+        evidence=evidence, recommendation=recommendation, tensors=list(event["tensors"]),
+        fix={"opt_level": target} if target is not None else None, page="Loss_scale",
+    )
+
+
 def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
                    modules: pd.DataFrame | None = None) -> Finding | None:
     """Skipped steps, runs of skips, a scale below 1: overflow that loss scaling keeps backing off from."""
@@ -365,6 +398,7 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     underflow = None if ignored else low_range(run, totals, hist)
     shadow = store.shadow_stats(run_id)
     found = [
+        optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
         underflow,
         gradient_error(run, shadow, underflow),

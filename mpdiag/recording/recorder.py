@@ -163,6 +163,9 @@ class Recorder:
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
+        #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
+        #: step over our parameters was seen
+        self._observable = optimizer is not None or self.scaler is not None
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
@@ -235,7 +238,7 @@ class Recorder:
 
         def mark_if_ours(opt, args, kwargs):
             if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
-                self._stepped = True
+                self._stepped = self._observable = True
 
         return [register_optimizer_step_post_hook(mark_if_ours)]
 
@@ -343,9 +346,11 @@ class Recorder:
 
     def _close_previous_row(self, known: bool) -> None:
         """Note whether the previous recorded step's optimizer step ran (the step hooks are on the host).
-        ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'."""
+        ``known`` False means the run stopped inside the step, so a step that did not run is 'unknown'; so is
+        every step of a loop whose optimizer steps cannot be seen (no optimizer or scaler given and no torch.optim
+        step over the model's parameters yet: weights updated by hand)."""
         if self._unread_steps and self._unread_steps[-1][0] is not None:
-            self._unread_steps[-1][0][3] = 0 if self._stepped else (1 if known else None)
+            self._unread_steps[-1][0][3] = 0 if self._stepped else (1 if known and self._observable else None)
 
     def _read_arrived(self, wait: bool) -> None:
         """Move what has reached the host into the row buffers, in step order; ``wait`` waits for all of it.

@@ -17,13 +17,17 @@ level    weights       per-op casting norm layers          master weights loss s
 ======== ============= ============== ==================== ============== ==================
 O0       fp32          no             fp32                 no             none
 O1       fp32          autocast fp16  (autocast lists)     no             dynamic
-O2       fp16          no             fp32                 fp32           dynamic
+O2       fp16          no             fp32 (see below)     fp32           dynamic
 O3       fp16          no             fp16                 no             static 1.0
 bf16     fp32          autocast bf16  (autocast lists)     no             none
 bf16-pure bf16         no             bf16                 no             none
 fp8-sim  fp32          as bf16; every (autocast lists)     no             none
                        Linear via FP8
 ======== ============= ============== ==================== ============== ==================
+
+At O2 a normalization module keeps FP32 parameters and computes in FP32 (:func:`is_norm_module`: torch's
+norm layers, a class name ending in ``Norm``, or a forward calling a functional norm on its own parameters);
+blocks it wraps stay FP16.
 
 Every FP16 level scales through :class:`LossScaler` (a ``torch.amp.GradScaler``), so "skipped" and the scale
 trajectory mean the same at every level: a step whose gradients hold inf/NaN is skipped, and a dynamic
@@ -35,8 +39,11 @@ names, summaries and default scaling are :mod:`mpdiag.training.config`'s (import
 
 from __future__ import annotations
 
+import ast
 import contextlib
-from collections.abc import Callable, Iterable
+import inspect
+import textwrap
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -46,8 +53,35 @@ from mpdiag.numerics.nested import map_tensors
 from mpdiag.training.config import ConfigError, RunConfig
 from mpdiag.training.fp8_sim import simulate_fp8
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+#: ``factory(params, originals=None)``: see :attr:`mpdiag.training.script.BuiltModel.make_optimizer`
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+#: functional normalizations whose call in a module's own forward makes it a normalization module at O2
+NORM_FUNCTIONS = frozenset({"layer_norm", "group_norm", "batch_norm", "rms_norm"})
+
+
+def _forward_calls_norm(module: nn.Module) -> bool:
+    """Whether the source of ``module``'s forward calls a function named layer_norm, group_norm, batch_norm or
+    rms_norm (``F.layer_norm(...)``, ``torch.nn.functional.rms_norm(...)``, ``layer_norm(...)``)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(type(module).forward))
+    except (OSError, TypeError):  # no source (built in, or generated): only the class name can tell
+        return False
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name in NORM_FUNCTIONS:
+                return True
+    return False
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """A normalization module O2 keeps in FP32: torch's own, one whose class name ends in ``Norm``, or one with
+    parameters of its own whose forward calls a functional normalization (a GPT-style LayerNorm)."""
+    if isinstance(module, NORM_LAYERS) or type(module).__name__.endswith("Norm"):
+        return True
+    return any(True for _ in module.parameters(recurse=False)) and _forward_calls_norm(module)
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -146,7 +180,14 @@ class PrecisionPolicy:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
+        """Unscale, clip the 2-norm of every gradient the optimizer uses to ``clip_grad_norm`` when given (after
+        unscaling, so the bound is on the true gradients), step (skipped on inf/NaN) and update the scale."""
+        if self.scaler is not None and clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)  # GradScaler.step then reuses this unscale and its inf check
+        if clip_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type=2.0)
         if self.scaler is None:
             optimizer.step()
             return
@@ -172,9 +213,13 @@ class O2(PrecisionPolicy):
 
     def prepare(self, model, make_optimizer):
         self.model = model
+        norms = {id(m) for m in model.modules() if is_norm_module(m)}
         for module in model.modules():
-            if isinstance(module, NORM_LAYERS):
+            if id(module) in norms:
                 _cast_io(module, torch.float32, torch.float16)  # norm math in FP32, hand back FP16
+                for child in module.children():
+                    if id(child) not in norms:  # a wrapped block (PreNorm's attention) stays FP16
+                        _cast_io(child, torch.float16, torch.float32)
             else:
                 for p in module.parameters(recurse=False):
                     p.data = p.data.half()
@@ -183,7 +228,7 @@ class O2(PrecisionPolicy):
                         setattr(module, name, buf.half())
         _cast_io(model, torch.float16, torch.float32)
         self._pairs = [(p, p.detach().clone().float().requires_grad_(True)) for p in model.parameters() if p.requires_grad]
-        return model, make_optimizer([master for _, master in self._pairs])
+        return model, make_optimizer([master for _, master in self._pairs], originals=[p for p, _ in self._pairs])
 
     def master_params(self):
         return [master for _, master in self._pairs]
@@ -192,11 +237,10 @@ class O2(PrecisionPolicy):
         self.model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
 
-    def step(self, optimizer):
+    def step(self, optimizer, clip_grad_norm=None):
         for param, master in self._pairs:
             master.grad = None if param.grad is None else param.grad.float()  # still scaled: S * g
-        self.scaler.step(optimizer)  # unscales the FP32 master grads, skips the step on inf/NaN
-        self.scaler.update()
+        super().step(optimizer, clip_grad_norm)  # unscales (and clips) the FP32 master grads, skips on inf/NaN
         with torch.no_grad():
             for param, master in self._pairs:
                 param.copy_(master)  # FP32 master -> FP16 model weight (rounds to nearest)

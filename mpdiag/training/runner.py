@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -28,6 +29,7 @@ from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store, StoreWriter
 from mpdiag.training import distributed
 from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.nonfinite_step import NonfiniteStepCheck
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
@@ -166,9 +168,12 @@ def train(
                 model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
             )
-            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow)
+            check = NonfiniteStepCheck(model, optimizer, policy.master_params() or None)
+            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
+                         check)
             state = model_state_bytes(model, optimizer, policy)
-            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"]))
+            stored = _stored_config(config, check)
+            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"], config=stored))
             recorder.close(note=note)
         except (ScriptError, RunStopped) as exc:
             _fail(writer, recorder, run_id, str(exc))
@@ -195,34 +200,72 @@ def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, erro
         writer.submit(lambda w: w.end_run(run_id, "failed", error=error))
 
 
+def _stored_config(config: RunConfig, check: NonfiniteStepCheck) -> dict:
+    """The run's stored configuration: its options, the optimizer's class and state dtype, and the first
+    optimizer step that made weights or state non-finite from finite values (when there was one)."""
+    stored = {"run": config.to_dict(),
+              "optimizer": {"class": type(check.optimizer).__name__, "state_dtype": check.state_dtype()}}
+    if check.found is not None:
+        stored["optimizer_step_nonfinite"] = check.found
+    return stored
+
+
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
-          shadow: Fp32Shadow | None) -> str | None:
-    """Train for config.steps steps; returns a note when the batches ran out early."""
+          shadow: Fp32Shadow | None, check: NonfiniteStepCheck) -> str | None:
+    """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
+    the batches ran out early."""
     batches = built.batches()
+    scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
+    k = built.accumulate
     reported = None  # the latest step given to progress
     for step in range(config.steps):
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return f"the script's batches ran out after {step} of {config.steps} steps"
-        if step == 0:
-            size = batch_size_of(batch)
-            writer.submit(lambda w, size=size: w.update_run(run_id, batch_size=size))
-        batch = to_device(batch, device)
         shadow_step = shadow is not None and step % config.shadow_every == 0
-        state = rng_state(device) if shadow_step else None
+        reference = None  # the FP32 shadow's gradient of this step (the mean over its micro-batches)
+        losses = []
         policy.zero_grad(optimizer)
-        with policy.autocast():
-            loss = built.loss_fn(model, batch)
-        policy.backward(loss)
+        for micro in range(k):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                partial = f" (the {micro} micro-batches of step {step} were not stepped)" if micro else ""
+                return f"the script's batches ran out after {step} of {config.steps} steps{partial}"
+            if step == 0 and micro == 0:
+                size = batch_size_of(batch)
+                writer.submit(lambda w, size=size: w.update_run(run_id, batch_size=size))
+            batch = to_device(batch, device)
+            state = rng_state(device) if shadow_step else None
+            with policy.autocast():
+                loss = built.loss_fn(model, batch)
+            policy.backward(loss / k if k > 1 else loss)  # accumulated gradients are those of the mean loss
+            losses.append(loss.detach().float())
+            if shadow_step:
+                reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
         recorder.record(loss)
         if shadow_step:
-            recorder.compare_gradients(shadow.gradients(model, batch, state))
-        policy.step(optimizer)
+            recorder.compare_gradients(reference)
+        check.before(loss)
+        policy.step(optimizer, built.clip_grad_norm)
+        if check.after(step) is not None:
+            stored = _stored_config(config, check)  # now, so a run that fails later still shows it
+            writer.submit(lambda w, stored=stored: w.update_run(run_id, config=stored))
+        if scheduler is not None:
+            with warnings.catch_warnings():
+                # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                scheduler.step()
         if progress is not None and recorder.last_loss_step not in (None, reported):
             reported = recorder.last_loss_step  # on a GPU the loss arrives a step late: no extra sync
             progress(reported, recorder.last_loss)
     return None
+
+
+def _add_mean(total: list | None, grads: list, k: int) -> list:
+    """``total`` plus ``grads / k``, elementwise (``None`` for a parameter without a gradient)."""
+    parts = [None if g is None else g.detach() / k for g in grads]
+    if total is None:
+        return parts
+    return [a if b is None else b if a is None else a + b for a, b in zip(total, parts, strict=True)]
 
 
 def train_pair(

@@ -6,7 +6,11 @@ A model script is a Python file defining ``build(device)`` that returns a dict w
 * ``optimizer``: a ``torch.optim.Optimizer`` over ``model.parameters()``, or a callable ``params -> Optimizer``;
 * ``batches``: an iterable of batches, or a callable ``step -> batch``;
 * ``loss_fn``: a callable ``(model, batch) -> scalar loss tensor``;
-* optionally ``name`` and ``description`` (strings).
+* optionally ``name`` and ``description`` (strings);
+* optionally ``clip_grad_norm`` (a number > 0: the gradients' 2-norm is clipped to it before every optimizer
+  step, after unscaling), ``scheduler`` (a callable ``optimizer -> LRScheduler``, stepped once after every
+  optimizer step, skipped ones included) and ``accumulate`` (an integer k >= 1: k micro-batches per optimizer
+  step).
 
 Every problem is reported as a :class:`ScriptError` whose message names the file and what to change; an
 exception raised by the script's own code carries the script's traceback lines.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import math
 import re
 import sys
 import traceback
@@ -106,29 +111,44 @@ class BuiltModel:
     """What ``build(device)`` returned, checked and normalised."""
 
     model: torch.nn.Module
-    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    #: ``make_optimizer(params, originals=None)``: an optimizer over ``params``; ``originals``, when given, are
+    #: the model parameters that ``params`` stand in for, in the same order (O2's FP32 masters)
+    make_optimizer: Callable[..., torch.optim.Optimizer]
     batches: Callable[[], Iterator[Any]]
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     name: str
     description: str
     optimizer_rebuildable: bool
+    #: the max 2-norm gradients are clipped to before each optimizer step, or None
+    clip_grad_norm: float | None = None
+    #: ``make_scheduler(optimizer)`` -> the LRScheduler over the optimizer that steps, or None
+    make_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
+    #: micro-batches per optimizer step
+    accumulate: int = 1
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, filename: str):
-    """A factory that returns ``optimizer`` for the model's own parameters and rebuilds it (same class and
-    defaults) over any other parameters, e.g. FP32 master weights."""
-    own = [p for group in optimizer.param_groups for p in group["params"]]
+    """A factory that returns ``optimizer`` itself for the model's own parameters, and over stand-ins for them
+    (``params[i]`` replacing ``originals[i]``, e.g. FP32 master weights) a new optimizer of the same class with
+    every parameter group and its hyper-parameters, each parameter mapped by identity. Parameters without a
+    stand-in (frozen ones) are left out of the new groups: nothing would update them."""
 
-    def make(params):
-        params = list(params)
-        if [id(p) for p in params] == [id(p) for p in own]:
+    def make(params, originals=None):
+        if originals is None:
             return optimizer
+        stand_in = {id(original): param for original, param in zip(originals, params, strict=True)}
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"},
+             "params": [stand_in[id(p)] for p in group["params"] if id(p) in stand_in]}
+            for group in optimizer.param_groups
+        ]
         try:
-            return type(optimizer)(params, **optimizer.defaults)
+            return type(optimizer)(groups)
         except Exception as exc:  # noqa: BLE001 - reported to the user with the fix
             raise ScriptError(
-                f"{filename}: cannot rebuild {type(optimizer).__name__} over new parameters ({exc}). "
-                "Return 'optimizer' as a callable, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)."
+                f"{filename}: cannot rebuild {type(optimizer).__name__} from its parameter groups over the FP32 "
+                f"master weights ({exc}). Return 'optimizer' as a callable, e.g. "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)."
             ) from exc
 
     return make
@@ -210,11 +230,60 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
         name=spec.get("name") or Path(fname).stem,
         description=spec.get("description", ""),
         optimizer_rebuildable=rebuildable,
+        **_optional_training_keys(spec, script),
     )
 
 
+def _optional_training_keys(spec: dict, script: ModelScript) -> dict:
+    """The checked ``clip_grad_norm``, ``scheduler`` and ``accumulate`` keys as BuiltModel fields."""
+    fname, fields = script.filename, {}
+    clip = spec.get("clip_grad_norm")
+    if clip is not None:
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0:
+            raise ScriptError(f"{fname}: 'clip_grad_norm' is {clip!r}; it must be a finite number > 0 (the max 2-norm).")
+        fields["clip_grad_norm"] = float(clip)
+    scheduler = spec.get("scheduler")
+    if scheduler is not None:
+        if not callable(scheduler) or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ScriptError(
+                f"{fname}: 'scheduler' is a {type(scheduler).__name__}; it must be a callable optimizer -> LRScheduler "
+                "(the runner builds it over the optimizer that actually steps), e.g. "
+                "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)."
+            )
+        fields["make_scheduler"] = _checked_scheduler(scheduler, script)
+    accumulate = spec.get("accumulate", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ScriptError(f"{fname}: 'accumulate' is {accumulate!r}; it must be an integer >= 1 (micro-batches per optimizer step).")
+    fields["accumulate"] = accumulate
+    return fields
+
+
+def _checked_scheduler(factory, script: ModelScript):
+    def make(optimizer):
+        with script_errors(script, "in the scheduler callable"):
+            scheduler = factory(optimizer)
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned {type(scheduler).__name__}; it must return "
+                "a torch.optim.lr_scheduler.LRScheduler."
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned ReduceLROnPlateau, whose step() needs a "
+                "metric; the runner calls step() with no arguments after every optimizer step."
+            )
+        if scheduler.optimizer is not optimizer:
+            raise ScriptError(
+                f"{script.filename}: the 'scheduler' callable returned a scheduler over another optimizer; build "
+                "it over the optimizer it is given."
+            )
+        return scheduler
+
+    return make
+
+
 def _checked_factory(factory, script: ModelScript):
-    def make(params):
+    def make(params, originals=None):  # noqa: ARG001 - a callable builds over whatever it is given
         with script_errors(script, "in the optimizer factory"):
             opt = factory(params)
         if not isinstance(opt, torch.optim.Optimizer):

@@ -1,0 +1,75 @@
+"""Whether an optimizer step itself turned weights or optimizer state non-finite.
+
+The runner asks around each optimizer step, until the first such step: before it, whether the loss, every
+gradient, every weight the optimizer updates and its state are finite; after it, which of those tensors no
+longer are. A step that starts from finite values and ends with inf/NaN ones broke inside the optimizer (e.g.
+AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides by zero).
+
+Owns that check and the record of it (a JSON-ready dict). Must not write to the store (the runner hands the
+record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs one pass over the
+tensors per check and stops after the first finding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as torch names it without the module: ``float16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+class NonfiniteStepCheck:
+    """Watch one optimizer's steps. ``masters`` (O2) are the tensors it updates in place of the model's
+    trainable parameters, in the same order; they are reported under the parameters' names."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters: list | None = None):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._grads_of = [p for _, p in named]
+        targets = masters if masters else self._grads_of
+        self._updated = [(name, t) for (name, _), t in zip(named, targets, strict=True)]
+        self.optimizer = optimizer
+        self.found: dict | None = None
+        self._armed = False
+
+    def _tensors(self):
+        """(tensor name, optimizer state key or None, tensor) for every weight the optimizer updates and its
+        floating-point state (not the step counter)."""
+        for name, weight in self._updated:
+            yield name, None, weight
+            for key, value in self.optimizer.state.get(weight, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                    yield name, key, value
+
+    def state_dtype(self) -> str | None:
+        """The dtype of the optimizer's floating-point state (None before its first step, or stateless)."""
+        dtypes = sorted({dtype_name(t.dtype) for _, key, t in self._tensors() if key is not None})
+        return ", ".join(dtypes) or None
+
+    def before(self, loss: torch.Tensor) -> None:
+        """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""
+        self._armed = False
+        if self.found is not None:
+            return
+        values = [loss.detach()] + [p.grad for p in self._grads_of if p.grad is not None]
+        values += [t for _, _, t in self._tensors()]
+        self._armed = bool(torch.stack([torch.isfinite(v).all() for v in values]).all())
+
+    def after(self, step: int) -> dict | None:
+        """The record of ``step`` when it made an armed check's tensors non-finite, else None."""
+        if not self._armed:
+            return None
+        self._armed = False
+        broken = [(name, key, t) for name, key, t in self._tensors() if not bool(torch.isfinite(t).all())]
+        if not broken:
+            return None
+        self.found = {
+            "step": int(step),
+            "optimizer": type(self.optimizer).__name__,
+            "state_dtype": self.state_dtype(),
+            "weight_dtype": dtype_name(self._updated[0][1].dtype),
+            "tensors": list(dict.fromkeys(name for name, _, _ in broken)),
+            "values": [name if key is None else f"{name} ({key})" for name, key, _ in broken],
+        }
+        return self.found
