@@ -46,14 +46,13 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
                           bind="query-params")
     chosen = ranking[ranking["tensor"] == tensor].iloc[0]
-    st.caption(f"{plain(tensor)}: {fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
-               f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
+    st.caption(f"{plain(tensor)}: {summaries.tensor_summary_line(chosen, fmt)}")
     steps = reads.steps(store, run_id, final)
     index, counts = reads.tensor_histograms(store, run_id, tensor, final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
     lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
-    st.altair_chart(charts.exponent_heatmap(cells, lines, f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"),
-                    width="stretch")
+    st.altair_chart(charts.exponent_heatmap(cells, lines, (logged[0], logged[-1] + 1),
+                                            f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"), width="stretch")
 
     step = st.select_slider("Step", logged, value=logged[-1], key="step")
     scale = summaries.scale_at_step(steps, step)
@@ -71,7 +70,10 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     m[4].metric("NaN / inf", int(at_step["nan"] + at_step["posinf"] + at_step["neginf"]))
 
     st.subheader("What if the loss scale were different?")
-    k = st.select_slider("Scale the unscaled gradient by", list(range(-10, 33)), value=int(round(np.log2(scale))),
+    # The offered powers include every scale the run used, so the default is always one of them.
+    exponents = summaries.whatif_exponents(steps)
+    used = summaries.log2_exponent(scale)
+    k = st.select_slider("Scale the unscaled gradient by", exponents, value=0 if used is None else used,
                          format_func=lambda e: f"2^{e}", key="whatif")
     shares = summaries.whatif_shares(hist, k, LOW_PRECISION[fmt])
     w = st.columns(3)

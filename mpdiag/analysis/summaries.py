@@ -72,6 +72,33 @@ def whatif_shares(hist: np.ndarray, log2_scale: int, fmt: Format = FP16) -> dict
     }
 
 
+#: the what-if scale control always spans at least 2^-WHATIF_SPAN .. 2^WHATIF_SPAN, wider when the run used more
+WHATIF_SPAN = 40
+
+
+def log2_exponent(scale: float) -> int | None:
+    """The nearest integer power of two to a loss scale, or None when the scale is zero, negative or not finite."""
+    return round(math.log2(scale)) if math.isfinite(scale) and scale > 0 else None
+
+
+def whatif_exponents(steps: pd.DataFrame) -> list[int]:
+    """The powers of two the what-if control offers: -WHATIF_SPAN..WHATIF_SPAN, widened to every scale the run
+    used (``steps``: Store.steps), so the scale of any recorded step is always one of them."""
+    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float)) if k is not None] if len(steps) else []
+    return list(range(min([-WHATIF_SPAN, *used]), max([WHATIF_SPAN, *used]) + 1))
+
+
+def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
+    """One tensor's shares over all logged steps (a :func:`tensor_ranking` row) as plain text: underflow,
+    subnormal and overflow of its finite non-zero values, or, when it had none, what its values were instead
+    (never "nan%")."""
+    if math.isnan(chosen["underflow_share"]):
+        return (f"{fmt} underflow, subnormal, overflow: n/a, no finite non-zero values over all logged steps "
+                f"(zeros {chosen['zero_share']:.2%} of all values, {int(chosen['nonfinite'])} NaN/inf).")
+    return (f"{fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
+            f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
+
+
 def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame | None = None,
                   at_scale: bool = False, max_marks: int = MAX_MARKS) -> pd.DataFrame:
     """Long frame of non-empty (step bucket, exponent bin) cells for one tensor's histograms over steps.
