@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -22,11 +23,13 @@ def record(store, script, *options):
 def truth_store(tmp_path_factory):
     """Run 1: gallery_underflow at O1 with a static scale of 2^-83 (every gradient recorded is zero); run 2:
     gallery_activation_overflow at O1 whose dynamic scale collapses by 1000x per step from 1e-20 (not a power of
-    two, down to about 2^-106)."""
+    two, down to about 2^-106); runs 3 and 4: the README's example, gallery_underflow at O1 with a static scale of
+    1, and its FP32 twin (--pair)."""
     path = tmp_path_factory.mktemp("truth") / "runs.db"
     record(path, "gallery_underflow.py", "--opt-level", "O1", "--loss-scale", repr(COLLAPSED_SCALE), "--steps", "3")
     record(path, "gallery_activation_overflow.py", "--opt-level", "O1", "--init-scale", "1e-20",
            "--backoff-factor", "0.001", "--steps", "5")
+    record(path, "gallery_underflow.py", "--opt-level", "O1", "--loss-scale", "1", "--steps", "8", "--pair")
     return path
 
 
@@ -69,3 +72,45 @@ def test_gradients_page_of_a_collapsed_loss_scale(run, steps, truth_store, monke
         at.select_slider(key="whatif").set_value(exponents[-1]).run()
         assert not at.exception, [e.value for e in at.exception]
         assert "nan%" not in said(at)
+
+
+def percent_after(text: str, pattern: str) -> float:
+    return float(re.search(pattern, text).group(1)) / 100
+
+
+def test_flushed_share_agrees_between_gradients_findings_and_compare(truth_store, monkeypatch):
+    from mpdiag import Store
+
+    store = Store(truth_store, create=False)
+    totals, twin = store.tensor_totals(3), store.tensor_totals(4)
+    # ground truth from the two records: zeros the FP16 run has beyond the FP32 twin's, per tensor
+    expected = {r.tensor: max(0.0, r.zeros / r.numel - t.zeros / t.numel)
+                for r, t in zip(totals.itertuples(), twin.set_index("tensor").loc[totals["tensor"]].itertuples(), strict=True)}
+    assert expected["1.weight"] > 0.05  # the example really flushes gradients (the exact counts show 0 underflow)
+
+    grads = page("1_Gradients.py", truth_store, monkeypatch, run="3", tensor="1.weight")
+    assert not grads.exception, [e.value for e in grads.exception]
+    line = next(c.value for c in grads.caption if c.value.startswith("1\\.weight"))
+    shown = percent_after(line, r"([0-9.]+)% of all values flushed to zero before recording \(underflow\)")
+    assert shown == pytest.approx(expected["1.weight"], abs=5e-5)
+    metrics = {m.label: m.value for m in grads.metric}
+    assert "fp16 flushed to zero before recording (underflow)" in metrics
+    assert metrics["fp16 flushed to zero before recording (underflow)"].endswith("%")
+
+    findings = page("5_Findings.py", truth_store, monkeypatch, run="3")
+    assert not findings.exception, [e.value for e in findings.exception]
+    evidence = said(findings).replace("\\", "")
+    assert "flushed to zero before recording (underflow)" in evidence
+    assert abs(percent_after(evidence, r"1\.weight: ([0-9.]+)%") - shown) <= 0.01
+
+    compare = page("3_Compare.py", truth_store, monkeypatch, runs=["3", "4"])
+    assert not compare.exception, [e.value for e in compare.exception]
+    titles = [json.loads(c.proto.spec).get("title") for c in compare.get("vega_lite_chart")]
+    assert "FP16 flushed to zero before recording (underflow), share of all values" in titles
+
+
+def test_without_a_twin_the_flushed_share_is_said_to_be_unknowable(truth_store, monkeypatch):
+    at = page("1_Gradients.py", truth_store, monkeypatch, run="1")
+    text = said(at)
+    assert "cannot be known from this run" in text and "--pair" in text
+    assert {m.label: m.value for m in at.metric}["fp16 flushed to zero before recording (underflow)"] == "unknown"

@@ -88,6 +88,50 @@ def whatif_exponents(steps: pd.DataFrame) -> list[int]:
     return list(range(min([-WHATIF_SPAN, *used]), max([WHATIF_SPAN, *used]) + 1))
 
 
+#: the opt levels whose gradients are computed in FP16, so values too small for it are already exact zeros when
+#: recorded (shared with the gradient-underflow finding)
+FP16_LEVELS = ("O1", "O2", "O3")
+FLUSHED_LABEL = "flushed to zero before recording (underflow)"
+
+
+def fp32_twin(run: pd.Series) -> int | None:
+    """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
+    twin = run.get("pair_run_id")
+    return None if run["opt_level"] not in FP16_LEVELS or pd.isna(twin) else int(twin)
+
+
+def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:
+    """Per tensor (index), the share of all its values that FP16 flushed to zero before they were recorded,
+    estimated as max(0, its zero share - the zero share of the same tensor in the FP32 twin) over the logged
+    steps: an underflowed value is an exact zero in the record, so the exact counts cannot see it, but the twin
+    (same weights and batches, no FP16) shows which zeros are genuine. NaN for a tensor the twin lacks.
+    ``totals``/``twin_totals``: Store.tensor_totals of the FP16 run and of its FP32 twin."""
+    mine = totals.set_index("tensor")
+    twin = twin_totals.set_index("tensor").reindex(mine.index)
+    return (mine["zeros"] / mine["numel"] - twin["zeros"] / twin["numel"]).clip(lower=0)
+
+
+def overall_flushed(totals: pd.DataFrame, flushed: pd.Series) -> float:
+    """The share of all gradient values of the run flushed to zero before recording (``flushed``: per tensor,
+    :func:`flushed_to_zero`), each tensor weighted by its number of values."""
+    numel = totals.set_index("tensor")["numel"]
+    known = flushed.dropna().index
+    return float((flushed[known] * numel[known]).sum() / numel[known].sum()) if len(known) else math.nan
+
+
+def flushed_text(share: float | None, shadow_steps: int = 0) -> str:
+    """The flushed share (:func:`flushed_to_zero`) as it is stated wherever an FP16 underflow share is, or, with
+    no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can."""
+    if share is not None and not math.isnan(share):
+        return f"{share:.2%} of all values {FLUSHED_LABEL}, estimated against the FP32 twin."
+    if share is not None:
+        return f"Share {FLUSHED_LABEL}: unknown (the FP32 twin did not record this tensor)."
+    shadow = (" The FP32 shadow of this run stores only norms and errors per tensor, so it cannot count them."
+              if shadow_steps else "")
+    return (f"Share {FLUSHED_LABEL}: cannot be known from this run (those values are recorded as exact zeros); "
+            f"record it with --pair (an FP32 twin on the same weights and batches).{shadow}")
+
+
 def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
     """One tensor's shares over all logged steps (a :func:`tensor_ranking` row) as plain text: underflow,
     subnormal and overflow of its finite non-zero values, or, when it had none, what its values were instead

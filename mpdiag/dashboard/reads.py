@@ -111,6 +111,20 @@ def histograms_at_step(store: Store, run_id: int, step: int, final: bool) -> tup
     return store.histogram_matrix(int(run_id), step=int(step))
 
 
+def twin_totals(store: Store, twin_id: int | None) -> pd.DataFrame | None:
+    """The FP32 twin's per-tensor totals (:func:`tensor_totals`), cached once the twin is final; None without a
+    twin."""
+    return None if twin_id is None else tensor_totals(store, twin_id, is_final(store.run(twin_id)))
+
+
+def twin_at_step(store: Store, twin_id: int | None, tensor: str, step: int) -> pd.Series | None:
+    """The FP32 twin's row for one tensor at one step (:func:`tensor_at_step`), None without a twin or when the
+    twin did not log that step."""
+    if twin_id is None or step not in logged_steps(store, twin_id, final := is_final(store.run(twin_id))):
+        return None
+    return tensor_at_step(store, twin_id, tensor, step, final)
+
+
 def shadow_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
     """Gradients against the FP32 shadow (Store.shadow_stats)."""
     return _shadow_stats(_key(store), int(run_id)) if final else store.shadow_stats(int(run_id))
