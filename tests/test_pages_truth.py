@@ -114,3 +114,22 @@ def test_without_a_twin_the_flushed_share_is_said_to_be_unknowable(truth_store, 
     text = said(at)
     assert "cannot be known from this run" in text and "--pair" in text
     assert {m.label: m.value for m in at.metric}["fp16 flushed to zero before recording (underflow)"] == "unknown"
+
+
+def test_runs_table_for_triage(truth_store, monkeypatch):
+    monkeypatch.setenv("MPDIAG_STORE", str(truth_store))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT).run()
+    # the store holds a static-scale run: its rerun form (static scale picker beside the mode radio) renders
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.dataframe[0].value.set_index("run")
+    assert table.loc[2, "final loss"] == "NaN"  # the activation-overflow run's loss was NaN to the end
+    assert table.loc[2, "skipped"] == "5 of 5" and table.loc[1, "skipped"] == "0 of 3"
+    assert all(re.fullmatch(r"NaN|-?[0-9.]+(e[-+][0-9]+)?", v) and len(v.replace("-", "").replace(".", "")) <= 9
+               for v in table["final loss"])
+    assert table.loc[3, "findings"] == "/Findings?run=3"
+    assert table.loc[3, "gradients"] == "/Gradients?run=3" and table.loc[3, "loss scale"] == "/Loss_scale?run=3"
+    at.multiselect(key="filter_script").set_value(["gallery_activation_overflow.py"]).run()
+    assert at.dataframe[0].value["run"].tolist() == [2]
+    at.multiselect(key="filter_script").set_value([]).run()
+    at.multiselect(key="filter_opt level").set_value(["O0"]).run()
+    assert at.dataframe[0].value["run"].tolist() == [4]

@@ -6,6 +6,7 @@ Everything here takes and returns pandas / numpy objects and never touches SQLit
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -298,25 +299,43 @@ def whatif_underflow_by_tensor(index: pd.DataFrame, counts: np.ndarray, log2_sca
     return {t: whatif_shares(h, log2_scale, fmt)["underflow"] for t, h in zip(index["tensor"], counts, strict=True)}
 
 
+def significant(value, digits: int = 4) -> str:
+    """A number in ``digits`` significant digits; "NaN" (or "inf") when it is missing or not finite, never blank."""
+    if value is None or pd.isna(value):
+        return "NaN"
+    return f"{float(value):.{digits}g}"
+
+
 def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """The home page's table of runs (Store.runs, newest first): one row per run, settings and outcome."""
+    """The home page's table of runs (Store.runs, newest first): one row per run, settings, outcome and links to
+    the run's Findings, Gradients and Loss scale pages (relative URLs with ``run=ID``)."""
+    done = runs["steps_done"].fillna(0).astype(int)
+    ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
         "run": runs["run_id"],
         "name": runs["name"],
+        "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
         "status": runs["status"],
         "opt level": runs["opt_level"],
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"],
         "static scale": runs["loss_scale"],
-        "steps": runs["steps_done"].astype(str) + " / " + runs["steps"].astype(str),
-        "final loss": runs["final_loss"],
-        "skipped": runs["skipped_steps"],
+        "steps": done.astype(str) + " / " + runs["steps"].astype(str),
+        "final loss": runs["final_loss"].map(significant),
+        "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "step ms (median)": runs["median_step_time_s"] * 1e3,
         "device": runs["device"],
         "parent": runs["parent_run_id"],
         "FP32 twin": runs["pair_run_id"],
         "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
+        "findings": "/Findings?run=" + ids,
+        "gradients": "/Gradients?run=" + ids,
+        "loss scale": "/Loss_scale?run=" + ids,
     })
+
+
+#: how the runs table renders its link columns (st.column_config.LinkColumn display text per column)
+RUN_LINKS = {"findings": "Findings", "gradients": "Gradients", "loss scale": "Loss scale"}
 
 
 def worst_tensors(shares: pd.DataFrame, n: int = 12) -> pd.DataFrame:

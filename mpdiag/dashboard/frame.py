@@ -214,18 +214,19 @@ def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
     mode = st.radio("Loss scaling", modes, index=current, horizontal=True, key=key["loss_scale"],
                     help=OPTIONS["loss_scale"].help)
 
-    def scale_picker(label: str, name: str, value: float) -> float:
+    def scale_picker(label: str, name: str, value: float, widget_key: str) -> float:
         choices = sorted({2.0**k for k in range(25)} | {float(value)})
-        return st.select_slider(label, choices, value=float(value), key=key[name], help=OPTIONS[name].help,
+        return st.select_slider(label, choices, value=float(value), key=widget_key, help=OPTIONS[name].help,
                                 format_func=lambda v: f"2^{math.log2(v):g}" if math.log2(v).is_integer() else f"{v:g}")
 
     if mode == "static":
         static = base.loss_scale if current == 2 else 2.0**7
-        return {"loss_scale": scale_picker("Static scale", "loss_scale", static)}
+        # the mode radio already holds key["loss_scale"]: the static value needs a key of its own
+        return {"loss_scale": scale_picker("Static scale", "loss_scale", static, f"{key['loss_scale']}_static")}
     options: dict = {"loss_scale": "dynamic" if mode == "dynamic" else None}
     if mode != "dynamic" and LEVELS[level].default_scaling != "dynamic":
         return options  # the level's own static scale: no dynamic settings to show
-    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale)
+    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale, key["init_scale"])
     cols = st.columns(5)
     options["growth_interval"] = int(cols[0].number_input(
         "Growth interval", OPTIONS["growth_interval"].minimum, 1_000_000, base.growth_interval,
