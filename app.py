@@ -54,7 +54,7 @@ def runs_panel(store) -> None:
             st.progress(min(1.0, done / max(1, int(run["steps"] or 1))),
                         text=plain(f"{ui.run_label(run)}: step {done} of {run['steps']}"))
             st.altair_chart(charts.live_loss(reads.live_steps(store, int(run["run_id"]))), width="stretch")
-    table = runs_table(runs)
+    table = runs_table(runs, [reads.finding_severities(store, run) for _, run in runs.iterrows()])
     filters = st.columns(3)
     for col, (column, label) in zip(filters, {"status": "Status", "opt level": "Level", "script": "Script"}.items(),
                                     strict=True):

@@ -126,6 +126,21 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
     assert table.loc[2, "skipped"] == "5 of 5" and table.loc[1, "skipped"] == "0 of 3"
     assert all(re.fullmatch(r"NaN|-?[0-9.]+(e[-+][0-9]+)?", v) and len(v.replace("-", "").replace(".", "")) <= 9
                for v in table["final loss"])
+    # the badge counts the findings the Findings page lists for that run
+    from mpdiag import Store
+    from mpdiag.analysis.findings import diagnose
+
+    store = Store(truth_store, create=False)
+    for run in table.index:
+        severities = [f.severity for f in diagnose(store, int(run))]
+        badge = table.loc[run, "health"]
+        if "error" in severities:
+            assert badge.startswith("⛔") and f"{severities.count('error')} error" in badge
+        elif "warning" in severities:
+            assert badge.startswith("⚠️") and f"{severities.count('warning')} warning" in badge
+        else:
+            assert badge == "✅ healthy"
+    assert table.loc[3, "health"] != "✅ healthy"  # the README's failing example has the gradient-underflow finding
     assert table.loc[3, "findings"] == "/Findings?run=3"
     assert table.loc[3, "gradients"] == "/Gradients?run=3" and table.loc[3, "loss scale"] == "/Loss_scale?run=3"
     at.multiselect(key="filter_script").set_value(["gallery_activation_overflow.py"]).run()

@@ -146,3 +146,10 @@ def test_tensor_summary_line_never_reads_nan_percent():
     line = summaries.tensor_summary_line(summaries.tensor_ranking(totals).iloc[0], "fp16")
     assert "nan" not in line.lower().replace("nan/inf", "")
     assert "no finite non-zero values" in line and "zeros 100.00%" in line
+
+
+def test_health_badge_counts_errors_and_warnings():
+    assert summaries.health([]) == "✅ healthy"
+    assert summaries.health(["info"]) == "✅ healthy"
+    assert summaries.health(["warning", "warning", "info"]) == "⚠️ 2 warnings"
+    assert summaries.health(["warning", "error"]) == "⛔ 1 error, 1 warning"

@@ -306,9 +306,19 @@ def significant(value, digits: int = 4) -> str:
     return f"{float(value):.{digits}g}"
 
 
-def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """The home page's table of runs (Store.runs, newest first): one row per run, settings, outcome and links to
-    the run's Findings, Gradients and Loss scale pages (relative URLs with ``run=ID``)."""
+def health(severities: list[str]) -> str:
+    """A run's health badge from the severities of its findings: healthy, or its errors and warnings counted."""
+    errors, warnings = severities.count("error"), severities.count("warning")
+    if not errors and not warnings:
+        return "✅ healthy"
+    counted = ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((errors, "error"), (warnings, "warning")) if n)
+    return f"{'⛔' if errors else '⚠️'} {counted}"
+
+
+def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
+    """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
+    ``severities``: per run, its findings' severities), settings, outcome and links to the run's Findings,
+    Gradients and Loss scale pages (relative URLs with ``run=ID``)."""
     done = runs["steps_done"].fillna(0).astype(int)
     ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
@@ -316,6 +326,7 @@ def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
         "name": runs["name"],
         "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
         "status": runs["status"],
+        "health": [health(s) for s in severities],
         "opt level": runs["opt_level"],
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"],

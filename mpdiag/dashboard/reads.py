@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from mpdiag.analysis.findings import diagnose
 from mpdiag.store import Store
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
@@ -73,6 +74,17 @@ def _shadow_stats(key: tuple, run_id: int) -> pd.DataFrame:
 @st.cache_data(show_spinner=False, max_entries=64)
 def _update_stats(key: tuple, run_id: int) -> pd.DataFrame:
     return Store(key[0], create=False).update_stats(run_id)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def _severities(key: tuple, run_id: int) -> list[str]:
+    return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
+
+
+def finding_severities(store: Store, run: pd.Series) -> list[str]:
+    """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final."""
+    run_id = int(run["run_id"])
+    return _severities(_key(store), run_id) if is_final(run) else [f.severity for f in diagnose(store, run_id)]
 
 
 def steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
