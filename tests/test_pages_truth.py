@@ -1,6 +1,7 @@
 """The pages tell the truth on hard runs (issue 15), checked under AppTest on runs recorded with the CLI."""
 
 import json
+import logging
 import math
 import re
 import subprocess
@@ -148,3 +149,23 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
     at.multiselect(key="filter_script").set_value([]).run()
     at.multiselect(key="filter_opt level").set_value(["O0"]).run()
     assert at.dataframe[0].value["run"].tolist() == [4]
+
+
+@pytest.mark.parametrize("name", ["1_Gradients.py", "2_Loss_scale.py", "5_Findings.py"])
+def test_the_url_names_the_run_shown(name, truth_store, monkeypatch):
+    at = page(name, truth_store, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.query_params["run"] == "4"  # the default, newest run, is in the URL too
+    at.selectbox(key="run").set_value(3).run()
+    assert at.query_params["run"] == "3"
+    assert page(name, truth_store, monkeypatch, run="1").selectbox(key="run").value == 1
+
+
+def test_compare_url_names_the_runs_shown_without_a_session_state_warning(truth_store, monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("streamlit"), "propagate", True)  # its warnings reach caplog
+    at = page("3_Compare.py", truth_store, monkeypatch, runs=["3", "4"])
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.multiselect(key="runs").value == [3, 4] and at.query_params["runs"] == ["3", "4"]
+    at.multiselect(key="runs").set_value([1, 3]).run()
+    assert at.query_params["runs"] == ["1", "3"]
+    assert "created with a default value but also had its value set" not in caplog.text
