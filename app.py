@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.summaries import runs_table
+from mpdiag.analysis.summaries import RUN_LINKS, runs_table
 from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -54,7 +54,15 @@ def runs_panel(store) -> None:
             st.progress(min(1.0, done / max(1, int(run["steps"] or 1))),
                         text=plain(f"{ui.run_label(run)}: step {done} of {run['steps']}"))
             st.altair_chart(charts.live_loss(reads.live_steps(store, int(run["run_id"]))), width="stretch")
-    st.dataframe(runs_table(runs), hide_index=True, width="stretch")
+    table = runs_table(runs, [reads.finding_severities(store, run) for _, run in runs.iterrows()])
+    filters = st.columns(3)
+    for col, (column, label) in zip(filters, {"status": "Status", "opt level": "Level", "script": "Script"}.items(),
+                                    strict=True):
+        keep = col.multiselect(label, sorted(table[column].dropna().unique()), key=f"filter_{column}",
+                               placeholder="all")
+        table = table[table[column].isin(keep)] if keep else table
+    st.dataframe(table, hide_index=True, width="stretch", column_config={
+        column: st.column_config.LinkColumn(text, display_text=text) for column, text in RUN_LINKS.items()})
     for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
         ui.explain_run_state(run)
 

@@ -46,14 +46,22 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
                           bind="query-params")
     chosen = ranking[ranking["tensor"] == tensor].iloc[0]
-    st.caption(f"{plain(tensor)}: {fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
-               f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
+    # FP16 leaves the values it flushed as exact zeros, invisible to the exact counts: state that share beside them.
+    states_flushed = fmt == "fp16" and run["opt_level"] in summaries.FP16_LEVELS
+    twin_id = summaries.fp32_twin(run)
+    twin = reads.twin_totals(store, twin_id)
+    shadow_steps = int(reads.shadow_stats(store, run_id, final)["step"].nunique())
+    flushed = None if twin is None else float(summaries.flushed_to_zero(totals, twin).get(tensor, np.nan))
+    line = summaries.tensor_summary_line(chosen, fmt)
+    if states_flushed:
+        line += " " + summaries.flushed_text(flushed, shadow_steps)
+    st.caption(f"{plain(tensor)}: {line}")
     steps = reads.steps(store, run_id, final)
     index, counts = reads.tensor_histograms(store, run_id, tensor, final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
     lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
-    st.altair_chart(charts.exponent_heatmap(cells, lines, f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"),
-                    width="stretch")
+    st.altair_chart(charts.exponent_heatmap(cells, lines, (logged[0], logged[-1] + 1),
+                                            f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"), width="stretch")
 
     step = st.select_slider("Step", logged, value=logged[-1], key="step")
     scale = summaries.scale_at_step(steps, step)
@@ -63,15 +71,24 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     shift = float(np.log2(scale)) if at_scale else 0.0
     bars = summaries.step_histogram(hist, {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}, LOW_PRECISION[fmt], shift)
     st.altair_chart(charts.step_histogram(bars, f"step {step}, loss scale {scale:g}"), width="stretch")
-    m = st.columns(5)
+    m = st.columns(6 if states_flushed else 5)
     for col, (cat, (n, denom)) in zip(m, summaries.exact_shares(at_step, fmt, at_scale).items(), strict=False):
         col.metric(f"{fmt} {cat} (exact)", f"{n / denom:.3%}" if denom else "n/a",
                    help=f"{n} of {denom} finite non-zero values, counted by casting")
     m[3].metric("zeros", int(at_step["zeros"]))
     m[4].metric("NaN / inf", int(at_step["nan"] + at_step["posinf"] + at_step["neginf"]))
+    if states_flushed:
+        twin_step = reads.twin_at_step(store, twin_id, tensor, step)
+        share = None if twin_step is None else float(
+            summaries.flushed_to_zero(at_step.to_frame().T, twin_step.to_frame().T).iloc[0])
+        m[5].metric(f"fp16 {summaries.FLUSHED_LABEL}", "unknown" if share is None else f"{share:.3%}",
+                    help=f"At step {step}: " + summaries.flushed_text(share, shadow_steps))
 
     st.subheader("What if the loss scale were different?")
-    k = st.select_slider("Scale the unscaled gradient by", list(range(-10, 33)), value=int(round(np.log2(scale))),
+    # The offered powers include every scale the run used, so the default is always one of them.
+    exponents = summaries.whatif_exponents(steps)
+    used = summaries.log2_exponent(scale)
+    k = st.select_slider("Scale the unscaled gradient by", exponents, value=0 if used is None else used,
                          format_func=lambda e: f"2^{e}", key="whatif")
     shares = summaries.whatif_shares(hist, k, LOW_PRECISION[fmt])
     w = st.columns(3)

@@ -4,6 +4,7 @@ Reads widgets, calls mpdiag.analysis.compare / summaries and the chart layer, re
 torch. Run names are the user's: they reach Markdown only through ``plain``.
 """
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -61,14 +62,24 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                "is the bytes allocated for weights, gradients, master weights and optimizer state.")
 
     st.subheader("FP16 shares per tensor (gradient at the loss scale, all logged steps)")
-    shares = []
+    shares, unknown_flushed = [], []
     for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True):
         totals = reads.tensor_totals(store, int(r["run_id"]), reads.is_final(r))
         if len(totals):
-            shares.append(summaries.tensor_ranking(totals, "fp16", at_scale=True).assign(run=lab))
+            twin = reads.twin_totals(store, summaries.fp32_twin(r))
+            ranking = summaries.tensor_ranking(totals, "fp16", at_scale=True)
+            flushed = np.nan if twin is None else ranking["tensor"].map(summaries.flushed_to_zero(totals, twin))
+            shares.append(ranking.assign(run=lab, flushed_share=flushed))
+            if twin is None and r["opt_level"] in summaries.FP16_LEVELS:
+                unknown_flushed.append(lab)
     if shares:
         top = summaries.worst_tensors(pd.concat(shares, ignore_index=True))
         st.altair_chart(charts.runs_bars(top, "tensor", "underflow_share", "FP16 underflow share", labels), width="stretch")
+        st.altair_chart(charts.runs_bars(top.dropna(subset=["flushed_share"]), "tensor", "flushed_share",
+                                         f"FP16 {summaries.FLUSHED_LABEL}, share of all values", labels),
+                        width="stretch")
+        for lab in unknown_flushed:
+            st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
         st.altair_chart(charts.runs_bars(top, "tensor", "overflow_share", "FP16 overflow share", labels), width="stretch")
     else:
         st.info("None of these runs has gradient statistics yet.")

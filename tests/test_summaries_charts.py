@@ -103,9 +103,10 @@ def test_tensor_ranking_sorts_worst_first_with_exact_shares():
 
 def test_heatmap_spec_draws_fp16_limits_on_a_log_colour_scale():
     cells = pd.DataFrame({"step_start": [0], "step_end": [1], "log2_lo": [-20.0], "log2_hi": [-19.0], "count": [5]})
-    spec = charts.exponent_heatmap(cells, summaries.format_lines(("fp16",))).to_dict()
+    spec = charts.exponent_heatmap(cells, summaries.format_lines(("fp16",)), (0, 4)).to_dict()
     heat, rules = spec["layer"]
     assert heat["mark"]["type"] == "rect" and heat["encoding"]["color"]["scale"]["type"] == "log"
+    assert heat["encoding"]["x"]["scale"]["domain"] == [0, 4]  # steps 1..3 hold no cell and still show
     datasets = spec["datasets"]
     limits = datasets[rules["data"]["name"]]
     assert sorted(round(r["log2"], 4) for r in limits) == [-24, -14, round(math.log2(65504), 4)]
@@ -126,3 +127,29 @@ def test_run_colours_are_fixed_by_selection_order():
     spec = charts.runs_overlay(df, "loss", "loss", ["a", "b"]).to_dict()
     colour = spec["layer"][0]["encoding"]["color"]["scale"]
     assert colour["domain"] == ["a", "b"] and colour["range"] == charts.RUN_COLOURS[:2]
+
+
+def test_whatif_exponents_cover_every_scale_the_run_used_and_2_to_the_plus_minus_40():
+    steps = pd.DataFrame({"loss_scale": [2.0**-83, 3e-20, 0.0, np.inf, 2.0**50]})
+    exponents = summaries.whatif_exponents(steps)
+    assert exponents == list(range(-83, 51))
+    assert summaries.log2_exponent(3e-20) in exponents and summaries.log2_exponent(3e-20) == round(math.log2(3e-20))
+    assert summaries.log2_exponent(0.0) is None and summaries.log2_exponent(np.inf) is None
+    assert summaries.whatif_exponents(pd.DataFrame({"loss_scale": [1.0]})) == list(range(-40, 41))
+
+
+def test_tensor_summary_line_never_reads_nan_percent():
+    totals = pd.DataFrame({
+        "tensor": ["zeros only"], "numel_per_step": [8], "numel": [16], "zeros": [16], "nan": [0], "posinf": [0],
+        "neginf": [0], **{f"fp16_{c}": [0] for c in ("underflow", "subnormal", "overflow")},
+    })
+    line = summaries.tensor_summary_line(summaries.tensor_ranking(totals).iloc[0], "fp16")
+    assert "nan" not in line.lower().replace("nan/inf", "")
+    assert "no finite non-zero values" in line and "zeros 100.00%" in line
+
+
+def test_health_badge_counts_errors_and_warnings():
+    assert summaries.health([]) == "✅ healthy"
+    assert summaries.health(["info"]) == "✅ healthy"
+    assert summaries.health(["warning", "warning", "info"]) == "⚠️ 2 warnings"
+    assert summaries.health(["warning", "error"]) == "⛔ 1 error, 1 warning"

@@ -14,11 +14,13 @@ import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
-from mpdiag.analysis.summaries import nonzero_finite, shadow_ranking, update_shares, whatif_shares
+from mpdiag.analysis.summaries import (
+    FLUSHED_LABEL, FP16_LEVELS, flushed_text, flushed_to_zero, fp32_twin, nonzero_finite, overall_flushed,
+    shadow_ranking, update_shares, whatif_shares,
+)
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
 from mpdiag.store import Store
 
-FP16_LEVELS = ("O1", "O2", "O3")
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
 #: values over all logged steps: a warning above this, overall or for any tensor holding >= 1 % of the values
 LOW_RANGE_SHARE = 0.02
@@ -75,8 +77,11 @@ def recommended_scale(hist: np.ndarray) -> int | None:
     return k if shares["underflow"][1] + shares["subnormal"][1] <= LOW_RANGE_TARGET else None
 
 
-def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding | None:
-    """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use."""
+def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
+              shadow_steps: int = 0) -> Finding | None:
+    """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use. The values
+    FP16 flushed to zero are exact zeros in the record; their share is estimated against the FP32 twin
+    (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it."""
     if run["opt_level"] not in FP16_LEVELS or totals.empty:
         return None
     values = nonzero_finite(totals)
@@ -95,14 +100,21 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray) -> Finding
     else:
         advice = "No single loss scale fits these gradients in FP16; use --opt-level bf16 (FP32's range)."
         fix = {"opt_level": "bf16"}
+    tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
+    if twin_totals is None:
+        flushed = flushed_text(None, shadow_steps)
+    else:
+        per = flushed_to_zero(totals, twin_totals)
+        flushed = (f"{overall_flushed(totals, per):.2%} of all gradient values {FLUSHED_LABEL}, estimated against "
+                   "the FP32 twin (" + ", ".join(f"{t}: {per.get(t, np.nan):.2%}" for t in tensors) + ").")
     return Finding(
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
         evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow ({int(totals['fp16_underflow_at_scale'].sum())}) "
                   f"or subnormal ({int(totals['fp16_subnormal_at_scale'].sum())}) at the scale used; "
-                  f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values."),
+                  f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
         recommendation=advice,
-        tensors=worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist(),
+        tensors=tensors,
         fix=fix,
     )
 
@@ -395,8 +407,10 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     probe = store.probe(run_id, "scale-linearity")
     ignored = scale_ignored(run, probe)
     # gradients that ignore the scale look like underflow too; the cause is reported instead
-    underflow = None if ignored else low_range(run, totals, hist)
     shadow = store.shadow_stats(run_id)
+    twin = fp32_twin(run)
+    underflow = None if ignored else low_range(run, totals, hist, None if twin is None else store.tensor_totals(twin),
+                                               int(shadow["step"].nunique()))
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,

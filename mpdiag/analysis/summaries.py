@@ -6,6 +6,7 @@ Everything here takes and returns pandas / numpy objects and never touches SQLit
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -70,6 +71,77 @@ def whatif_shares(hist: np.ndarray, log2_scale: int, fmt: Format = FP16) -> dict
                       share((exponents >= tie_bin) & (exponents <= below_normal))),
         "overflow": (share(exponents > top_bin), share(exponents >= top_bin)),
     }
+
+
+#: the what-if scale control always spans at least 2^-WHATIF_SPAN .. 2^WHATIF_SPAN, wider when the run used more
+WHATIF_SPAN = 40
+
+
+def log2_exponent(scale: float) -> int | None:
+    """The nearest integer power of two to a loss scale, or None when the scale is zero, negative or not finite."""
+    return round(math.log2(scale)) if math.isfinite(scale) and scale > 0 else None
+
+
+def whatif_exponents(steps: pd.DataFrame) -> list[int]:
+    """The powers of two the what-if control offers: -WHATIF_SPAN..WHATIF_SPAN, widened to every scale the run
+    used (``steps``: Store.steps), so the scale of any recorded step is always one of them."""
+    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float)) if k is not None] if len(steps) else []
+    return list(range(min([-WHATIF_SPAN, *used]), max([WHATIF_SPAN, *used]) + 1))
+
+
+#: the opt levels whose gradients are computed in FP16, so values too small for it are already exact zeros when
+#: recorded (shared with the gradient-underflow finding)
+FP16_LEVELS = ("O1", "O2", "O3")
+FLUSHED_LABEL = "flushed to zero before recording (underflow)"
+
+
+def fp32_twin(run: pd.Series) -> int | None:
+    """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
+    twin = run.get("pair_run_id")
+    return None if run["opt_level"] not in FP16_LEVELS or pd.isna(twin) else int(twin)
+
+
+def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:
+    """Per tensor (index), the share of all its values that FP16 flushed to zero before they were recorded,
+    estimated as max(0, its zero share - the zero share of the same tensor in the FP32 twin) over the logged
+    steps: an underflowed value is an exact zero in the record, so the exact counts cannot see it, but the twin
+    (same weights and batches, no FP16) shows which zeros are genuine. NaN for a tensor the twin lacks.
+    ``totals``/``twin_totals``: Store.tensor_totals of the FP16 run and of its FP32 twin."""
+    mine = totals.set_index("tensor")
+    twin = twin_totals.set_index("tensor").reindex(mine.index)
+    return (mine["zeros"] / mine["numel"] - twin["zeros"] / twin["numel"]).clip(lower=0)
+
+
+def overall_flushed(totals: pd.DataFrame, flushed: pd.Series) -> float:
+    """The share of all gradient values of the run flushed to zero before recording (``flushed``: per tensor,
+    :func:`flushed_to_zero`), each tensor weighted by its number of values."""
+    numel = totals.set_index("tensor")["numel"]
+    known = flushed.dropna().index
+    return float((flushed[known] * numel[known]).sum() / numel[known].sum()) if len(known) else math.nan
+
+
+def flushed_text(share: float | None, shadow_steps: int = 0) -> str:
+    """The flushed share (:func:`flushed_to_zero`) as it is stated wherever an FP16 underflow share is, or, with
+    no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can."""
+    if share is not None and not math.isnan(share):
+        return f"{share:.2%} of all values {FLUSHED_LABEL}, estimated against the FP32 twin."
+    if share is not None:
+        return f"Share {FLUSHED_LABEL}: unknown (the FP32 twin did not record this tensor)."
+    shadow = (" The FP32 shadow of this run stores only norms and errors per tensor, so it cannot count them."
+              if shadow_steps else "")
+    return (f"Share {FLUSHED_LABEL}: cannot be known from this run (those values are recorded as exact zeros); "
+            f"record it with --pair (an FP32 twin on the same weights and batches).{shadow}")
+
+
+def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
+    """One tensor's shares over all logged steps (a :func:`tensor_ranking` row) as plain text: underflow,
+    subnormal and overflow of its finite non-zero values, or, when it had none, what its values were instead
+    (never "nan%")."""
+    if math.isnan(chosen["underflow_share"]):
+        return (f"{fmt} underflow, subnormal, overflow: n/a, no finite non-zero values over all logged steps "
+                f"(zeros {chosen['zero_share']:.2%} of all values, {int(chosen['nonfinite'])} NaN/inf).")
+    return (f"{fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
+            f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
 
 
 def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame | None = None,
@@ -227,25 +299,54 @@ def whatif_underflow_by_tensor(index: pd.DataFrame, counts: np.ndarray, log2_sca
     return {t: whatif_shares(h, log2_scale, fmt)["underflow"] for t, h in zip(index["tensor"], counts, strict=True)}
 
 
-def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """The home page's table of runs (Store.runs, newest first): one row per run, settings and outcome."""
+def significant(value, digits: int = 4) -> str:
+    """A number in ``digits`` significant digits; "NaN" (or "inf") when it is missing or not finite, never blank."""
+    if value is None or pd.isna(value):
+        return "NaN"
+    return f"{float(value):.{digits}g}"
+
+
+def health(severities: list[str]) -> str:
+    """A run's health badge from the severities of its findings: healthy, or its errors and warnings counted."""
+    errors, warnings = severities.count("error"), severities.count("warning")
+    if not errors and not warnings:
+        return "✅ healthy"
+    counted = ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((errors, "error"), (warnings, "warning")) if n)
+    return f"{'⛔' if errors else '⚠️'} {counted}"
+
+
+def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
+    """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
+    ``severities``: per run, its findings' severities), settings, outcome and links to the run's Findings,
+    Gradients and Loss scale pages (relative URLs with ``run=ID``)."""
+    done = runs["steps_done"].fillna(0).astype(int)
+    ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
         "run": runs["run_id"],
         "name": runs["name"],
+        "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
         "status": runs["status"],
+        "health": [health(s) for s in severities],
         "opt level": runs["opt_level"],
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"],
         "static scale": runs["loss_scale"],
-        "steps": runs["steps_done"].astype(str) + " / " + runs["steps"].astype(str),
-        "final loss": runs["final_loss"],
-        "skipped": runs["skipped_steps"],
+        "steps": done.astype(str) + " / " + runs["steps"].astype(str),
+        "final loss": runs["final_loss"].map(significant),
+        "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "step ms (median)": runs["median_step_time_s"] * 1e3,
         "device": runs["device"],
         "parent": runs["parent_run_id"],
         "FP32 twin": runs["pair_run_id"],
         "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
+        "findings": "/Findings?run=" + ids,
+        "gradients": "/Gradients?run=" + ids,
+        "loss scale": "/Loss_scale?run=" + ids,
     })
+
+
+#: how the runs table renders its link columns (st.column_config.LinkColumn display text per column)
+RUN_LINKS = {"findings": "Findings", "gradients": "Gradients", "loss scale": "Loss scale"}
 
 
 def worst_tensors(shares: pd.DataFrame, n: int = 12) -> pd.DataFrame:

@@ -34,14 +34,17 @@ def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
     )
 
 
-def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, title: str = "") -> alt.LayerChart:
+def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
+                     title: str = "") -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
-    count on a log scale; dashed lines at the formats' min subnormal, min normal and max."""
+    count on a log scale; dashed lines at the formats' min subnormal, min normal and max. The step axis spans
+    ``steps`` (first logged step, last logged step + 1) whatever the cells hold, so steps with no finite
+    non-zero value (every value zero) stay on it as empty columns rather than vanishing."""
     heat = (
         alt.Chart(cells)
         .mark_rect()
         .encode(
-            x=alt.X("step_start:Q", title="step"),
+            x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False)),
             x2="step_end:Q",
             y=alt.Y("log2_lo:Q", title="log2 |gradient|"),
             y2="log2_hi:Q",

@@ -74,30 +74,40 @@ def run_label(run: pd.Series) -> str:
     return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
 
 
-def _seed_from_plain_id(key: str, runs: pd.DataFrame, multi: bool) -> None:
-    """Accept ``?run=3`` (or ``?runs=3&runs=5``) deep links as well as the labels the widget writes."""
-    raw = st.query_params.get_all(key)
-    if not raw or key in st.session_state or not all(v.isdigit() for v in raw):
+def _seed_from_url(key: str, runs: pd.DataFrame, fallback: list[int]) -> None:
+    """Before the widget exists: its value from ``?run=3`` (or ``?runs=3&runs=5``) when those ids exist, else
+    ``fallback``; set once per session, through Session State only (a widget default as well would draw a
+    Streamlit warning)."""
+    if key in st.session_state:
         return
-    ids = [int(v) for v in raw if int(v) in set(runs["run_id"])]
-    if ids:
-        del st.query_params[key]
-        st.session_state[key] = ids if multi else ids[0]
+    known = set(runs["run_id"].astype(int))
+    raw = st.query_params.get_all(key)
+    ids = [int(v) for v in raw if v.isdigit() and int(v) in known]
+    st.session_state[key] = ids or fallback
 
 
 def pick_run(runs: pd.DataFrame, key: str = "run", label: str = "Run") -> int | None:
-    """A run selector bound to the URL (``?run=…``), newest first."""
+    """A run selector, newest first, whose run is always in the URL (``?run=ID``), which also chooses it."""
     labels = {int(r["run_id"]): run_label(r) for _, r in runs.iterrows()}
-    _seed_from_plain_id(key, runs, multi=False)
-    return st.selectbox(label, list(labels), format_func=labels.get, key=key, bind="query-params")
+    _seed_from_url(key, runs, [next(iter(labels))])
+    if isinstance(st.session_state[key], list):  # seeded as a list (the URL may repeat the key): one run here
+        st.session_state[key] = st.session_state[key][0]
+    if st.session_state[key] not in labels:  # the run was in another store file
+        st.session_state[key] = next(iter(labels))
+    run_id = st.selectbox(label, list(labels), format_func=labels.get, key=key)
+    st.query_params[key] = str(run_id)  # the URL names the run shown, the default included
+    return run_id
 
 
 def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", default: list[int] | None = None) -> list[int]:
-    """A multi-run selector (up to 4) bound to the URL (``?runs=…``)."""
+    """A multi-run selector (up to 4) whose runs are always in the URL (``?runs=A&runs=B``), which also
+    chooses them."""
     labels = {int(r["run_id"]): run_label(r) for _, r in runs.iterrows()}
-    _seed_from_plain_id(key, runs, multi=True)
-    return st.multiselect(label, list(labels), default=default, format_func=labels.get, key=key,
-                          bind="query-params", max_selections=4)
+    _seed_from_url(key, runs, list(default or []))
+    st.session_state[key] = [i for i in st.session_state[key] if i in labels][:4]
+    chosen = st.multiselect(label, list(labels), format_func=labels.get, key=key, max_selections=4)
+    st.query_params[key] = [str(i) for i in chosen]
+    return chosen
 
 
 def explain_run_state(run: pd.Series) -> None:
@@ -220,18 +230,19 @@ def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
     mode = st.radio("Loss scaling", modes, index=current, horizontal=True, key=key["loss_scale"],
                     help=OPTIONS["loss_scale"].help)
 
-    def scale_picker(label: str, name: str, value: float) -> float:
+    def scale_picker(label: str, name: str, value: float, widget_key: str) -> float:
         choices = sorted({2.0**k for k in range(25)} | {float(value)})
-        return st.select_slider(label, choices, value=float(value), key=key[name], help=OPTIONS[name].help,
+        return st.select_slider(label, choices, value=float(value), key=widget_key, help=OPTIONS[name].help,
                                 format_func=lambda v: f"2^{math.log2(v):g}" if math.log2(v).is_integer() else f"{v:g}")
 
     if mode == "static":
         static = base.loss_scale if current == 2 else 2.0**7
-        return {"loss_scale": scale_picker("Static scale", "loss_scale", static)}
+        # the mode radio already holds key["loss_scale"]: the static value needs a key of its own
+        return {"loss_scale": scale_picker("Static scale", "loss_scale", static, f"{key['loss_scale']}_static")}
     options: dict = {"loss_scale": "dynamic" if mode == "dynamic" else None}
     if mode != "dynamic" and LEVELS[level].default_scaling != "dynamic":
         return options  # the level's own static scale: no dynamic settings to show
-    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale)
+    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale, key["init_scale"])
     cols = st.columns(5)
     options["growth_interval"] = int(cols[0].number_input(
         "Growth interval", OPTIONS["growth_interval"].minimum, 1_000_000, base.growth_interval,

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from mpdiag.analysis.findings import diagnose
 from mpdiag.store import Store
 
 FINAL_STATUSES = ("finished", "failed", "crashed")
@@ -75,6 +76,17 @@ def _update_stats(key: tuple, run_id: int) -> pd.DataFrame:
     return Store(key[0], create=False).update_stats(run_id)
 
 
+@st.cache_data(show_spinner=False, max_entries=256)
+def _severities(key: tuple, run_id: int) -> list[str]:
+    return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
+
+
+def finding_severities(store: Store, run: pd.Series) -> list[str]:
+    """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final."""
+    run_id = int(run["run_id"])
+    return _severities(_key(store), run_id) if is_final(run) else [f.severity for f in diagnose(store, run_id)]
+
+
 def steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
     """Every recorded step of the run (Store.steps): cached when final, else read incrementally."""
     return _steps(_key(store), int(run_id)) if final else live_steps(store, run_id)
@@ -109,6 +121,20 @@ def histograms_at_step(store: Store, run_id: int, step: int, final: bool) -> tup
     if final:
         return _histograms_at_step(_key(store), int(run_id), int(step))
     return store.histogram_matrix(int(run_id), step=int(step))
+
+
+def twin_totals(store: Store, twin_id: int | None) -> pd.DataFrame | None:
+    """The FP32 twin's per-tensor totals (:func:`tensor_totals`), cached once the twin is final; None without a
+    twin."""
+    return None if twin_id is None else tensor_totals(store, twin_id, is_final(store.run(twin_id)))
+
+
+def twin_at_step(store: Store, twin_id: int | None, tensor: str, step: int) -> pd.Series | None:
+    """The FP32 twin's row for one tensor at one step (:func:`tensor_at_step`), None without a twin or when the
+    twin did not log that step."""
+    if twin_id is None or step not in logged_steps(store, twin_id, final := is_final(store.run(twin_id))):
+        return None
+    return tensor_at_step(store, twin_id, tensor, step, final)
 
 
 def shadow_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
