@@ -15,8 +15,16 @@ import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
 from mpdiag.analysis.summaries import (
-    FLUSHED_LABEL, FP16_LEVELS, flushed_text, flushed_to_zero, fp32_twin, nonzero_finite, overall_flushed,
-    shadow_ranking, update_shares, whatif_shares,
+    FLUSHED_LABEL,
+    FP16_LEVELS,
+    flushed_text,
+    flushed_to_zero,
+    fp32_twin,
+    nonzero_finite,
+    overall_flushed,
+    shadow_ranking,
+    update_shares,
+    whatif_shares,
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
 from mpdiag.store import Store
