@@ -164,7 +164,7 @@ def watch_live_progress(browser, store):
     server = Server(store)
     trainer = subprocess.Popen(
         [sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/transformer_lm.py"), "--opt-level", "bf16",
-         "--steps", "400", "--store", str(store), "--name", "live"],
+         "--steps", "200", "--store", str(store), "--name", "live"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
@@ -176,7 +176,7 @@ def watch_live_progress(browser, store):
             live = Store(store).runs().query("name == 'live'")
             if len(live):
                 committed.append((now, int(live["steps_done"].iloc[0])))
-            match = re.search(r"· live · bf16: step (\d+) of 400", page.inner_text("body"))
+            match = re.search(r"· live · bf16: step (\d+) of 200", page.inner_text("body"))
             if match:
                 shown.append((now, int(match.group(1))))
             time.sleep(0.5)
@@ -193,11 +193,11 @@ def watch_live_progress(browser, store):
         server.stop()
 
 
-def test_a_foreign_host_name_gets_no_run_data(tmp_path):
+def test_a_foreign_host_name_gets_no_run_data(browser, tmp_path):
     """DNS rebinding: a page served as evil.example that resolves to this machine reaches the server with
-    Host: evil.example. Chromium maps the name to 127.0.0.1; the session must get a refusal, not the runs."""
-    from playwright.sync_api import sync_playwright
-
+    Host: evil.example. Chromium maps the name to 127.0.0.1; the session must get a refusal, not the runs.
+    The mapping is a launch argument, so a second Chromium is launched through the running Playwright (a
+    second sync_playwright() inside its event loop is refused)."""
     store = tmp_path / "secret.db"
     done = subprocess.run([sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/mlp_digits.py"),
                            "--steps", "3", "--device", "cpu", "--name", "secret-run-name", "--store", str(store)],
@@ -205,9 +205,9 @@ def test_a_foreign_host_name_gets_no_run_data(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     server = Server(store)
     try:
-        with sync_playwright() as p:
-            rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
-            b = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, rules])
+        rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+        b = browser.browser_type.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, rules])
+        try:
             page = b.new_page(viewport={"width": 1400, "height": 900})
             page.goto(f"http://evil.example:{server.port}/")
             settle(page, "not served under this host name")
@@ -216,6 +216,7 @@ def test_a_foreign_host_name_gets_no_run_data(tmp_path):
             page.goto(f"http://localhost:{server.port}/")  # the same server under its own name shows the run
             settle(page, "Every recorded run")
             page.get_by_text("secret-run-name").first.wait_for(state="attached", timeout=30_000)
+        finally:
             b.close()
     finally:
         server.stop()
