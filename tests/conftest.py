@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -43,10 +44,16 @@ def write_script(tmp_path):
 
 def run_cli(*args, cwd=None, timeout=300, env=None):
     """Run `python -m mpdiag ...` in a child process; returns CompletedProcess."""
-    import subprocess
-
     return subprocess.run(
         [sys.executable, "-m", "mpdiag", *map(str, args)],
         cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
+
+
+def imports_torch(code: str) -> bool:
+    """Whether running ``code`` in a fresh interpreter (in the repository root) leaves torch imported: the
+    check behind every "this part stays torch-free" test."""
+    done = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print('torch' in sys.modules)"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1] == "True"

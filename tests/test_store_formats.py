@@ -1,11 +1,9 @@
 """The format registry's typed-in limits against torch's own (torch.finfo is the ground truth)."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import imports_torch
 
 from mpdiag.numerics.formats import FP32, LOW_PRECISION, Format
 
@@ -23,8 +21,7 @@ def test_registry_entry_equals_torch_finfo(fmt: Format):
 
 def test_registry_imports_no_torch():
     # Loaded from its file: the module itself must not pull torch in (mpdiag/__init__ imports the Recorder).
-    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('formats', 'mpdiag/numerics/formats.py'); "
-            "f = sys.modules['formats'] = u.module_from_spec(s); s.loader.exec_module(f); f.LOW_PRECISION['fp16'].max_exponent; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("import importlib.util as u, sys\n"
+                             "s = u.spec_from_file_location('formats', 'mpdiag/numerics/formats.py')\n"
+                             "f = sys.modules['formats'] = u.module_from_spec(s); s.loader.exec_module(f)\n"
+                             "f.LOW_PRECISION['fp16'].max_exponent")
