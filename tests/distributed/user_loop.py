@@ -7,6 +7,7 @@ Rank 0 saves, per step, the full gradients as the Recorder saw them (FSDP2: gath
 outside the Recorder) and the scale, for the test to compute single-process statistics from.
 """
 
+import os
 import sys
 
 import torch
@@ -60,3 +61,9 @@ def main(store: str, out: str, parallel: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    # Skip interpreter finalization: gloo's worker threads outlive destroy_process_group() and may still be
+    # releasing a finished collective's tensors, which needs the GIL; during finalization that aborts the process
+    # ("terminate called without an active exception", seen under CPU load with FSDP2's async all_reduce, and
+    # reproduced without mpdiag). Everything this rank had to do is done and flushed by now.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
