@@ -224,9 +224,11 @@ class Watcher:
 
         p.set(torch.autograd, "backward", watched_backward)
 
+        # Each name is wrapped as it is found, so a wrapper installed before watch (a profiler's, a test's) still
+        # runs; the capture happens before it.
         for module in (torch.nn.utils, torch.nn.utils.clip_grad):
             for name in ("clip_grad_norm_", "clip_grad_value_"):
-                p.set(module, name, self._before(getattr(torch.nn.utils.clip_grad, name)))
+                p.set(module, name, self._before(getattr(module, name)))
 
         if level is not None:
             autocast_cls = torch.amp.autocast_mode.autocast
