@@ -1,8 +1,8 @@
-"""Real public training code, unmodified, through `mpdiag watch`: nanoGPT's train.py (tests/real_code/nanogpt/,
-copied byte for byte from karpathy/nanoGPT at 3adf61e, MIT licence alongside).
+"""Real public training code, unmodified, through `mpdiag watch`, copied byte for byte with their licences:
+nanoGPT's train.py (tests/real_code/nanogpt/, karpathy/nanoGPT at 3adf61e, MIT) and PyTorch's
+word_language_model example (tests/real_code/word_language_model/, pytorch/examples at 77f55b9, BSD-3).
 
-It runs on the CPU with a tiny config given on its own command line and a synthetic token file, as its
-README's CPU example does. Ground truth is the script's own: the norm its ``clip_grad_norm_`` call returned
+Each runs on the CPU with a tiny config given on its own command line and synthetic data. Ground truth is the script's own: the norm its ``clip_grad_norm_`` call returned
 (seen through a wrapper installed before watch patches anything), its parameter list, its iteration count.
 """
 
@@ -10,6 +10,7 @@ import math
 import os
 import pickle
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from mpdiag.training.watch import WatchConfig, watch
 
 pytestmark = pytest.mark.slow
 
-NANOGPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_code", "nanogpt")
+REAL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_code")
+NANOGPT = os.path.join(REAL_CODE, "nanogpt")
+WORD_LANGUAGE_MODEL = os.path.join(REAL_CODE, "word_language_model")
 MAX_ITERS = 5  # nanoGPT stops after iteration max_iters, so it steps max_iters + 1 times
 TINY = ["--dataset=synthetic", "--device=cpu", "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=32",
         "--block_size=32", "--batch_size=4", f"--max_iters={MAX_ITERS}", "--lr_decay_iters=5",
@@ -42,6 +45,29 @@ def nanogpt_dir(tmp_path, monkeypatch):
     with open(data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 64}, f)
     monkeypatch.chdir(tmp_path)
+    forget_modules(monkeypatch, "model")
+    return tmp_path
+
+
+def forget_modules(monkeypatch, *names):
+    """Both projects import their own top-level ``model`` (and ``data``): in one test process, each must import
+    its own, as it would in the fresh process ``python SCRIPT`` gives it."""
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.fixture
+def word_language_model_dir(tmp_path, monkeypatch):
+    """A copy of the example with a small synthetic corpus (train/valid/test.txt) as the working directory."""
+    for name in ("main.py", "model.py", "data.py"):
+        shutil.copy(os.path.join(WORD_LANGUAGE_MODEL, name), tmp_path / name)
+    corpus, rng = tmp_path / "corpus", np.random.default_rng(0)
+    corpus.mkdir()
+    for split, lines in (("train", 60), ("valid", 10), ("test", 10)):
+        words = rng.integers(0, 30, size=(lines, 8))
+        (corpus / f"{split}.txt").write_text("".join(" ".join(f"w{w}" for w in line) + "\n" for line in words))
+    monkeypatch.chdir(tmp_path)
+    forget_modules(monkeypatch, "model", "data")
     return tmp_path
 
 
@@ -73,6 +99,23 @@ def test_nanogpt_train_py_unmodified(store_path, nanogpt_dir, clip_norms):
     assert "transformer.wte.weight" in set(tensors["name"]) and "lm_head.weight" not in set(tensors["name"])
     # the gradients as clip_grad_norm_ saw them: their global norm is the one it returned
     assert min(clip_norms) > 0.1  # grad_clip=0.1 really clips: gradients read after it would differ
+    for step, norm in enumerate(clip_norms):
+        rows = stats[stats["step"] == step]
+        assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6), step
+
+
+def test_word_language_model_with_its_optimizer(store_path, word_language_model_dir, clip_norms):
+    args = ("--data", "corpus", "--epochs", "1", "--emsize", "8", "--nhid", "8", "--nlayers", "1", "--bptt", "5",
+            "--batch_size", "4", "--lr", "0.01", "--clip", "0.1", "--dropout", "0", "--use-optimizer", "--save", "model.pt")
+    run_id, code = watch(WatchConfig(target=str(word_language_model_dir / "main.py"), args=args), store_path)
+    assert code == 0
+    store = Store(store_path)
+    steps, tensors, stats = store.steps(run_id), store.tensors(run_id), store.tensor_stats(run_id)
+    assert store.run(run_id)["status"] == "finished"
+    assert len(steps) == len(clip_norms) > 10  # one step per batch (AdamW.step), training batches only
+    assert set(tensors["name"]) == {"encoder.weight", "rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0",
+                                    "rnn.bias_hh_l0", "decoder.weight", "decoder.bias"}
+    assert min(clip_norms) > 0.1  # --clip 0.1 really clips every step
     for step, norm in enumerate(clip_norms):
         rows = stats[stats["step"] == step]
         assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6), step
