@@ -222,6 +222,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     run = store.run(run_id)
     print(f"mpdiag watch: run {run_id} ({run['name']}): {run['status']}, {run['steps_done']} steps, "
           f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)
+    if isinstance(run["note"], str):
+        print(f"mpdiag watch: note: {run['note']}", file=sys.stderr)
     return code
 
 

@@ -31,6 +31,10 @@ TINY = ["--dataset=synthetic", "--device=cpu", "--compile=False", "--n_layer=2",
         "--gradient_accumulation_steps=2", "--dropout=0.0", "--dtype=float32", "--grad_clip=0.1"]
 
 
+WLM_TINY = ("--data", "corpus", "--epochs", "1", "--emsize", "8", "--nhid", "8", "--nlayers", "1", "--bptt", "5",
+            "--batch_size", "4", "--lr", "0.01", "--clip", "0.1", "--dropout", "0", "--save", "model.pt")
+
+
 @pytest.fixture
 def nanogpt_dir(tmp_path, monkeypatch):
     """A copy of nanoGPT with a synthetic dataset, as the working directory (train.py reads configurator.py and
@@ -104,12 +108,21 @@ def test_nanogpt_train_py_unmodified(store_path, nanogpt_dir, clip_norms):
         assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6), step
 
 
+def test_nanogpt_at_o1_on_the_cpu_says_its_forward_pass_stayed_fp32(store_path, nanogpt_dir):
+    # nanoGPT autocasts only on CUDA (nullcontext on the CPU): O1 can switch its GradScaler on, not its dtype
+    args = tuple(a for a in TINY if not a.startswith("--max_iters")) + ("--max_iters=1",)
+    run_id, code = watch(WatchConfig(target=str(nanogpt_dir / "train.py"), args=args, opt_level="O1"), store_path)
+    run = Store(store_path).run(run_id)
+    assert (code, run["status"], run["scaling"]) == (0, "finished", "dynamic")
+    assert "entered no autocast region" in run["note"] and "computed in FP32, not FP16" in run["note"]
+
+
 def test_word_language_model_with_its_optimizer(store_path, word_language_model_dir, clip_norms):
-    args = ("--data", "corpus", "--epochs", "1", "--emsize", "8", "--nhid", "8", "--nlayers", "1", "--bptt", "5",
-            "--batch_size", "4", "--lr", "0.01", "--clip", "0.1", "--dropout", "0", "--use-optimizer", "--save", "model.pt")
+    args = (*WLM_TINY, "--use-optimizer")
     run_id, code = watch(WatchConfig(target=str(word_language_model_dir / "main.py"), args=args), store_path)
     assert code == 0
     store = Store(store_path)
+    assert not isinstance(store.run(run_id)["note"], str)
     steps, tensors, stats = store.steps(run_id), store.tensors(run_id), store.tensor_stats(run_id)
     assert store.run(run_id)["status"] == "finished"
     assert len(steps) == len(clip_norms) > 10  # one step per batch (AdamW.step), training batches only
@@ -119,3 +132,11 @@ def test_word_language_model_with_its_optimizer(store_path, word_language_model_
     for step, norm in enumerate(clip_norms):
         rows = stats[stats["step"] == step]
         assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6), step
+
+
+def test_word_language_model_updating_by_hand_is_explained(store_path, word_language_model_dir):
+    # without --use-optimizer it updates with p.data.add_: there is no optimizer step for watch to see
+    run_id, code = watch(WatchConfig(target=str(word_language_model_dir / "main.py"), args=WLM_TINY), store_path)
+    run = Store(store_path).run(run_id)
+    assert (code, run["status"], run["steps_done"]) == (0, "finished", 0)
+    assert "No optimizer step was observed" in run["note"] and "p.data.add_" in run["note"]

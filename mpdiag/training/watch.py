@@ -166,6 +166,8 @@ class Watcher:
         self._scalers: list = []  # GradScalers the script created, newest last (weak references)
         self._scaled: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # scaler.scale() output -> unscaled loss
         self._loss: torch.Tensor | None = None
+        self.backward_calls = 0
+        self.autocast_regions = 0  # autocast regions the script created while watched (a level changes only these)
         self._recorded = False  # this step's gradients have been given to the Recorder
         self._stepped = False  # an optimizer or scaler step has run since they were
         self._patches = _Patches()
@@ -235,6 +237,7 @@ class Watcher:
             autocast_init = autocast_cls.__init__
 
             def autocast(region, *args, **kwargs):
+                watcher.autocast_regions += 1
                 bound = _bound(autocast_init, (region, *args), kwargs)
                 if level[0] is False:
                     bound.arguments["enabled"] = False
@@ -257,6 +260,7 @@ class Watcher:
 
     # -- step boundaries -----------------------------------------------------------------------------------
     def _on_backward(self, tensors) -> None:
+        self.backward_calls += 1
         if self._recorded and self._stepped:  # the first backward of a new step
             self._recorded = self._stepped = False
         if not torch.is_tensor(tensors) or tensors.numel() != 1:
@@ -318,14 +322,32 @@ class Watcher:
             sys.argv, sys.path[:] = saved_argv, saved_path
 
     def end(self, status: str, error: str | None) -> None:
-        note = None if self.steps else "no optimizer step was observed: nothing to record"
+        note = " ".join(self._notes()) or None
         if self.recorder is not None:
             if status == "finished":
-                self.recorder.close()
+                self.recorder.close(note=note)
             else:
                 self.recorder.fail(error, status=status)
             return
         self.writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
+
+    def _notes(self) -> list[str]:
+        """What the user must know to read this run right: a level that changed nothing, steps that could not
+        be seen."""
+        notes = []
+        level = self.config.opt_level
+        if level in ("O1", "bf16") and self.autocast_regions == 0:
+            dtype = "FP16" if level == "O1" else "BF16"
+            scalers = " Only its GradScaler was switched on." if level == "O1" and self._scalers else ""
+            notes.append(f"--opt-level {level} changed nothing in the forward pass: the script entered no autocast "
+                         f"region (watch sets the dtype of the script's own regions), so it computed in FP32, not "
+                         f"{dtype}.{scalers}")
+        if not self.steps:
+            why = (f" {self.backward_calls} backward pass(es) ran, so the script likely updates its parameters without "
+                   "a torch.optim optimizer (e.g. p.data.add_): use one, or call Recorder.record in the loop."
+                   if self.backward_calls else "")
+            notes.append(f"No optimizer step was observed: nothing to record.{why}")
+        return notes
 
 
 def _stop(signum, frame):
