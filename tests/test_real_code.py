@@ -1,11 +1,13 @@
 """Real public training code, unmodified, through `mpdiag watch`, copied byte for byte with their licences:
 nanoGPT's train.py (tests/real_code/nanogpt/, karpathy/nanoGPT at 3adf61e, MIT) and PyTorch's
-word_language_model example (tests/real_code/word_language_model/, pytorch/examples at 77f55b9, BSD-3).
+word_language_model example (tests/real_code/word_language_model/, pytorch/examples at 77f55b9, BSD-3); and
+Hugging Face's Trainer (with Accelerate, from requirements-dev) driving a user's script, tests/scripts/hf_trainer.py.
 
 Each runs on the CPU with a tiny config given on its own command line and synthetic data. Ground truth is the script's own: the norm its ``clip_grad_norm_`` call returned
 (seen through a wrapper installed before watch patches anything), its parameter list, its iteration count.
 """
 
+import json
 import math
 import os
 import pickle
@@ -140,3 +142,27 @@ def test_word_language_model_updating_by_hand_is_explained(store_path, word_lang
     run = Store(store_path).run(run_id)
     assert (code, run["status"], run["steps_done"]) == (0, "finished", 0)
     assert "No optimizer step was observed" in run["note"] and "p.data.add_" in run["note"]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_hugging_face_trainer_unmodified(store_path, tmp_path, bf16):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = os.path.join(os.path.dirname(REAL_CODE), "scripts", "hf_trainer.py")
+    args = (str(tmp_path), *(["--bf16"] if bf16 else []))
+    run_id, code = watch(WatchConfig(target=script, args=args), store_path)
+    assert code == 0
+    store = Store(store_path)
+    run, steps, tensors, stats = (store.run(run_id), store.steps(run_id), store.tensors(run_id),
+                                  store.tensor_stats(run_id))
+    log = [entry for entry in json.loads((tmp_path / "log_history.json").read_text()) if "grad_norm" in entry]
+    assert (run["status"], run["scaling"]) == ("finished", "none")
+    assert len(steps) == len(log) == 4 and (steps["skipped"] == 0).all()
+    assert len(tensors) == 16  # GPT-2's tied token embedding / LM head once
+    # the Trainer's own logs: the loss it reports (mean over its 2 accumulated micro-batches) and the norm that
+    # Accelerate's clip_grad_norm_ returned (max_grad_norm 0.05, so clipping changed every step's gradients)
+    assert steps["loss"].tolist() == pytest.approx([entry["loss"] for entry in log], rel=1e-6)
+    for step, entry in enumerate(log):
+        assert entry["grad_norm"] > 0.05
+        rows = stats[stats["step"] == step]
+        assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(entry["grad_norm"], rel=2e-6), step
