@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import summaries
+from mpdiag.analysis.findings import rank_nonfinite
 from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -32,6 +33,25 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
     st.altair_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
+    if int(run["world_size"]) > 1:
+        ranks_view(store, run, steps, final)
+
+
+def ranks_view(store, run: pd.Series, steps: pd.DataFrame, final: bool) -> None:
+    """A distributed run: each rank's local loss and local inf/NaN count, and the rank-nonfinite finding."""
+    st.subheader(f"Per rank ({int(run['world_size'])} ranks, {plain(run['backend'])})")
+    ranks = reads.rank_steps(store, int(run["run_id"]), final)
+    if ranks.empty:
+        st.info("No per-rank rows recorded yet.")
+        return
+    finding = rank_nonfinite(ranks, steps)
+    if finding is not None:
+        st.warning(plain(f"{finding.title}. {finding.evidence}"))
+    first = int(ranks.loc[ranks["nonfinite"].fillna(0) > 0, "step"].min()) if finding is not None else None
+    st.altair_chart(charts.rank_panel(ranks, first), width="stretch")
+    if ranks["nonfinite"].isna().all():
+        st.caption("Local inf/NaN counts are recorded under DDP only; this run's ranks have losses alone.")
+    st.caption("The run's loss above is the mean of the ranks' local losses.")
 
 
 ui.single_run_page("Loss scale", loss_scale_view)

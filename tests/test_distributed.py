@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mpdiag.analysis.findings import diagnose
+from mpdiag.dashboard.untrusted import plain
 from mpdiag.numerics.gradstats import GradStatsComputer
 from mpdiag.store import REPRESENTABILITY_COLUMNS, Store
 
@@ -68,6 +69,9 @@ def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, 
         assert (ranks["nonfinite"] == 0).all()
     else:
         assert ranks["nonfinite"].isna().all()  # FSDP2 counts no per-rank inf/NaN
+    at = _page("pages/2_Loss_scale.py", store_path, run["run_id"])
+    assert [s.value for s in at.subheader] == ["Per rank (2 ranks, gloo)"] and not at.warning
+    assert any(("DDP only" in c.value) == (parallel == "fsdp") for c in at.caption)
 
 
 def _mpdiag_run(store_path, *options, **env) -> subprocess.CompletedProcess:
@@ -103,6 +107,28 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
     evidence = found["rank-nonfinite"].evidence
     assert evidence.startswith(f"step 2: rank 1's local gradients held {int(ranks[(2, 1)])} inf/NaN")
     assert "every rank skipped the step" in evidence
+    # what Findings says is on the page it links to, and the runs table gives the world size
+    assert found["rank-nonfinite"].page == "Loss_scale"
+    at = _page("pages/2_Loss_scale.py", store_path, run["run_id"])
+    assert [s.value for s in at.subheader] == ["Per rank (2 ranks, gloo)"]
+    assert any(plain(evidence) in w.value for w in at.warning)  # the page escapes Markdown in stored text
+    assert _page("app.py", store_path).dataframe[0].value.set_index("run").loc[run["run_id"], "ranks"] == 2
+
+
+def _page(path: str, store_path, run_id: int | None = None):
+    """A page rendered by AppTest on ``store_path`` (optionally ``?run=run_id``), checked for exceptions."""
+    from streamlit.testing.v1 import AppTest
+
+    os.environ["MPDIAG_STORE"] = str(store_path)
+    try:
+        at = AppTest.from_file(os.path.join(ROOT, path), default_timeout=120)
+        if run_id is not None:
+            at.query_params["run"] = str(run_id)
+        at.run()
+    finally:
+        del os.environ["MPDIAG_STORE"]
+    assert not at.exception, [e.value for e in at.exception]
+    return at
 
 
 def test_killed_rank_leaves_the_run_crashed_naming_it(tmp_path):

@@ -125,6 +125,8 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
     table = at.dataframe[0].value.set_index("run")
     assert table.loc[2, "final loss"] == "NaN"  # the activation-overflow run's loss was NaN to the end
     assert table.loc[2, "skipped"] == "5 of 5" and table.loc[1, "skipped"] == "0 of 3"
+    assert (table["ranks"] == 1).all()  # one process each
+    assert table.loc[3, "static scale"] == "1" and table.loc[4, "static scale"] == ""  # blank, not "None"
     assert all(re.fullmatch(r"NaN|-?[0-9.]+(e[-+][0-9]+)?", v) and len(v.replace("-", "").replace(".", "")) <= 9
                for v in table["final loss"])
     # the badge counts the findings the Findings page lists for that run

@@ -315,6 +315,16 @@ def health(severities: list[str]) -> str:
     return f"{'⛔' if errors else '⚠️'} {counted}"
 
 
+def _scale_text(scale) -> str:
+    """A loss scale as the runs table shows it: blank when the run has none (not "None"), else like 65536 or
+    2^-20 for the tiny ones."""
+    if scale is None or pd.isna(scale):
+        return ""
+    exponent = np.log2(float(scale)) if scale > 0 else np.nan
+    return f"2^{int(exponent)}" if np.isfinite(exponent) and exponent == int(exponent) and exponent < -4 \
+        else f"{float(scale):g}"
+
+
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
     """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
     ``severities``: per run, its findings' severities), settings, outcome and links to the run's Findings,
@@ -329,13 +339,14 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "health": [health(s) for s in severities],
         "opt level": runs["opt_level"],
         "scaling": runs["scaling"],
-        "init scale": runs["init_scale"],
-        "static scale": runs["loss_scale"],
+        "init scale": runs["init_scale"].map(_scale_text),
+        "static scale": runs["loss_scale"].map(_scale_text),
         "steps": done.astype(str) + " / " + runs["steps"].astype(str),
         "final loss": runs["final_loss"].map(significant),
         "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "step ms (median)": runs["median_step_time_s"] * 1e3,
         "device": runs["device"],
+        "ranks": runs["world_size"],
         "parent": runs["parent_run_id"],
         "FP32 twin": runs["pair_run_id"],
         "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),

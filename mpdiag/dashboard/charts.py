@@ -98,6 +98,30 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     ).resolve_scale(x="shared")
 
 
+def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
+    """A distributed run's per-rank view (Store.rank_steps): each rank's local loss, and each rank's count of
+    inf/NaN values in its local gradients before the all-reduce, sharing the step axis; ``marked_step`` (the
+    first step where a rank held such values, as the rank-nonfinite finding names it) is drawn as a rule on both.
+    Ranks whose counts were not recorded (FSDP2) have no points in the lower chart."""
+    df = rank_steps.assign(rank=rank_steps["rank"].astype(int).map(lambda r: f"rank {r}"))
+    colour = alt.Color("rank:N", legend=alt.Legend(title=None, orient="top"))
+    loss = alt.Chart(df).mark_line(point=True).encode(
+        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="local loss"), color=colour,
+        tooltip=["step:Q", "rank:N", alt.Tooltip("loss:Q", format=".6g")])
+    counted = df[df["nonfinite"].notna()]
+    nonfinite = alt.Chart(counted).mark_circle(size=50).encode(
+        x=alt.X("step:Q", title="step"), y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
+        color=colour, tooltip=["step:Q", "rank:N", alt.Tooltip("nonfinite:Q", format="d", title="inf/NaN values")])
+    top, bottom = loss, nonfinite
+    if marked_step is not None:
+        rule = alt.Chart(pd.DataFrame({"step": [marked_step]})).mark_rule(color="#d62728", strokeDash=[4, 3]).encode(
+            x="step:Q", tooltip=[alt.Tooltip("step:Q", title="first step with a rank's inf/NaN")])
+        top, bottom = alt.layer(loss, rule), alt.layer(nonfinite, rule)
+    return alt.vconcat(top.properties(height=180, width="container", title="loss per rank"),
+                       bottom.properties(height=140, width="container", title="inf/NaN per rank (before the all-reduce)")
+                       ).resolve_scale(x="shared")
+
+
 def _run_colour(domain: list[str]) -> alt.Color:
     return alt.Color("run:N", scale=alt.Scale(domain=domain, range=RUN_COLOURS[: len(domain)]),
                      legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320))

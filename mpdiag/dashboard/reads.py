@@ -76,6 +76,11 @@ def _update_stats(key: tuple, run_id: int) -> pd.DataFrame:
     return Store(key[0], create=False).update_stats(run_id)
 
 
+@st.cache_data(show_spinner=False, max_entries=64)
+def _rank_steps(key: tuple, run_id: int) -> pd.DataFrame:
+    return Store(key[0], create=False).rank_steps(run_id)
+
+
 @st.cache_data(show_spinner=False, max_entries=256)
 def _severities(key: tuple, run_id: int) -> list[str]:
     return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
@@ -90,6 +95,11 @@ def finding_severities(store: Store, run: pd.Series) -> list[str]:
 def steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
     """Every recorded step of the run (Store.steps): cached when final, else read incrementally."""
     return _steps(_key(store), int(run_id)) if final else live_steps(store, run_id)
+
+
+def rank_steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
+    """Per step and rank of a distributed run (Store.rank_steps): cached when final. Empty for one process."""
+    return _rank_steps(_key(store), int(run_id)) if final else store.rank_steps(run_id)
 
 
 def logged_steps(store: Store, run_id: int, final: bool) -> list[int]:
