@@ -137,3 +137,33 @@ def test_killed_rank_leaves_the_run_crashed_naming_it(tmp_path):
     run = Store(store_path).runs().iloc[0]
     assert run["status"] == "crashed", (run["error"], done.stderr[-3000:])
     assert run["error"].startswith("rank 1 died (SIGKILL) at step 2"), run["error"]
+
+
+class _Failure:
+    """What torch's elastic launcher reports for a failed rank (exit code, signal name)."""
+
+    def __init__(self, exitcode: int, signal: str):
+        self.exitcode, self._signal = exitcode, signal
+
+    def signal_name(self) -> str:
+        return self._signal
+
+
+@pytest.mark.parametrize("status", ["running", "finished"])
+def test_a_rank_failing_after_the_run_ended_leaves_it_finished(tmp_path, status):
+    from mpdiag.store import StoreWriter
+    from mpdiag.training.distributed import _mark_crashed
+
+    store_path = tmp_path / "runs.db"
+    with StoreWriter(store_path) as writer:
+        run_id = writer.create_run(name="job", opt_level="O1", scaling="dynamic", every=1, device="cpu")
+        if status == "finished":
+            writer.end_run(run_id, "finished")
+    _mark_crashed(store_path, run_id, {1: _Failure(-6, "SIGABRT"), 0: _Failure(-15, "SIGTERM")})
+    run = Store(store_path).run(run_id)
+    if status == "finished":  # rank 0 had recorded everything: a rank aborting while exiting loses nothing
+        assert (run["status"], run["error"]) == ("finished", None)
+        assert run["note"] == ("After the run ended, rank 1 died (SIGABRT) at step 0; rank 0 was then stopped by "
+                               "the launcher (SIGTERM).")
+    else:
+        assert run["status"] == "crashed" and run["error"].startswith("rank 1 died (SIGABRT) at step 0")

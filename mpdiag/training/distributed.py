@@ -135,7 +135,7 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
 
 
 def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
-    """The run is ``crashed``, its error naming each rank that died and the step it had not finished
+    """The run is ``crashed`` (unless rank 0 had already ended it ``finished``: then a note), its error naming each rank that died and the step it had not finished
     recording (one past its last row that reached rank_steps; rank 0 writes those rows, so if rank 0 was
     killed too, rows it had not flushed make this step earlier). The launcher stops the surviving ranks with
     SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
@@ -154,6 +154,11 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
     writer = BackgroundWriter(store_path)
     try:
-        writer.call(lambda w: w.end_run(run_id, "crashed", error="; ".join(parts)))
+        if Store(store_path).run(run_id)["status"] == "finished":
+            # rank 0 had recorded every step and ended the run: a rank failing while exiting loses nothing
+            note = f"After the run ended, {'; '.join(parts)}."
+            writer.call(lambda w: w.update_run(run_id, note=note))
+        else:
+            writer.call(lambda w: w.end_run(run_id, "crashed", error="; ".join(parts)))
     finally:
         writer.close()
