@@ -167,3 +167,14 @@ def test_a_rank_failing_after_the_run_ended_leaves_it_finished(tmp_path, status)
                                "the launcher (SIGTERM).")
     else:
         assert run["status"] == "crashed" and run["error"].startswith("rank 1 died (SIGABRT) at step 0")
+
+
+def test_a_script_error_on_rank_1_is_named_as_the_cause(tmp_path):
+    store_path = tmp_path / "runs.db"
+    done = _mpdiag_run(store_path, "--steps", "5", "--opt-level", "O0", MPDIAG_TEST_RAISE_STEP="2")
+    run = Store(store_path).runs().iloc[0]
+    assert done.returncode != 0 and run["status"] == "failed", run["error"]
+    # not rank 0's broken collective, which is what rank 0 saw: rank 1's own exception
+    assert run["error"].startswith("rank 1 failed first: "), run["error"]
+    assert "ValueError: rank 1's data loader broke at step 2" in run["error"]
+    assert "rank 1 failed first" in done.stderr or "rank 1 failed first" in done.stdout

@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,15 @@ class RankJob:
                                               policy.scaler.allow_fp16_grads)
         return model, make_optimizer(model.parameters())  # fully_shard replaced the parameters
 
+    def report_failure(self, error: str) -> None:
+        """Leave this rank's error, timed, beside the launch spec for the launching process, which names the
+        rank that failed first (the others usually fail afterwards, in a collective their peer left). Ranks
+        other than 0 cannot write the store, and their exit code says nothing: the runner records the error
+        and the rank exits normally."""
+        report = {"rank": self.rank, "time": time.time(), "error": error}
+        with open(os.path.join(os.path.dirname(os.environ[SPEC_ENV]), f"rank-{self.rank}.failure.json"), "w") as f:
+            json.dump(report, f)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -128,10 +138,37 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
             elastic_launch(launcher, entrypoint=sys.executable)("-m", RANK_ENTRY)
         except ChildFailedError as exc:
             _mark_crashed(store_path, run_id, exc.failures)
+        else:  # every rank exited normally; a script error is in the run and the ranks' reports
+            _name_first_failure(store_path, run_id, folder)
         finally:
             for name, value in saved.items():
                 os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
     return run_id
+
+
+def _name_first_failure(store_path, run_id: int, folder: str) -> None:
+    """When ranks reported errors (:meth:`RankJob.report_failure`) and the first was not rank 0's, the run's
+    error names that rank and its error: rank 0 ended the run with its own, usually the collective that broke
+    when its peer left, which points away from the cause."""
+    reports = []
+    for name in os.listdir(folder):
+        if name.startswith("rank-") and name.endswith(".failure.json"):
+            with open(os.path.join(folder, name)) as f:
+                reports.append(json.load(f))
+    if not reports:
+        return
+    first = min(reports, key=lambda r: r["time"])
+    if first["rank"] == 0:
+        return
+    rank0 = next((r["error"].strip().splitlines()[-1] for r in reports if r["rank"] == 0), None)
+    error = f"rank {first['rank']} failed first: {first['error'].rstrip()}"
+    if rank0:
+        error += f"\n(rank 0 then failed too: {rank0})"
+    writer = BackgroundWriter(store_path)
+    try:
+        writer.call(lambda w: w.update_run(run_id, error=error))
+    finally:
+        writer.close()
 
 
 def _mark_crashed(store_path, run_id: int, failures: dict) -> None:

@@ -176,13 +176,13 @@ def train(
             writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"], config=stored))
             recorder.close(note=note)
         except (ScriptError, RunStopped) as exc:
-            _fail(writer, recorder, run_id, str(exc))
+            _fail(writer, recorder, run_id, str(exc), job)
         except KeyboardInterrupt:
-            _fail(writer, recorder, run_id, "stopped by keyboard interrupt (SIGINT)")
+            _fail(writer, recorder, run_id, "stopped by keyboard interrupt (SIGINT)", job)
         except SystemExit as exc:  # from the script's code: record it rather than vanish
-            _fail(writer, recorder, run_id, f"{script.filename}: the script called sys.exit({exc.code!r})")
+            _fail(writer, recorder, run_id, f"{script.filename}: the script called sys.exit({exc.code!r})", job)
         except Exception:  # noqa: BLE001 - anything else is recorded, never lost
-            _fail(writer, recorder, run_id, traceback.format_exc())
+            _fail(writer, recorder, run_id, traceback.format_exc(), job)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -193,7 +193,10 @@ def train(
             job.close()
 
 
-def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str) -> None:
+def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str,
+          job: distributed.RankJob | None) -> None:
+    if job is not None:  # every rank's error reaches the launching process, which names the first
+        job.report_failure(error)
     if recorder is not None:
         recorder.fail(error)
     else:

@@ -2,7 +2,7 @@
 batch at step PLANT_STEP is scaled by 1e6, so under FP16 autocast that rank's gradients overflow; rank 0's
 batches stay normal. Its loss_fn checks at every step that the ranks' weights agree (a step skipped on one
 rank and taken on the other would make them differ). With MPDIAG_TEST_KILL_STEP set, rank 1 kills itself
-with SIGKILL when it fetches that step's batch."""
+with SIGKILL when it fetches that step's batch; with MPDIAG_TEST_RAISE_STEP set, rank 1 raises ValueError there."""
 
 import os
 import signal
@@ -18,11 +18,14 @@ def build(device):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     rank = dist.get_rank()
     kill_step = int(os.environ.get("MPDIAG_TEST_KILL_STEP", "-1"))
+    raise_step = int(os.environ.get("MPDIAG_TEST_RAISE_STEP", "-1"))
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))  # from the rank's seed
 
     def batches(step):
         if rank == 1 and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1 and step == raise_step:
+            raise ValueError(f"rank 1's data loader broke at step {step}")
         x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator)
         return (x * 1e6 if rank == 1 and step == PLANT_STEP else x), y
 
