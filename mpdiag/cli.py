@@ -17,11 +17,13 @@ import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
+from mpdiag.recording.distributed import RankContext
 from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, flag
+from mpdiag.training.distributed import exit_skipping_finalization, launched_by_torchrun
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
 from mpdiag.training.watch import WatchConfig, watch
@@ -217,6 +219,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
     config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
                          every=args.every, trace_modules=args.trace_modules, opt_level=args.opt_level,
                          init_scale=args.init_scale)
+    if RankContext.launched_as_other_rank():  # torchrun: rank 0 opens (and may create) the store, not this rank
+        code = watch(config, args.store or DEFAULT_STORE)[1]
+        if launched_by_torchrun():
+            exit_skipping_finalization(code)
+        return code
     store = Store(args.store)
     run_id, code = watch(config, store.path)
     run = store.run(run_id)
@@ -224,6 +231,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
           f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)
     if isinstance(run["note"], str):
         print(f"mpdiag watch: note: {run['note']}", file=sys.stderr)
+    if launched_by_torchrun():
+        exit_skipping_finalization(code)
     return code
 
 

@@ -32,10 +32,14 @@ def _torchrun(*args) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, parallel):
+@pytest.mark.parametrize(("parallel", "watched"), [("ddp", False), ("fsdp", False), ("ddp", True)],
+                         ids=["ddp", "fsdp", "ddp-watched"])
+def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, parallel, watched):
     store_path, out = tmp_path / "runs.db", tmp_path / "grads.pt"
-    done = _torchrun(os.path.join(HERE, "user_loop.py"), str(store_path), str(out), parallel)
+    script = [os.path.join(HERE, "user_loop.py")]
+    if watched:  # the same loop with no line of mpdiag: torchrun ... -m mpdiag watch SCRIPT ARGS
+        script = ["-m", "mpdiag", "watch", "--store", str(store_path), *script]
+    done = _torchrun(*script, str(store_path), str(out), parallel, *(["watched"] if watched else []))
     assert done.returncode == 0, done.stderr[-3000:]
     store, saved = Store(store_path), torch.load(out, weights_only=False)
     runs = store.runs()
@@ -43,6 +47,7 @@ def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, 
     run = runs.iloc[0]
     assert (run["status"], run["world_size"], run["backend"]) == ("finished", 2, "gloo")
     assert "torch.distributed.run" in run["launch_command"] and "user_loop.py" in run["launch_command"]
+    assert ("mpdiag watch" in run["launch_command"]) == watched
     tensors = store.tensors(run["run_id"])
     assert dict(zip(tensors["name"], tensors["shape"], strict=True)) == saved["shapes"]  # full shapes, not shards
     assert tensors["numel"].tolist() == [int(np.prod(s)) for s in saved["shapes"].values()]

@@ -76,11 +76,19 @@ class RankContext:
     def of(cls, model: torch.nn.Module) -> RankContext:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
-        parallel = "ddp" if isinstance(model, DistributedDataParallel) else "fsdp" if _is_fsdp2(model) else None
+        # the model itself, or (watch's view of a script's parameters) the outermost module holding them
+        ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+        parallel = "ddp" if ddp is not None else "fsdp" if _is_fsdp2(model) else None
         context = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), parallel)
-        if parallel == "ddp":
-            context._counter = NonfiniteCounter(model)
+        if ddp is not None:
+            context._counter = NonfiniteCounter(ddp)
         return context
+
+    @staticmethod
+    def launched_as_other_rank() -> bool:
+        """Whether torchrun started this process as a rank other than 0 (read from its environment, so it is
+        known before the script joins the process group): such a process must not open the store."""
+        return int(os.environ.get("RANK", "0")) != 0
 
     @property
     def distributed(self) -> bool:

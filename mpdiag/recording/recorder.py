@@ -144,8 +144,9 @@ class Recorder:
         recorder._owns_writer = False
         recorder._writer = attachment.writer
         recorder.run_id = attachment.run_id
-        if update_format is not None:
-            recorder._writer.submit(lambda w: w.update_run(attachment.run_id, update_format=update_format))
+        fields = {**recorder._dist.run_fields(), **({"update_format": update_format} if update_format else {})}
+        if fields:  # the job's shape is known only now, once the process group exists
+            recorder._writer.submit(lambda w: w.update_run(attachment.run_id, **fields))
         recorder._hook_in(model, optimizer, trace_modules)
         return recorder
 

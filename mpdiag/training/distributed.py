@@ -39,6 +39,24 @@ RANK_ENTRY = "mpdiag.training.rank"
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
+def exit_skipping_finalization(code: int) -> None:
+    """End a rank process now, once its work is flushed: run the atexit handlers (the script's own included)
+    and exit without interpreter finalization. gloo's worker threads outlive destroy_process_group() and may
+    still be releasing a finished collective's tensors, which needs the GIL; during finalization that aborts
+    the process (std::terminate, SIGABRT: seen under CPU load with FSDP2, reproduced without mpdiag), and the
+    launcher would report a job that ended well as failed."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torch's elastic launcher (torchrun) started this process as one of several ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

@@ -6,9 +6,8 @@ process created. Must not create runs or open the store itself (the runner decid
 
 import json
 import os
-import sys
 
-from mpdiag.training.distributed import SPEC_ENV
+from mpdiag.training.distributed import SPEC_ENV, exit_skipping_finalization
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -22,9 +21,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The run is ended and the store closed. Skip interpreter finalization: gloo's worker threads outlive
-    # destroy_process_group() and may still be releasing a finished collective's tensors, which needs the GIL;
-    # during finalization that aborts the rank (std::terminate, SIGABRT), and the launcher would then report a
-    # finished job as failed. Seen under CPU load with FSDP2, reproduced without mpdiag.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_finalization(0)  # the run is ended and the store closed

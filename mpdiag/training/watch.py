@@ -33,6 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.config import ConfigError
 
@@ -365,11 +366,14 @@ def _exit_code(code) -> int:
 
 
 def watch(config: WatchConfig, store_path: str | os.PathLike) -> tuple[int, int]:
-    """Run the script under ``config``, record it as one run and return (run id, the script's exit code).
+    """Run the script under ``config``, record it as one run and return (run id, the script's exit code); the
+    run id is None on a torchrun rank other than 0, which records nothing.
 
     Raises ConfigError before anything runs or is stored when an option is refused."""
     config.validate()
-    writer = BackgroundWriter(store_path)
+    # under torchrun, rank 0 records the job; the other ranks run the script with watch's hooks (their
+    # collectives must match rank 0's) and write nothing
+    writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store_path)
     try:
         settings = {"argv": config.command(), "cwd": config.cwd, "opt_level": config.opt_level,
                     "init_scale": config.init_scale, "every": config.every, "trace_modules": config.trace_modules}
