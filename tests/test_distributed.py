@@ -183,3 +183,16 @@ def test_a_script_error_on_rank_1_is_named_as_the_cause(tmp_path):
     assert run["error"].startswith("rank 1 failed first: "), run["error"]
     assert "ValueError: rank 1's data loader broke at step 2" in run["error"]
     assert "rank 1 failed first" in done.stderr or "rank 1 failed first" in done.stdout
+
+
+@pytest.mark.parametrize(("parallel", "level"), [*(("ddp", level) for level in ("O0", "O1", "O2", "O3", "bf16",
+                                                                                   "bf16-pure")),
+                                                  *(("fsdp", level) for level in ("O0", "O1", "bf16", "bf16-pure"))])
+def test_every_level_the_readme_promises_runs_distributed(tmp_path, parallel, level):
+    # planted.py's loss_fn fails the run if the ranks' weights ever differ; 2 steps stay before its planted overflow
+    store_path = tmp_path / "runs.db"
+    done = _mpdiag_run(store_path, "--steps", "2", "--opt-level", level, "--parallel", parallel)
+    run = Store(store_path).runs().iloc[0]
+    assert (done.returncode, run["status"], run["steps_done"], run["world_size"]) == (0, "finished", 2, 2), \
+        (run["error"], done.stderr[-2000:])
+    assert run["opt_level"] == level and run["config"]["run"]["parallel"] == parallel

@@ -96,7 +96,7 @@ class RankJob:
         # the policy's autocast does the per-op casting; gradients are reduced in FP32
         fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
         if policy.scaler is not None:
-            policy.scaler = ShardedLossScaler(policy.device.type, policy.scaling, policy.scaler.static,
+            policy.scaler = ShardedLossScaler(policy.device.type, policy.config, policy.scaler.static,
                                               policy.scaler.allow_fp16_grads)
         return model, make_optimizer(model.parameters())  # fully_shard replaced the parameters
 

@@ -7,12 +7,14 @@ AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides
 
 Owns that check and the record of it (a JSON-ready dict). Must not write to the store (the runner hands the
 record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs one pass over the
-tensors per check and stops after the first finding.
+tensors per check and stops after the first finding. Under FSDP2 each rank checks the shards it holds (no
+collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,6 +49,11 @@ class NonfiniteStepCheck:
         dtypes = sorted({dtype_name(t.dtype) for _, key, t in self._tensors() if key is not None})
         return ", ".join(dtypes) or None
 
+    @staticmethod
+    def _all_finite(value: torch.Tensor) -> torch.Tensor:
+        """Whether every value is finite (a 0-d bool tensor): of the local shard for an FSDP2 DTensor."""
+        return torch.isfinite(value.to_local() if isinstance(value, DTensor) else value).all()
+
     def before(self, loss: torch.Tensor) -> None:
         """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""
         self._armed = False
@@ -54,14 +61,14 @@ class NonfiniteStepCheck:
             return
         values = [loss.detach()] + [p.grad for p in self._grads_of if p.grad is not None]
         values += [t for _, _, t in self._tensors()]
-        self._armed = bool(torch.stack([torch.isfinite(v).all() for v in values]).all())
+        self._armed = bool(torch.stack([self._all_finite(v) for v in values]).all())
 
     def after(self, step: int) -> dict | None:
         """The record of ``step`` when it made an armed check's tensors non-finite, else None."""
         if not self._armed:
             return None
         self._armed = False
-        broken = [(name, key, t) for name, key, t in self._tensors() if not bool(torch.isfinite(t).all())]
+        broken = [(name, key, t) for name, key, t in self._tensors() if not bool(self._all_finite(t))]
         if not broken:
             return None
         self.found = {

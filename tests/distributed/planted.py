@@ -1,6 +1,6 @@
 """A model script for `mpdiag run --nproc 2` (used by tests/test_distributed.py): a small MLP whose rank 1
 batch at step PLANT_STEP is scaled by 1e6, so under FP16 autocast that rank's gradients overflow; rank 0's
-batches stay normal. Its loss_fn checks at every step that the ranks' weights agree (a step skipped on one
+batches stay normal. Its loss_fn checks at every step that the ranks' (full) weights agree (a step skipped on one
 rank and taken on the other would make them differ). With MPDIAG_TEST_KILL_STEP set, rank 1 kills itself
 with SIGKILL when it fetches that step's batch; with MPDIAG_TEST_RAISE_STEP set, rank 1 raises ValueError there."""
 
@@ -10,6 +10,7 @@ import signal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 PLANT_STEP = 2
 
@@ -30,7 +31,8 @@ def build(device):
         return (x * 1e6 if rank == 1 and step == PLANT_STEP else x), y
 
     def loss_fn(model, batch):
-        total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
+        weights = [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+        total = torch.stack([w.double().sum() for w in weights]).sum().reshape(1)
         everyone = [torch.empty_like(total) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, total)
         if not all(torch.equal(everyone[0], other) for other in everyone):
