@@ -109,9 +109,6 @@ class RankJob:
         with open(os.path.join(os.path.dirname(os.environ[SPEC_ENV]), f"rank-{self.rank}.failure.json"), "w") as f:
             json.dump(report, f)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _sharded_scaler_base():

@@ -21,4 +21,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_skipping_finalization(0)  # the run is ended and the store closed
+    # The run is ended and the store closed. The process group is deliberately never destroyed, and the process
+    # ends without finalization: destroying a gloo group joins its worker threads while holding the GIL, and a
+    # worker still releasing a finished all_gather's Python tensors waits for the GIL, so the rank would hang
+    # for ever (py-spy: ~ProcessGroupGloo in std::thread::join against ~AsyncAllgatherWork in
+    # gil_scoped_acquire), and the launcher with it.
+    exit_skipping_finalization(0)

@@ -188,9 +188,7 @@ def train(
                 signal.signal(signal.SIGTERM, previous)
         return run_id
     finally:
-        writer.close()
-        if job is not None:
-            job.close()
+        writer.close()  # a rank's process group is left as it is: see mpdiag.training.rank
 
 
 def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str,
