@@ -118,10 +118,17 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
     assert [s.value for s in at.subheader] == ["Per rank (2 ranks, gloo)"]
     assert any(plain(evidence) in w.value for w in at.warning)  # the page escapes Markdown in stored text
     assert _page("app.py", store_path).dataframe[0].value.set_index("run").loc[run["run_id"], "ranks"] == 2
+    for other in ("pages/1_Gradients.py", "pages/5_Findings.py"):  # every page renders a distributed run
+        _page(other, store_path, run["run_id"])
+    assert _mpdiag_run(store_path, "--steps", "2", "--opt-level", "O0").returncode == 0  # a second job to compare
+    compare = _page("pages/3_Compare.py", store_path, runs=[str(run["run_id"]), str(run["run_id"] + 1)])
+    assert not compare.error, [e.value for e in compare.error]
+    assert compare.query_params["runs"] == [str(run["run_id"]), str(run["run_id"] + 1)]
 
 
-def _page(path: str, store_path, run_id: int | None = None):
-    """A page rendered by AppTest on ``store_path`` (optionally ``?run=run_id``), checked for exceptions."""
+def _page(path: str, store_path, run_id: int | None = None, **query):
+    """A page rendered by AppTest on ``store_path`` (optionally ``?run=run_id`` and other query parameters),
+    checked for exceptions."""
     from streamlit.testing.v1 import AppTest
 
     os.environ["MPDIAG_STORE"] = str(store_path)
@@ -129,6 +136,8 @@ def _page(path: str, store_path, run_id: int | None = None):
         at = AppTest.from_file(os.path.join(ROOT, path), default_timeout=120)
         if run_id is not None:
             at.query_params["run"] = str(run_id)
+        for key, value in query.items():
+            at.query_params[key] = value
         at.run()
     finally:
         del os.environ["MPDIAG_STORE"]
