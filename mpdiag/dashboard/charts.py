@@ -106,11 +106,11 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
     df = rank_steps.assign(rank=rank_steps["rank"].astype(int).map(lambda r: f"rank {r}"))
     colour = alt.Color("rank:N", legend=alt.Legend(title=None, orient="top"))
     loss = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step"), y=alt.Y("loss:Q", title="local loss"), color=colour,
+        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)), y=alt.Y("loss:Q", title="local loss"), color=colour,
         tooltip=["step:Q", "rank:N", alt.Tooltip("loss:Q", format=".6g")])
     counted = df[df["nonfinite"].notna()]
     nonfinite = alt.Chart(counted).mark_circle(size=50).encode(
-        x=alt.X("step:Q", title="step"), y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
+        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)), y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
         color=colour, tooltip=["step:Q", "rank:N", alt.Tooltip("nonfinite:Q", format="d", title="inf/NaN values")])
     top, bottom = loss, nonfinite
     if marked_step is not None:
