@@ -144,3 +144,22 @@ def build(device):""")))
     assert store.steps(run_id)["skipped"].iloc[:2].tolist() == [1.0, 1.0]
     lrs = [float(line) for line in log.read_text().split()]
     assert lrs == [0.05 * 0.5 ** t for t in range(8)]
+
+
+@pytest.mark.parametrize(("extra", "problem"), [
+    ('"scheduler": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)', "ReduceLROnPlateau, whose step"),
+    ('"clip_grad_norm": 0.5, "accumulate": 2, "scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1)', None),
+])
+def test_the_check_takes_one_step_with_the_keys(write_script, extra, problem):
+    # the check's trial step builds the scheduler and clips as a run would, so a bad scheduler fails the check,
+    # not the run after it
+    from mpdiag.sandbox.check import check_script
+
+    path = write_script(SCRIPT.replace("EXTRA", extra), name="keys.py")
+    report = check_script(str(path), open(path).read(), device="cpu")
+    if problem is None:
+        assert report.ready, report.problems
+        assert {k: report.summary[k] for k in ("clip grad norm", "scheduler", "accumulate")} == \
+            {"clip grad norm": 0.5, "scheduler": "StepLR", "accumulate": 2}
+    else:
+        assert not report.ready and any(problem in p for p in report.problems), report.problems

@@ -166,7 +166,12 @@ def check_in_child(payload: dict, channel) -> dict:
 
 
 def _trial(source: str, filename: str, device_spec: str) -> dict:
-    """In the child: build, one forward/backward step; returns ready, problems and summary."""
+    """In the child: build, then one training step as the runner takes it in FP32 (forward, backward, the
+    contract's clipping, the optimizer step, the scheduler built over that optimizer and stepped once);
+    returns ready, problems and summary. ``accumulate`` needs no step of its own: k micro-batches are k of
+    these forward/backward passes."""
+    import torch
+
     from mpdiag.training.runner import resolve_device, seed_everything, to_device
     from mpdiag.training.script import ModelScript, ScriptError, build_model
 
@@ -189,6 +194,12 @@ def _trial(source: str, filename: str, device_spec: str) -> dict:
             raise ScriptError(f"{filename}: the loss of the first batch is {value} in FP32; fix the model or data "
                               "before looking at mixed precision.")
         params = [p for p in model.parameters() if p.requires_grad]
+        scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
+        if built.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, built.clip_grad_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         result["summary"] = {
             "name": built.name,
             "parameters": sum(p.numel() for p in params),
@@ -196,6 +207,9 @@ def _trial(source: str, filename: str, device_spec: str) -> dict:
             "optimizer": type(optimizer).__name__,
             "example batch": _describe_batch(batch),
             "first loss": round(value, 6),
+            **({"clip grad norm": built.clip_grad_norm} if built.clip_grad_norm is not None else {}),
+            **({"scheduler": type(scheduler).__name__} if scheduler is not None else {}),
+            **({"accumulate": built.accumulate} if built.accumulate > 1 else {}),
             "device": str(device),
         }
         result["ready"] = True

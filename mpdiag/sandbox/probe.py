@@ -7,7 +7,9 @@ recomputes one batch's gradients at PROBE_SCALES under the run's own opt level, 
 protocol of :mod:`mpdiag.sandbox.child` (it runs the run's stored script; its result comes back as the child's
 verdict, never from its output), compares each tensor's unscaled gradient norm, and names the custom autograd
 Functions in the graph. :func:`run_probe`, in the calling process, stores the result with the run;
-:mod:`mpdiag.analysis.findings` reads it. The child never gets the store.
+:mod:`mpdiag.analysis.findings` reads it. The child never gets the store. The contract's ``clip_grad_norm``,
+``scheduler`` and ``accumulate`` keys play no part: the probe compares one micro-batch's gradients before any
+clipping or optimizer step, which none of them change (dividing the loss by k scales both scales' alike).
 """
 
 from __future__ import annotations
