@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, 
 from mpdiag.training.distributed import exit_skipping_finalization, launched_by_torchrun
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
-from mpdiag.training.watch import WatchConfig, watch
+from mpdiag.training.watch import WatchConfig, rerun_config, rerunnable_by_watch, watch
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +177,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_rerun(args: argparse.Namespace) -> int:
     options = _options(args)
     store = Store(args.store, create=False)
+    parent = store.run(args.run_id)
+    if "watch" in parent["config"]:  # recorded by mpdiag watch: repeat its command
+        typed = {k: v for k, v in options.items() if v is not None}
+        if args.pair:
+            raise ConfigError(f"run {args.run_id} was recorded by mpdiag watch, which runs no FP32 twin (--pair).")
+        config = rerun_config(args.run_id, parent["name"], parent["config"]["watch"], **typed)
+        return _watch_and_report(config, store)
     script, config = rerun_plan(store, args.run_id, **options)
     return _execute(script, config, store, args.pair)
 
@@ -203,7 +211,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
-        if f.fix and own_loop:
+        if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
+            flags = " ".join(f"{flag(k)} {v}" for k, v in f.fix.items())
+            print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}  (repeats the watched command)")
+        elif f.fix and own_loop:
             print("  check it: change these settings in your own loop (the run was recorded from it, "
                   f"so mpdiag cannot rerun it): {f.fix}")
         elif f.fix:
@@ -224,8 +235,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
         if launched_by_torchrun():
             exit_skipping_finalization(code)
         return code
-    store = Store(args.store)
-    run_id, code = watch(config, store.path)
+    return _watch_and_report(config, Store(args.store))
+
+
+def _watch_and_report(config: WatchConfig, store: Store) -> int:
+    """Watch ``config`` into ``store`` from its working directory, print the run's outcome, return the script's
+    exit code."""
+    here = os.getcwd()
+    os.chdir(config.cwd)  # the script's relative paths are relative to where it was started
+    try:
+        run_id, code = watch(config, store.path)
+    finally:
+        os.chdir(here)
     run = store.run(run_id)
     print(f"mpdiag watch: run {run_id} ({run['name']}): {run['status']}, {run['steps_done']} steps, "
           f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)

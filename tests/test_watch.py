@@ -259,13 +259,38 @@ def test_killed_script_leaves_the_run_crashed(tmp_path, sig):
         assert run["error"] == "stopped by signal SIGTERM" and run["steps_done"] >= 3
 
 
-def test_diagnose_of_a_watched_run_offers_no_rerun_and_probes_nothing(store_path, tmp_path, capsys):
+def test_diagnose_of_a_watched_run_offers_its_rerun_and_probes_nothing(store_path, tmp_path, capsys):
     from mpdiag.cli import main
 
     _, run_id, _ = watched(store_path, AMP_LOOP, tmp_path / "log.json", "--steps", 6, init_scale=2.0**40)
     capsys.readouterr()
     assert main(["diagnose", str(run_id), "--store", str(store_path)]) == 0
     out = capsys.readouterr()
-    assert "probing" not in out.err and "mpdiag rerun" not in out.out
+    assert "probing" not in out.err
     assert "[error]" in out.out or "[warning]" in out.out  # every step skipped: a scale finding is made
-    assert "recorded from it" in out.out
+    assert f"python -m mpdiag rerun {run_id} " in out.out and "(repeats the watched command)" in out.out
+
+
+def test_rerun_of_a_watched_run_repeats_its_command_with_the_fix(store_path, tmp_path, monkeypatch):
+    log = tmp_path / "log.json"
+    store, parent, _ = watched(store_path, AMP_LOOP, log, "--steps", 4, init_scale=2.0**40)
+    assert store.steps(parent)["skipped"].tolist() == [1, 1, 1, 1]
+    monkeypatch.chdir(tmp_path)  # from anywhere: the rerun runs in the directory the command was watched from
+    done = cli("rerun", parent, "--init-scale", 1024, "--store", store_path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    child = store.runs().iloc[0]  # newest first
+    assert (int(child["parent_run_id"]), child["init_scale"], child["status"]) == (parent, 1024.0, "finished")
+    assert child["config"]["watch"]["argv"] == [AMP_LOOP, str(log), "--steps", "4"]
+    assert store.steps(int(child["run_id"]))["skipped"].tolist() == [0, 0, 1, 0]  # fixed; step 2 is the loop's planted overflow
+    assert json.loads(log.read_text())["scale"][0] == 1024.0  # the script itself ran again, at the new scale
+    refused = cli("rerun", parent, "--steps", 9, "--store", store_path)
+    assert refused.returncode == 2 and "can change only --opt-level" in refused.stderr and "--steps" in refused.stderr
+
+
+def test_rerun_of_a_watched_run_whose_script_is_gone_says_so(store_path, tmp_path, write_script):
+    script = write_script("import torch\n", "gone.py")
+    _, parent, _ = watched(store_path, script)
+    os.remove(script)
+    done = cli("rerun", parent, "--opt-level", "bf16", "--store", store_path)
+    assert done.returncode == 2 and "that file is no longer there" in done.stderr, done.stderr
+    assert len(Store(store_path).runs()) == 1  # nothing stored

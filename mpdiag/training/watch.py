@@ -53,6 +53,38 @@ REFUSED_LEVELS = {
 }
 
 
+#: what a rerun of a watched run may change (the rest of the command is the script's own)
+RERUN_OPTIONS = ("opt_level", "init_scale", "every", "trace_modules", "name")
+
+
+def rerunnable_by_watch(run_config: dict, fix: dict) -> bool:
+    """Whether a finding's ``fix`` can be checked by rerunning a run's watched command (a run recorded by
+    watch, a fix that changes only what watch can: the level among WATCH_LEVELS, the initial scale)."""
+    return "watch" in run_config and set(fix) <= {"opt_level", "init_scale"} and \
+        fix.get("opt_level", "O1") in WATCH_LEVELS
+
+
+def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchConfig:
+    """The WatchConfig repeating a watched run (its stored ``config.watch``: command line, working directory,
+    options) with ``overrides`` (any of RERUN_OPTIONS), recorded as that run's child. Raises ConfigError naming
+    an option watch cannot change, or a script that is no longer where it was."""
+    refused = sorted(set(overrides) - set(RERUN_OPTIONS))
+    if refused:
+        raise ConfigError(f"run {run_id} was recorded by mpdiag watch: its rerun repeats the script's command "
+                          f"and can change only {', '.join('--' + o.replace('_', '-') for o in RERUN_OPTIONS)}, "
+                          f"not {', '.join('--' + o.replace('_', '-') for o in refused)}.")
+    argv, module = list(settings["argv"]), settings["argv"][:1] == ["-m"]
+    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules") if k in settings}
+    level = overrides.get("opt_level", kept.get("opt_level"))
+    config = WatchConfig(target=target, args=tuple(args), module=module, cwd=settings["cwd"], parent_run_id=int(run_id),
+                         **{**kept, "name": f"{name} ↻ {level or 'as recorded'}", **overrides})
+    if not module and not os.path.isfile(os.path.join(config.cwd, target)):
+        raise ConfigError(f"run {run_id} ran {target} in {config.cwd}, and that file is no longer there: rerun it "
+                          "with mpdiag watch from where the script is now.")
+    return config
+
+
 class WatchStopped(BaseException):
     """The watched process got SIGTERM. A BaseException, so the script's ``except Exception`` lets it through."""
 
@@ -70,6 +102,7 @@ class WatchConfig:
     opt_level: str | None = None
     init_scale: float | None = None
     cwd: str = field(default_factory=os.getcwd)
+    parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
 
     def validate(self) -> None:
         """Raise ConfigError (nothing run, nothing stored) for an option watch cannot honour."""
@@ -380,7 +413,8 @@ def watch(config: WatchConfig, store_path: str | os.PathLike) -> tuple[int, int]
         run_id = writer.call(lambda w: w.create_run(
             name=config.name or os.path.basename(config.target), script_path=None if config.module else
             os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
-            every=config.every, device="cpu", torch_version=torch.__version__, config={"watch": settings}))
+            every=config.every, device="cpu", torch_version=torch.__version__, config={"watch": settings},
+            parent_run_id=config.parent_run_id))
         watcher = Watcher(config, writer, run_id)
         on_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
