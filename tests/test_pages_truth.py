@@ -138,12 +138,12 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
         severities = [f.severity for f in diagnose(store, int(run))]
         badge = table.loc[run, "health"]
         if "error" in severities:
-            assert badge.startswith("⛔") and f"{severities.count('error')} error" in badge
+            assert badge.startswith(f"{severities.count('error')} error")
         elif "warning" in severities:
-            assert badge.startswith("⚠️") and f"{severities.count('warning')} warning" in badge
+            assert badge.startswith(f"{severities.count('warning')} warning")
         else:
-            assert badge == "✅ healthy"
-    assert table.loc[3, "health"] != "✅ healthy"  # the README's failing example has the gradient-underflow finding
+            assert badge == "healthy"
+    assert table.loc[3, "health"] != "healthy"  # the README's failing example has the gradient-underflow finding
     assert table.loc[3, "findings"] == "/Findings?run=3"
     assert table.loc[3, "gradients"] == "/Gradients?run=3" and table.loc[3, "loss scale"] == "/Loss_scale?run=3"
     at.multiselect(key="filter_script").set_value(["gallery_activation_overflow.py"]).run()
