@@ -23,7 +23,7 @@ from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
-from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, flag
+from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, command_flags, flag
 from mpdiag.training.distributed import exit_skipping_finalization, launched_by_torchrun
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
@@ -212,14 +212,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
         if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
-            flags = " ".join(f"{flag(k)} {v}" for k, v in f.fix.items())
-            print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}  (repeats the watched command)")
+            print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(f.fix)}  (repeats the watched command)")
         elif f.fix and own_loop:
             print("  check it: change these settings in your own loop (the run was recorded from it, "
                   f"so mpdiag cannot rerun it): {f.fix}")
         elif f.fix:
-            flags = " ".join(f"{flag(k)} {v}" for k, v in f.fix.items())
-            print(f"  check it: python -m mpdiag rerun {args.run_id} {flags}")
+            print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(f.fix)}")
     return 0
 
 

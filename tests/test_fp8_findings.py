@@ -25,7 +25,7 @@ def test_lost_share_threshold_is_strict_and_any_overflow_counts():
     assert lost_values(at_threshold) == []
     above = lost_values(records([row(0, underflow=11), row(1, underflow=3)]))
     assert len(above) == 1 and "step 0" in above[0].evidence and "11 of 1000" in above[0].evidence
-    assert above[0].fix == {"opt_level": "fp8-sim", "fp8_recipe": "current"}
+    assert above[0].fix == {"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "current"}
     one_overflow = lost_values(records([row(3, role="input", overflow=1)]))
     assert len(one_overflow) == 1 and one_overflow[0].tensors == ["fc:input"]
 
@@ -36,7 +36,7 @@ def test_delayed_only_losses_recommend_current_scaling_and_losses_under_both_kee
     assert [f.fix for f in found] == [{"opt_level": "fp8-sim", "fp8_recipe": "current"}]
     both = records([row(0, module="head", underflow=50), row(0, module="head", recipe="current", underflow=40)])
     fixes = [f.fix for f in lost_values(both)]
-    assert fixes == [{"opt_level": "fp8-sim", "fp8_bf16_modules": ["head"]}] * 2
+    assert fixes == [{"opt_level": "fp8-sim", "fp8": True, "fp8_bf16_modules": "head"}] * 2
 
 
 def test_amax_jump_step_ratio_and_the_margin_that_absorbs_it():
@@ -47,7 +47,7 @@ def test_amax_jump_step_ratio_and_the_margin_that_absorbs_it():
     assert "At 1 recorded step(s) (first 4)" in jump.evidence
     assert "7.843 times" in jump.evidence  # 8 / max(1.02, 0.9, 1.01); step 5's history holds the 8
     # 8 / 1.02 * 448 / 2^m must not exceed 464: m = 3
-    assert "margin of 3" in jump.recommendation and jump.fix == {"opt_level": "fp8-sim", "fp8_recipe": "current"}
+    assert "margin of 3" in jump.recommendation and jump.fix == {"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "current"}
     assert amax_jumps(recs, Fp8Settings(history=3, margin=3)) == []
     assert len(amax_jumps(recs, Fp8Settings(history=3, margin=2))) == 1
     assert amax_jumps(records([row(s, role="input", amax=a) for s, a in enumerate([1.0, 1.03, 1.0])]),

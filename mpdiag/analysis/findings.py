@@ -7,13 +7,14 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
 import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.analysis.finding import SEVERITY_ORDER, Finding
+from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
 from mpdiag.analysis.summaries import (
     FLUSHED_LABEL,
     FP16_LEVELS,
@@ -47,24 +48,6 @@ FP16_SPAN_BINS = FP16.max_exponent - FP16.min_subnormal_exponent + 1
 SWAMPED_SHARE = 0.05
 #: a tensor whose gradient's median relative error against the FP32 shadow exceeds this has lost precision
 GRADIENT_REL_ERROR = 0.2
-SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
-
-
-@dataclass
-class Finding:
-    """One diagnosis. ``page`` names the dashboard page that shows the evidence."""
-
-    rule: str
-    severity: str
-    title: str
-    evidence: str
-    recommendation: str
-    tensors: list[str] = field(default_factory=list)
-    fix: dict | None = None
-    page: str = "Gradients"
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def _share(part: float, whole: float) -> float:
@@ -432,6 +415,9 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]
     findings = [f for f in found if f is not None]
+    fp8 = recorded_settings(run["config"])
+    if fp8 is not None:
+        findings += fp8_findings(store.fp8(run_id), fp8)
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
 
 
@@ -460,6 +446,8 @@ def evidence_link(finding: Finding, run_id: int) -> str:
     query = {"run": int(run_id)} if finding.page != "Compare" else {"runs": int(run_id)}
     if finding.page == "Gradients" and finding.tensors:
         query["tensor"] = finding.tensors[0]
+    if finding.page == "FP8" and finding.tensors:  # "module:role"
+        query["layer"], query["role"] = finding.tensors[0].rsplit(":", 1)
     return f"/{finding.page}?{urlencode(query)}"
 
 

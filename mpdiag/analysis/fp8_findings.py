@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.findings import Finding
+from mpdiag.analysis.finding import Finding
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
 
 #: a layer's role loses more than this share of its values to underflow at some recorded step: a warning
@@ -21,7 +21,32 @@ MAX_MARGIN = 64
 
 
 def _fix(**options) -> dict:
-    return {"opt_level": "fp8-sim", **options}
+    """An fp8-sim rerun that records FP8 statistics again (--fp8), so its own findings show whether the
+    setting removed the lost values."""
+    return {"opt_level": "fp8-sim", "fp8": True, **options}
+
+
+#: the run options (mpdiag.training.config) that make up an FP8 recipe, by Fp8Settings field
+_RUN_OPTIONS = {"recipe": "fp8_recipe", "history": "fp8_history", "margin": "fp8_margin",
+                "grad_format": "fp8_grad_format", "pow2": "fp8_pow2", "bf16_modules": "fp8_bf16_modules"}
+
+
+def recorded_settings(config: dict | None) -> Fp8Settings | None:
+    """The FP8 recipe a run was recorded with, from its stored configuration: the runner's run options
+    (``config["run"]``, with --fp8) or a Recorder's ``fp8`` argument (``config["fp8"]``); None when the run did
+    not record FP8 statistics."""
+    config = config if isinstance(config, dict) else {}
+    run = config.get("run")
+    if isinstance(run, dict) and run.get("fp8"):
+        values = {key: run[option] for key, option in _RUN_OPTIONS.items() if option in run}
+        modules = values.get("bf16_modules", "")
+        values["bf16_modules"] = tuple(m.strip() for m in modules.split(",") if m.strip())
+        return Fp8Settings(**values)
+    if isinstance(config.get("fp8"), dict):
+        values = dict(config["fp8"])
+        values["bf16_modules"] = tuple(values.get("bf16_modules", ()))
+        return Fp8Settings(**values)
+    return None
 
 
 def lost_values(records: pd.DataFrame) -> list[Finding]:
@@ -42,7 +67,7 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
             advice = ("Use current scaling (the scale from this step's own amax)"
                       + ("; with both recipes recorded, current scaling loses nothing here." if recorded_current else "."))
         else:
-            fix = _fix(fp8_bf16_modules=[module])
+            fix = _fix(fp8_bf16_modules=module)
             advice = f"Keep {module} in BF16: its {role} does not fit {worst['fmt']} even at its own amax's scale."
         findings.append(Finding(
             rule="fp8-lost-values", severity="warning", page="FP8",
@@ -99,8 +124,11 @@ def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp
 
 
 def fp8_findings(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
-    """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order."""
-    return [*amax_jumps(records, settings), *lost_values(records)]
+    """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order.
+    Linear modules the recipe keeps in BF16 (``settings.bf16_modules``) are not cast, so they find nothing."""
+    records = records[~records["module"].isin(settings.bf16_modules)] if len(records) else records
+    jumps = amax_jumps(records, settings) if "delayed" in settings.recipes else []  # current scaling has none
+    return [*jumps, *lost_values(records)]
 
 
-__all__ = ["LOST_SHARE", "amax_jumps", "fp8_findings", "lost_values"]
+__all__ = ["LOST_SHARE", "amax_jumps", "fp8_findings", "lost_values", "recorded_settings"]

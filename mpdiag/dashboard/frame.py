@@ -150,7 +150,7 @@ def single_run_page(title: str, view) -> None:
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
-             "trace_modules": "trace", "name": "name", "nproc": "nproc", "parallel": "parallel"}
+             "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel"}
 DEVICES = ["auto", "cpu", "cuda"]
 
 
@@ -193,6 +193,9 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
                                               base.every, key=key["every"], help=OPTIONS["every"].help))
         chosen["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
                                               help=OPTIONS["trace_modules"].help)
+        chosen["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8, key=key["fp8"],
+                                    help=OPTIONS["fp8"].help + ", under the default recipe (delayed scaling, "
+                                    "history 1024, E4M3 forward, E5M2 output gradients)")
         chosen["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
                                               OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
                                               help=OPTIONS["nproc"].help))

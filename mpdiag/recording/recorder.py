@@ -13,6 +13,7 @@ from the training layer above it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
@@ -29,10 +30,12 @@ from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
+from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
     DEFAULT_STORE,
@@ -109,6 +112,11 @@ class Recorder:
             model's parameters smaller than that format's resolution (see :mod:`mpdiag.numerics.updates`).
             Needs ``optimizer``; costs a copy of the updated weights per logged step, in workspaces allocated
             once.
+        fp8: an FP8 recipe (:class:`mpdiag.numerics.fp8_recipes.Fp8Settings`): at every logged step, also record
+            what it would cast in every ``nn.Linear`` - the input, the weight and the output gradient (divided
+            by the loss scale): exponent histograms, amax, and per recipe the scale and the exact underflow,
+            subnormal and overflow counts (see :mod:`mpdiag.recording.fp8_capture`; ``Store.fp8``). Under
+            torchrun, rank 0's tensors.
 
     mpdiag's runner builds its Recorder with :meth:`attached` instead (a run row made beforehand, a shared
     writer, FP32 master weights as the update targets).
@@ -126,18 +134,23 @@ class Recorder:
         *,
         trace_modules: bool = False,
         update_format: str | None = None,
+        fp8: Fp8Settings | None = None,
     ):
         self._start(model, scaler, optimizer, every, update_format, update_targets=None)
+        if fp8 is not None:
+            fp8.validate()  # before a run row exists
         path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
         self._owns_writer = True
         self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
-        self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **(config or {})})
-        self._hook_in(model, optimizer, trace_modules)
+        fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
+        self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field,
+                                              **(config or {})})
+        self._hook_in(model, optimizer, trace_modules, fp8)
 
     @classmethod
     def attached(cls, model: torch.nn.Module, attachment: RunnerAttachment, *, scaler=None,
                  optimizer: torch.optim.Optimizer | None = None, every: int = 1, trace_modules: bool = False,
-                 update_format: str | None = None) -> Recorder:
+                 update_format: str | None = None, fp8: Fp8Settings | None = None) -> Recorder:
         """A Recorder writing into the run ``attachment.run_id`` through ``attachment.writer`` (the runner's)."""
         recorder = cls.__new__(cls)
         recorder._start(model, scaler, optimizer, every, update_format, attachment.update_targets)
@@ -147,7 +160,7 @@ class Recorder:
         fields = {**recorder._dist.run_fields(), **({"update_format": update_format} if update_format else {})}
         if fields:  # the job's shape is known only now, once the process group exists
             recorder._writer.submit(lambda w: w.update_run(attachment.run_id, **fields))
-        recorder._hook_in(model, optimizer, trace_modules)
+        recorder._hook_in(model, optimizer, trace_modules, fp8)
         return recorder
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
@@ -176,6 +189,8 @@ class Recorder:
         # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
         self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
         self._unread_stats: deque[tuple[int, tuple[int, ...], PendingStats]] = deque()
+        self._unread_fp8: deque[PendingFp8Records] = deque()
+        self._fp8_rows: tuple[list[tuple], list[tuple]] = ([], [])  # records, histograms
         self._step_rows: list[tuple] = []
         self._tensor_rows_buf: list[tuple] = []
         self._update_rows: list[tuple] = []
@@ -183,11 +198,12 @@ class Recorder:
         self._last_record = time.perf_counter()
         self._closed = False
 
-    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool) -> None:
+    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool, fp8: Fp8Settings | None) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
         self._tracer = ModuleTracer(model) if trace_modules else None
+        self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks(optimizer)
         if self._tracer is not None:
             modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
@@ -266,6 +282,11 @@ class Recorder:
         if self._tracer is not None:
             traced = self._tracer.take(step)
             self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
+        if self._fp8 is not None:  # the output gradients hold S*g: divided by the scale of this step
+            if step % self.every == 0:
+                self._unread_fp8.append(self._fp8.start(step, scale))
+            else:
+                self._fp8.skip()
         row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), int(logged)]
         self._unread_steps.append((row, state))
         self._read_arrived(wait=False)
@@ -374,6 +395,10 @@ class Recorder:
         while self._unread_stats and (wait or self._unread_stats[0][2].ready()):
             step, present, pending = self._unread_stats.popleft()
             self._add_tensor_rows(step, present, pending.result())
+        while self._unread_fp8 and (wait or self._unread_fp8[0].ready()):
+            fp8 = self._unread_fp8.popleft().result()
+            self._fp8_rows[0].extend(fp8.records)
+            self._fp8_rows[1].extend(fp8.histograms)
         if self._updates is not None:
             self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
                                   for i, counts in enumerate(per_tensor)]
@@ -402,6 +427,9 @@ class Recorder:
             self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
         if updates:
             self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
+        (fp8_records, fp8_histograms), self._fp8_rows = self._fp8_rows, ([], [])
+        if fp8_records:
+            self._writer.submit(lambda w: w.add_fp8_steps(self.run_id, fp8_records, fp8_histograms))
 
     # -- end ------------------------------------------------------------------------------------------------
     def close(self, note: str | None = None) -> None:
@@ -421,6 +449,8 @@ class Recorder:
         self._dist.close()
         if self._tracer is not None:
             self._tracer.remove()
+        if self._fp8 is not None:
+            self._fp8.remove()
         self._close_previous_row(known=known)
         if self._unread_steps:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update

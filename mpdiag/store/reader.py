@@ -368,6 +368,24 @@ class Store:
             df[col] = df[col].astype(float)
         return df
 
+    def fp8(self, run_id: int) -> pd.DataFrame:
+        """A run recorded with --fp8: per logged step, Linear module, role (input, weight, grad_output) and
+        recipe (current, delayed), the FP8 format ``fmt`` (fp8_e4m3, fp8_e5m2), the ``scale`` the recipe
+        uses, the tensor's ``amax`` and ``numel``, and the underflow / subnormal / overflow counts of the
+        scaled tensor in that format. Empty for a run recorded without --fp8."""
+        df = self._query(
+            "SELECT step, module, role, fmt, recipe, scale, amax, numel, underflow, subnormal, overflow FROM fp8_steps "
+            "WHERE run_id = ? ORDER BY step, module, role, recipe", (int(run_id),))
+        for col in ("scale", "amax"):
+            df[col] = df[col].astype(float)
+        return df
+
+    def fp8_histograms(self, run_id: int) -> pd.DataFrame:
+        """The exponent histograms of the tensors --fp8 records, unscaled, long format: step, module, role,
+        exponent (a value x counts in e when 2**e <= |x| < 2**(e+1)), count; non-empty bins only."""
+        return self._query("SELECT step, module, role, exponent, count FROM fp8_histograms WHERE run_id = ? "
+                           "ORDER BY step, module, role, exponent", (int(run_id),))
+
     def probe(self, run_id: int, kind: str) -> dict | None:
         """The stored result of a diagnostic probe of a run (see mpdiag.sandbox.probe), or None."""
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))

@@ -26,8 +26,8 @@ from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
 
 DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
-# 4: distributed runs: runs.world_size, backend, launch_command; rank_steps.
-SCHEMA_VERSION = 4
+# 4: distributed runs: runs.world_size, backend, launch_command; rank_steps. 5: fp8_steps, fp8_histograms (--fp8).
+SCHEMA_VERSION = 5
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
@@ -126,6 +126,17 @@ _STATEMENTS = [
     """CREATE TABLE IF NOT EXISTS rank_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
     PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID""",
+    # --fp8: per logged step, Linear module (by name), role (input, weight, grad_output) and recipe, the scale the
+    # recipe would use and the counts of the scaled tensor in the FP8 format fmt; histograms of the unscaled tensor
+    """CREATE TABLE IF NOT EXISTS fp8_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module TEXT NOT NULL, role TEXT NOT NULL, recipe TEXT NOT NULL,
+    fmt TEXT NOT NULL, scale REAL, amax REAL, numel INTEGER NOT NULL, underflow INTEGER NOT NULL,
+    subnormal INTEGER NOT NULL, overflow INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, module, role, recipe)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS fp8_histograms (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module TEXT NOT NULL, role TEXT NOT NULL,
+    exponent INTEGER NOT NULL, count INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, module, role, exponent)) WITHOUT ROWID""",
     _TENSOR_TOTALS_DDL,
     f"""CREATE TABLE IF NOT EXISTS representability_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},

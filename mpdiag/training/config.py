@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,8 +134,11 @@ class Option:
 PARALLEL = ("ddp", "fsdp")
 FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
 
-#: why the run form has no FP8 recipe widgets: the form runs fp8-sim with the default recipe
-_FP8_FORM = "the run form runs fp8-sim with the default recipe (delayed, history 1024, margin 0, E5M2); other recipes: `mpdiag run --fp8-*`"
+#: why the run form has no FP8 recipe widgets: the form runs fp8-sim and --fp8 with the default recipe
+_FP8_FORM = ("the run form uses the default FP8 recipe (delayed, history 1024, margin 0, E5M2); other recipes: "
+             "`mpdiag run --fp8-*`, or a finding's rerun")
+#: the FP8 recipe options: they apply to the fp8-sim level, and to every level recorded with --fp8
+FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2")
 
 
 def option(default: Any, help: str, kind: str, **details) -> Any:
@@ -171,16 +175,21 @@ class RunConfig:
     name: str | None = option(None, "display name of the run", "text")
     trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
                                         "first inf/NaN", "flag")
-    fp8_recipe: str = option("delayed", "fp8-sim: the FP8 scaling recipe, current or delayed", "text",
-                             levels=("fp8-sim",), no_widget=_FP8_FORM)
-    fp8_history: int = option(1024, "fp8-sim, delayed recipe: recorded steps of amax history", "int",
+    fp8: bool = option(False, "record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, "
+                              "weight, output gradient): exponent histograms, scales and lost values (FP8 page)",
+                       "flag")
+    fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
+                                        "both)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_history: int = option(1024, "--fp8 and fp8-sim, delayed recipe: recorded steps of amax history", "int",
                               levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM)
-    fp8_margin: int = option(0, "fp8-sim, delayed recipe: divide the scale by 2^margin", "int", levels=("fp8-sim",),
-                             minimum=0, maximum=64, no_widget=_FP8_FORM)
-    fp8_grad_format: str = option("e5m2", "fp8-sim: the output gradients' format, e5m2 (HYBRID) or e4m3", "text",
-                                  levels=("fp8-sim",), no_widget=_FP8_FORM)
-    fp8_pow2: bool = option(False, "fp8-sim: round each scale down to a power of two", "flag", levels=("fp8-sim",),
-                            no_widget=_FP8_FORM)
+    fp8_margin: int = option(0, "--fp8 and fp8-sim, delayed recipe: divide the scale by 2^margin", "int",
+                             levels=("fp8-sim",), minimum=0, maximum=64, no_widget=_FP8_FORM)
+    fp8_grad_format: str = option("e5m2", "--fp8 and fp8-sim: the output gradients' format, e5m2 (HYBRID) or e4m3",
+                                  "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_pow2: bool = option(False, "--fp8 and fp8-sim: round each scale down to a power of two", "flag",
+                            levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
+                                   levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
                         minimum=1)
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
@@ -194,10 +203,11 @@ class RunConfig:
         check_values(self.to_dict())
         level = LEVELS[self.opt_level]
         for name, spec in OPTIONS.items():
-            if self.opt_level not in spec.levels and getattr(self, name) != spec.default:
+            if not applies(name, self.opt_level, self.fp8) and getattr(self, name) != spec.default:
                 why = "does not scale the loss" if name in SCALING_OPTIONS and not level.scales_loss else "does not use it"
+                also = ", or any level with --fp8" if name in FP8_RECIPE_OPTIONS else ""
                 raise ConfigError(f"--opt-level {self.opt_level} {why}; drop {flag(name)} "
-                                  f"(it applies to {', '.join(spec.levels)})")
+                                  f"(it applies to {', '.join(spec.levels)}{also})")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
         if self.parallel not in PARALLEL:
@@ -205,20 +215,24 @@ class RunConfig:
         if self.nproc > 1 and self.parallel == "fsdp" and self.opt_level not in FSDP_LEVELS:
             raise ConfigError(f"--parallel fsdp runs opt levels {', '.join(FSDP_LEVELS)}; {self.opt_level} needs "
                               "--parallel ddp")
+        if self.nproc > 1 and self.fp8:
+            raise ConfigError("--fp8 records one process's Linear modules; drop it with --nproc above 1 (in your own "
+                              "torchrun loop, Recorder(fp8=...) records rank 0's)")
         if self.nproc > 1 and self.shadow_every:
             raise ConfigError("--shadow-every compares one process's gradients; drop it with --nproc above 1")
-        if self.opt_level == "fp8-sim":
+        if self.opt_level == "fp8-sim" or self.fp8:
             try:
                 self.fp8_settings().validate()
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            if self.fp8_recipe == "both":
+            if self.opt_level == "fp8-sim" and self.fp8_recipe == "both":
                 raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current or delayed, not both")
 
     def fp8_settings(self) -> Fp8Settings:
-        """The FP8 recipe of the fp8-sim level, as the numerics take it."""
+        """The FP8 recipe of --fp8 and of the fp8-sim level, as the numerics take it."""
+        modules = tuple(name.strip() for name in self.fp8_bf16_modules.split(",") if name.strip())
         return Fp8Settings(recipe=self.fp8_recipe, history=self.fp8_history, margin=self.fp8_margin,
-                           grad_format=self.fp8_grad_format, pow2=self.fp8_pow2)
+                           grad_format=self.fp8_grad_format, pow2=self.fp8_pow2, bf16_modules=modules)
 
     def fp32_twin(self, name: str | None = None) -> RunConfig:
         """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss
@@ -258,9 +272,9 @@ class RunConfig:
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise ConfigError(f"unknown run options: {', '.join(sorted(unknown))}")
-        level = options.get("opt_level", self.opt_level)
+        level, fp8 = options.get("opt_level", self.opt_level), options.get("fp8", self.fp8)
         reset = {name: spec.default for name, spec in OPTIONS.items()
-                 if level not in spec.levels and name not in options}
+                 if not applies(name, level, fp8) and name not in options}
         return dataclasses.replace(self, **reset, **options)
 
 
@@ -268,9 +282,26 @@ OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.
 SCALING_OPTIONS = tuple(name for name, spec in OPTIONS.items() if spec.levels == SCALING_LEVELS)
 
 
+def applies(name: str, level: str, fp8: bool) -> bool:
+    """Whether option ``name`` applies to a run at ``level``, recorded with --fp8 or not."""
+    return level in OPTIONS[name].levels or (fp8 and name in FP8_RECIPE_OPTIONS)
+
+
 def flag(name: str) -> str:
     """The command-line flag of option ``name``."""
     return "--" + name.replace("_", "-")
+
+
+def command_flags(options: Mapping[str, Any]) -> str:
+    """Run options as command-line flags, quoted for a shell: a set flag option alone (``--fp8``)."""
+    words = []
+    for name, value in options.items():
+        spec = OPTIONS.get(name)
+        if spec is not None and spec.kind == "flag":
+            words += [flag(name)] if value else []
+        else:
+            words += [flag(name), shlex.quote(str(value))]
+    return " ".join(words)
 
 
 def check_values(values: Mapping[str, Any]) -> None:

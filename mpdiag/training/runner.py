@@ -167,6 +167,7 @@ def train(
             recorder = Recorder.attached(
                 model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
+                fp8=config.fp8_settings() if config.fp8 else None,
             )
             check = NonfiniteStepCheck(model, optimizer, policy.master_params() or None)
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
