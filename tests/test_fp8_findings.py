@@ -33,7 +33,7 @@ def test_lost_share_threshold_is_strict_and_any_overflow_counts():
 def test_delayed_only_losses_recommend_current_scaling_and_losses_under_both_keep_the_layer_in_bf16():
     only_delayed = records([row(0, underflow=50), row(0, recipe="current", underflow=2)])
     found = lost_values(only_delayed)
-    assert [f.fix for f in found] == [{"opt_level": "fp8-sim", "fp8_recipe": "current"}]
+    assert [f.fix for f in found] == [{"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "current"}]
     both = records([row(0, module="head", underflow=50), row(0, module="head", recipe="current", underflow=40)])
     fixes = [f.fix for f in lost_values(both)]
     assert fixes == [{"opt_level": "fp8-sim", "fp8": True, "fp8_bf16_modules": "head"}] * 2
