@@ -1,0 +1,102 @@
+"""--fp8 end to end: the Recorder's FP8 rows in the store equal torch's casting of the planted tensors, the
+command line records a bundled model and diagnose names the layer, and the options are checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from test_fp8_capture import expected_scale, planted_batch, planted_model
+from test_fp8_numerics import by_casting, exponent_histogram
+
+from mpdiag.analysis.findings import diagnose, evidence_link
+from mpdiag.examples import EXAMPLES_DIR
+from mpdiag.numerics.fp8 import EXP_MIN
+from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.recording.recorder import Recorder
+from mpdiag.store import Store
+from mpdiag.training.config import ConfigError, RunConfig
+
+
+def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_divided_out(tmp_path):
+    loss_scale, settings = 2.0**10, Fp8Settings(recipe="both", history=2)
+    model = planted_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=1000)
+    store = Store(tmp_path / "s.db")
+    recorder = Recorder(model, store, scaler=scaler, optimizer=optimizer, every=2, fp8=settings)
+    truths, seen = {}, {}
+    for step in range(5):
+        x, g = planted_batch(step)
+        optimizer.zero_grad()
+        hidden = model[0](x)
+        hidden.retain_grad()
+        out = model[1](hidden)
+        loss = (out * g).sum()
+        scaler.scale(loss).backward()
+        truths[step] = {("0", "input"): x, ("0", "weight"): model[0].weight.detach().clone(),
+                        ("0", "grad_output"): hidden.grad / loss_scale,
+                        ("1", "input"): hidden.detach(), ("1", "weight"): model[1].weight.detach().clone(),
+                        ("1", "grad_output"): g}
+        recorder.record(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    recorder.close()
+    assert scaler.get_scale() == loss_scale  # nothing overflowed: every step divided by the same scale
+
+    rows = store.fp8(recorder.run_id)
+    hists = store.fp8_histograms(recorder.run_id)
+    assert sorted(rows["step"].unique()) == [0, 2, 4]  # every=2: the delayed history holds logged steps only
+    assert len(rows) == 3 * 2 * 3 * 2
+    for step in (0, 2, 4):
+        for (module, role), tensor in truths[step].items():
+            fmt = "fp8_e5m2" if role == "grad_output" else "fp8_e4m3"
+            amax = float(tensor.abs().max())
+            seen.setdefault((module, role), []).append(amax)
+            for recipe in ("current", "delayed"):
+                row = rows[(rows["step"] == step) & (rows["module"] == module) & (rows["role"] == role)
+                           & (rows["recipe"] == recipe)].iloc[0]
+                scale = expected_scale(recipe, seen[(module, role)], fmt, settings.history)
+                assert row["fmt"] == fmt and row["scale"] == float(scale) and row["amax"] == amax
+                assert row["numel"] == tensor.numel()
+                assert (row["underflow"], row["subnormal"], row["overflow"]) == by_casting(tensor, float(scale), fmt)
+            stored = hists[(hists["step"] == step) & (hists["module"] == module) & (hists["role"] == role)]
+            expected = exponent_histogram(tensor)
+            assert dict(zip(stored["exponent"], stored["count"], strict=True)) == \
+                {EXP_MIN + int(b): int(expected[b]) for b in np.flatnonzero(expected)}
+    assert store.run(recorder.run_id)["config"]["fp8"]["history"] == 2  # the recipe is stored with the run
+
+
+def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_fp8_page(tmp_path):
+    from mpdiag.examples.fp8_amax_jump import JUMP
+
+    db = tmp_path / "s.db"
+    run_cli("run", str(EXAMPLES_DIR / "fp8_amax_jump.py"), "--opt-level", "bf16", "--fp8", "--fp8-recipe", "both",
+            "--steps", str(JUMP + 2), "--store", str(db))
+    store = Store(db)
+    rows = store.fp8(1)
+    assert set(rows["recipe"]) == {"current", "delayed"} and set(rows["role"]) == {"input", "weight", "grad_output"}
+    head = rows[(rows["module"] == "head") & (rows["role"] == "input")]
+    assert head[(head["step"] == JUMP) & (head["recipe"] == "delayed")]["overflow"].iloc[0] > 1000
+    assert head[(head["step"] == JUMP) & (head["recipe"] == "current")]["overflow"].iloc[0] == 0
+    findings = {f.rule: f for f in diagnose(store, 1)}
+    jump = findings["fp8-amax-jump"]
+    assert f"worst at step {JUMP}" in jump.evidence and jump.tensors == ["head:input"]
+    assert evidence_link(jump, 1) == "/FP8?run=1&layer=head&role=input"
+    out = run_cli("diagnose", "1", "--no-probe", "--store", str(db)).stdout
+    assert "rerun 1 --opt-level fp8-sim --fp8 --fp8-recipe current" in out
+
+
+def test_fp8_recipe_options_need_fp8_or_fp8_sim_and_one_process():
+    RunConfig(opt_level="O1", fp8=True, fp8_recipe="both", fp8_margin=2).validate()
+    with pytest.raises(ConfigError, match="--fp8-margin.*any level with --fp8"):
+        RunConfig(opt_level="O1", fp8_margin=2).validate()
+    with pytest.raises(ConfigError, match="--fp8 records one process"):
+        RunConfig(fp8=True, nproc=2).validate()
+    with pytest.raises(ConfigError, match="--fp8-history"):
+        RunConfig(fp8=True, fp8_history=0).validate()
+    # a rerun that drops --fp8 at a level without FP8 drops the recipe with it; one that keeps it keeps it
+    recorded = RunConfig(opt_level="bf16", fp8=True, fp8_margin=3)
+    assert recorded.with_options(opt_level="O1").fp8_margin == 3
+    assert recorded.with_options(opt_level="O1", fp8=False).fp8_margin == 0
