@@ -23,7 +23,16 @@ from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
-from mpdiag.training.config import ALL_LEVELS, OPTIONS, ConfigError, RunConfig, check_values, command_flags, flag
+from mpdiag.training.config import (
+    ALL_LEVELS,
+    FP8_RECIPE_OPTIONS,
+    OPTIONS,
+    ConfigError,
+    RunConfig,
+    check_values,
+    command_flags,
+    flag,
+)
 from mpdiag.training.distributed import exit_skipping_finalization, launched_by_torchrun
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
@@ -96,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--opt-level", default=None, help="O0, O1 or bf16: override the script's autocast and "
                        "GradScaler settings (default: leave them alone)")
     watch.add_argument("--init-scale", type=float, default=None, help="initial scale of every GradScaler the script creates")
+    for name in ("fp8", *FP8_RECIPE_OPTIONS):
+        _add_option(watch, name)
     _store_arg(watch)
     watch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
                        help="the script and its arguments: everything after SCRIPT belongs to the script")
@@ -225,9 +236,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if args.module is None and not args.command_line:
         raise ConfigError("watch needs a script (watch [options] SCRIPT [ARGS...]) or -m MODULE")
     target, rest = (args.module, args.command_line) if args.module else (args.command_line[0], args.command_line[1:])
+    recipe = RunConfig(opt_level="O0", fp8=args.fp8, **{name: getattr(args, name) for name in FP8_RECIPE_OPTIONS})
+    recipe.validate()  # a recipe option without --fp8 is refused, naming it
     config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
                          every=args.every, trace_modules=args.trace_modules, opt_level=args.opt_level,
-                         init_scale=args.init_scale)
+                         init_scale=args.init_scale, fp8=recipe.fp8_settings() if args.fp8 else None)
     if RankContext.launched_as_other_rank():  # torchrun: rank 0 opens (and may create) the store, not this rank
         code = watch(config, args.store or DEFAULT_STORE)[1]
         if launched_by_torchrun():

@@ -100,3 +100,63 @@ def test_fp8_recipe_options_need_fp8_or_fp8_sim_and_one_process():
     recorded = RunConfig(opt_level="bf16", fp8=True, fp8_margin=3)
     assert recorded.with_options(opt_level="O1").fp8_margin == 3
     assert recorded.with_options(opt_level="O1", fp8=False).fp8_margin == 0
+
+
+FP8_LOOP = '''
+import json, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+log = []
+for step in range(4):
+    x = torch.randn(32, 8) * (100.0 if step == 3 else 1.0)
+    opt.zero_grad()
+    hidden = model[0](x)
+    hidden.retain_grad()
+    loss = model[2](model[1](hidden)).square().mean()
+    scale = scaler.get_scale()
+    scaler.scale(loss).backward()
+    log.append({"input": float(x.abs().max()), "grad_output": float((hidden.grad / scale).abs().max()),
+                "weight": float(model[0].weight.detach().abs().max())})
+    scaler.step(opt)
+    scaler.update()
+json.dump(log, open(sys.argv[1], "w"))
+'''
+
+
+def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(tmp_path, write_script):
+    from mpdiag.training.watch import WatchConfig, watch
+
+    log, db = tmp_path / "log.json", tmp_path / "s.db"
+    script = write_script(FP8_LOOP, "fp8_loop.py")
+    config = WatchConfig(target=str(script), args=(str(log),), fp8=Fp8Settings(recipe="both", history=2))
+    run_id, code = watch(config, db)
+    assert code == 0
+    import json
+
+    own = json.loads(log.read_text())
+    rows = Store(db).fp8(run_id)
+    first = rows[(rows["module"] == "0") & (rows["recipe"] == "current")]
+    assert set(rows["module"]) == {"0", "2"}
+    for step in sorted(first["step"].unique()):  # every step whose forward ran after watch hooked in
+        for role in ("input", "grad_output", "weight"):
+            got = first[(first["step"] == step) & (first["role"] == role)]["amax"].iloc[0]
+            assert got == pytest.approx(own[step][role], rel=1e-6), (step, role)
+    assert 3 in set(first["step"])
+    jump = diagnose(Store(db), run_id)
+    assert any(f.rule == "fp8-amax-jump" and f.tensors == ["0:input"] for f in jump)  # the 100x input at step 3
+    # its rerun keeps the recipe
+    from mpdiag.training.watch import rerun_config
+
+    again = rerun_config(run_id, "x", Store(db).run(run_id)["config"]["watch"], opt_level="bf16")
+    assert again.fp8 == Fp8Settings(recipe="both", history=2)
+
+
+def test_watch_cli_refuses_a_recipe_option_without_fp8(tmp_path, write_script):
+    script = write_script(FP8_LOOP, "fp8_loop.py")
+    done = run_cli("watch", "--store", tmp_path / "s.db", "--fp8-margin", "2", script, tmp_path / "log.json")
+    assert done.returncode == 2 and "--fp8-margin" in done.stderr and not (tmp_path / "log.json").exists()

@@ -33,7 +33,8 @@ _RUN_OPTIONS = {"recipe": "fp8_recipe", "history": "fp8_history", "margin": "fp8
 
 def recorded_settings(config: dict | None) -> Fp8Settings | None:
     """The FP8 recipe a run was recorded with, from its stored configuration: the runner's run options
-    (``config["run"]``, with --fp8) or a Recorder's ``fp8`` argument (``config["fp8"]``); None when the run did
+    (``config["run"]``, with --fp8), a Recorder's ``fp8`` argument (``config["fp8"]``) or watch --fp8's
+    (``config["watch"]["fp8"]``); None when the run did
     not record FP8 statistics."""
     config = config if isinstance(config, dict) else {}
     run = config.get("run")
@@ -42,8 +43,10 @@ def recorded_settings(config: dict | None) -> Fp8Settings | None:
         modules = values.get("bf16_modules", "")
         values["bf16_modules"] = tuple(m.strip() for m in modules.split(",") if m.strip())
         return Fp8Settings(**values)
-    if isinstance(config.get("fp8"), dict):
-        values = dict(config["fp8"])
+    watched = config.get("watch")
+    recorded = config.get("fp8") or (watched.get("fp8") if isinstance(watched, dict) else None)
+    if isinstance(recorded, dict):
+        values = dict(recorded)
         values["bf16_modules"] = tuple(values.get("bf16_modules", ()))
         return Fp8Settings(**values)
     return None

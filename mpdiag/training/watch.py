@@ -15,6 +15,7 @@ since the previous step: with accumulation over k micro-batches of ``loss / k``,
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import os
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
@@ -76,6 +78,8 @@ def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchCo
     argv, module = list(settings["argv"]), settings["argv"][:1] == ["-m"]
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules") if k in settings}
+    if settings.get("fp8"):
+        kept["fp8"] = Fp8Settings(**{**settings["fp8"], "bf16_modules": tuple(settings["fp8"].get("bf16_modules", ()))})
     level = overrides.get("opt_level", kept.get("opt_level"))
     config = WatchConfig(target=target, args=tuple(args), module=module, cwd=settings["cwd"], parent_run_id=int(run_id),
                          **{**kept, "name": f"{name} ↻ {level or 'as recorded'}", **overrides})
@@ -103,6 +107,7 @@ class WatchConfig:
     init_scale: float | None = None
     cwd: str = field(default_factory=os.getcwd)
     parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
+    fp8: Fp8Settings | None = None  # --fp8: also record what this FP8 recipe would cast in every nn.Linear
 
     def validate(self) -> None:
         """Raise ConfigError (nothing run, nothing stored) for an option watch cannot honour."""
@@ -336,7 +341,7 @@ class Watcher:
         fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
         self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
         return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
-                                 every=self.config.every, trace_modules=self.config.trace_modules)
+                                 every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
@@ -409,7 +414,8 @@ def watch(config: WatchConfig, store_path: str | os.PathLike) -> tuple[int, int]
     writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store_path)
     try:
         settings = {"argv": config.command(), "cwd": config.cwd, "opt_level": config.opt_level,
-                    "init_scale": config.init_scale, "every": config.every, "trace_modules": config.trace_modules}
+                    "init_scale": config.init_scale, "every": config.every, "trace_modules": config.trace_modules,
+                    "fp8": None if config.fp8 is None else dataclasses.asdict(config.fp8)}
         run_id = writer.call(lambda w: w.create_run(
             name=config.name or os.path.basename(config.target), script_path=None if config.module else
             os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
