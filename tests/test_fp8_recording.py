@@ -83,7 +83,7 @@ def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_f
     findings = {f.rule: f for f in diagnose(store, 1)}
     jump = findings["fp8-amax-jump"]
     assert f"worst at step {JUMP}" in jump.evidence and jump.tensors == ["head:input"]
-    assert evidence_link(jump, 1) == "/FP8?run=1&layer=head&role=input"
+    assert evidence_link(jump, 1) == "/FP8?run=1&layer=head&role=input&recipe=delayed"
     out = run_cli("diagnose", "1", "--no-probe", "--store", str(db)).stdout
     assert "rerun 1 --opt-level fp8-sim --fp8 --fp8-recipe current" in out
 
@@ -160,3 +160,45 @@ def test_watch_cli_refuses_a_recipe_option_without_fp8(tmp_path, write_script):
     script = write_script(FP8_LOOP, "fp8_loop.py")
     done = run_cli("watch", "--store", tmp_path / "s.db", "--fp8-margin", "2", script, tmp_path / "log.json")
     assert done.returncode == 2 and "--fp8-margin" in done.stderr and not (tmp_path / "log.json").exists()
+
+
+def record_planted(store: Store, settings: Fp8Settings, steps: int = 6) -> int:
+    """The planted model trained ``steps`` steps under a Recorder with ``settings``; returns the run id."""
+    model = planted_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with Recorder(model, store, optimizer=optimizer, fp8=settings) as recorder:
+        for step in range(steps):
+            x, g = planted_batch(step)
+            optimizer.zero_grad()
+            loss = (model(x) * g).sum()
+            loss.backward()
+            recorder.record(loss)
+            optimizer.step()
+    return recorder.run_id
+
+
+@pytest.mark.parametrize("margin, pow2", [(3, False), (0, True), (5, True)])
+def test_whatif_from_one_recording_reproduces_another_recordings_scales_and_bounds_its_counts(tmp_path, margin, pow2):
+    from mpdiag.analysis.fp8_summaries import recorded_counts, whatif
+
+    store = Store(tmp_path / "s.db")
+    base = Fp8Settings(recipe="both", history=2)
+    recorded = record_planted(store, base)
+    other = Fp8Settings(recipe="both", history=2, margin=margin, pow2=pow2)
+    truth = store.fp8(record_planted(store, other))  # the capture itself, checked against casting above
+    records, hists = store.fp8(recorded), store.fp8_histograms(recorded)
+    for module, role in truth[["module", "role"]].drop_duplicates().itertuples(index=False):
+        for recipe in ("current", "delayed"):
+            got = whatif(records, hists, module, role, recipe, other)
+            want = truth[(truth["module"] == module) & (truth["role"] == role) & (truth["recipe"] == recipe)]
+            want = want.sort_values("step").reset_index(drop=True)
+            assert got["scale"].tolist() == want["scale"].tolist()  # bit for bit: the same arithmetic
+            for name in ("underflow", "subnormal", "overflow"):
+                assert (got[f"{name} low"] <= want[name]).all() and (want[name] <= got[f"{name} high"]).all(), \
+                    (module, role, recipe, name)
+            if recipe == "current":  # the amax scales to the format's largest value: never an overflow
+                assert (got["overflow high"] == 0).all()
+    # with the recorded settings, the page states the recorded count itself
+    rows = records[(records["module"] == "1") & (records["role"] == "input") & (records["recipe"] == "delayed")]
+    assert recorded_counts(records, "1", "input", "delayed", base, base) == int((rows["underflow"] + rows["overflow"]).sum())
+    assert recorded_counts(records, "1", "input", "delayed", other, base) is None

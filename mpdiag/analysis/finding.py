@@ -20,6 +20,9 @@ class Finding:
     tensors: list[str] = field(default_factory=list)
     fix: dict | None = None
     page: str = "Gradients"
+    #: query parameters that select the evidence on ``page`` beyond the run (e.g. the FP8 page's layer, role
+    #: and recipe), so the page opens on what the evidence names
+    focus: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

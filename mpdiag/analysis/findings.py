@@ -446,8 +446,7 @@ def evidence_link(finding: Finding, run_id: int) -> str:
     query = {"run": int(run_id)} if finding.page != "Compare" else {"runs": int(run_id)}
     if finding.page == "Gradients" and finding.tensors:
         query["tensor"] = finding.tensors[0]
-    if finding.page == "FP8" and finding.tensors:  # "module:role"
-        query["layer"], query["role"] = finding.tensors[0].rsplit(":", 1)
+    query.update(finding.focus)
     return f"/{finding.page}?{urlencode(query)}"
 
 

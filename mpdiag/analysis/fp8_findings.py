@@ -79,7 +79,8 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
                       f"recorded steps lose values in {worst['fmt']}; worst at step {int(worst['step'])}: "
                       f"{int(worst['underflow'])} of {int(worst['numel'])} underflow ({worst['share']:.2%}), "
                       f"{int(worst['overflow'])} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
-            recommendation=advice, tensors=[f"{module}:{role}"], fix=fix))
+            recommendation=advice, tensors=[f"{module}:{role}"], fix=fix,
+            focus={"layer": module, "role": role, "recipe": recipe}))
     return findings
 
 
@@ -113,7 +114,8 @@ def amax_jumps(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
                       f"{float(amax[jumped][worst]):.6g}, {ratios[worst]:.4g} times the history's largest."),
             recommendation=("Use current scaling" + (f", or a margin of {margin} (--fp8-margin)" if margin is not None else "")
                             + " so the jump does not saturate."),
-            tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current")))
+            tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current"),
+            focus={"layer": module, "role": role, "recipe": "delayed"}))
     return findings
 
 

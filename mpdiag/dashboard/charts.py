@@ -211,3 +211,53 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
                 tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
         .properties(height=220)
     )
+
+
+def fp8_lost_heatmap(cells: pd.DataFrame, title: str = "") -> alt.Chart:
+    """FP8 page: layers (rows) by recorded steps (columns), coloured by the share of the tensor's values the
+    cast loses (underflow + overflow); cells losing nothing are grey, so a lost value is never hidden by a
+    colour scale's low end."""
+    data = cells.assign(lost_pct=cells["lost_share"] * 100, lossless=cells["lost"] == 0)
+    base = alt.Chart(data).encode(
+        x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
+        y=alt.Y("module:N", title="Linear module", sort=None),
+        tooltip=["module:N", "step:Q", alt.Tooltip("lost_pct:Q", title="lost %", format=".3g"),
+                 alt.Tooltip("underflow:Q", format="d"), alt.Tooltip("overflow:Q", format="d"),
+                 alt.Tooltip("amax:Q", format=".6g")])
+    lossless = base.transform_filter("datum.lossless").mark_rect(color="#e0e0e0")
+    lost = base.transform_filter("!datum.lossless").mark_rect().encode(
+        color=alt.Color("lost_pct:Q", title="lost %", scale=alt.Scale(type="log", scheme="orangered")))
+    return alt.layer(lossless, lost).properties(title=title, width="container",
+                                                height=max(120, 22 * cells["module"].nunique()))
+
+
+def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
+    """One tensor's amax per recorded step against the largest |x| its recipe's scale lets through (the
+    format's overflow threshold / scale), log2 axis; steps where values overflow are red points on the amax."""
+    long = pd.concat([series.assign(line="amax", value=series["amax"]),
+                      series.assign(line="limit of the scale", value=series["limit"])])
+    colour = alt.Color("line:N", scale=alt.Scale(domain=["amax", "limit of the scale"], range=["#1f77b4", "#7f7f7f"]),
+                       legend=alt.Legend(title=None, orient="top"))
+    lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
+        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
+        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), title="|x| (log2 axis)"), color=colour,
+        tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
+    over = alt.Chart(series[series["overflow"] > 0]).mark_point(
+        shape="triangle-up", color="#d62728", size=80, filled=True).encode(
+        x="step:Q", y="amax:Q", tooltip=["step:Q", alt.Tooltip("amax:Q", format=".6g"),
+                                         alt.Tooltip("limit:Q", format=".6g"), alt.Tooltip("overflow:Q", format="d")])
+    return alt.layer(lines, over).properties(title=title, width="container", height=260)
+
+
+def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
+    """The what-if's lost values per recorded step: a band between the lower and upper bound of underflow +
+    overflow (a line where they agree)."""
+    data = df.assign(low=df["underflow low"] + df["overflow low"], high=df["underflow high"] + df["overflow high"])
+    x = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+    band = alt.Chart(data).mark_area(opacity=0.3, color="#d62728").encode(
+        x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)"), y2="high:Q")
+    high = alt.Chart(data).mark_line(color="#d62728").encode(
+        x=x, y="high:Q", tooltip=["step:Q", alt.Tooltip("low:Q", format="d", title="at least"),
+                                  alt.Tooltip("high:Q", format="d", title="at most"),
+                                  alt.Tooltip("scale:Q", format=".6g")])
+    return alt.layer(band, high).properties(title=title, width="container", height=200)

@@ -166,3 +166,14 @@ def live_steps(store: Store, run_id: int) -> pd.DataFrame:
     steps = fresh if cached is None else pd.concat([cached, fresh], ignore_index=True) if len(fresh) else cached
     st.session_state[key] = steps
     return steps
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _fp8(key: tuple, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    store = Store(key[0], create=False)
+    return store.fp8(run_id), store.fp8_histograms(run_id)
+
+
+def fp8(store: Store, run_id: int, final: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run's FP8 records and histograms (Store.fp8, Store.fp8_histograms): cached when final."""
+    return _fp8(_key(store), int(run_id)) if final else (store.fp8(run_id), store.fp8_histograms(run_id))

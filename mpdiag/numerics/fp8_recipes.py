@@ -151,7 +151,8 @@ def recipe_scales(amax: np.ndarray, recipe: str, fmt: Fp8Format, settings: Fp8Se
     raise ValueError(f"unknown FP8 recipe {recipe!r}")
 
 
-def whatif_counts(hist: np.ndarray, exp_min: int, scale: float, fmt: Fp8Format) -> dict[str, tuple[int, int]]:
+def whatif_counts(hist: np.ndarray, exp_min: int, scale: float, fmt: Fp8Format,
+                  amax: float | None = None) -> dict[str, tuple[int, int]]:
     """Lower and upper bounds of the underflow / subnormal / overflow counts of a tensor times ``scale`` in
     ``fmt``, from its exponent histogram alone (``hist[i]`` counts 2**(exp_min + i) <= |x| < 2**(exp_min + i + 1)).
     The values of a binade, scaled, lie between the fp32 products of its two ends; a binade whose two ends
@@ -162,9 +163,10 @@ def whatif_counts(hist: np.ndarray, exp_min: int, scale: float, fmt: Fp8Format) 
     bounds = {name: [0, 0] for name in CATEGORY_NAMES}
     s = np.float32(scale)
     with np.errstate(over="ignore"):
+        top = float(np.float32(amax) * s) if amax is not None else float("inf")
         for i in np.flatnonzero(hist):
             low = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i))) * s)
-            high = float(np.float32(np.ldexp(np.float32(1), exp_min + int(i) + 1)) * s)
+            high = min(float(np.float32(np.ldexp(np.float32(1), exp_min + int(i) + 1)) * s), top)
             first, last = fmt.category(low) if low > 0 else UNDERFLOW, fmt.category(high)
             for category, name in zip((UNDERFLOW, SUBNORMAL, OVERFLOW), CATEGORY_NAMES, strict=True):
                 if first == last == category:

@@ -13,7 +13,7 @@ from mpdiag.dashboard import frame
 from mpdiag.dashboard.untrusted import host_allowed
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py"]
 
 
 @pytest.mark.parametrize("host", ["localhost", "localhost:8501", "127.0.0.1:8501", "[::1]:8501", "LOCALHOST."])

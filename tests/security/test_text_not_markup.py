@@ -27,7 +27,7 @@ EVIL = " ".join(PAYLOADS)
 #: module names cannot contain '.', so the tensor-name payloads avoid it
 EVIL_MODULE = "<img src=x onerror=alert(1)> [link](http:evil) ![x](http:evil)"
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py"]
 #: element kinds Streamlit renders as text, and proto fields that carry no displayed text
 TEXT_ELEMENTS = {"code", "text", "dataframe", "arrow_data_frame", "vega_lite_chart", "arrow_vega_lite_chart", "json"}
 PLAIN_TEXT_FIELDS = {"options", "default", "rawValue", "rawValues", "value", "id", "formId", "elementType", "type", "pageName",
@@ -69,11 +69,11 @@ SCRIPT = textwrap.dedent(f"""
 
 @pytest.fixture(scope="module")
 def evil_store(tmp_path_factory):
-    """Run 1: a finished O1 run named EVIL of a script named EVIL.py whose model's name and a module are
+    """Run 1: a finished O1 run (with --fp8) named EVIL of a script named EVIL.py whose model's name and a module are
     payloads; run 2 its twin at O0; run 3 the failing variant whose error text is EVIL."""
     path = tmp_path_factory.mktemp("evil") / "runs.db"
     good = ModelScript(filename=EVIL + ".py", source=SCRIPT.replace("{fail_at}", "None"))
-    train(good, RunConfig(opt_level="O1", steps=4, device="cpu", name=EVIL), path)
+    train(good, RunConfig(opt_level="O1", steps=4, device="cpu", name=EVIL, fp8=True), path)  # FP8 page: module names
     train(good, RunConfig(opt_level="O0", steps=4, device="cpu", name=EVIL + " fp32"), path)
     failing = ModelScript(filename=EVIL + " fails.py", source=SCRIPT.replace("{fail_at}", "2"))
     train(failing, RunConfig(opt_level="O1", steps=4, device="cpu", name=EVIL + " fails"), path)
