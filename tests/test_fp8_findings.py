@@ -36,7 +36,8 @@ def test_delayed_only_losses_recommend_current_scaling_and_losses_under_both_kee
     assert [f.fix for f in found] == [{"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "current"}]
     both = records([row(0, module="head", underflow=50), row(0, module="head", recipe="current", underflow=40)])
     fixes = [f.fix for f in lost_values(both)]
-    assert fixes == [{"opt_level": "fp8-sim", "fp8": True, "fp8_bf16_modules": "head"}] * 2
+    assert fixes == [{"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": recipe, "fp8_bf16_modules": "head"}
+                     for recipe in ("delayed", "current")]
 
 
 def test_amax_jump_step_ratio_and_the_margin_that_absorbs_it():

@@ -10,7 +10,7 @@ from conftest import run_cli
 from test_fp8_capture import expected_scale, planted_batch, planted_model
 from test_fp8_numerics import by_casting, exponent_histogram
 
-from mpdiag.analysis.findings import diagnose, evidence_link
+from mpdiag.analysis.findings import diagnose, evidence_link, rerun_outcomes
 from mpdiag.examples import EXAMPLES_DIR
 from mpdiag.numerics.fp8 import EXP_MIN
 from mpdiag.numerics.fp8_recipes import Fp8Settings
@@ -85,7 +85,19 @@ def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_f
     assert f"worst at step {JUMP}" in jump.evidence and jump.tensors == ["head:input"]
     assert evidence_link(jump, 1) == "/FP8?run=1&layer=head&role=input&recipe=delayed"
     out = run_cli("diagnose", "1", "--no-probe", "--store", str(db)).stdout
-    assert "rerun 1 --opt-level fp8-sim --fp8 --fp8-recipe current" in out
+    command = "rerun 1 --opt-level fp8-sim --fp8 --fp8-recipe current"
+    assert command in out
+    # the fix, verified by the fp8-sim rerun it names: its own FP8 records no longer show either finding, and
+    # its loss has no spike at the jump, unlike fp8-sim with the recorded (delayed) recipe
+    assert run_cli(*command.split(), "--store", str(db)).returncode == 0
+    assert run_cli("rerun", "1", "--opt-level", "fp8-sim", "--fp8", "--fp8-recipe", "delayed", "--store", str(db)).returncode == 0
+    outcome = rerun_outcomes(store, 1, list(findings.values()))
+    fixed = outcome[outcome["run"] == 2].iloc[0]
+    assert fixed["fp8-amax-jump"] == "gone" and fixed["fp8-lost-values"] == "gone"
+    delayed = outcome[outcome["run"] == 3].iloc[0]
+    assert delayed["fp8-amax-jump"] == "still there"
+    bf16, fixed_loss, delayed_loss = (store.steps(r)["loss"].to_numpy() for r in (1, 2, 3))
+    assert delayed_loss[JUMP] > bf16[JUMP] + 0.3 and abs(fixed_loss[JUMP] / bf16[JUMP] - 1) < 0.02
 
 
 def test_fp8_recipe_options_need_fp8_or_fp8_sim_and_one_process():

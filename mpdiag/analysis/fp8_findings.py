@@ -70,7 +70,7 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
             advice = ("Use current scaling (the scale from this step's own amax)"
                       + ("; with both recipes recorded, current scaling loses nothing here." if recorded_current else "."))
         else:
-            fix = _fix(fp8_bf16_modules=module)
+            fix = _fix(fp8_recipe=recipe, fp8_bf16_modules=module)  # one recipe: a recording may hold both
             advice = f"Keep {module} in BF16: its {role} does not fit {worst['fmt']} even at its own amax's scale."
         findings.append(Finding(
             rule="fp8-lost-values", severity="warning", page="FP8",
