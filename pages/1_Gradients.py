@@ -37,10 +37,14 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     view = c1.radio("Gradient", ["unscaled g", "at the loss scale (S·g)"], horizontal=True, key="view", bind="query-params",
                     help="S·g is the gradient as it existed in the backward pass, which is what FP16 had to hold.")
     at_scale = view != "unscaled g"
-    fmt = c2.radio("Format", list(LOW_PRECISION), horizontal=True, key="fmt", bind="query-params")
+    totals = reads.tensor_totals(store, run_id, final)
+    formats = summaries.recorded_formats(totals)
+    fmt = c2.radio("Format", formats, horizontal=True, key="fmt", bind="query-params",
+                   help="FP8 (E4M3, E5M2) as a plain cast, without a per-tensor scale; what FP8 recipes' scaled casts do "
+                        "to each Linear's tensors is on the FP8 page" + ("" if len(formats) == len(LOW_PRECISION) else
+                        ". This run was recorded before FP8 counts existed; rerun it to get them."))
     show_bf16 = c3.checkbox("Draw BF16 limits too", key="bf16_lines", value=False)
 
-    totals = reads.tensor_totals(store, run_id, final)
     ranking = summaries.tensor_ranking(totals, fmt, at_scale)
     # Plain names as options: the URL (?tensor=...) then stays valid while shares change during a run.
     tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpdiag.numerics import gradstats
-from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, N_EXP_BINS
+from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, N_EXP_BINS
 from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, GradStatsComputer, category_counts_by_casting
 
 BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else []) + (["cuda"] if torch.cuda.is_available() else [])
@@ -61,6 +61,10 @@ EDGES = [
     2**-134, up(2**-134), 2**-133, 2**-126 * (255 / 256), down(2**-126 * (255 / 256)), 2**-149, 2**-127,
     2**-126,  # bf16 edges inside fp32's subnormal range
     down(BF16_OVERFLOW_EDGE), BF16_OVERFLOW_EDGE, 3.4e38,  # bf16 overflow edge
+    2**-10, up(2**-10), 2**-6 - 2**-10, down(2**-6 - 2**-10), 2**-6,  # fp8_e4m3 underflow and subnormal edges
+    448.0, 464.0, up(464.0), 480.0,  # fp8_e4m3 overflow: above 464, where its saturating cast shows nothing
+    2**-17, up(2**-17), 2**-14 - 2**-17, down(2**-14 - 2**-17),  # fp8_e5m2 underflow and subnormal edges
+    57344.0, down(61440.0), 61440.0,  # fp8_e5m2 overflow edge (the cast gives inf)
     0.0, -0.0, float("inf"), -float("inf"), float("nan"),
 ]
 
@@ -88,6 +92,12 @@ def gradscaler_unscale(x, scale):
 
 def test_edges_cast_as_reference_says():
     # The reference's rounding edges, checked once so a torch change cannot slip through silently.
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    assert torch.tensor([464.0, up(464.0), 1e30]).to(e4m3).float().tolist() == [448.0] * 3  # saturates
+    assert math.isinf(torch.tensor(61440.0).to(e5m2).float().item())
+    assert not math.isinf(torch.tensor(down(61440.0)).to(e5m2).float().item())
+    assert torch.tensor([2**-10, up(2**-10)]).to(e4m3).float().tolist() == [0.0, 2**-9]
+    assert torch.tensor([2**-17, up(2**-17)]).to(e5m2).float().tolist() == [0.0, 2**-16]
     assert torch.tensor(2**-25).half().item() == 0
     assert torch.tensor(up(2**-25)).half().item() == 2**-24
     assert math.isinf(torch.tensor(BF16_OVERFLOW_EDGE).bfloat16().item())
@@ -99,7 +109,7 @@ def test_edges_cast_as_reference_says():
 
 def assert_counts_equal_casting(stats, g, scaled, t=0):
     """Tensor ``t``'s counts in ``stats`` equal casting ``g`` (unscaled) and ``scaled`` (S*g)."""
-    for fmt in (FP16, BF16):
+    for fmt in LOW_PRECISION.values():
         for values, suffix in ((g, ""), (scaled, "_at_scale")):
             expected = category_counts_by_casting(values, fmt)
             got = {k: int(stats.counts[f"{fmt.name}_{k}{suffix}"][t]) for k in expected}
@@ -143,7 +153,7 @@ def test_every_edge_value_alone_matches_casting(computer):
     values = [torch.tensor([v], dtype=torch.float32) for v in EDGES]
     stats = computer([1] * len(values)).compute(values, 1.0)
     for t, v in enumerate(values):
-        for fmt in (FP16, BF16):
+        for fmt in LOW_PRECISION.values():
             expected = category_counts_by_casting(v, fmt)
             got = {k: int(stats.counts[f"{fmt.name}_{k}"][t]) for k in expected}
             assert got == expected, (EDGES[t], fmt.name)
@@ -153,7 +163,7 @@ def test_already_unscaled_grads_give_scaled_counts_by_multiplying(computer):
     g = sweep(20_000, seed=1)
     stats = computer([g.numel()]).compute([g], 2.0**10, grads_are_scaled=False)
     scaled = g * 2.0**10
-    for fmt in (FP16, BF16):
+    for fmt in LOW_PRECISION.values():
         expected = category_counts_by_casting(scaled, fmt)
         assert {k: int(stats.counts[f"{fmt.name}_{k}_at_scale"][0]) for k in expected} == expected
         expected = category_counts_by_casting(g, fmt)

@@ -14,9 +14,13 @@ def test_registry_entry_equals_torch_finfo(fmt: Format):
     assert fmt.dtype is getattr(torch, fmt.dtype_name)
     assert fmt.max_finite == float(info.max)
     assert fmt.min_normal == float(info.smallest_normal)
-    assert fmt.min_subnormal == float(torch.tensor(info.smallest_normal, dtype=fmt.dtype) * info.eps)
-    assert fmt.min_subnormal == float(torch.nextafter(torch.zeros((), dtype=fmt.dtype), torch.ones((), dtype=fmt.dtype)))
+    assert fmt.min_subnormal == float(info.smallest_normal) * float(info.eps)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[info.bits // 8]
+    assert fmt.min_subnormal == float(torch.tensor([1], dtype=bits).view(fmt.dtype).float()[0])  # the bit pattern 1
     assert 2.0**-fmt.mantissa_bits == float(info.eps)
+    if fmt.overflow_above is not None:  # a saturating format: the midpoint to the step its bits cannot reach
+        assert fmt.overflow_above == fmt.max_finite + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits) / 2
+        assert float(torch.tensor(fmt.overflow_above * 2).to(fmt.dtype).float()) == fmt.max_finite  # saturates
 
 
 def test_registry_imports_no_torch():

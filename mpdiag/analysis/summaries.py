@@ -22,6 +22,12 @@ def nonzero_finite(df: pd.DataFrame) -> pd.Series:
     return df["numel"] - df["zeros"] - df["nan"] - df["posinf"] - df["neginf"]
 
 
+def recorded_formats(totals: pd.DataFrame) -> list[str]:
+    """The registry formats a run has representability counts for: all of them, except for a run recorded
+    before a format joined the registry (its counts read NaN; FP8 joined in schema version 5)."""
+    return [fmt for fmt in LOW_PRECISION if f"{fmt}_underflow" in totals and totals[f"{fmt}_underflow"].notna().all()]
+
+
 def tensor_ranking(totals: pd.DataFrame, fmt: str = "fp16", at_scale: bool = False) -> pd.DataFrame:
     """Tensors ranked by ``fmt`` underflow share, then overflow share (worst first).
 

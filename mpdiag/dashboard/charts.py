@@ -18,7 +18,7 @@ REGION_COLOURS = {
     "overflow": "#9467bd",
     "zero / non-finite": "#7f7f7f",
 }
-LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4"}
+LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "fp8_e5m2": "#8c564b"}
 
 
 def _limit_rules(lines: pd.DataFrame) -> alt.Chart:

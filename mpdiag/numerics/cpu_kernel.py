@@ -35,25 +35,41 @@ def _reductions(values, bits_of):
 
 
 @numba.njit(nogil=True)
-def _key_counts(bits_of, bounds, row):
+def _key_counts(bits_of, bounds, common, row):
     """Adds each value's key (sign x field x mantissa region) to ``row`` (KEYS_PER_TENSOR counts).
 
-    Almost every mantissa lies in region 1, between the first bound (1) and the second: counting sign and
-    field alone covers those, in a histogram small enough to stay in L1. Only the rare values outside
-    region 1 (mantissa 0, or at the top of its field, near a rounding edge) are keyed in full; region 1's
-    count is what is left of the field's total."""
-    b0, b1, b2, b3 = bounds[0], bounds[1], bounds[2], bounds[3]
-    fields = np.zeros((LANES, 2 * FIELDS), np.int32)
+    ``bounds`` are the region bounds: 1, then ``common`` (FP8's edges, mid-field), then the rare ones (FP16's
+    and BF16's, in the top 2^-8 of a field; see mpdiag.numerics.keys). Every value is counted by sign, field
+    and how many common bounds its mantissa reaches, in a histogram small enough to stay in L1 (4 lanes x 512
+    fields x 4 = 32 KB); only the rare values (mantissa 0, or at the top of its field, near an FP16/BF16
+    rounding edge) are keyed in full. Each region's count is then what the histogram holds for it, less the
+    rare values keyed apart."""
+    groups = common.shape[0] + 1  # regions 0-1, 2, ..., 1 + len(common) and the rare ones above it
+    rare = bounds[groups]  # the first rare bound
+    fields = np.zeros((LANES, 2 * FIELDS * groups), np.int32)
     for i in range(bits_of.shape[0]):
         bits = bits_of[i]
-        fields[i & (LANES - 1), (bits >> MANTISSA_BITS) + FIELDS] += 1
         mantissa = bits & MANTISSA_MASK
-        if np.uint32(mantissa - 1) >= np.uint32(b1 - 1):  # mantissa 0 (wraps around) or >= b1
-            region = (mantissa >= b0) + (mantissa >= b1) + (mantissa >= b2) + (mantissa >= b3)
+        group = 0
+        for c in range(common.shape[0]):
+            group += mantissa >= common[c]
+        fields[i & (LANES - 1), ((bits >> MANTISSA_BITS) + FIELDS) * groups + group] += 1
+        if np.uint32(mantissa - 1) >= np.uint32(rare - 1):  # mantissa 0 (wraps around) or >= the first rare bound
+            region = 0
+            for b in range(bounds.shape[0]):
+                region += mantissa >= bounds[b]
             row[((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
     for field in range(2 * FIELDS):
         cells = row[field * REGIONS : (field + 1) * REGIONS]
-        cells[1] = fields[:, field].sum() - cells.sum()
+        for group in range(groups):
+            total = 0
+            for lane in range(LANES):
+                total += fields[lane, field * groups + group]
+            if group == 0:
+                cells[1] = total - cells[0]  # mantissa 0 is region 0, keyed apart
+            else:
+                cells[1 + group] = total
+        cells[groups] -= cells[groups + 1 :].sum()  # the rare values keyed apart sit in the top group
 
 
 @numba.njit(nogil=True)
@@ -71,7 +87,7 @@ def _subnormal_cell_counts(bits_of, key_row, subnormal_bounds, cells):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def fused_pass(arrays, chunks, bounds, subnormal_bounds, chunk_keys, chunk_cells, chunk_bits, chunk_sumsq,
+def fused_pass(arrays, chunks, bounds, common_bounds, subnormal_bounds, chunk_keys, chunk_cells, chunk_bits, chunk_sumsq,
                keys, cells, maxbits, minbits, sumsq):
     """Key counts, fp32-subnormal cell counts and the reductions of :func:`_reductions` of every tensor in
     ``arrays``, written per tensor into ``keys`` (T, KEYS_PER_TENSOR), ``cells`` (T, SUBNORMAL_CELLS),
@@ -89,7 +105,7 @@ def fused_pass(arrays, chunks, bounds, subnormal_bounds, chunk_keys, chunk_cells
         row, cell_row = chunk_keys[c], chunk_cells[c]
         row[:] = 0
         cell_row[:] = 0
-        _key_counts(bits_of, bounds, row)
+        _key_counts(bits_of, bounds, common_bounds, row)
         _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
     for c in range(chunks.shape[0]):
         t = chunks[c, 0]

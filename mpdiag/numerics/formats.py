@@ -23,6 +23,9 @@ class Format:
     min_normal: float
     min_subnormal: float
     mantissa_bits: int  # stored fraction bits (without the implicit leading one)
+    #: a format whose cast saturates at max_finite instead of giving inf (E4M3) overflows for |x| above this
+    #: (the midpoint past max_finite, which ties to the even max_finite); None: overflow is the cast's inf
+    overflow_above: float | None = None
 
     @property
     def dtype(self):
@@ -51,9 +54,16 @@ FP16 = Format("fp16", "float16", max_finite=65504.0, min_normal=2.0**-14, min_su
 BF16 = Format("bf16", "bfloat16", max_finite=(2 - 2**-7) * 2.0**127, min_normal=2.0**-126, min_subnormal=2.0**-133,
               mantissa_bits=7)
 
+FP8_E4M3 = Format("fp8_e4m3", "float8_e4m3fn", max_finite=448.0, min_normal=2.0**-6, min_subnormal=2.0**-9,
+                  mantissa_bits=3, overflow_above=464.0)
+FP8_E5M2 = Format("fp8_e5m2", "float8_e5m2", max_finite=57344.0, min_normal=2.0**-14, min_subnormal=2.0**-16,
+                  mantissa_bits=2)
+
 #: The registry: the low-precision formats whose representability mpdiag counts, by name. The store keys its
-#: representability rows by these names, so a format added here needs no new column anywhere.
-LOW_PRECISION = {fmt.name: fmt for fmt in (FP16, BF16)}
+#: representability rows by these names, so a format added here needs no new column anywhere. The FP8 entries
+#: count gradients as a plain cast would (no per-tensor scale); what an FP8 recipe's scaled casts would do to a
+#: Linear's tensors is mpdiag.numerics.fp8.
+LOW_PRECISION = {fmt.name: fmt for fmt in (FP16, BF16, FP8_E4M3, FP8_E5M2)}
 
 #: Exponent bins of an fp32 histogram: every finite non-zero fp32 value falls in one of these.
 EXP_MIN = FP32.min_subnormal_exponent  # -149

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpdiag.numerics import formats
+from mpdiag.numerics.formats import Format
+
 UNDERFLOW, SUBNORMAL, NORMAL, OVERFLOW = range(4)
 
 
@@ -58,10 +61,20 @@ class Fp8Format:
         return OVERFLOW if self.overflows(magnitude) else NORMAL
 
 
-#: 464 is the midpoint between 448 and the next E4M3 step (480, not a finite value); it ties to the even 448
-FP8_E4M3 = Fp8Format("fp8_e4m3", "float8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, overflow_above=464.0)
-#: 61440 is the midpoint between 57344 and 65536; it ties to the even 65536, which is inf
-FP8_E5M2 = Fp8Format("fp8_e5m2", "float8_e5m2", 57344.0, 2.0**-14, 2.0**-16, overflow_from=61440.0)
+def _from_registry(fmt: Format) -> Fp8Format:
+    """The recipe view of a registry format (its limits typed in once, in mpdiag.numerics.formats): E4M3's cast
+    saturates, so it overflows above its threshold; E5M2's gives inf from the midpoint past its largest value,
+    which ties to the even 65536, inf."""
+    if fmt.overflow_above is not None:
+        return Fp8Format(fmt.name, fmt.dtype_name, fmt.max_finite, fmt.min_normal, fmt.min_subnormal,
+                         overflow_above=fmt.overflow_above)
+    ulp = 2.0 ** (fmt.max_exponent - fmt.mantissa_bits)
+    return Fp8Format(fmt.name, fmt.dtype_name, fmt.max_finite, fmt.min_normal, fmt.min_subnormal,
+                     overflow_from=fmt.max_finite + ulp / 2)
+
+
+FP8_E4M3 = _from_registry(formats.FP8_E4M3)  # overflow above 464, the midpoint to the next step (480)
+FP8_E5M2 = _from_registry(formats.FP8_E5M2)  # overflow from 61440, the midpoint to 65536
 FP8_FORMATS = {fmt.name: fmt for fmt in (FP8_E4M3, FP8_E5M2)}
 #: the --fp8-grad-format choices
 GRAD_FORMATS = {"e5m2": FP8_E5M2, "e4m3": FP8_E4M3}

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
-from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGION_BOUNDS, REGIONS
+from mpdiag.numerics.keys import COMMON_BOUNDS, FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGION_BOUNDS, REGIONS
 
 #: whether the fused CPU kernel (mpdiag.numerics.cpu_kernel) can be used; numba itself is imported on first use
 NUMBA_AVAILABLE = importlib.util.find_spec("numba") is not None
@@ -56,6 +56,8 @@ def _classify(values: torch.Tensor, fmt: Format) -> torch.Tensor:
     category[cast == 0] = UNDERFLOW
     category[(cast > 0) & (cast < fmt.min_normal)] = SUBNORMAL
     category[torch.isinf(cast)] = OVERFLOW
+    if fmt.overflow_above is not None:  # a saturating cast (E4M3) shows no inf: overflow is past its threshold
+        category[values.abs() > fmt.overflow_above] = OVERFLOW
     return category
 
 
@@ -151,7 +153,7 @@ class StepGradStats:
     """Statistics of every recorded tensor at one step. Arrays are indexed by tensor position.
 
     ``hist[t, i]`` counts values of tensor t with 2**(EXP_MIN + i) <= |g| < 2**(EXP_MIN + i + 1), for the
-    unscaled gradient g. ``counts[name]`` holds zeros, nan, posinf, neginf and, for fmt in fp16/bf16 and
+    unscaled gradient g. ``counts[name]`` holds zeros, nan, posinf, neginf and, for fmt in the registry (LOW_PRECISION) and
     category in underflow/subnormal/overflow, ``{fmt}_{category}`` (for g) and ``{fmt}_{category}_at_scale``
     (for S*g, the gradient as it was in the backward pass). absmax, min_nonzero and l2 are of g; absmax and
     l2 are NaN when g holds a NaN; min_nonzero is NaN when g holds no non-zero value. ``other_view`` says how
@@ -328,6 +330,7 @@ class GradStatsComputer:
             self._kernel, self._typed_list = fused_pass, numba.typed.List
             self._chunks = work_items(self.numels)
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
+            self._common_bounds = np.array(COMMON_BOUNDS, dtype=np.int32)
             items = len(self._chunks)
             self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
             self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares
@@ -406,7 +409,7 @@ class GradStatsComputer:
 
     def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
         arrays = self._typed_list([x.numpy() for x in flat])
-        self._kernel(arrays, self._chunks, self._bounds, self._subnormal_bounds, *self._spaces)
+        self._kernel(arrays, self._chunks, self._bounds, self._common_bounds, self._subnormal_bounds, *self._spaces)
         keys, cells, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[4:])  # reused next pass
         return _Pass(keys.reshape(len(flat), 2, FIELDS, REGIONS), cells, *_reductions_from_bits(largest, below_smallest),
                      np.sqrt(sumsq))
@@ -513,10 +516,10 @@ def _stats(g: _Pass, g_shift: int, at_scale: _Pass, at_scale_shift: int, how: st
     2**at_scale_shift are S*g."""
     hist, counts = _decode(g, "", g_shift)
     if how == "same":
-        counts.update({f"{k}_at_scale": v for k, v in counts.items() if k.startswith(("fp16", "bf16"))})
+        counts.update({f"{k}_at_scale": v for k, v in counts.items() if k in CATEGORY_COLUMNS})
     else:
         _, scaled_counts = _decode(at_scale, "_at_scale", at_scale_shift)
-        counts.update({k: v for k, v in scaled_counts.items() if k.startswith(("fp16", "bf16"))})
+        counts.update({k: v for k, v in scaled_counts.items() if k.removesuffix("_at_scale") in CATEGORY_COLUMNS})
     absmax, min_nonzero, l2 = g.absmax, g.min_nonzero, g.l2
     if g_shift:
         with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
@@ -554,14 +557,17 @@ def _decode(view: _Pass, suffix: str, shift: int = 0) -> tuple[np.ndarray, dict[
 
 
 def category_counts_by_casting(values: torch.Tensor, fmt: Format) -> dict[str, int]:
-    """Reference counts by plain casting: the definition the fast path must equal (used by tests)."""
+    """Reference counts by plain casting: the definition the fast path must equal (used by tests). A cast that
+    saturates (E4M3: every finite value, even inf, becomes at most 448) cannot show overflow: there it is
+    |x| above the format's threshold."""
     x = values.float().reshape(-1)
     finite_nonzero = torch.isfinite(x) & (x != 0)
     cast = x.to(fmt.dtype).float()
+    over = torch.isinf(cast) if fmt.overflow_above is None else x.abs() > fmt.overflow_above
     return {
         "underflow": int((finite_nonzero & (cast == 0)).sum()),
         "subnormal": int((finite_nonzero & (cast != 0) & (cast.abs() < fmt.min_normal)).sum()),
-        "overflow": int((finite_nonzero & torch.isinf(cast)).sum()),
+        "overflow": int((finite_nonzero & over).sum()),
     }
 
 

@@ -7,6 +7,8 @@ It owns only the layout and the edges; counting lives in :mod:`mpdiag.numerics.g
 
 from __future__ import annotations
 
+import struct
+
 from mpdiag.numerics.formats import FP32, LOW_PRECISION, Format
 
 MANTISSA_BITS = 23
@@ -31,8 +33,12 @@ def _rounding_edges(fmt: Format) -> dict[int, int]:
     below_normal = fmt.min_normal_exponent - 1
     if below_normal >= FP32.min_normal_exponent:
         edges[below_normal + bias] = ((1 << m) - 1) << (MANTISSA_BITS - m)
-    # Midpoint between max_finite and the next power of two rounds up to inf (even mantissa).
-    edges[fmt.max_exponent + bias] = ((1 << (m + 1)) - 1) << (MANTISSA_BITS - m - 1)
+    if fmt.overflow_above is None:
+        # Midpoint between max_finite and the next power of two rounds up to inf (even mantissa).
+        edges[fmt.max_exponent + bias] = ((1 << (m + 1)) - 1) << (MANTISSA_BITS - m - 1)
+    else:  # a saturating cast: overflow starts just above the threshold (which ties to the even max_finite)
+        field, mantissa = divmod(struct.unpack("<I", struct.pack("<f", fmt.overflow_above))[0], 1 << MANTISSA_BITS)
+        edges[field] = mantissa + 1
     return edges
 
 
@@ -40,4 +46,9 @@ def _rounding_edges(fmt: Format) -> dict[int, int]:
 #: inf from NaN); a value's region is how many of them its mantissa reaches.
 REGION_BOUNDS = tuple(sorted({1} | {t for fmt in LOW_PRECISION.values() for t in _rounding_edges(fmt).values()}))
 REGIONS = len(REGION_BOUNDS) + 1
-assert len(REGION_BOUNDS) == 4, "the numba kernel compares against exactly four region bounds"
+#: FP16's and BF16's edges lie in the top 2^-8 of a field: the numba kernel keys values there (and mantissa 0)
+#: one by one, as rare; the bounds below it (FP8's: mantissas 0.75, 0.8125 + 2^-23, 0.875) it counts for every
+#: value with a few comparisons, beside the field
+RARE_FROM = 0x7F8000
+COMMON_BOUNDS = tuple(b for b in REGION_BOUNDS if 1 < b < RARE_FROM)
+assert REGION_BOUNDS == (1, *COMMON_BOUNDS, *(b for b in REGION_BOUNDS if b >= RARE_FROM))

@@ -84,7 +84,8 @@ def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> t
     representability_totals) to the rows of alias ``src``: named like REPRESENTABILITY_COLUMNS, in its order,
     when ``wide``, else by kind alone (one format)."""
     step_key = " AND r{i}.step = src.step" if table == "representability" else ""
-    joins = " ".join(f"JOIN {table} r{i} ON r{i}.run_id = src.run_id AND r{i}.tensor_id = src.tensor_id"
+    # LEFT: a run recorded before a format joined the registry has no rows for it (its counts read NULL / NaN)
+    joins = " ".join(f"LEFT JOIN {table} r{i} ON r{i}.run_id = src.run_id AND r{i}.tensor_id = src.tensor_id"
                      f"{step_key.format(i=i)} AND r{i}.fmt = '{fmt}'"  # registry names, never user text
                      for i, fmt in enumerate(formats))
     if not wide:
