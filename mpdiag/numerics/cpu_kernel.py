@@ -8,7 +8,7 @@ from numba.extending import overload
 
 from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
-LANES = 4  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
+LANES = 2  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
 ABS_MASK = np.int32(0x7FFFFFFF)
 EXPONENT_MASK = np.int32(0x7F800000)
 
@@ -40,19 +40,18 @@ def _key_counts(bits_of, bounds, common, row):
 
     ``bounds`` are the region bounds: 1, then ``common`` (FP8's edges, mid-field), then the rare ones (FP16's
     and BF16's, in the top 2^-8 of a field; see mpdiag.numerics.keys). Every value is counted by sign, field
-    and how many common bounds its mantissa reaches, in a histogram small enough to stay in L1 (4 lanes x 512
-    fields x 4 = 32 KB); only the rare values (mantissa 0, or at the top of its field, near an FP16/BF16
+    and how many common bounds its mantissa reaches, in a histogram small enough to stay in L1 (2 lanes x 512
+    fields x 4 int32 = 16 KB); only the rare values (mantissa 0, or at the top of its field, near an FP16/BF16
     rounding edge) are keyed in full. Each region's count is then what the histogram holds for it, less the
     rare values keyed apart."""
     groups = common.shape[0] + 1  # regions 0-1, 2, ..., 1 + len(common) and the rare ones above it
     rare = bounds[groups]  # the first rare bound
+    c0, c1, c2 = common[0], common[1], common[2]  # scalars: three compares the loop keeps in registers
     fields = np.zeros((LANES, 2 * FIELDS * groups), np.int32)
     for i in range(bits_of.shape[0]):
         bits = bits_of[i]
         mantissa = bits & MANTISSA_MASK
-        group = 0
-        for c in range(common.shape[0]):
-            group += mantissa >= common[c]
+        group = (mantissa >= c0) + (mantissa >= c1) + (mantissa >= c2)
         fields[i & (LANES - 1), ((bits >> MANTISSA_BITS) + FIELDS) * groups + group] += 1
         if np.uint32(mantissa - 1) >= np.uint32(rare - 1):  # mantissa 0 (wraps around) or >= the first rare bound
             region = 0
