@@ -220,3 +220,33 @@ def test_a_foreign_host_name_gets_no_run_data(browser, tmp_path):
             b.close()
     finally:
         server.stop()
+
+
+def test_fp8_page_of_an_fp8_recording_from_its_findings_link(browser, tmp_path):
+    """The FP8 page in Chromium, opened from the Findings page's link: the finding, its layer's charts and the
+    what-if render, and the page says what the finding says."""
+    store = tmp_path / "fp8.db"
+    done = subprocess.run([sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/fp8_amax_jump.py"),
+                           "--opt-level", "bf16", "--fp8", "--fp8-recipe", "both", "--steps", "46", "--device", "cpu",
+                           "--store", str(store)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    server = Server(store)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(f"{server.url}/Findings?run=1")
+        settle(page, "overflows the delayed FP8 scale")
+        link = page.get_by_text("See the evidence on the FP8 page").first
+        page.goto(server.url + link.get_attribute("href"))  # the link as Findings renders it
+        settle(page, "Layers, worst first")
+        no_exception(page)
+        assert "/FP8?run=1" in page.url  # the widgets drop parameters that equal their defaults
+        body = page.inner_text("body")
+        assert "An amax jump of head's input overflows the delayed FP8 scale" in body
+        assert "head input, delayed scaling:" in body and "recorded steps overflow (first at step" in body
+        page.locator("[data-testid='stVegaLiteChart'] canvas, [data-testid='stVegaLiteChart'] svg").first.wait_for(
+            timeout=30_000)
+        assert page.locator("[data-testid='stVegaLiteChart']").count() == 3  # heatmap, amax panel, what-if
+        shot(page, "12_fp8_page")
+    finally:
+        server.stop()

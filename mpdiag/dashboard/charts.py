@@ -226,9 +226,9 @@ def fp8_lost_heatmap(cells: pd.DataFrame, title: str = "") -> alt.Chart:
                  alt.Tooltip("amax:Q", format=".6g")])
     lossless = base.transform_filter("datum.lossless").mark_rect(color="#e0e0e0")
     lost = base.transform_filter("!datum.lossless").mark_rect().encode(
-        color=alt.Color("lost_pct:Q", title="lost %", scale=alt.Scale(type="log", scheme="orangered")))
-    return alt.layer(lossless, lost).properties(title=title, width="container",
-                                                height=max(120, 22 * cells["module"].nunique()))
+        color=alt.Color("lost_pct:Q", title="lost %", scale=alt.Scale(type="log", scheme="orangered"),
+                        legend=alt.Legend(format=".3g", orient="bottom")))
+    return alt.layer(lossless, lost).properties(title=title, width="container", height=alt.Step(24))
 
 
 def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
