@@ -33,6 +33,21 @@ def planted_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, g
 
 
+def planted_step(model, optimizer, step: int, loss_scale: float, backward) -> tuple[torch.Tensor, dict]:
+    """One step's forward and ``backward(loss)`` (which scales by ``loss_scale``) of the planted model; returns
+    the loss and the tensors an FP8 recipe casts, by (module, role), the output gradients unscaled."""
+    x, g = planted_batch(step)
+    optimizer.zero_grad()
+    hidden = model[0](x)
+    hidden.retain_grad()
+    loss = (model[1](hidden) * g).sum()
+    backward(loss)
+    return loss, {("0", "input"): x, ("0", "weight"): model[0].weight.detach().clone(),
+                  ("0", "grad_output"): hidden.grad / loss_scale,
+                  ("1", "input"): hidden.detach(), ("1", "weight"): model[1].weight.detach().clone(),
+                  ("1", "grad_output"): g}
+
+
 def expected_scale(recipe: str, amaxes: list[float], fmt: str, history: int) -> np.float32:
     if recipe == "current" or len(amaxes) == 1:
         reference = amaxes[-1]
@@ -49,16 +64,7 @@ def test_records_equal_casting_of_the_planted_tensors_under_both_recipes():
     capture = Fp8Capture(model, settings)
     seen: dict[tuple[str, str], list[float]] = {}
     for step in range(4):
-        x, g = planted_batch(step)
-        optimizer.zero_grad()
-        hidden = model[0](x)
-        hidden.retain_grad()
-        out = model[1](hidden)
-        ((out * g).sum() * loss_scale).backward()
-        truth = {("0", "input"): x, ("0", "weight"): model[0].weight.detach().clone(),
-                 ("0", "grad_output"): hidden.grad / loss_scale,
-                 ("1", "input"): hidden.detach(), ("1", "weight"): model[1].weight.detach().clone(),
-                 ("1", "grad_output"): g}
+        _, truth = planted_step(model, optimizer, step, loss_scale, lambda loss: (loss * loss_scale).backward())
         if step == 1:
             capture.skip()  # not a recorded step: neither counted nor in the delayed history
             optimizer.step()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
-from test_fp8_capture import expected_scale, planted_batch, planted_model
+from test_fp8_capture import expected_scale, planted_batch, planted_model, planted_step
 from test_fp8_numerics import by_casting, exponent_histogram
 
 from mpdiag.analysis.findings import diagnose, evidence_link, rerun_outcomes
@@ -28,17 +28,7 @@ def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_d
     recorder = Recorder(model, store, scaler=scaler, optimizer=optimizer, every=2, fp8=settings)
     truths, seen = {}, {}
     for step in range(5):
-        x, g = planted_batch(step)
-        optimizer.zero_grad()
-        hidden = model[0](x)
-        hidden.retain_grad()
-        out = model[1](hidden)
-        loss = (out * g).sum()
-        scaler.scale(loss).backward()
-        truths[step] = {("0", "input"): x, ("0", "weight"): model[0].weight.detach().clone(),
-                        ("0", "grad_output"): hidden.grad / loss_scale,
-                        ("1", "input"): hidden.detach(), ("1", "weight"): model[1].weight.detach().clone(),
-                        ("1", "grad_output"): g}
+        loss, truths[step] = planted_step(model, optimizer, step, loss_scale, lambda loss: scaler.scale(loss).backward())
         recorder.record(loss)
         scaler.step(optimizer)
         scaler.update()
