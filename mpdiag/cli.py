@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="write into a directory that is not empty, replacing "
                         "files of the same names")
     _store_arg(export)
+    dashboard = sub.add_parser("dashboard", help="start the dashboard (the Streamlit app) on this machine")
+    dashboard.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501)")
+    _store_arg(dashboard)
     return parser
 
 
@@ -323,10 +327,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs, "export": cmd_export,
-            "watch": cmd_watch}
-
-
 def _refuse(message: str) -> int:
     print(f"mpdiag: {message}", file=sys.stderr)
     return 2
@@ -350,6 +350,34 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
         else:
             joined += [arg] if value is None else [arg, value]
     return joined
+
+
+def app_directory() -> Path:
+    """Where the Streamlit app (app.py, pages/, .streamlit/) lives: beside the package in a source checkout or
+    an editable install, else where `pip install` put it (<prefix>/share/mpdiag)."""
+    for folder in (Path(__file__).resolve().parent.parent, Path(sys.prefix) / "share" / "mpdiag"):
+        if (folder / "app.py").is_file() and (folder / "pages").is_dir():
+            return folder
+    raise ConfigError(f"the dashboard's files (app.py, pages/) are neither beside {Path(__file__).parent} nor in "
+                      f"{Path(sys.prefix) / 'share' / 'mpdiag'}: reinstall mpdiag (pip install .)")
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """streamlit run app.py in the app's folder (so its .streamlit/config.toml applies: this machine only, the
+    upload limit, no error details), on the store named here resolved against the caller's directory."""
+    folder = app_directory()
+    store = Path(args.store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
+    print(f"mpdiag dashboard on http://127.0.0.1:{args.port} (store {store}, app {folder}); Ctrl+C stops it",
+          flush=True)
+    command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(args.port)]
+    try:
+        return subprocess.call(command, cwd=folder, env={**os.environ, "MPDIAG_STORE": str(store)})
+    except KeyboardInterrupt:
+        return 0
+
+
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs,
+            "export": cmd_export, "watch": cmd_watch, "dashboard": cmd_dashboard}
 
 
 def main(argv: list[str] | None = None) -> int:
