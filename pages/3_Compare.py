@@ -54,7 +54,13 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
 
     left, right = st.columns(2)
     left.altair_chart(charts.runs_overlay(everything, "loss_scale", "loss scale", labels, log=True), width="stretch")
-    right.altair_chart(charts.runs_overlay(everything, "step_time_s", "step time (s)", labels), width="stretch")
+    # step 0 holds the warm-up (allocation, kernel selection, compilation): drawn apart, out of the medians
+    right.altair_chart(charts.runs_overlay(everything[everything["step"] > 0], "step_time_s",
+                                           "step time (s), from step 1", labels), width="stretch")
+    warmups = everything[everything["step"] == 0]
+    if len(warmups):
+        right.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
+            f"{plain(run)} {seconds:.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"], strict=True)))
     st.altair_chart(charts.runs_overlay(everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20),
                                         "peak_mem_mb", "peak memory so far (MB)", labels), width="stretch")
     st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")

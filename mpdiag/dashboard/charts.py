@@ -21,13 +21,19 @@ REGION_COLOURS = {
 LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "fp8_e5m2": "#8c564b"}
 
 
+def _power_of_two_axis(title: str) -> alt.Axis:
+    """A log2 axis labelled 2^k (its ticks fall on powers of two), not 9.53674316406e-7."""
+    return alt.Axis(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))", tickMinStep=1)
+
+
 def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
+    drawn = list(dict.fromkeys(lines["format"]))  # the legend lists the formats drawn, in their colours
     return (
         alt.Chart(lines)
         .mark_rule(strokeDash=[6, 3], strokeWidth=1.5)
         .encode(
             y="log2:Q",
-            color=alt.Color("format:N", scale=alt.Scale(domain=list(LIMIT_COLOURS), range=list(LIMIT_COLOURS.values())),
+            color=alt.Color("format:N", scale=alt.Scale(domain=drawn, range=[LIMIT_COLOURS[f] for f in drawn]),
                             legend=alt.Legend(title="format limits")),
             tooltip=["limit:N"],
         )
@@ -80,7 +86,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     beneath, sharing the step axis."""
     base = alt.Chart(steps).encode(x=alt.X("step:Q", title="step"))
     scale = base.mark_line(interpolate="step-after").encode(
-        y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), title="loss scale (log2)"),
+        y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale")),
         tooltip=["step:Q", "loss_scale:Q", "scale_after:Q", "skipped:Q"],
     )
     skipped = (
@@ -144,7 +150,8 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     line = (
         alt.Chart(df)
         .mark_line(interpolate="step-after" if log else "linear")
-        .encode(x=alt.X("step:Q"), y=alt.Y(f"{y}:Q", title=title, scale=scale), color=_run_colour(domain),
+        .encode(x=alt.X("step:Q"), y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title) if log else
+                                           alt.Axis(title=title)), color=_run_colour(domain),
                 tooltip=["run:N", "step:Q", f"{y}:Q"])
     )
     title = f"{title} (faint rules: NaN/inf)" if (~np.isfinite(df[y].astype(float))).any() else title
@@ -240,7 +247,7 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
-        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), title="|x| (log2 axis)"), color=colour,
+        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("|x|")), color=colour,
         tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
     over = alt.Chart(series[series["overflow"] > 0]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
