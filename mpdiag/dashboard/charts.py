@@ -96,9 +96,11 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     )
     tracker = base.mark_line(color="#7f7f7f").encode(y=alt.Y("growth_tracker:Q", title="growth tracker"))
     loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", "loss:Q"])
-    loss = alt.layer(loss, _nonfinite_rules(steps, "loss", alt.value("#d62728")))
+    loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
+    # an empty layer would give Vega an infinite extent (a console warning): drawn only when a step was skipped
+    top = alt.layer(scale, skipped) if (steps["skipped"] == 1).any() else scale
     return alt.vconcat(
-        alt.layer(scale, skipped).properties(height=220, width="container", title="loss scale (▼ skipped step)"),
+        top.properties(height=220, width="container", title="loss scale (▼ skipped step)"),
         tracker.properties(height=100, width="container"),
         loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
     ).resolve_scale(x="shared")
@@ -133,14 +135,18 @@ def _run_colour(domain: list[str]) -> alt.Color:
                      legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320))
 
 
-def _nonfinite_rules(df: pd.DataFrame, y: str, colour) -> alt.Chart:
-    """Faint vertical rules at steps where ``y`` is NaN or inf, which a line chart would silently drop."""
+def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour) -> alt.LayerChart:
+    """``chart`` with faint vertical rules at steps where ``y`` is NaN or inf, which a line chart would
+    silently drop; without the layer when there are none (an empty layer makes Vega warn of an infinite
+    extent in the browser console)."""
     bad = df[~np.isfinite(df[y].astype(float))].assign(value=lambda d: d[y].astype(str))
-    return (
+    if bad.empty:
+        return alt.layer(chart)
+    return alt.layer(chart, (
         alt.Chart(bad)
         .mark_rule(opacity=0.35, strokeWidth=2)
         .encode(x="step:Q", color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
-    )
+    ))
 
 
 def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False) -> alt.LayerChart:
@@ -155,7 +161,7 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
                 tooltip=["run:N", "step:Q", f"{y}:Q"])
     )
     title = f"{title} (faint rules: NaN/inf)" if (~np.isfinite(df[y].astype(float))).any() else title
-    return alt.layer(line, _nonfinite_rules(df, y, _run_colour(domain))).properties(height=240, title=title)
+    return _with_nonfinite_rules(line, df, y, _run_colour(domain)).properties(height=240, title=title)
 
 
 def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str]) -> alt.LayerChart:
