@@ -298,6 +298,9 @@ def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
         "module_stats": store.module_stats(run_id),
         "update_stats": store.update_stats(run_id),
         "shadow_stats": store.shadow_stats(run_id),
+        "rank_steps": store.rank_steps(run_id),
+        "fp8": store.fp8(run_id),
+        "fp8_histograms": store.fp8_histograms(run_id),
     }
     probe = store.probe(run_id, PROBE_KIND)
     if probe is not None:

@@ -4,6 +4,7 @@ command line records a bundled model and diagnose names the layer, and the optio
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import run_cli
@@ -87,6 +88,9 @@ def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_f
     delayed = outcome[outcome["run"] == 3].iloc[0]
     assert delayed["fp8-amax-jump"] == "still there"
     bf16, fixed_loss, delayed_loss = (store.steps(r)["loss"].to_numpy() for r in (1, 2, 3))
+    assert run_cli("export", "1", "--out", tmp_path / "out", "--store", str(db)).returncode == 0
+    exported = pd.read_csv(tmp_path / "out" / "run1_fp8.csv")
+    assert list(exported.columns) == list(rows.columns) and len(exported) == len(rows)
     assert delayed_loss[JUMP] > bf16[JUMP] + 0.3 and abs(fixed_loss[JUMP] / bf16[JUMP] - 1) < 0.02
 
 
