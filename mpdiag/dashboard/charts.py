@@ -26,18 +26,18 @@ def _power_of_two_axis(title: str) -> alt.Axis:
     return alt.Axis(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))", tickMinStep=1)
 
 
-def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
+def _limit_rules(lines: pd.DataFrame) -> alt.LayerChart:
+    """Dashed rules at each format limit (``summaries.format_lines``), coloured by format with a legend, each
+    labelled with what it is ("fp16 min normal 2^-14") at the left edge of the plot."""
     drawn = list(dict.fromkeys(lines["format"]))  # the legend lists the formats drawn, in their colours
-    return (
-        alt.Chart(lines)
-        .mark_rule(strokeDash=[6, 3], strokeWidth=1.5)
-        .encode(
-            y="log2:Q",
-            color=alt.Color("format:N", scale=alt.Scale(domain=drawn, range=[LIMIT_COLOURS[f] for f in drawn]),
-                            legend=alt.Legend(title="format limits")),
-            tooltip=["limit:N"],
-        )
-    )
+    colour = alt.Color("format:N", scale=alt.Scale(domain=drawn, range=[LIMIT_COLOURS[f] for f in drawn]),
+                       legend=alt.Legend(title="format limits"))
+    rules = alt.Chart(lines).mark_rule(strokeDash=[6, 3], strokeWidth=1.5).encode(
+        y="log2:Q", color=colour, tooltip=["limit:N"])
+    labels = alt.Chart(lines).mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontSize=11,
+                                        fontWeight="bold").encode(
+        y="log2:Q", x=alt.value(0), text="limit:N", color=colour)
+    return alt.layer(rules, labels)
 
 
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
