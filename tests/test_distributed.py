@@ -27,9 +27,9 @@ def _env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _torchrun(*args) -> subprocess.CompletedProcess:
+def _torchrun(*args, **env) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize(("parallel", "watched"), [("ddp", False), ("fsdp", False), ("ddp", True)],
@@ -205,3 +205,18 @@ def test_every_level_the_readme_promises_runs_distributed(tmp_path, parallel, le
     assert (done.returncode, run["status"], run["steps_done"], run["world_size"]) == (0, "finished", 2, 2), \
         (run["error"], done.stderr[-2000:])
     assert run["opt_level"] == level and run["config"]["run"]["parallel"] == parallel
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["recorder", "watched"])
+def test_a_killed_rank_of_a_users_torchrun_job_is_named(tmp_path, watched):
+    store_path, out = tmp_path / "runs.db", tmp_path / "grads.pt"
+    script = [os.path.join(HERE, "user_loop.py")]
+    if watched:
+        script = ["-m", "mpdiag", "watch", "--store", str(store_path), *script]
+    done = _torchrun(*script, str(store_path), str(out), "ddp", *(["watched"] if watched else []),
+                     MPDIAG_TEST_KILL_STEP="1")
+    assert done.returncode != 0
+    run = Store(store_path).runs().iloc[0]
+    # rank 0 either failed in the all-reduce its dead peer left, or was stopped by torchrun first (possibly while
+    # blocked in that all-reduce): either way the run names the rank that died and the step it did not finish
+    assert run["status"] == "crashed" and run["error"].startswith("rank 1 died at step 1"), run["error"]

@@ -2,7 +2,8 @@
 
 Owns: finding the job's shape (rank, world size, backend, DDP or FSDP2), the one-writer rule (rank 0 writes,
 the other ranks send nothing to the store and never open it), the exact combination of FSDP2 shard
-statistics, and the per-rank rows (local loss, DDP's local inf/NaN count before the all-reduce).
+statistics, the per-rank rows (local loss, DDP's local inf/NaN count before the all-reduce), and naming a rank
+that died (:class:`DeadRankWatch`).
 Must not: gather gradient values, issue a collective at a point where ranks can disagree (every collective
 here runs inside ``Recorder.record``, which every rank calls once per step, in the same order), or write
 SQL (rows go through the Recorder's writer).
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
+import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +65,77 @@ class DiscardingWriter:
         return None
 
 
+class DeadRankWatch:
+    """Rank 0 of a torchrun job: names a rank whose process died, while the job still runs.
+
+    Once a rank dies, rank 0 either fails in its next collective or is stopped by the launcher (torchrun
+    SIGTERMs every rank once one has died, and SIGKILLs them after a grace period), whichever comes first,
+    and rank 0's main thread may be blocked inside that collective the whole time. So the naming is done
+    by a daemon thread, which polls the other ranks' processes on this host (ranks on other hosts cannot be
+    checked from here) every POLL_S and, at the first that is gone, calls ``report(text)`` once, e.g.
+    "rank 1 died at step 2". A SIGTERM handler, chained in front of the one it finds (installed only from the
+    main thread), gives the thread up to GRACE_S to do it before the signal does what it did before.
+    """
+
+    POLL_S = 0.05
+    GRACE_S = 2.0
+
+    def __init__(self, peers: list[tuple[str, int]], rank: int, step: Callable[[], int],
+                 report: Callable[[str], None]):
+        here = socket.gethostname()
+        self._local = [(r, pid) for r, (host, pid) in enumerate(peers) if r != rank and host == here]
+        self._step, self._report = step, report
+        self.named: str | None = None
+        self._settled, self._stopping = threading.Event(), threading.Event()
+        self._sigterm = self._chain_sigterm() if threading.current_thread() is threading.main_thread() else None
+        threading.Thread(target=self._watch, name="mpdiag-dead-rank-watch", daemon=True).start()
+
+    def dead_ranks(self) -> list[int]:
+        def ended(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # not yet reaped by torchrun
+            except psutil.NoSuchProcess:
+                return True
+
+        return [r for r, pid in self._local if ended(pid)]
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.POLL_S):
+            dead = self.dead_ranks()
+            if dead:
+                self.named = ", ".join(f"rank {r} died" for r in dead) + f" at step {self._step()}"
+                try:
+                    self._report(self.named)
+                finally:
+                    self._settled.set()
+                return
+
+    def _chain_sigterm(self) -> tuple:
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def stopped(signum, frame):
+            self._settled.wait(self.GRACE_S)  # a dead rank is why the launcher stops us: let the thread name it
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                os.kill(os.getpid(), signal.SIGTERM)  # the default action, restored above: the process ends
+
+        signal.signal(signal.SIGTERM, stopped)
+        return stopped, previous
+
+    def stop(self) -> None:
+        """Stop watching (the run ended); the SIGTERM handler found at the start is put back if ours is still
+        the one installed."""
+        self._stopping.set()
+        self._settled.set()
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            ours, previous = self._sigterm
+            if signal.getsignal(signal.SIGTERM) is ours:
+                signal.signal(signal.SIGTERM, previous)
+            self._sigterm = None
+
+
 @dataclass
 class RankContext:
     """This process's place in the job. ``parallel`` is "ddp", "fsdp" or None (one process, or a model
@@ -71,6 +147,10 @@ class RankContext:
     parallel: str | None = None
     _counter: NonfiniteCounter | None = None
     _pending_rows: list[tuple[int, DeviceReadback]] = field(default_factory=list)
+    #: every rank's (host name, pid) under torchrun, gathered once when the Recorder starts, to name a dead rank
+    _peers: list = field(default_factory=list)
+    last_exchanged: int = -1  # the last step whose losses every rank sent (see exchange_loss)
+    _dead_watch: DeadRankWatch | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> RankContext:
@@ -82,7 +162,21 @@ class RankContext:
         context = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), parallel)
         if ddp is not None:
             context._counter = NonfiniteCounter(ddp)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # every rank creates its Recorder once: one collective
+            context._peers = [None] * context.world_size
+            dist.all_gather_object(context._peers, (socket.gethostname(), os.getpid()))
         return context
+
+    def watch_for_dead_ranks(self, report: Callable[[str], None]) -> None:
+        """Rank 0 under torchrun: ``report(text)`` names a rank that dies while the job runs (see
+        :class:`DeadRankWatch`; the step is the first whose losses not every rank sent)."""
+        if self.is_writer and self._peers:
+            self._dead_watch = DeadRankWatch(self._peers, self.rank, lambda: self.last_exchanged + 1, report)
+
+    @property
+    def dead_rank_named(self) -> str | None:
+        """What the dead-rank watch reported, if a rank died."""
+        return None if self._dead_watch is None else self._dead_watch.named
 
     @staticmethod
     def launched_as_other_rank() -> bool:
@@ -146,6 +240,7 @@ class RankContext:
         mine = torch.cat([local_loss, counted])
         everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=device)
         dist.all_gather_single(everyone, mine)
+        self.last_exchanged = step
         everyone = everyone.view(self.world_size, 2)
         if self.is_writer:
             self._pending_rows.append((step, DeviceReadback(everyone)))
@@ -164,6 +259,8 @@ class RankContext:
     def close(self) -> None:
         if self._counter is not None:
             self._counter.remove()
+        if self._dead_watch is not None:
+            self._dead_watch.stop()
 
 
 def _collective_device(backend: str | None) -> torch.device:

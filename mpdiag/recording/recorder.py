@@ -205,9 +205,16 @@ class Recorder:
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks(optimizer)
+        self._dist.watch_for_dead_ranks(self._name_dead_rank)
         if self._tracer is not None:
             modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
             self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
+
+    def _name_dead_rank(self, text: str) -> None:
+        """Rank 0 under torchrun, from the dead-rank watch's thread: the run's error names the rank that died,
+        committed at once (this process may be stopped at any moment); the status follows when the run ends or
+        its process is found gone."""
+        self._writer.call(lambda w: w.update_run(self.run_id, error=text))
 
     # -- setup ----------------------------------------------------------------------------------------------
     def _create_run(self, name: str | None, config: dict[str, Any]) -> int:
@@ -437,7 +444,11 @@ class Recorder:
         self._end(status="finished", error=None, note=note, known=True)
 
     def fail(self, error: str, status: str = "failed") -> None:
-        """Write everything and mark the run failed with ``error``."""
+        """Write everything and mark the run failed with ``error``; after another rank died, ``crashed``, with
+        the error naming that rank first."""
+        dead = self._dist.dead_rank_named
+        if dead is not None:
+            status, error = "crashed", f"{dead}; rank {self._dist.rank} then stopped: {error}"
         self._end(status=status, error=error, note=None, known=False)
 
     def _end(self, status: str, error: str | None, note: str | None, known: bool) -> None:

@@ -168,9 +168,12 @@ class Store:
         stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - STALL_S)
         df.loc[stalled, "status"] = "stalled"
         df.loc[dead, "status"] = "crashed"
-        df.loc[dead & df["error"].isna(), "error"] = "the training process exited without closing the run"
         # NULL (or a store too old to have the column): recorded by one process
         df["world_size"] = df["world_size"].fillna(1).astype(int) if "world_size" in df else 1
+        unexplained = dead & df["error"].isna()
+        df.loc[unexplained, "error"] = "the training process exited without closing the run"
+        # of a job, the process the run row names is rank 0's, the one that writes
+        df.loc[unexplained & (df["world_size"] > 1), "error"] = "rank 0 (the process writing the run) exited without closing it"
         for col in ("started_at", "finished_at", "heartbeat_at"):
             df[col] = pd.to_datetime(df[col], unit="s", utc=True)
         for col in ("config", "model_state"):

@@ -1,6 +1,7 @@
 """A user's own training loop under torchrun with a Recorder (used by tests/test_distributed.py).
 
 Usage: torchrun --nproc_per_node 2 user_loop.py STORE OUT ddp|fsdp [watched]
+With MPDIAG_TEST_KILL_STEP=k, rank 1 kills itself with SIGKILL when step k starts.
 With "watched" it has no line of mpdiag (run it as `torchrun ... -m mpdiag watch user_loop.py ...`).
 Trains a small model whose shapes shard unevenly over 2 ranks (5 rows, and a 1-row weight that leaves rank
 1 an empty shard), O1-style (autocast FP16 on the CPU, a dynamic scaler), each rank on its own batches.
@@ -9,6 +10,7 @@ outside the Recorder) and the scale, for the test to compute single-process stat
 """
 
 import os
+import signal
 import sys
 
 import torch
@@ -43,7 +45,10 @@ def main(store: str, out: str, parallel: str, watched: bool) -> None:
         Recorder(model, store=store, name=f"user loop {parallel}", scaler=scaler, optimizer=optimizer)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     saved = []
-    for _ in range(STEPS):
+    kill_step = int(os.environ.get("MPDIAG_TEST_KILL_STEP", "-1"))
+    for step in range(STEPS):
+        if rank == 1 and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = torch.randn(16, 7, generator=generator), torch.randn(16, 1, generator=generator)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
