@@ -24,6 +24,7 @@ from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.store.export import export_run
 from mpdiag.training.config import (
     ALL_LEVELS,
     FP8_RECIPE_OPTIONS,
@@ -282,37 +283,6 @@ def cmd_runs(args: argparse.Namespace) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(runs[cols].to_string(index=False))
     return 0
-
-
-def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
-    """Write every table of one run as Parquet and CSV into ``out``; returns the written paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    tables = {
-        # dict fields (config, model_state) as JSON text: Parquet cannot store an empty struct (a run that
-        # crashed before its first step has no model_state)
-        "run": store.run(run_id).map(lambda v: json.dumps(v) if isinstance(v, dict) else v).to_frame().T,
-        "steps": store.steps(run_id),
-        "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
-        "tensor_stats": store.tensor_stats(run_id),
-        "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
-        "module_stats": store.module_stats(run_id),
-        "update_stats": store.update_stats(run_id),
-        "shadow_stats": store.shadow_stats(run_id),
-        "rank_steps": store.rank_steps(run_id),
-        "fp8": store.fp8(run_id),
-        "fp8_histograms": store.fp8_histograms(run_id),
-    }
-    probe = store.probe(run_id, PROBE_KIND)
-    if probe is not None:
-        tables["probe"] = pd.DataFrame([{"kind": PROBE_KIND, "result": json.dumps(probe)}])
-    written = []
-    for name, df in tables.items():
-        stem = out / f"run{run_id}_{name}"
-        df = df.infer_objects()
-        df.to_parquet(stem.with_suffix(".parquet"), index=False)
-        df.to_csv(stem.with_suffix(".csv"), index=False)
-        written += [stem.with_suffix(".parquet"), stem.with_suffix(".csv")]
-    return written
 
 
 def cmd_export(args: argparse.Namespace) -> int:

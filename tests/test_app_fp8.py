@@ -96,3 +96,23 @@ def test_whatif_controls_change_the_counts_and_the_recorded_settings_give_the_re
     at.radio(key="whatif_recipe").set_value("current").run()
     assert not at.exception and "current scaling:" in texts(at)
     assert JUMP  # the store's runs cover the jump
+
+
+def test_a_runs_data_downloads_from_any_run_page_after_a_click(fp8_store, monkeypatch):
+    import io
+    import zipfile
+
+    import pandas as pd
+
+    at = page(fp8_store, monkeypatch, run="1")
+    assert not at.get("download_button")  # nothing is prepared by loading the page
+    at.button(key="download_prepare").click().run()
+    assert not at.exception and at.get("download_button")
+    data = at.session_state[f"download:{Store(fp8_store).path}:1"]
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = set(archive.namelist())
+        steps = pd.read_csv(archive.open("run1_steps.csv"))
+        fp8 = pd.read_parquet(io.BytesIO(archive.read("run1_fp8.parquet")))
+    assert {"run1_run.csv", "run1_tensor_stats.parquet", "run1_fp8_histograms.csv"} <= names
+    store = Store(fp8_store)
+    assert len(steps) == len(store.steps(1)) and len(fp8) == len(store.fp8(1))

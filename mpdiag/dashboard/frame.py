@@ -22,6 +22,7 @@ import streamlit as st
 from mpdiag.dashboard.reads import is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.store.export import export_zip
 from mpdiag.training.config import FSDP_LEVELS, LEVELS, OPTIONS, PARALLEL, UNSET, ConfigError, RunConfig
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
@@ -142,7 +143,23 @@ def single_run_page(title: str, view) -> None:
     if chosen is None:
         return
     run, final = chosen
+    download_section(store, run)
     st.fragment(view, run_every=None if final else LIVE_REFRESH_S)(store, run, final)
+
+
+def download_section(store: Store, run: pd.Series) -> None:
+    """In the sidebar: the run's data as `mpdiag export` writes it (every table, Parquet and CSV), zipped when
+    asked for (a click; a running run's data as of that moment), then offered as a download."""
+    run_id = int(run["run_id"])
+    key = f"download:{store.path}:{run_id}"
+    st.sidebar.divider()
+    if st.sidebar.button(f"Prepare run #{run_id}'s data", key="download_prepare",
+                         help="Every table of this run as Parquet and CSV in one zip, as `mpdiag export` writes them"
+                              + ("; a running run's rows as of the click" if run["status"] == "running" else "")):
+        st.session_state[key] = export_zip(store, run_id)
+    if key in st.session_state:
+        st.sidebar.download_button(f"Download run #{run_id} (zip)", st.session_state[key],
+                                   file_name=f"mpdiag_run{run_id}.zip", mime="application/zip", key="download_zip")
 
 
 #: the widget (key after the form's prefix) that sets each run option; an option missing here says why in its

@@ -395,6 +395,10 @@ class Store:
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
         return json.loads(df.iloc[0]["result"]) if len(df) else None
 
+    def probes(self, run_id: int) -> pd.DataFrame:
+        """Every stored probe result of a run: kind, result (JSON text)."""
+        return self._query("SELECT kind, result FROM probes WHERE run_id = ? ORDER BY kind", (int(run_id),))
+
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""
         df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))

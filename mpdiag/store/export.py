@@ -1,0 +1,59 @@
+"""A run's records as files: every table the Store reads for one run, as Parquet and CSV (``mpdiag export``), and
+the same files zipped in memory (the dashboard's download button). No SQL here: everything comes through
+:class:`mpdiag.store.reader.Store`."""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+
+from mpdiag.store.reader import Store
+
+
+def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
+    """Every table of one run, by file stem, ready for Parquet (nested values as JSON text)."""
+    return {
+        # dict fields (config, model_state) as JSON text: Parquet cannot store an empty struct (a run that
+        # crashed before its first step has no model_state)
+        "run": store.run(run_id).map(lambda v: json.dumps(v) if isinstance(v, dict) else v).to_frame().T,
+        "steps": store.steps(run_id),
+        "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
+        "tensor_stats": store.tensor_stats(run_id),
+        "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
+        "module_stats": store.module_stats(run_id),
+        "update_stats": store.update_stats(run_id),
+        "shadow_stats": store.shadow_stats(run_id),
+        "rank_steps": store.rank_steps(run_id),
+        "fp8": store.fp8(run_id),
+        "fp8_histograms": store.fp8_histograms(run_id),
+        "probes": store.probes(run_id),
+    }
+
+
+def export_run(store: Store, run_id: int, out: Path) -> list[Path]:
+    """Write every table of one run as Parquet and CSV into ``out`` (created); returns the written paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, df in run_tables(store, run_id).items():
+        stem = out / f"run{run_id}_{name}"
+        df = df.infer_objects()
+        df.to_parquet(stem.with_suffix(".parquet"), index=False)
+        df.to_csv(stem.with_suffix(".csv"), index=False)
+        written += [stem.with_suffix(".parquet"), stem.with_suffix(".csv")]
+    return written
+
+
+def export_zip(store: Store, run_id: int) -> bytes:
+    """The files of :func:`export_run`, zipped in memory."""
+    with tempfile.TemporaryDirectory(prefix="mpdiag-export-") as folder:
+        paths = export_run(store, run_id, Path(folder))
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+            for path in paths:
+                archive.write(path, path.name)
+    return buffer.getvalue()
