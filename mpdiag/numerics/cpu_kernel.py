@@ -45,18 +45,18 @@ def _key_counts(bits_of, bounds, common, row):
     rounding edge) are keyed in full. Each region's count is then what the histogram holds for it, less the
     rare values keyed apart."""
     groups = common.shape[0] + 1  # regions 0-1, 2, ..., 1 + len(common) and the rare ones above it
-    rare = bounds[groups]  # the first rare bound
-    c0, c1, c2 = common[0], common[1], common[2]  # scalars: three compares the loop keeps in registers
+    c0, c1, c2 = common[0], common[1], common[2]  # scalars: compares the loop keeps in registers
+    r0, r1, r2 = bounds[groups], bounds[groups + 1], bounds[groups + 2]  # the rare bounds
     fields = np.zeros((LANES, 2 * FIELDS * groups), np.int32)
     for i in range(bits_of.shape[0]):
         bits = bits_of[i]
         mantissa = bits & MANTISSA_MASK
         group = (mantissa >= c0) + (mantissa >= c1) + (mantissa >= c2)
         fields[i & (LANES - 1), ((bits >> MANTISSA_BITS) + FIELDS) * groups + group] += 1
-        if np.uint32(mantissa - 1) >= np.uint32(rare - 1):  # mantissa 0 (wraps around) or >= the first rare bound
-            region = 0
-            for b in range(bounds.shape[0]):
-                region += mantissa >= bounds[b]
+        if np.uint32(mantissa - 1) >= np.uint32(r0 - 1):  # mantissa 0 (wraps around) or >= the first rare bound
+            # region 0 for mantissa 0 (zeros are common: embedding rows a batch did not touch), else past
+            # every common bound and as many rare ones as it reaches
+            region = 0 if mantissa == 0 else groups + (mantissa >= r0) + (mantissa >= r1) + (mantissa >= r2)
             row[((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
     for field in range(2 * FIELDS):
         cells = row[field * REGIONS : (field + 1) * REGIONS]

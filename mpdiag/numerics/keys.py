@@ -52,4 +52,5 @@ REGIONS = len(REGION_BOUNDS) + 1
 RARE_FROM = 0x7F8000
 COMMON_BOUNDS = tuple(b for b in REGION_BOUNDS if 1 < b < RARE_FROM)
 assert REGION_BOUNDS == (1, *COMMON_BOUNDS, *(b for b in REGION_BOUNDS if b >= RARE_FROM))
-assert len(COMMON_BOUNDS) == 3, "the numba kernel compares each mantissa against exactly three common bounds"
+assert len(COMMON_BOUNDS) == 3 and len(REGION_BOUNDS) == 7, \
+    "the numba kernel compares against exactly three common and three rare bounds"
