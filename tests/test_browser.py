@@ -34,6 +34,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving(url: str, seconds: float) -> bool:
+    """Whether a Streamlit server answers its health check at ``url`` within ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
 class Server:
     def __init__(self, store):
         self.port = free_port()
@@ -44,15 +56,9 @@ class Server:
              "--server.headless", "true", "--server.address", "127.0.0.1"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2).read() == b"ok":
-                    return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("streamlit did not start")
+        if not serving(self.url, 60):
+            self.stop()
+            raise RuntimeError("streamlit did not start")
 
     def stop(self):
         self.proc.terminate()

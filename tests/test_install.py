@@ -7,13 +7,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, ROOT
-from test_browser import free_port
+from test_browser import free_port, serving
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +57,7 @@ def test_installed_dashboard_serves_the_app_on_the_callers_store(installed, tmp_
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
+        if not serving(f"http://127.0.0.1:{port}", 90):
             pytest.fail("mpdiag dashboard did not start")
         pages = urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/host-config", timeout=5).status
         assert pages == 200
