@@ -93,6 +93,16 @@ def no_exception(page):
     assert page.locator("[data-testid='stException']").count() == 0, page.locator("[data-testid='stException']").first.inner_text()
 
 
+def charts_fit(page) -> list[str]:
+    """The charts on the page whose drawing (canvas or svg) reaches past their Streamlit element's right edge."""
+    return page.evaluate("""() => [...document.querySelectorAll("[data-testid='stVegaLiteChart']")].flatMap(el => {
+        const box = el.getBoundingClientRect();
+        return [...el.querySelectorAll('canvas, svg.marks')]
+            .filter(d => d.getBoundingClientRect().right > box.right + 1)
+            .map(d => `${el.innerText.slice(0, 40)}: ${Math.round(d.getBoundingClientRect().right - box.right)} px past`);
+    })""")
+
+
 def shot(page, name):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
@@ -141,6 +151,7 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
             settle(page, expect)
             if name < "06":
                 assert page.locator(".vega-embed").count() >= 1
+                assert not charts_fit(page), charts_fit(page)  # in a 1400 px window, no chart wider than its element
             no_exception(page)
             shot(page, name)
     finally:
@@ -253,6 +264,7 @@ def test_fp8_page_of_an_fp8_recording_from_its_findings_link(browser, tmp_path):
         page.locator("[data-testid='stVegaLiteChart'] canvas, [data-testid='stVegaLiteChart'] svg").first.wait_for(
             timeout=30_000)
         assert page.locator("[data-testid='stVegaLiteChart']").count() == 3  # heatmap, amax panel, what-if
+        assert not charts_fit(page), charts_fit(page)
         shot(page, "12_fp8_page")
     finally:
         server.stop()

@@ -21,6 +21,11 @@ REGION_COLOURS = {
 LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "fp8_e5m2": "#8c564b"}
 
 
+#: stacked charts (vconcat) whose parts are "container" wide: without fit-x on the whole, each part takes the
+#: container's width and the axes and padding push the whole past it (seen in Chromium)
+_FIT_WIDTH = alt.AutoSizeParams(type="fit-x", contains="padding")
+
+
 def _power_of_two_axis(title: str) -> alt.Axis:
     """A log2 axis labelled 2^k (its ticks fall on powers of two), not 9.53674316406e-7."""
     return alt.Axis(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))", tickMinStep=1)
@@ -103,7 +108,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
         top.properties(height=220, width="container", title="loss scale (▼ skipped step)"),
         tracker.properties(height=100, width="container"),
         loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
-    ).resolve_scale(x="shared")
+    ).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
 
 
 def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
@@ -127,7 +132,7 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
         top, bottom = alt.layer(loss, rule), alt.layer(nonfinite, rule)
     return alt.vconcat(top.properties(height=180, width="container", title="loss per rank"),
                        bottom.properties(height=140, width="container", title="inf/NaN per rank (before the all-reduce)")
-                       ).resolve_scale(x="shared")
+                       ).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
 
 
 def _run_colour(domain: list[str]) -> alt.Color:
