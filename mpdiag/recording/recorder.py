@@ -90,6 +90,9 @@ class RunnerAttachment:
     run_id: int
     writer: BackgroundWriter
     update_targets: Sequence[torch.Tensor] | None = None
+    #: the job was launched by mpdiag (``run --nproc``), whose launcher names a rank that fails or dies from
+    #: the ranks' own reports and exit codes; the Recorder's dead-rank watch is for jobs torchrun launched
+    launcher_names_failures: bool = False
 
 
 class Recorder:
@@ -145,7 +148,7 @@ class Recorder:
         fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
         self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field,
                                               **(config or {})})
-        self._hook_in(model, optimizer, trace_modules, fp8)
+        self._hook_in(model, optimizer, trace_modules, fp8, watch_ranks=True)
 
     @classmethod
     def attached(cls, model: torch.nn.Module, attachment: RunnerAttachment, *, scaler=None,
@@ -160,7 +163,7 @@ class Recorder:
         fields = {**recorder._dist.run_fields(), **({"update_format": update_format} if update_format else {})}
         if fields:  # the job's shape is known only now, once the process group exists
             recorder._writer.submit(lambda w: w.update_run(attachment.run_id, **fields))
-        recorder._hook_in(model, optimizer, trace_modules, fp8)
+        recorder._hook_in(model, optimizer, trace_modules, fp8, watch_ranks=not attachment.launcher_names_failures)
         return recorder
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
@@ -198,14 +201,16 @@ class Recorder:
         self._last_record = time.perf_counter()
         self._closed = False
 
-    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool, fp8: Fp8Settings | None) -> None:
+    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool, fp8: Fp8Settings | None,
+                 watch_ranks: bool) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks(optimizer)
-        self._dist.watch_for_dead_ranks(self._name_dead_rank)
+        if watch_ranks:
+            self._dist.watch_for_dead_ranks(self._name_dead_rank)
         if self._tracer is not None:
             modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
             self._writer.submit(lambda w: w.add_modules(self.run_id, modules))

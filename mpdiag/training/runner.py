@@ -163,7 +163,8 @@ def train(
                 policy.prepare(fp32_model, built.make_optimizer)
             sharded = job is not None and job.parallel == "fsdp"  # update tracking reads whole weights
             attachment = RunnerAttachment(run_id=run_id, writer=writer,
-                                          update_targets=None if sharded else policy.master_params() or None)
+                                          update_targets=None if sharded else policy.master_params() or None,
+                                          launcher_names_failures=job is not None)
             recorder = Recorder.attached(
                 model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
