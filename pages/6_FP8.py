@@ -101,9 +101,9 @@ def whatif_view(records: pd.DataFrame, histograms: pd.DataFrame, layer: str, rol
     said = (f"{layer} {role} in {settings.role_format(role).name}, {recipe} scaling: {counted} values lost over the "
             "recorded steps. Computed from the stored exponent histograms and amax series: the scales are exact; a "
             "binade that a format edge cuts (E4M3's overflow at 464 lies inside [256, 512)) gives a range, not a count.")
-    recorded_rows = fp8_summaries.recorded_counts(records, layer, role, recipe, settings, recorded)
-    if recorded_rows is not None:
-        said += f" These are the recorded settings: the recorded count is exactly {recorded_rows}."
+    recorded_lost = fp8_summaries.recorded_counts(records, layer, role, recipe, settings, recorded)
+    if recorded_lost is not None:
+        said += f" These are the recorded settings: the recorded count is exactly {recorded_lost}."
     st.caption(plain(said))
     st.altair_chart(charts.fp8_whatif_lines(df, "values lost per recorded step (band: lower to upper bound)"),
                     width="stretch")

@@ -5,17 +5,14 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
-from conftest import EXAMPLES, ROOT
-from streamlit.testing.v1 import AppTest
-from test_app import texts
+from conftest import EXAMPLES
+from test_app import app, texts
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.store import StoreWriter
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
-
-PAGE = str(ROOT / "pages" / "6_FP8.py")
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +37,7 @@ def fp8_store(tmp_path_factory):
 
 
 def page(store, monkeypatch, **query):
-    monkeypatch.setenv("MPDIAG_STORE", str(store))
-    at = AppTest.from_file(PAGE, default_timeout=60)
-    for key, value in query.items():
-        at.query_params[key] = value
-    at.run()
+    at = app("pages/6_FP8.py", store, monkeypatch, **query)
     assert not at.exception, [e.value for e in at.exception]
     return at
 

@@ -12,6 +12,7 @@ from test_fp8_capture import expected_scale, planted_batch, planted_model, plant
 from test_fp8_numerics import by_casting, exponent_histogram
 
 from mpdiag.analysis.findings import diagnose, evidence_link, rerun_outcomes
+from mpdiag.analysis.fp8_findings import recorded_settings
 from mpdiag.examples import EXAMPLES_DIR
 from mpdiag.numerics.fp8 import EXP_MIN
 from mpdiag.numerics.fp8_recipes import Fp8Settings
@@ -56,7 +57,7 @@ def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_d
             expected = exponent_histogram(tensor)
             assert dict(zip(stored["exponent"], stored["count"], strict=True)) == \
                 {EXP_MIN + int(b): int(expected[b]) for b in np.flatnonzero(expected)}
-    assert store.run(recorder.run_id)["config"]["fp8"]["history"] == 2  # the recipe is stored with the run
+    assert recorded_settings(store.run(recorder.run_id)["config"]) == settings  # the recipe is stored with the run
 
 
 def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_fp8_page(tmp_path):
@@ -208,3 +209,17 @@ def test_whatif_from_one_recording_reproduces_another_recordings_scales_and_boun
     rows = records[(records["module"] == "1") & (records["role"] == "input") & (records["recipe"] == "delayed")]
     assert recorded_counts(records, "1", "input", "delayed", base, base) == int((rows["underflow"] + rows["overflow"]).sum())
     assert recorded_counts(records, "1", "input", "delayed", other, base) is None
+
+
+def test_heatmap_columns_merge_past_the_limit_without_hiding_a_lost_value():
+    from mpdiag.analysis.fp8_summaries import lost_cells
+
+    steps = np.arange(1000)
+    records = pd.DataFrame({"step": steps, "module": "fc", "role": "input", "fmt": "fp8_e4m3", "recipe": "delayed",
+                            "scale": 1.0, "amax": np.where(steps == 637, 500.0, 1.0), "numel": 100, "underflow": 0,
+                            "subnormal": 0, "overflow": np.where(steps == 637, 1, 0)})
+    cells = lost_cells(records, "delayed", "input", max_columns=200)
+    assert len(cells) == 200 and cells["step"].tolist() == list(range(0, 1000, 5))
+    lost = cells[cells["lost"] > 0]
+    assert lost["step"].tolist() == [635] and lost["lost_share"].tolist() == [0.01] and lost["amax"].tolist() == [500.0]
+    assert len(lost_cells(records.iloc[:150], "delayed", "input", max_columns=200)) == 150  # under the limit: as is

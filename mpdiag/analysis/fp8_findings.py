@@ -14,6 +14,7 @@ import pandas as pd
 
 from mpdiag.analysis.finding import Finding
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
+from mpdiag.training.config import ConfigError, RunConfig
 
 #: a layer's role loses more than this share of its values to underflow at some recorded step: a warning
 LOST_SHARE = 0.01
@@ -26,30 +27,20 @@ def _fix(**options) -> dict:
     return {"opt_level": "fp8-sim", "fp8": True, **options}
 
 
-#: the run options (mpdiag.training.config) that make up an FP8 recipe, by Fp8Settings field
-_RUN_OPTIONS = {"recipe": "fp8_recipe", "history": "fp8_history", "margin": "fp8_margin",
-                "grad_format": "fp8_grad_format", "pow2": "fp8_pow2", "bf16_modules": "fp8_bf16_modules"}
-
-
 def recorded_settings(config: dict | None) -> Fp8Settings | None:
     """The FP8 recipe a run was recorded with, from its stored configuration: the runner's run options
     (``config["run"]``, with --fp8), a Recorder's ``fp8`` argument (``config["fp8"]``) or watch --fp8's
-    (``config["watch"]["fp8"]``); None when the run did
-    not record FP8 statistics."""
+    (``config["watch"]["fp8"]``); None when the run did not record FP8 statistics."""
     config = config if isinstance(config, dict) else {}
     run = config.get("run")
     if isinstance(run, dict) and run.get("fp8"):
-        values = {key: run[option] for key, option in _RUN_OPTIONS.items() if option in run}
-        modules = values.get("bf16_modules", "")
-        values["bf16_modules"] = tuple(m.strip() for m in modules.split(",") if m.strip())
-        return Fp8Settings(**values)
+        try:
+            return RunConfig.from_dict(run).fp8_settings()
+        except ConfigError:  # options this mpdiag does not know: no FP8 reading, rather than no diagnosis
+            return None
     watched = config.get("watch")
     recorded = config.get("fp8") or (watched.get("fp8") if isinstance(watched, dict) else None)
-    if isinstance(recorded, dict):
-        values = dict(recorded)
-        values["bf16_modules"] = tuple(values.get("bf16_modules", ()))
-        return Fp8Settings(**values)
-    return None
+    return Fp8Settings.from_dict(recorded) if isinstance(recorded, dict) else None
 
 
 def lost_values(records: pd.DataFrame) -> list[Finding]:

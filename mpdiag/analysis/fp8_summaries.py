@@ -60,9 +60,7 @@ def layer_table(records: pd.DataFrame) -> pd.DataFrame:
 def overflow_limit(scale: np.ndarray, fmt_name: str) -> np.ndarray:
     """The largest |x| a tensor scaled by ``scale`` can hold in ``fmt_name`` without overflowing (the format's
     overflow threshold divided by the scale): what the recipe's scale lets through."""
-    fmt = FP8_FORMATS[fmt_name]
-    threshold = fmt.overflow_above if fmt.overflow_above is not None else fmt.overflow_from
-    return threshold / np.asarray(scale, dtype=np.float64)
+    return FP8_FORMATS[fmt_name].overflow_threshold / np.asarray(scale, dtype=np.float64)
 
 
 def amax_series(records: pd.DataFrame, module: str, role: str, recipe: str) -> pd.DataFrame:

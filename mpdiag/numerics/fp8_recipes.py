@@ -44,6 +44,11 @@ class Fp8Format:
     overflow_above: float | None = None
     overflow_from: float | None = None
 
+    @property
+    def overflow_threshold(self) -> float:
+        """The magnitude where overflow starts (strictly above it for E4M3, from it for E5M2)."""
+        return self.overflow_above if self.overflow_above is not None else self.overflow_from
+
     def overflows(self, magnitude: float) -> bool:
         if self.overflow_above is not None:
             return magnitude > self.overflow_above
@@ -112,6 +117,12 @@ class Fp8Settings:
             raise ValueError(f"--fp8-margin must be an integer from 0 to 64, got {self.margin!r}")
         if self.grad_format not in GRAD_FORMATS:
             raise ValueError(f"--fp8-grad-format must be e5m2 or e4m3, got {self.grad_format!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Fp8Settings:
+        """Settings stored as ``dataclasses.asdict`` JSON (a Recorder's or watch's run config): the module list
+        comes back as a list."""
+        return cls(**{**values, "bf16_modules": tuple(values.get("bf16_modules", ()))})
 
     @property
     def recipes(self) -> tuple[str, ...]:

@@ -79,7 +79,7 @@ def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchCo
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules") if k in settings}
     if settings.get("fp8"):
-        kept["fp8"] = Fp8Settings(**{**settings["fp8"], "bf16_modules": tuple(settings["fp8"].get("bf16_modules", ()))})
+        kept["fp8"] = Fp8Settings.from_dict(settings["fp8"])
     level = overrides.get("opt_level", kept.get("opt_level"))
     config = WatchConfig(target=target, args=tuple(args), module=module, cwd=settings["cwd"], parent_run_id=int(run_id),
                          **{**kept, "name": f"{name} ↻ {level or 'as recorded'}", **overrides})
