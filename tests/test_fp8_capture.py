@@ -3,6 +3,8 @@ computed here by casting the tensors the test holds itself, at scales computed h
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from test_fp8_numerics import by_casting, exponent_histogram
@@ -49,11 +51,12 @@ def planted_step(model, optimizer, step: int, loss_scale: float, backward) -> tu
 
 
 def expected_scale(recipe: str, amaxes: list[float], fmt: str, history: int) -> np.float32:
-    if recipe == "current" or len(amaxes) == 1:
-        reference = amaxes[-1]
-    else:
-        reference = max(amaxes[-1 - history : -1])
-    return FMAX[fmt] / np.float32(reference)
+    """The recipe's scale at the last of ``amaxes``: current from its own amax; delayed from the largest of the
+    ``history`` finite amaxes before it (a skipped step's inf never enters), its own while there are none;
+    1 where that reference is not finite."""
+    before = [a for a in amaxes[:-1] if math.isfinite(a)]
+    reference = amaxes[-1] if recipe == "current" or not before else max(before[-history:])
+    return FMAX[fmt] / np.float32(reference) if math.isfinite(reference) else np.float32(1)
 
 
 def test_records_equal_casting_of_the_planted_tensors_under_both_recipes():

@@ -155,7 +155,8 @@ def test_scale_arithmetic_is_one_fp32_division_the_same_in_numpy_and_torch():
 
 
 def test_delayed_history_on_the_device_equals_the_stored_series_form():
-    """H=3 over 9 recorded steps, a tensor absent at two steps, a NaN amax, margin and pow2."""
+    """H=3 over 9 recorded steps, a tensor absent at two steps, a NaN amax (left out of the history), margin
+    and pow2."""
     settings = Fp8Settings(recipe="delayed", history=3, margin=1, pow2=True)
     g = torch.Generator().manual_seed(4)
     computer = Fp8StatsComputer(["fp8_e4m3", "fp8_e5m2"], settings)
@@ -177,7 +178,11 @@ def test_delayed_history_on_the_device_equals_the_stored_series_form():
         scales = np.array([s for _, s in series[t]])
         expected = recipe_scales(amax, "delayed", fmt, settings)
         assert (scales == expected.astype(np.float64)).all(), (t, scales, expected)
-    assert np.isnan(delayed_reference(np.float32([1, np.nan, 2, 3, 4]), 2))[[2, 3]].all()
+    # the window holds the last H finite amaxes: a NaN or inf is its own step's reference only when no finite
+    # amax came before it, and never anyone else's
+    assert delayed_reference(np.float32([1, np.nan, 2, 3, 4]), 2).tolist() == [1, 1, 1, 2, 3]
+    reference = delayed_reference(np.float32([np.inf, np.nan, 5, np.inf, 1, 2]), 2)
+    assert np.isinf(reference[0]) and np.isnan(reference[1]) and reference[2:].tolist() == [5, 5, 5, 5]
     assert delayed_reference(np.float32([5, 1, 2]), 4).tolist() == [5, 5, 5]
 
 

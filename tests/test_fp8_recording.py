@@ -3,6 +3,8 @@ command line records a bundled model and diagnose names the layer, and the optio
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -21,27 +23,29 @@ from mpdiag.store import Store
 from mpdiag.training.config import ConfigError, RunConfig
 
 
-def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_divided_out(tmp_path):
-    loss_scale, settings = 2.0**10, Fp8Settings(recipe="both", history=2)
+def record_planted_run(tmp_path, scaler, every: int, steps: int, settings: Fp8Settings):
+    """The planted model trained ``steps`` steps under ``scaler`` with the Recorder; returns the store, the
+    run and, per step, the tensors an FP8 recipe casts (output gradients divided by that step's loss scale)."""
     model = planted_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=1000)
     store = Store(tmp_path / "s.db")
-    recorder = Recorder(model, store, scaler=scaler, optimizer=optimizer, every=2, fp8=settings)
-    truths, seen = {}, {}
-    for step in range(5):
-        loss, truths[step] = planted_step(model, optimizer, step, loss_scale, lambda loss: scaler.scale(loss).backward())
+    recorder = Recorder(model, store, scaler=scaler, optimizer=optimizer, every=every, fp8=settings)
+    truths = {}
+    for step in range(steps):
+        scale = scaler.get_scale()
+        loss, truths[step] = planted_step(model, optimizer, step, scale, lambda loss: scaler.scale(loss).backward())
         recorder.record(loss)
         scaler.step(optimizer)
         scaler.update()
     recorder.close()
-    assert scaler.get_scale() == loss_scale  # nothing overflowed: every step divided by the same scale
+    return store, recorder.run_id, truths
 
-    rows = store.fp8(recorder.run_id)
-    hists = store.fp8_histograms(recorder.run_id)
-    assert sorted(rows["step"].unique()) == [0, 2, 4]  # every=2: the delayed history holds logged steps only
-    assert len(rows) == 3 * 2 * 3 * 2
-    for step in (0, 2, 4):
+
+def assert_records_equal_casting(store: Store, run_id: int, truths: dict, settings: Fp8Settings) -> None:
+    """Every logged step's rows and histograms equal casting the step's tensors at scales computed here."""
+    rows, hists = store.fp8(run_id), store.fp8_histograms(run_id)
+    seen: dict[tuple[str, str], list[float]] = {}
+    for step in sorted(rows["step"].unique()):
         for (module, role), tensor in truths[step].items():
             fmt = "fp8_e5m2" if role == "grad_output" else "fp8_e4m3"
             amax = float(tensor.abs().max())
@@ -50,14 +54,47 @@ def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_d
                 row = rows[(rows["step"] == step) & (rows["module"] == module) & (rows["role"] == role)
                            & (rows["recipe"] == recipe)].iloc[0]
                 scale = expected_scale(recipe, seen[(module, role)], fmt, settings.history)
-                assert row["fmt"] == fmt and row["scale"] == float(scale) and row["amax"] == amax
+                assert row["fmt"] == fmt and row["scale"] == float(scale), (step, module, role, recipe)
+                assert row["amax"] == amax or math.isnan(amax) and math.isnan(row["amax"])
                 assert row["numel"] == tensor.numel()
                 assert (row["underflow"], row["subnormal"], row["overflow"]) == by_casting(tensor, float(scale), fmt)
             stored = hists[(hists["step"] == step) & (hists["module"] == module) & (hists["role"] == role)]
             expected = exponent_histogram(tensor)
             assert dict(zip(stored["exponent"], stored["count"], strict=True)) == \
                 {EXP_MIN + int(b): int(expected[b]) for b in np.flatnonzero(expected)}
-    assert recorded_settings(store.run(recorder.run_id)["config"]) == settings  # the recipe is stored with the run
+
+
+def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_divided_out(tmp_path):
+    loss_scale, settings = 2.0**10, Fp8Settings(recipe="both", history=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=1000)
+    store, run_id, truths = record_planted_run(tmp_path, scaler, every=2, steps=5, settings=settings)
+    assert scaler.get_scale() == loss_scale  # nothing overflowed: every step divided by the same scale
+    rows = store.fp8(run_id)
+    assert sorted(rows["step"].unique()) == [0, 2, 4]  # every=2: the delayed history holds logged steps only
+    assert len(rows) == 3 * 2 * 3 * 2
+    assert_records_equal_casting(store, run_id, truths, settings)
+    assert recorded_settings(store.run(run_id)["config"]) == settings  # the recipe is stored with the run
+
+
+def test_a_skipped_steps_inf_gradients_stay_out_of_the_delayed_history(tmp_path):
+    """GradScaler grows its scale to 2^127 after every good step, so every other step's output gradient of
+    layer 0 overflows to inf and the step is skipped. Those infs are stored as their own step's amax, but the next
+    steps' delayed scales come from the finite amaxes before them (the bug was scale 1 for H steps)."""
+    settings = Fp8Settings(recipe="both", history=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_factor=2.0**87, backoff_factor=2.0**-87,
+                                  growth_interval=1)
+    store, run_id, truths = record_planted_run(tmp_path, scaler, every=1, steps=7, settings=settings)
+    steps = store.steps(run_id)
+    assert steps["skipped"].astype(bool).tolist() == [False, True] * 3 + [False]
+    grad = {s: float(truths[s][("0", "grad_output")].abs().max()) for s in range(7)}
+    assert [math.isinf(grad[s]) for s in range(7)] == [False, True] * 3 + [False]
+    assert_records_equal_casting(store, run_id, truths, settings)
+    rows = store.fp8(run_id)
+    delayed = rows[(rows["module"] == "0") & (rows["role"] == "grad_output") & (rows["recipe"] == "delayed")]
+    by_step = delayed.set_index("step")["scale"]
+    assert (by_step != 1.0).all()  # no step reads the skipped steps' inf as its reference
+    assert by_step[4] == float(np.float32(57344.0) / np.float32(max(grad[0], grad[2])))  # E5M2's max / the finite two
+    assert np.isinf(delayed.set_index("step")["amax"][[1, 3, 5]]).all()  # the skipped steps keep their own amax
 
 
 def test_cli_records_the_bundled_amax_jump_and_diagnose_links_the_layer_on_the_fp8_page(tmp_path):

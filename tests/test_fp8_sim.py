@@ -3,6 +3,8 @@ options, and a bundled model whose FP8 loss differs from BF16 exactly where the 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -41,6 +43,17 @@ def test_quantize_dequantize_casts_at_the_recipe_scale_and_saturates():
         reference = amaxes[0] if len(amaxes) == 1 else max(amaxes[-3:-1])
         want = saturating_qdq(x, np.float32(57344) / np.float32(reference), torch.float8_e5m2, 57344)
         assert torch.equal(quantize_dequantize(x, delayed), want)  # a jump saturates at 57344, never inf
+
+
+def test_a_non_finite_amax_stays_out_of_the_simulated_delayed_history():
+    """An inf (an overflowed forward) is quantized at the history's scale but does not enter it: the next
+    tensor's scale comes from the finite amaxes before (before the fix: scale 1 for H steps)."""
+    delayed = AmaxHistory(FP8_E4M3, Fp8Settings(recipe="delayed", history=2), CPU)
+    first, overflowed, after = torch.tensor([3.0, -1.0]), torch.tensor([2.0, math.inf]), torch.tensor([0.5, 1e-3])
+    for x in (first, overflowed):
+        quantize_dequantize(x, delayed)
+    want = saturating_qdq(after, np.float32(448) / np.float32(3.0), torch.float8_e4m3fn, 448)
+    assert torch.equal(quantize_dequantize(after, delayed), want)
 
 
 def test_linear_gradients_come_from_the_quantized_output_gradient_and_operands():

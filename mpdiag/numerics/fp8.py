@@ -134,6 +134,11 @@ class Fp8StatsComputer:
     """Computes :class:`Fp8Stats` for T tensors whose formats are fixed (``formats``, registry names), under
     ``settings``' recipes, keeping each tensor's delayed amax history on the device.
 
+    A non-finite amax (an output gradient at a step GradScaler skips, or a forward that overflowed) is
+    counted at its step but never enters the history: it would hold the delayed scale at 1 for the next H
+    steps, as no real recipe does (Transformer Engine keeps its previous scale when the amax is not finite).
+    The history and its per-tensor counts stay on the device, so leaving one out reads nothing back.
+
     ``divide_by_loss_scale[t]``: tensor t arrives multiplied by the loss scale (an output gradient at a
     loss-scaled level) and is unscaled as GradScaler does (times the fp32 reciprocal of S, computed in fp64).
     The workspaces (20 bytes a value) grow to the largest segment seen; a segment holds tensors of one
@@ -150,7 +155,7 @@ class Fp8StatsComputer:
         self._divide_mask = torch.tensor(self._divide, dtype=torch.bool, device=self.device)
         self._is_e5m2 = torch.tensor([fmt.name == "fp8_e5m2" for fmt in self.formats], dtype=torch.bool, device=self.device)
         self._history = torch.zeros((n, settings.history), dtype=torch.float32, device=self.device)
-        self._seen = np.zeros(n, dtype=np.int64)  # recorded steps per tensor, so far
+        self._kept = torch.zeros(n, dtype=torch.int64, device=self.device)  # finite amaxes in each history, so far
         self._edges = {name: torch.tensor(edges, dtype=torch.int32, device=self.device)
                        for name, edges in CATEGORY_EDGES.items()}
         self._hist_bounds = torch.tensor(HIST_BOUNDS, dtype=torch.int32, device=self.device)
@@ -206,7 +211,7 @@ class Fp8StatsComputer:
         recipes = self.settings.recipes
         counts = {r: torch.zeros(n * CATEGORIES, dtype=torch.int32, device=dev) for r in recipes}
         factors = self._unscale_factors(loss_scale)
-        first = torch.from_numpy(self._seen == 0).to(dev)
+        first = self._kept == 0
         history_max = self._history.max(dim=1).values
         for name, ids, id_tensor, bounds, total, owner in self._segment_layout(sizes):
             values, magnitude = self._values[:total], self._magnitude[:total]
@@ -254,13 +259,14 @@ class Fp8StatsComputer:
         return torch.where(self._is_e5m2, e5m2, e4m3)
 
     def _push_history(self, amax: torch.Tensor, present: np.ndarray) -> None:
-        """Append this step's amax to the history of each tensor that had values (a ring of H entries)."""
-        ids = np.flatnonzero(present)
-        if ids.size:
-            slots = self._seen[ids] % self.settings.history
-            self._history[torch.from_numpy(ids).to(self.device), torch.from_numpy(slots).to(self.device)] = \
-                amax[torch.from_numpy(ids).to(self.device)]
-            self._seen[ids] += 1
+        """Append this step's amax to the history (a ring of H entries) of each tensor that had values and
+        whose amax is finite; the others' histories are written back unchanged."""
+        ids = torch.from_numpy(np.flatnonzero(present)).to(self.device)
+        if ids.numel():
+            slots = self._kept[ids] % self.settings.history
+            keep = torch.isfinite(amax[ids])
+            self._history[ids, slots] = torch.where(keep, amax[ids], self._history[ids, slots])
+            self._kept[ids] += keep
 
     def _finish(self, host: np.ndarray, numel: np.ndarray) -> Fp8Stats:
         n, recipes = len(self.formats), self.settings.recipes

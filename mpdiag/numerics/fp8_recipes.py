@@ -154,16 +154,18 @@ def scale_from_reference(reference, fmt: Fp8Format, margin: int = 0, pow2: bool 
 
 
 def delayed_reference(amax: np.ndarray, history: int) -> np.ndarray:
-    """The delayed recipe's reference amax at each recorded step of one tensor, from its amax series:
-    the largest of the ``history`` amaxes before it (fewer at the start), its own at the first step. NaN
-    anywhere in the window gives NaN (hence scale 1), as the streaming version on the device does."""
+    """The delayed recipe's reference amax at each recorded step of one tensor, from its amax series: the
+    largest of the last ``history`` finite amaxes before it (fewer at the start), its own while none came
+    before. A non-finite amax (a skipped step's gradient) never enters the window, as in the streaming
+    version on the device: its own step reads inf or NaN only where it is the reference itself."""
     amax = np.asarray(amax, dtype=np.float32)
     if amax.size == 0:
         return amax
-    padded = np.concatenate([np.zeros(history, np.float32), amax[:-1]])  # zeros never raise a max of |x|
-    reference = np.lib.stride_tricks.sliding_window_view(padded, history).max(axis=1)
-    reference[0] = amax[0]
-    return reference
+    finite = np.isfinite(amax)
+    kept_before = np.cumsum(finite) - finite  # finite amaxes before each step
+    padded = np.concatenate([np.zeros(history, np.float32), amax[finite]])  # zeros never raise a max of |x|
+    window_max = np.lib.stride_tricks.sliding_window_view(padded, history).max(axis=1)  # [k]: the H before the k-th
+    return np.where(kept_before > 0, window_max[kept_before], amax)
 
 
 def recipe_scales(amax: np.ndarray, recipe: str, fmt: Fp8Format, settings: Fp8Settings) -> np.ndarray:

@@ -26,12 +26,13 @@ from mpdiag.numerics.fp8_recipes import ROLES, Fp8Format, Fp8Settings, scale_fro
 
 
 class AmaxHistory:
-    """One tensor's scale state under a recipe: the amax of its last H quantizations, on the device."""
+    """One tensor's scale state under a recipe: the finite amaxes of its last H quantizations, on the device
+    (a non-finite amax is left out, as in the recorded statistics: see ``Fp8StatsComputer``)."""
 
     def __init__(self, fmt: Fp8Format, settings: Fp8Settings, device: torch.device):
         self.fmt, self.settings = fmt, settings
         self._history = torch.zeros(settings.history, dtype=torch.float32, device=device)
-        self._count = 0
+        self._kept = torch.zeros((), dtype=torch.int64, device=device)  # a tensor: counting reads nothing back
 
     def scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The scale for a tensor of this ``amax`` (a 0-dim fp32 tensor); records it in the history."""
@@ -39,10 +40,12 @@ class AmaxHistory:
         if s.recipe == "current":
             scale = scale_from_reference(amax, self.fmt, 0, s.pow2, xp=torch)
         else:
-            reference = amax if self._count == 0 else self._history.max()
+            reference = torch.where(self._kept == 0, amax, self._history.max())
             scale = scale_from_reference(reference, self.fmt, s.margin, s.pow2, xp=torch)
-            self._history[self._count % s.history] = amax
-        self._count += 1
+            slot = (self._kept % s.history).reshape(1)
+            keep = torch.isfinite(amax)
+            self._history[slot] = torch.where(keep, amax, self._history[slot])
+            self._kept += keep
         return scale
 
 
