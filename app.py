@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.summaries import RUN_LINKS, runs_table
+from mpdiag.analysis.summaries import RUN_LINKS, nonfinite_losses, run_progress, runs_table
 from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -50,10 +50,17 @@ def runs_panel(store) -> None:
         return
     for _, run in runs[runs["status"] == "running"].iterrows():
         with st.container(border=True):
-            done = int(run["steps_done"])
-            st.progress(min(1.0, done / max(1, int(run["steps"] or 1))),
-                        text=plain(f"{ui.run_label(run)}: step {done} of {run['steps']}"))
-            st.altair_chart(charts.live_loss(reads.live_steps(store, int(run["run_id"]))), width="stretch")
+            fraction, words = run_progress(run)
+            text = plain(f"{ui.run_label(run)}: {words}")
+            if fraction is None:
+                st.caption(text)
+            else:
+                st.progress(fraction, text=text)
+            steps = reads.live_steps(store, int(run["run_id"]))
+            if nonfinite_losses(steps) < len(steps):
+                st.altair_chart(charts.live_loss(steps), width="stretch")
+            else:
+                st.caption("No finite loss recorded yet." if len(steps) else "No step recorded yet.")
     table = runs_table(runs, [reads.finding_severities(store, run) for _, run in runs.iterrows()])
     filters = st.columns(3)
     for col, (column, label) in zip(filters, {"status": "Status", "opt level": "Level", "script": "Script"}.items(),

@@ -331,6 +331,17 @@ def _scale_text(scale) -> str:
         else f"{float(scale):g}"
 
 
+def run_progress(run: pd.Series) -> tuple[float | None, str]:
+    """A running run's progress: the share of its planned steps done, or None where the script decides how
+    many steps there are (``mpdiag watch``, the Recorder in a user's own loop: no total is stored), and the
+    words for it."""
+    done = int(run["steps_done"]) if pd.notna(run["steps_done"]) else 0
+    total = run["steps"]
+    if pd.notna(total) and int(total) > 0:
+        return min(1.0, done / int(total)), f"step {done} of {int(total)}"
+    return None, f"step {done} (its script decides how many)"
+
+
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
     """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
     ``severities``: per run, its findings' severities), settings, outcome and links to the run's Findings,
@@ -347,7 +358,7 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"].map(_scale_text),
         "static scale": runs["loss_scale"].map(_scale_text),
-        "steps": done.astype(str) + " / " + runs["steps"].astype(str),
+        "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
         "final loss": runs["final_loss"].map(significant),
         "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "step ms (median)": runs["median_step_time_s"] * 1e3,
