@@ -81,11 +81,15 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     if shares:
         top = summaries.worst_tensors(pd.concat(shares, ignore_index=True))
         st.altair_chart(charts.runs_bars(top, "tensor", "underflow_share", "FP16 underflow share", labels), width="stretch")
-        st.altair_chart(charts.runs_bars(top.dropna(subset=["flushed_share"]), "tensor", "flushed_share",
-                                         f"FP16 {summaries.FLUSHED_LABEL}, share of all values", labels),
-                        width="stretch")
+        flushed = top.dropna(subset=["flushed_share"])
+        if len(flushed):
+            st.altair_chart(charts.runs_bars(flushed, "tensor", "flushed_share",
+                                             f"FP16 {summaries.FLUSHED_LABEL}, share of all values", labels),
+                            width="stretch")
         for lab in unknown_flushed:
             st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
+        if flushed.empty and not unknown_flushed:
+            st.caption(f"FP16 {summaries.FLUSHED_LABEL}: none of these runs has an FP32 twin to estimate it from.")
         st.altair_chart(charts.runs_bars(top, "tensor", "overflow_share", "FP16 overflow share", labels), width="stretch")
     else:
         st.info("None of these runs has gradient statistics yet.")

@@ -24,6 +24,8 @@ LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "f
 #: stacked charts (vconcat) whose parts are "container" wide: without fit-x on the whole, each part takes the
 #: container's width and the axes and padding push the whole past it (seen in Chromium)
 _FIT_WIDTH = alt.AutoSizeParams(type="fit-x", contains="padding")
+#: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...)
+STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
 
 
 def _power_of_two_axis(title: str) -> alt.Axis:
@@ -55,7 +57,8 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
         alt.Chart(cells)
         .mark_rect()
         .encode(
-            x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False)),
+            x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False),
+                    axis=alt.Axis(format="d", tickMinStep=1)),
             x2="step_end:Q",
             y=alt.Y("log2_lo:Q", title="log2 |gradient|"),
             y2="log2_hi:Q",
@@ -89,7 +92,7 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
 def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
     beneath, sharing the step axis."""
-    base = alt.Chart(steps).encode(x=alt.X("step:Q", title="step"))
+    base = alt.Chart(steps).encode(x=STEP_X)
     scale = base.mark_line(interpolate="step-after").encode(
         y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale")),
         tooltip=["step:Q", "loss_scale:Q", "scale_after:Q", "skipped:Q"],
@@ -97,7 +100,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     skipped = (
         alt.Chart(steps[steps["skipped"] == 1])
         .mark_point(shape="triangle-down", color="#d62728", size=60, filled=True)
-        .encode(x="step:Q", y="loss_scale:Q", tooltip=["step:Q", "loss_scale:Q"])
+        .encode(x=STEP_X, y="loss_scale:Q", tooltip=["step:Q", "loss_scale:Q"])
     )
     tracker = base.mark_line(color="#7f7f7f").encode(y=alt.Y("growth_tracker:Q", title="growth tracker"))
     loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", "loss:Q"])
@@ -119,16 +122,16 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
     df = rank_steps.assign(rank=rank_steps["rank"].astype(int).map(lambda r: f"rank {r}"))
     colour = alt.Color("rank:N", legend=alt.Legend(title=None, orient="top"))
     loss = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)), y=alt.Y("loss:Q", title="local loss"), color=colour,
+        x=STEP_X, y=alt.Y("loss:Q", title="local loss"), color=colour,
         tooltip=["step:Q", "rank:N", alt.Tooltip("loss:Q", format=".6g")])
     counted = df[df["nonfinite"].notna()]
     nonfinite = alt.Chart(counted).mark_circle(size=50).encode(
-        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)), y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
+        x=STEP_X, y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
         color=colour, tooltip=["step:Q", "rank:N", alt.Tooltip("nonfinite:Q", format="d", title="inf/NaN values")])
     top, bottom = loss, nonfinite
     if marked_step is not None:
         rule = alt.Chart(pd.DataFrame({"step": [marked_step]})).mark_rule(color="#d62728", strokeDash=[4, 3]).encode(
-            x="step:Q", tooltip=[alt.Tooltip("step:Q", title="first step with a rank's inf/NaN")])
+            x=STEP_X, tooltip=[alt.Tooltip("step:Q", title="first step with a rank's inf/NaN")])
         top, bottom = alt.layer(loss, rule), alt.layer(nonfinite, rule)
     return alt.vconcat(top.properties(height=180, width="container", title="loss per rank"),
                        bottom.properties(height=140, width="container", title="inf/NaN per rank (before the all-reduce)")
@@ -150,7 +153,7 @@ def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour) -> alt.LayerC
     return alt.layer(chart, (
         alt.Chart(bad)
         .mark_rule(opacity=0.35, strokeWidth=2)
-        .encode(x="step:Q", color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
+        .encode(x=STEP_X, color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
     ))
 
 
@@ -161,7 +164,7 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     line = (
         alt.Chart(df)
         .mark_line(interpolate="step-after" if log else "linear")
-        .encode(x=alt.X("step:Q"), y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title) if log else
+        .encode(x=STEP_X, y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title) if log else
                                            alt.Axis(title=title)), color=_run_colour(domain),
                 tooltip=["run:N", "step:Q", f"{y}:Q"])
     )
@@ -174,11 +177,11 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
     line = (
         alt.Chart(df)
         .mark_line()
-        .encode(x="step:Q", y=alt.Y("rel_diff:Q", title="(loss - FP32 loss) / |FP32 loss|"), color=_run_colour(domain),
+        .encode(x=STEP_X, y=alt.Y("rel_diff:Q", title="(loss - FP32 loss) / |FP32 loss|"), color=_run_colour(domain),
                 tooltip=["run:N", "step:Q", "rel_diff:Q"])
     )
     marks = pd.DataFrame({"step": [] if divergence_step is None else [divergence_step]})
-    rule = alt.Chart(marks).mark_rule(color="black", strokeDash=[4, 4]).encode(x="step:Q")
+    rule = alt.Chart(marks).mark_rule(color="black", strokeDash=[4, 4]).encode(x=STEP_X)
     return alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference")
 
 
@@ -195,7 +198,7 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str]) -
 
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
-    return alt.Chart(steps).mark_line().encode(x="step:Q", y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160)
+    return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160)
 
 
 def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: float) -> alt.LayerChart:
@@ -205,7 +208,7 @@ def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: floa
     line = (
         alt.Chart(df)
         .mark_line(point=True)
-        .encode(x="step:Q", y=alt.Y("rel_error:Q", title="||g - g_fp32|| / ||g_fp32||", scale=alt.Scale(type="log")),
+        .encode(x=STEP_X, y=alt.Y("rel_error:Q", title="||g - g_fp32|| / ||g_fp32||", scale=alt.Scale(type="log")),
                 color=alt.Color("tensor:N", sort=tensors), tooltip=["tensor:N", "step:Q", "rel_error:Q", "cosine:Q"])
     )
     rule = alt.Chart(pd.DataFrame({"threshold": [threshold]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
@@ -223,7 +226,7 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
     return (
         alt.Chart(long)
         .mark_line()
-        .encode(x="step:Q", y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
+        .encode(x=STEP_X, y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
                                     scale=alt.Scale(domain=[0, 1])),
                 color=alt.Color("what:N", title=None), strokeDash=alt.StrokeDash("what:N", title=None),
                 tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
@@ -257,12 +260,12 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
     colour = alt.Color("line:N", scale=alt.Scale(domain=["amax", "limit of the scale"], range=["#1f77b4", "#7f7f7f"]),
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
-        x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
+        x=STEP_X,
         y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("|x|")), color=colour,
         tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
     over = alt.Chart(series[series["overflow"] > 0]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
-        x="step:Q", y="amax:Q", tooltip=["step:Q", alt.Tooltip("amax:Q", format=".6g"),
+        x=STEP_X, y="amax:Q", tooltip=["step:Q", alt.Tooltip("amax:Q", format=".6g"),
                                          alt.Tooltip("limit:Q", format=".6g"), alt.Tooltip("overflow:Q", format="d")])
     return alt.layer(lines, over).properties(title=title, width="container", height=260)
 
@@ -271,7 +274,7 @@ def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
     """The what-if's lost values per recorded step: a band between the lower and upper bound of underflow +
     overflow (a line where they agree)."""
     data = df.assign(low=df["underflow low"] + df["overflow low"], high=df["underflow high"] + df["overflow high"])
-    x = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+    x = STEP_X
     band = alt.Chart(data).mark_area(opacity=0.3, color="#d62728").encode(
         x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)"), y2="high:Q")
     high = alt.Chart(data).mark_line(color="#d62728").encode(
