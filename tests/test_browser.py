@@ -78,15 +78,18 @@ def browser():
         b.close()
 
 
-def settle(page, text=None, timeout=60_000):
-    """Wait for the app to finish running its script (and for ``text`` to appear)."""
-    page.wait_for_selector("[data-testid='stApp']", timeout=timeout)
+def settle(page, text=None, timeout=60_000, wait_ms=1500):
+    """Wait for the app to finish running its script (and for ``text`` to appear), then ``wait_ms`` for the
+    charts to draw."""
+    # the script has run to its end once (right after goto the app reads "initial", then "running")
+    page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
+    page.wait_for_selector("[data-testid='stMain'] h1", timeout=timeout)
     if text:
         page.get_by_text(text, exact=False).first.wait_for(timeout=timeout)
     page.wait_for_function(
         "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
     )
-    page.wait_for_timeout(1500)
+    page.wait_for_timeout(wait_ms)
 
 
 def no_exception(page):

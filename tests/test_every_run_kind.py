@@ -1,0 +1,290 @@
+"""Every page renders every kind of run (issue 15): each gallery script at its failing and fixed settings,
+the bundled models, a collapsed loss scale, an all-skipped run, a run that failed at step k, one that crashed,
+one still running, a --trace-modules run, FP8 recordings and a watched script. Under AppTest here; in real
+Chromium in test_browser.py, on the same store.
+
+A page passes when it raises nothing and every chart it draws has a finite point to show (a chart of
+nothing but NaN, or of no rows, must be a sentence instead)."""
+
+import importlib
+import json
+import math
+import re
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import EXAMPLES, ROOT, run_cli
+from streamlit.testing.v1 import AppTest
+
+from mpdiag import Store
+from mpdiag.training.runner import RunConfig, train, train_pair
+from mpdiag.training.script import ModelScript
+
+pytestmark = pytest.mark.slow
+PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
+         "pages/5_Findings.py", "pages/6_FP8.py"]
+TIMEOUT = 60
+GALLERY = sorted(path.stem for path in EXAMPLES.glob("gallery_*.py"))
+
+FAILS_AT_STEP_3 = """
+    from mpdiag.examples.mlp_digits import build as build_mlp
+
+
+    def build(device):
+        spec = build_mlp(device)
+        plain, calls = spec["loss_fn"], []
+
+        def loss_fn(model, batch):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("the data loader gave an empty batch at step 3")
+            return plain(model, batch)
+
+        spec["loss_fn"] = loss_fn
+        return spec
+"""
+
+WATCHED_LOOP = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(6):
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+"""
+
+
+def cli(store, command, *args):
+    done = run_cli(command, "--store", str(store), *args)  # before the script: watch hands what follows it to the script
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    """(store path, {kind: run id}, {run id: the run Compare shows beside it}); the running run's Recorder
+    stays open (this process is its writer, alive) until the module's tests are done."""
+    folder = tmp_path_factory.mktemp("kinds")
+    path = folder / "runs.db"
+    runs, partner = {}, {}
+    base = RunConfig(steps=6, device="cpu")
+    for name in GALLERY:
+        module = importlib.import_module(f"mpdiag.examples.{name}")
+        script = ModelScript.from_path(EXAMPLES / f"{name}.py")
+        failing = train(script, base.with_options(**module.FAILING), path)
+        fixed = train(script, base.with_options(**module.FIXED), path)
+        runs[f"{name} failing"], runs[f"{name} fixed"] = failing, fixed
+        partner[failing], partner[fixed] = fixed, failing
+    mlp = ModelScript.from_path(EXAMPLES / "mlp_digits.py")
+    mixed, twin = train_pair(mlp, base.with_options(opt_level="O1"), path)
+    runs["mlp_digits O1"], runs["mlp_digits FP32 twin"] = mixed, twin
+    partner[mixed], partner[twin] = twin, mixed
+    runs["cnn_digits O2"] = train(ModelScript.from_path(EXAMPLES / "cnn_digits.py"),
+                                  base.with_options(opt_level="O2", steps=3), path)
+    runs["transformer_lm bf16"] = train(ModelScript.from_path(EXAMPLES / "transformer_lm.py"),
+                                        base.with_options(opt_level="bf16", steps=2), path)
+    fp8 = ModelScript.from_path(EXAMPLES / "fp8_amax_jump.py")
+    runs["fp8 recorded"] = train(fp8, base.with_options(opt_level="bf16", fp8=True, fp8_recipe="both"), path)
+    runs["fp8-sim"] = train(fp8, base.with_options(opt_level="fp8-sim"), path)
+    partner[runs["fp8 recorded"]], partner[runs["fp8-sim"]] = runs["fp8-sim"], runs["fp8 recorded"]
+    runs["collapsed scale 2^-83"] = train(ModelScript.from_path(EXAMPLES / "gallery_underflow.py"),
+                                          base.with_options(opt_level="O1", loss_scale=2.0**-83, steps=3), path)
+    runs["all skipped"] = runs["gallery_activation_overflow failing"]
+    runs["traced O3 NaN"] = train(mlp, base.with_options(opt_level="O3", trace_modules=True, steps=4), path)
+
+    broken = folder / "fails_at_step_3.py"
+    broken.write_text(textwrap.dedent(FAILS_AT_STEP_3))
+    code, out = cli(path, "run", broken, "--opt-level", "O1", "--steps", "6")
+    assert code != 0 and "empty batch at step 3" in out, out
+    runs["failed at step 3"] = int(Store(path).runs()["run_id"].max())
+    loop = folder / "train_loop.py"
+    loop.write_text(textwrap.dedent(WATCHED_LOOP))
+    code, out = cli(path, "watch", loop)
+    assert code == 0, out
+    runs["watched script"] = int(Store(path).runs()["run_id"].max())
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", "import sys; from mpdiag.store import StoreWriter; "
+                    "StoreWriter(sys.argv[1]).create_run(name='dies at step 0', opt_level='O1')", str(path)],
+                   check=True, cwd=ROOT)
+    runs["crashed at step 0"] = int(Store(path).runs()["run_id"].max())
+
+    import torch
+
+    from mpdiag.recording.recorder import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = Recorder(model, Store(path), optimizer=optimizer, name="still running")
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        recorder.record(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    recorder.flush()
+    runs["running"] = recorder.run_id
+    waiting = Recorder(torch.nn.Linear(2, 2), Store(path), name="running, no step yet")  # its heartbeat keeps it running
+    runs["running, no step yet"] = waiting.run_id
+    yield path, runs, partner
+    recorder.close()
+    waiting.close()
+
+
+def page_query(page: str, run_id: int, partner: dict) -> dict:
+    if page.endswith("Compare.py"):
+        return {"runs": [str(run_id), str(partner.get(run_id, 1 if run_id != 1 else 2))]}
+    return {"run": str(run_id)}
+
+
+def render(page, store, monkeypatch, **query):
+    monkeypatch.setenv("MPDIAG_STORE", str(store))
+    at = AppTest.from_file(str(ROOT / page), default_timeout=TIMEOUT)
+    for key, value in query.items():
+        at.query_params[key] = value
+    return at.run()
+
+
+def finite_points(chart) -> int:
+    """Finite numbers in the data a chart element ships: Streamlit moves an Altair chart's datasets out of
+    the spec into Arrow tables beside it; inline values stay in the spec."""
+    count = 0
+    for dataset in chart.datasets:
+        table = pa.ipc.open_stream(dataset.data.data).read_all()
+        for column in table.columns:
+            if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+                values = column.to_numpy(zero_copy_only=False).astype(float)
+                count += int(np.isfinite(values).sum())
+    spec = json.loads(chart.spec)
+    for layer in [spec, *spec.get("layer", []), *spec.get("vconcat", []), *spec.get("hconcat", [])]:
+        for row in layer.get("data", {}).get("values", []) if isinstance(layer.get("data"), dict) else []:
+            count += sum(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                         for v in row.values())
+    return count
+
+
+def empty_charts(at) -> list[str]:
+    """Titles (or marks) of the charts drawn without a single finite data point."""
+    empty = []
+    for element in at.get("vega_lite_chart"):
+        if finite_points(element.proto) == 0:
+            spec = json.loads(element.proto.spec)
+            empty.append(str(spec.get("title") or spec.get("mark") or spec.get("layer", [{}])[0].get("mark")))
+    return empty
+
+
+@pytest.mark.parametrize("page_file", PAGES)
+def test_the_page_renders_every_kind_of_run(page_file, kinds, monkeypatch):
+    store, runs, partner = kinds
+    problems = {}
+    for kind, run_id in runs.items():
+        at = render(page_file, store, monkeypatch, **page_query(page_file, run_id, partner))
+        if at.exception:
+            problems[kind] = [e.value for e in at.exception]
+        elif empty := empty_charts(at):
+            problems[kind] = f"charts without a finite point: {empty}"
+    assert not problems, problems
+
+
+def test_the_store_holds_every_kind(kinds):
+    """The fixture made what it says: statuses and the runs' own evidence."""
+    store, runs, _ = kinds
+    table = Store(store).runs().set_index("run_id")
+    status = lambda kind: table.loc[runs[kind], "status"]  # noqa: E731
+    assert status("failed at step 3") == "failed" and status("crashed at step 0") == "crashed"
+    assert status("running") == "running" and status("watched script") == "finished"
+    steps = Store(store).steps(runs["failed at step 3"])
+    assert steps["step"].tolist() == [0, 1, 2]
+    assert (Store(store).steps(runs["all skipped"])["skipped"] == 1).all()
+    assert (Store(store).steps(runs["collapsed scale 2^-83"])["loss_scale"] == 2.0**-83).all()
+    assert not Store(store).fp8(runs["fp8 recorded"]).empty
+
+
+def test_home_shows_a_running_runs_progress_without_a_planned_total(kinds, monkeypatch):
+    """The Recorder in a user's loop (and watch) stores no total: the home page once crashed on it."""
+    store, runs, _ = kinds
+    at = render("app.py", store, monkeypatch)
+    assert not at.exception
+    captions = re.sub(r"\\(.)", r"\1", " ".join(c.value for c in at.caption))  # plain() escapes markdown
+    assert re.search(r"still running · custom: step \d \(its script decides how many\)", captions), captions
+    assert "No step recorded yet." in captions
+
+
+URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_scale.py": "Loss_scale",
+             "pages/3_Compare.py": "Compare", "pages/5_Findings.py": "Findings", "pages/6_FP8.py": "FP8"}
+
+
+@pytest.mark.browser
+def test_every_page_of_every_kind_in_chromium(kinds):
+    """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
+    drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/)."""
+    from playwright.sync_api import sync_playwright
+    from test_browser import CHROMIUM, CHROMIUM_ARGS, SHOTS, Server, charts_fit, settle
+
+    if not CHROMIUM or not __import__("os").path.exists(CHROMIUM):
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    store, runs, partner = kinds
+    server = Server(store)
+    problems, shots = {}, SHOTS / "kinds"
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            console: list[str] = []
+            page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+            page.on("pageerror", lambda error: console.append(str(error)))
+            page.on("response", lambda response: console.append(f"{response.status} {response.url}")
+                    if response.status >= 400 else None)
+            # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
+            # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
+            benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
+            for kind, run_id in runs.items():
+                for page_file, path in URL_PATHS.items():
+                    query = page_query(page_file, run_id, partner)
+                    url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
+                                                              for v in (vs if isinstance(vs, list) else [vs]))
+                    console.clear()
+                    page.goto(url)
+                    settle(page, wait_ms=300)
+                    found = []
+                    if page.locator("[data-testid='stException']").count():
+                        found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
+                    probes = [text for text in console if benign.match(text)]
+                    said = [text for text in console if not benign.match(text)]
+                    for _ in probes:
+                        if "status of 404" in " ".join(said):
+                            said.remove(next(text for text in said if "status of 404" in text))
+                    found += [f"console: {text[:200]}" for text in said]
+                    found += charts_fit(page)
+                    if found:
+                        problems[f"{kind} on /{path}"] = found
+                    page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
+                                    full_page=True)
+            browser.close()
+    finally:
+        server.stop()
+    assert not problems, problems
+
+
+def test_runs_table_counts_whole_steps_and_leaves_out_an_unknown_total(kinds):
+    from mpdiag.analysis.summaries import runs_table
+
+    store, runs, _ = kinds
+    everything = Store(store).runs()
+    table = runs_table(everything, [[] for _ in range(len(everything))]).set_index("run")
+    assert table.loc[runs["failed at step 3"], "steps"] == "3 / 6"
+    assert table.loc[runs["watched script"], "steps"] == "6"  # the script decided: no planned total
+    assert table.loc[runs["all skipped"], "skipped"] == "6 of 6"
