@@ -14,7 +14,7 @@ from mpdiag.training.runner import RunConfig, train, train_pair
 from mpdiag.training.script import ModelScript
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
 TIMEOUT = 30
 
 

@@ -25,7 +25,7 @@ from mpdiag.training.script import ModelScript
 
 pytestmark = pytest.mark.slow
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
 TIMEOUT = 60
 GALLERY = sorted(path.stem for path in EXAMPLES.glob("gallery_*.py"))
 
@@ -223,7 +223,8 @@ def test_home_shows_a_running_runs_progress_without_a_planned_total(kinds, monke
 
 
 URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_scale.py": "Loss_scale",
-             "pages/3_Compare.py": "Compare", "pages/5_Findings.py": "Findings", "pages/6_FP8.py": "FP8"}
+             "pages/3_Compare.py": "Compare", "pages/5_Findings.py": "Findings", "pages/6_FP8.py": "FP8",
+             "pages/7_Modules.py": "Modules"}
 
 
 @pytest.mark.browser

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
 RENDER = """
 import json, sys
 from streamlit.testing.v1 import AppTest

@@ -15,6 +15,7 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
 from mpdiag.analysis.finding import SEVERITY_ORDER, Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
+from mpdiag.analysis.module_trace import first_nonfinite, first_nonfinite_modules
 from mpdiag.analysis.summaries import (
     FLUSHED_LABEL,
     FP16_LEVELS,
@@ -156,6 +157,10 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
         return None
     nonfinite_loss = ~np.isfinite(steps["loss"])
     forward = bool(nonfinite_loss[skipped].all())
+    # with a trace that found the module, the evidence is shown on the Modules page, opened on that module
+    located = first_nonfinite_modules(modules) if modules is not None and len(modules) else {}
+    where = located.get("fwd" if forward else "bwd", located.get("fwd"))
+    page, focus = ("Modules", {"module": where["module"]}) if where is not None else ("Loss_scale", {})
     evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.0%}), longest run {longest}; "
                 f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps."
                 + (first_nonfinite(modules) if modules is not None else "")
@@ -167,7 +172,7 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
             evidence=evidence + " Backing the scale off cannot help an overflow that happens before the loss.",
             recommendation="Run with BF16 (FP32's exponent range, no loss scaling needed): --opt-level bf16. "
                            "Or keep the overflowing op in FP32 (torch.amp.custom_fwd(cast_inputs=torch.float32)).",
-            fix={"opt_level": "bf16"}, page="Loss_scale",
+            fix={"opt_level": "bf16"}, page=page, focus=focus,
         )
     k = recommended_scale(hist)
     return Finding(
@@ -177,24 +182,8 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
         recommendation=(f"Start the scale lower: --init-scale 2^{k}" if k is not None else
                         "No single scale fits these gradients: --opt-level bf16."),
         fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
-        page="Loss_scale",
+        page=page, focus=focus,
     )
-
-
-def first_nonfinite(modules: pd.DataFrame) -> str:
-    """With --trace-modules: where the first inf/NaN appeared, forward and backward; '' without a trace."""
-    if modules.empty:
-        return ""
-    parts = []
-    for prefix, what in (("fwd", "non-finite activation was the output of"),
-                         ("bwd", "non-finite gradient in the backward pass (at the loss scale) flowed into the output of")):
-        bad = modules[modules[f"{prefix}_finite"] == 0]
-        if len(bad):
-            step = int(bad["step"].min())
-            first = bad[bad["step"] == step].sort_values(f"{prefix}_order").iloc[0]
-            parts.append(f"The first {what} module '{first['module']}' ({first['type']}) at step {step}"
-                         + (" in the forward pass." if prefix == "fwd" else "."))
-    return " " + " ".join(parts) if parts else ""
 
 
 def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:

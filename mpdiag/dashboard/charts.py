@@ -9,6 +9,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from mpdiag.numerics.formats import FP16
+
 #: Fixed colours for runs on the Compare page, by position of the run in the selection.
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
 REGION_COLOURS = {
@@ -282,3 +284,55 @@ def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
                                   alt.Tooltip("high:Q", format="d", title="at most"),
                                   alt.Tooltip("scale:Q", format=".6g")])
     return alt.layer(band, high).properties(title=title, width="container", height=200)
+
+
+MODULE_STATES = {"above FP16's max": "#ff7f0e", "inf/NaN": "#d62728"}
+
+
+def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt.VConcatChart:
+    """Modules (forward order, top to bottom) × traced steps, one panel per pass (``module_trace.magnitude_cells``
+    or its ``merge_steps`` with ``width`` steps a column): colour log2 of the largest |value|, orange where a
+    finite value passed FP16's max, red where it was inf/NaN; the pass's first non-finite module circled."""
+    tooltip = ["module:N", "type:N", alt.Tooltip("step:Q", title="step" if width == 1 else f"first of {width} steps"),
+               alt.Tooltip("absmax:Q", format=".6g", title="largest |value|"), "state:N"]
+    panels = []
+    for label in dict.fromkeys(cells["pass"]):
+        one = cells[cells["pass"] == label]
+        base = alt.Chart(one).encode(
+            x=alt.X("step:O", title="step" if width == 1 else f"step (columns of {width}, the worst of each)",
+                    axis=alt.Axis(labelOverlap=True)),
+            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelOverlap=False, labelLimit=240)),
+            tooltip=tooltip)
+        layers = [base.transform_filter("datum.state == 'finite'").mark_rect().encode(
+            color=alt.Color("log2_absmax:Q", title="log2 |value|", scale=alt.Scale(scheme="viridis")))]
+        flagged = one[one["state"] != "finite"]
+        if len(flagged):  # an empty layer makes Vega warn of an infinite extent in the browser console
+            drawn = [s for s in MODULE_STATES if s in set(flagged["state"])]
+            layers.append(base.transform_filter("datum.state != 'finite'").mark_rect().encode(
+                color=alt.Color("state:N", title="flagged",
+                                scale=alt.Scale(domain=drawn, range=[MODULE_STATES[s] for s in drawn]))))
+        if one["first"].any():
+            layers.append(base.transform_filter("datum.first").mark_point(
+                shape="circle", size=220, filled=False, color="black", strokeWidth=2.5))
+        panels.append(alt.layer(*layers).resolve_scale(color="independent").properties(
+            title=f"{label}: largest |value| per step (○ the first inf/NaN)", width="container",
+            height=max(120, 22 * len(order))))
+    return alt.vconcat(*panels).resolve_scale(color="independent").properties(autosize=_FIT_WIDTH)
+
+
+def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
+    """One module's largest |forward output| and |gradient into its output| per traced step on a log2 axis,
+    FP16's max as a labelled rule, faint vertical rules where a value was inf/NaN."""
+    one = cells[cells["module"] == module]
+    colour = alt.Color("pass:N", legend=alt.Legend(title=None, orient="top"))
+    drawn = one[np.isfinite(one["absmax"]) & (one["absmax"] > 0)]
+    lines = alt.Chart(drawn).mark_line(point=True).encode(
+        x=STEP_X, y=alt.Y("absmax:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("largest |value|")),
+        color=colour, tooltip=["step:Q", "pass:N", alt.Tooltip("absmax:Q", format=".6g")])
+    limit = alt.Chart(pd.DataFrame({"absmax": [FP16.max_finite], "label": [f"fp16 max {FP16.max_finite:g}"]}))
+    rule = limit.mark_rule(strokeDash=[6, 3], color=LIMIT_COLOURS["fp16"]).encode(y="absmax:Q")
+    text = limit.mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontWeight="bold",
+                           color=LIMIT_COLOURS["fp16"]).encode(y="absmax:Q", x=alt.value(0), text="label:N")
+    chart = alt.layer(lines, rule, text)
+    return _with_nonfinite_rules(chart, one.assign(value=one["absmax"].where(one["state"] != "inf/NaN", np.nan)),
+                                 "value", colour).properties(height=260)

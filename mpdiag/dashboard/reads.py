@@ -177,3 +177,13 @@ def _fp8(key: tuple, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
 def fp8(store: Store, run_id: int, final: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A run's FP8 records and histograms (Store.fp8, Store.fp8_histograms): cached when final."""
     return _fp8(_key(store), int(run_id)) if final else (store.fp8(run_id), store.fp8_histograms(run_id))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _module_stats(key: tuple, run_id: int) -> pd.DataFrame:
+    return Store(key[0], create=False).module_stats(run_id)
+
+
+def module_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
+    """A --trace-modules run's per-module magnitudes (Store.module_stats): cached when final."""
+    return _module_stats(_key(store), int(run_id)) if final else store.module_stats(int(run_id))
