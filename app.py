@@ -61,7 +61,8 @@ def runs_panel(store) -> None:
                 st.altair_chart(charts.live_loss(steps), width="stretch")
             else:
                 st.caption("No finite loss recorded yet." if len(steps) else "No step recorded yet.")
-    table = runs_table(runs, [reads.finding_severities(store, run) for _, run in runs.iterrows()])
+    version = reads.findings_version(store, runs)
+    table = runs_table(runs, [reads.finding_severities(store, run, version) for _, run in runs.iterrows()])
     filters = st.columns(3)
     for col, (column, label) in zip(filters, {"status": "Status", "opt level": "Level", "script": "Script"}.items(),
                                     strict=True):

@@ -20,6 +20,7 @@ from conftest import EXAMPLES, ROOT, run_cli
 from streamlit.testing.v1 import AppTest
 
 from mpdiag import Store
+from mpdiag.store import StoreWriter
 from mpdiag.training.runner import RunConfig, train, train_pair
 from mpdiag.training.script import ModelScript
 
@@ -289,3 +290,22 @@ def test_runs_table_counts_whole_steps_and_leaves_out_an_unknown_total(kinds):
     assert table.loc[runs["failed at step 3"], "steps"] == "3 / 6"
     assert table.loc[runs["watched script"], "steps"] == "6"  # the script decided: no planned total
     assert table.loc[runs["all skipped"], "skipped"] == "6 of 6"
+
+
+def test_a_final_runs_health_badge_follows_a_probe_stored_after_it_was_cached(tmp_path, monkeypatch):
+    """Badges of final runs are cached; a probe stored afterwards (by the Findings page or `diagnose`, in
+    another process) adds a finding, and the badge must show it on the next render, not the cached one."""
+    path = tmp_path / "runs.db"
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level="O1", steps=3, device="cpu"),
+                   path)
+
+    def badge():
+        at = render("app.py", path, monkeypatch)
+        assert not at.exception
+        return at.dataframe[0].value.set_index("run").loc[run_id, "health"]
+
+    assert badge() == "healthy"
+    with StoreWriter(path) as writer:
+        writer.add_probe(run_id, "scale-linearity", {"ok": True, "failing": ["0.weight"], "scales": [1.0, 1024.0],
+                                                     "ratios": {"0.weight": 1024.0}})
+    assert badge() == "1 error"

@@ -82,14 +82,23 @@ def _rank_steps(key: tuple, run_id: int) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def _severities(key: tuple, run_id: int) -> list[str]:
+def _severities(key: tuple, run_id: int, version: tuple) -> list[str]:
     return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
 
 
-def finding_severities(store: Store, run: pd.Series) -> list[str]:
-    """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final."""
+def findings_version(store: Store, runs: pd.DataFrame) -> tuple:
+    """What a final run's findings depend on beyond its own rows: the other runs and their statuses (its FP32
+    twin or a rerun finishing) and the probes stored (a scale-linearity probe adds a finding)."""
+    return tuple(zip(runs["run_id"].astype(int), runs["status"], strict=True)), store.probes_version()
+
+
+def finding_severities(store: Store, run: pd.Series, version: tuple) -> list[str]:
+    """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final
+    for as long as ``version`` (:func:`findings_version`) stays the same."""
     run_id = int(run["run_id"])
-    return _severities(_key(store), run_id) if is_final(run) else [f.severity for f in diagnose(store, run_id)]
+    if is_final(run):
+        return _severities(_key(store), run_id, version)
+    return [f.severity for f in diagnose(store, run_id)]
 
 
 def steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:

@@ -395,6 +395,12 @@ class Store:
         df = self._query("SELECT result FROM probes WHERE run_id = ? AND kind = ?", (int(run_id), kind))
         return json.loads(df.iloc[0]["result"]) if len(df) else None
 
+    def probes_version(self) -> tuple[int, float]:
+        """(count, newest created_at) of all stored probe results: changes whenever a probe is stored or
+        replaced (a replacement is written with its own time), by the app or by `diagnose`."""
+        row = self._query("SELECT COUNT(*) AS n, COALESCE(MAX(created_at), 0) AS last FROM probes").iloc[0]
+        return int(row["n"]), float(row["last"])
+
     def probes(self, run_id: int) -> pd.DataFrame:
         """Every stored probe result of a run: kind, result (JSON text)."""
         return self._query("SELECT kind, result FROM probes WHERE run_id = ? ORDER BY kind", (int(run_id),))
