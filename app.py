@@ -78,16 +78,29 @@ def runs_panel(store) -> None:
 def new_run_form(store) -> None:
     scripts = {f"bundled: {name}": (name, str(path), actions.script_sha256(path))
                for name, path in bundled_scripts().items()}
+    bundled = {sha for _, _, sha in scripts.values()}
     scripts |= {f"stored: {r.filename} ({r.sha256[:10]})": (r.filename, f"sha256:{r.sha256}", r.sha256)
-                for r in store.scripts().itertuples()}
+                for r in store.scripts().itertuples() if r.sha256 not in bundled}  # a bundled copy: listed once
     chosen = st.selectbox("Script", list(scripts), key="new_script",
-                          help="Bundled examples, and scripts uploaded (and checked) on the Upload page.")
+                          help="Bundled examples, and scripts uploaded on the Upload page (runnable here once "
+                               "they passed their check in this session).")
     st.caption("To use your own script, upload it on the Upload page: it is checked before it can run. "
                + plain(actions.limits_text()))
     options = ui.run_options_form("new")
     name, script, sha = scripts[chosen]
+    blocked = None
+    if sha not in bundled:
+        report = actions.check_verdict(store, sha)
+        if report is None:
+            blocked = f"{name} has not been checked in this session: check it on the Upload page first."
+        elif not report.ready:
+            blocked = f"{name} failed its check: see what the check found on the Upload page."
+        if blocked:
+            st.warning(plain(blocked))
+            st.page_link("pages/4_Upload.py", label="Open it on the Upload page", query_params={"script": sha})
     action = actions.pending(f"Start a run of {name}", name, sha, options)
-    if actions.confirmed("Start run", "new_start", action, type="primary", disabled=not options):
+    if actions.confirmed("Start run", "new_start", action, type="primary", disabled=not options or bool(blocked),
+                         help=blocked):
         actions.start_run(store, script, options, f"{name} at {options['opt_level']}")
         st.toast(f"Started {plain(name)}")
 

@@ -55,13 +55,13 @@ filename, source = store.script_source(sha)
 with st.expander("Source", expanded=False):
     st.code(source, language="python", line_numbers=True)
 
-key = f"check:{store.path}:{sha}"
+checked = actions.check_verdict(store, sha) is not None
 check = actions.pending(f"Check {filename}: import it, build(device), one forward/backward step", filename, sha)
-if actions.confirmed("Check it" if key not in st.session_state else "Check again", "check", check,
-                     type="primary" if key not in st.session_state else "secondary"):
+if actions.confirmed("Check again" if checked else "Check it", "check", check,
+                     type="secondary" if checked else "primary"):
     with st.spinner(f"Checking {plain(filename)} in a child process (imports, build, one forward/backward step)…"):
-        st.session_state[key] = actions.check_upload(filename, source)
-report = st.session_state.get(key)
+        actions.remember_check(store, sha, actions.check_upload(filename, source))
+report = actions.check_verdict(store, sha)
 if report is None:
     st.info("Not checked in this session yet: 'Check it' runs the script's build and one training step in a child "
             "process.")

@@ -256,3 +256,37 @@ def test_an_uploaded_script_never_runs_inside_the_server_process(tmp_path, monke
     assert not at.exception and [shown(s.value) for s in at.success] == ["spy.py: ready"]
     pids = {int(p) for p in marker.read_text().split()}
     assert pids and os.getpid() not in pids  # AppTest runs the page in this process: the script ran elsewhere
+
+
+def test_home_offers_a_stored_script_once_and_runs_it_only_after_its_check_passed(tmp_path, monkeypatch):
+    """A stored copy of a bundled script is listed once (as bundled); an upload that failed its check, or was
+    not checked in this session, is marked and its Start button disabled with the reason."""
+    from mpdiag.dashboard.actions import store_upload
+
+    store = tmp_path / "up.db"
+    at = app("app.py", store, monkeypatch).switch_page("pages/4_Upload.py").run()  # one session, two pages
+    at = upload(at, "raises_in_build.py", (HOSTILE_DIR / "raises_in_build.py").read_bytes())
+    assert not at.success  # the check failed
+    store_upload(Store(store), "copy_of_mlp.py", (EXAMPLES / "mlp_digits.py").read_bytes())
+    store_upload(Store(store), "unchecked.py", (EXAMPLES / "mlp_digits.py").read_bytes() + b"\n# edited\n")
+    at.switch_page("app.py").run()
+    assert not at.exception
+    scripts = at.selectbox(key="new_script").options
+    assert "bundled: mlp_digits.py" in scripts and not any("copy_of_mlp" in s for s in scripts)
+    for name, reason in (("raises_in_build.py", "failed its check"), ("unchecked.py", "has not been checked")):
+        at.selectbox(key="new_script").set_value(next(s for s in scripts if name in s)).run()
+        assert reason in texts(at) and at.button(key="new_start").disabled
+    at.selectbox(key="new_script").set_value("bundled: mlp_digits.py").run()
+    assert not at.button(key="new_start").disabled
+
+
+def test_run_form_disables_what_does_nothing_and_says_why(tmp_path, monkeypatch):
+    at = app("app.py", tmp_path / "s.db", monkeypatch)
+    at.selectbox(key="new_level").set_value("bf16").run()
+    assert "Loss scaling: not used at bf16" in texts(at)
+    at.number_input(key="new_nproc").set_value(2).run()
+    fp8 = next(c for c in at.checkbox if c.label.startswith("Record FP8"))
+    assert fp8.disabled and "set Processes back to 1" in fp8.help
+    at.selectbox(key="new_level").set_value("O0").run()
+    twin = next(c for c in at.checkbox if c.label.startswith("Also run an FP32"))
+    assert twin.disabled and "O0 is the FP32 run itself" in twin.help

@@ -126,6 +126,20 @@ def check_upload(filename: str, source: str) -> CheckReport:
     return check_script(filename, source, device="auto")
 
 
+def _check_key(store: Store, sha256: str) -> str:
+    return f"check:{store.path}:{sha256}"
+
+
+def remember_check(store: Store, sha256: str, report: CheckReport) -> None:
+    """Keep a stored script's check verdict for this session (the Upload page checks; the home page asks)."""
+    st.session_state[_check_key(store, sha256)] = report
+
+
+def check_verdict(store: Store, sha256: str) -> CheckReport | None:
+    """This session's check of a stored script, or None when it was not checked in this session."""
+    return st.session_state.get(_check_key(store, sha256))
+
+
 def probe(store: Store, run_id: int) -> dict:
     """The scale-linearity probe of a stored run, in a supervised child; its result is stored with the run."""
     return run_probe(store.path, int(run_id))

@@ -198,33 +198,48 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
         "Device", devices, index=devices.index(base.device), key=key["device"],
         help=OPTIONS["device"].help + ". A CUDA device must exist where the run starts; if not, the run refuses "
         "to start and says so.")
-    chosen["shadow_every"] = int(st.number_input(
+    # widgets that would do nothing are disabled, their help saying why (the processes are chosen further down:
+    # their widget's value is read ahead from the session)
+    several = int(st.session_state.get(key["nproc"], base.nproc)) > 1
+    one_process = " Disabled: it records one process's tensors; set Processes back to 1." if several else ""
+    chosen["shadow_every"] = 0 if several else int(st.number_input(
         "FP32 shadow every N steps (0: off)", OPTIONS["shadow_every"].minimum, 1_000_000, base.shadow_every,
         key=key["shadow_every"],
         help="Every N steps, recompute the gradients in FP32 on the same weights and batch and store each tensor's "
              "relative error and cosine (Findings page). Costs one FP32 forward and backward per shadow step."))
+    if several:
+        st.number_input("FP32 shadow every N steps (0: off)", value=0, disabled=True, key=f"{key['shadow_every']}_off",
+                        help="Compares one process's gradients with FP32." + one_process)
     if LEVELS[chosen["opt_level"]].scales_loss:
         chosen.update(_scaling_options(key, base, chosen["opt_level"]))
+    else:
+        st.caption(f"Loss scaling: not used at {chosen['opt_level']} ({LEVELS[chosen['opt_level']].summary}), so its "
+                   "settings are not shown.")
     with st.expander("More options"):
         chosen["every"] = int(st.number_input("Tensor statistics every N steps", OPTIONS["every"].minimum, 1_000_000,
                                               base.every, key=key["every"], help=OPTIONS["every"].help))
         chosen["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
                                               help=OPTIONS["trace_modules"].help)
-        chosen["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8, key=key["fp8"],
+        chosen["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8 and not several,
+                                    key=key["fp8"] if not several else f"{key['fp8']}_off", disabled=several,
                                     help=OPTIONS["fp8"].help + ", under the default recipe (delayed scaling, "
-                                    "history 1024, E4M3 forward, E5M2 output gradients)")
+                                    "history 1024, E4M3 forward, E5M2 output gradients)." + one_process)
         chosen["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
                                               OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
                                               help=OPTIONS["nproc"].help))
         chosen["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
                                           key=key["parallel"], disabled=chosen["nproc"] == 1,
-                                          help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")")
+                                          help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
+                                          + (". Disabled: one process has nothing to parallelize; set Processes "
+                                             "above 1." if chosen["nproc"] == 1 else ""))
         chosen["name"] = st.text_input("Run name (optional)", base.name or "", key=key["name"],
                                        help="Empty: the script's file name (a rerun: the parent's name and level).")
         chosen["name"] = chosen["name"] or None
     pair = chosen["opt_level"] != "O0" and st.checkbox(
-        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair",
-        disabled=chosen["opt_level"] == "O0")
+        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair")
+    if chosen["opt_level"] == "O0":
+        st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", False, disabled=True,
+                    key=f"{prefix}_pair_off", help="Disabled: O0 is the FP32 run itself.")
     try:
         config = base.with_options(**chosen)
         config.validate()
