@@ -151,5 +151,7 @@ def test_tensor_summary_line_never_reads_nan_percent():
 def test_health_badge_counts_errors_and_warnings():
     assert summaries.health([]) == "healthy"
     assert summaries.health(["info"]) == "healthy"
+    assert summaries.health([], "crashed") == "did not finish" and summaries.health([], "running") == "no findings yet"
+    assert summaries.health(["error"], "failed") == "1 error"
     assert summaries.health(["warning", "warning", "info"]) == "2 warnings"
     assert summaries.health(["warning", "error"]) == "1 error, 1 warning"

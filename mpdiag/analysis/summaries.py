@@ -312,12 +312,14 @@ def significant(value, digits: int = 4) -> str:
     return f"{float(value):.{digits}g}"
 
 
-def health(severities: list[str]) -> str:
-    """A run's health badge from the severities of its findings: healthy, or its errors and warnings counted.
-    Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium, servers)."""
+def health(severities: list[str], status: str = "finished") -> str:
+    """A run's health badge from the severities of its findings: its errors and warnings counted; without
+    any, "healthy" only for a finished run (a failed or crashed one "did not finish", a live one "no findings
+    yet"). Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium)."""
     errors, warnings = severities.count("error"), severities.count("warning")
     if not errors and not warnings:
-        return "healthy"
+        return {"finished": "healthy", "failed": "did not finish", "crashed": "did not finish"}.get(
+            status, "no findings yet")
     return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((errors, "error"), (warnings, "warning")) if n)
 
 
@@ -344,32 +346,33 @@ def run_progress(run: pd.Series) -> tuple[float | None, str]:
 
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
     """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
-    ``severities``: per run, its findings' severities), settings, outcome and links to the run's Findings,
-    Gradients and Loss scale pages (relative URLs with ``run=ID``)."""
+    ``severities``: per run, its findings' severities), links to the run's Findings, Gradients and Loss scale
+    pages (relative URLs with ``run=ID``), its outcome, then its settings: what triage needs comes first, so it
+    is on screen without scrolling sideways."""
     done = runs["steps_done"].fillna(0).astype(int)
     ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
         "run": runs["run_id"],
         "name": runs["name"],
-        "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
         "status": runs["status"],
-        "health": [health(s) for s in severities],
+        "health": [health(s, status) for s, status in zip(severities, runs["status"], strict=True)],
         "opt level": runs["opt_level"],
+        "findings": "/Findings?run=" + ids,
+        "gradients": "/Gradients?run=" + ids,
+        "loss scale": "/Loss_scale?run=" + ids,
+        "final loss": runs["final_loss"].map(significant),
+        "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
+        "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
+        "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"].map(_scale_text),
         "static scale": runs["loss_scale"].map(_scale_text),
-        "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
-        "final loss": runs["final_loss"].map(significant),
-        "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "step ms (median)": runs["median_step_time_s"] * 1e3,
         "device": runs["device"],
         "ranks": runs["world_size"],
         "parent": runs["parent_run_id"],
         "FP32 twin": runs["pair_run_id"],
         "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
-        "findings": "/Findings?run=" + ids,
-        "gradients": "/Gradients?run=" + ids,
-        "loss scale": "/Loss_scale?run=" + ids,
     })
 
 
