@@ -1,9 +1,10 @@
-"""Gradients page cost on a big run: 10k steps x 100 tensors, read + chart build, in server time.
+"""Page cost on a big run: 10k steps x 100 tensors, read + chart build, in server time.
 
 Builds (once, cached under bench/results/) a real recorded run: a 50-layer residual MLP on the digits data trained
-through the Recorder at every step, so the store holds 10k x 100 histogram rows. Then times what the
-Gradients page does for it, both called directly and as a whole page under streamlit's AppTest (cold:
-nothing cached), and writes JSON.
+through the Recorder at every step, so the store holds 10k x 100 histogram rows, and a 200-step run of the same
+model for Compare to set beside it. Then times what the Gradients page does for the big run called directly, and
+every page as a whole under streamlit's AppTest, each in a fresh AppTest with streamlit's caches cleared (cold),
+and writes JSON.
 
     python bench/dashboard.py [--steps 10000] [--layers 50]
 """
@@ -92,17 +93,29 @@ def page_path(store: Store, run_id: int) -> dict:
     return {"seconds": t, "heatmap_marks": len(cells), "rows_in_run": int(len(index) * len(totals))}
 
 
-def apptest_page(store_path: Path, run_id: int) -> float:
+#: every page, and the query that opens it on the big run (Compare: beside the short run)
+PAGES = {"Runs (home)": ("app.py", {}), "Gradients": ("pages/1_Gradients.py", {"run": "big"}),
+         "Loss scale": ("pages/2_Loss_scale.py", {"run": "big"}),
+         "Compare": ("pages/3_Compare.py", {"runs": ["big", "short"]}), "Upload": ("pages/4_Upload.py", {}),
+         "Findings": ("pages/5_Findings.py", {"run": "big"}), "FP8": ("pages/6_FP8.py", {"run": "big"}),
+         "Modules": ("pages/7_Modules.py", {"run": "big"})}
+
+
+def apptest_page(store_path: Path, page: str, query: dict) -> float:
+    """Seconds of one cold run of ``page`` under AppTest (streamlit's data caches cleared first)."""
+    import streamlit as st
     from streamlit.testing.v1 import AppTest
 
+    st.cache_data.clear()
     os.environ["MPDIAG_STORE"] = str(store_path)
-    at = AppTest.from_file(str(ROOT / "pages/1_Gradients.py"), default_timeout=120)
-    at.query_params["run"] = str(run_id)
+    at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+    for key, value in query.items():
+        at.query_params[key] = value
     start = time.perf_counter()
     at.run()
     elapsed = time.perf_counter() - start
     if at.exception:
-        raise SystemExit(f"page raised: {at.exception[0].value}")
+        raise SystemExit(f"{page} raised: {at.exception[0].value}")
     return elapsed
 
 
@@ -123,15 +136,25 @@ def main() -> None:
         _, secs = timed(build_store, store_path, args.steps, args.layers)
         print(f"built in {secs:.0f} s")
     store = Store(store_path)
-    run_id = int(store.runs()["run_id"].iloc[0])
+    if len(store.runs()) == 1:
+        build_store(store_path, 200, args.layers)
+    runs = store.runs().sort_values("run_id")
+    ids = {"big": str(int(runs["run_id"].iloc[0])), "short": str(int(runs["run_id"].iloc[1]))}
+    run_id = int(ids["big"])
     direct = page_path(store, run_id)
-    whole_page = apptest_page(store_path, run_id)
+    apptest_page(store_path, "app.py", {})  # the first AppTest pays streamlit's own imports: not a page's cost
+    pages = {}
+    for name, (page, query) in PAGES.items():
+        resolved = {k: [ids[v] for v in vs] if isinstance(vs, list) else ids[vs] for k, vs in query.items()}
+        pages[name] = apptest_page(store_path, page, resolved)
     print(f"store: {store_path.stat().st_size / 2**20:.0f} MB, {direct['rows_in_run']} (step, tensor) rows")
     for name, secs in direct["seconds"].items():
         print(f"  {name:<28}{secs * 1e3:>9.1f} ms")
     print(f"heatmap marks sent to the browser: {direct['heatmap_marks']}")
-    print(f"whole Gradients page under AppTest (cold, incl. widgets): {whole_page * 1e3:.0f} ms")
-    result = {"steps": args.steps, "tensors": 2 * args.layers, **direct, "apptest_page_seconds": whole_page}
+    print("every page under AppTest, cold (caches cleared), on the big run:")
+    for name, secs in pages.items():
+        print(f"  {name:<28}{secs * 1e3:>9.0f} ms{'' if secs < 1 else '   (over 1 s)'}")
+    result = {"steps": args.steps, "tensors": 2 * args.layers, **direct, "apptest_page_seconds": pages}
     write_result(result, args.out)
 
 

@@ -64,10 +64,18 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     index, counts = reads.tensor_histograms(store, run_id, tensor, final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
     lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
-    st.altair_chart(charts.exponent_heatmap(cells, lines, (logged[0], logged[-1] + 1),
-                                            f"{tensor}: |{'S·g' if at_scale else 'g'}| per step"), width="stretch")
-
-    step = st.select_slider("Step", logged, value=logged[-1], key="step")
+    clicked = st.altair_chart(charts.exponent_heatmap(cells, lines, (logged[0], logged[-1] + 1),
+                                                      f"{tensor}: |{'S·g' if at_scale else 'g'}| per step "
+                                                      "(click a column to see its step below)"),
+                              width="stretch", on_select="rerun", selection_mode=charts.PICKED_STEP, key="heatmap")
+    # the slider's value lives in the session (no default beside it: Streamlit warns of both); a new click on
+    # the heatmap moves it to the clicked column's first logged step, once per click
+    picked = summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
+    if picked is not None and st.session_state.get("step_clicked") != picked:
+        st.session_state["step"] = st.session_state["step_clicked"] = picked
+    if st.session_state.get("step") not in logged:
+        st.session_state["step"] = logged[-1]
+    step = st.select_slider("Step", logged, key="step")
     scale = summaries.scale_at_step(steps, step)
     row = np.flatnonzero(index["step"].to_numpy() == step)
     at_step = reads.tensor_at_step(store, run_id, tensor, step, final)

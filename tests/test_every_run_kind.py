@@ -309,3 +309,64 @@ def test_a_final_runs_health_badge_follows_a_probe_stored_after_it_was_cached(tm
         writer.add_probe(run_id, "scale-linearity", {"ok": True, "failing": ["0.weight"], "scales": [1.0, 1024.0],
                                                      "ratios": {"0.weight": 1024.0}})
     assert badge() == "1 error"
+
+
+@pytest.mark.browser
+def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds):
+    """Scrolling over the loss panel rescales the steps of the loss-scale panel above it (one shared x scale
+    bound to a zoom): the top panel's pixels change although the mouse never touched it."""
+    import io
+
+    from PIL import Image, ImageChops
+    from playwright.sync_api import sync_playwright
+    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server, settle
+
+    store, runs, _ = kinds
+    server = Server(store)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
+            settle(page)
+            chart = page.locator("[data-testid='stVegaLiteChart']").first
+            box = chart.bounding_box()
+            top = lambda: Image.open(io.BytesIO(chart.screenshot())).convert("RGB").crop((0, 0, int(box["width"]), 200))  # noqa: E731
+            before = top()
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 120)  # over the loss panel
+            page.mouse.wheel(0, -400)
+            page.wait_for_timeout(800)
+            assert ImageChops.difference(before, top()).getbbox() is not None, "the loss-scale panel did not zoom"
+            browser.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.browser
+def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds):
+    """On Gradients, a click on the heatmap's first column (step 0) moves the step slider and the step's
+    histogram to step 0 (the page opens on the last step). The click height is searched: cells lie only
+    where the gradient's exponents are."""
+    from playwright.sync_api import sync_playwright
+    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server, settle
+
+    store, runs, _ = kinds
+    server = Server(store)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
+            settle(page, "click a column")
+            assert page.get_by_text("step 5, loss scale").count() == 1
+            box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
+            for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
+                page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
+                page.wait_for_timeout(700)
+                if page.get_by_text("step 0, loss scale").count():
+                    break
+            else:
+                raise AssertionError("no click on the heatmap's first column showed step 0")
+            browser.close()
+    finally:
+        server.stop()

@@ -155,3 +155,11 @@ def test_health_badge_counts_errors_and_warnings():
     assert summaries.health(["error"], "failed") == "1 error"
     assert summaries.health(["warning", "warning", "info"]) == "2 warnings"
     assert summaries.health(["warning", "error"]) == "1 error, 1 warning"
+
+
+def test_a_heatmap_click_picks_the_first_logged_step_of_its_column():
+    logged = [0, 10, 20, 30]
+    assert summaries.picked_step([], logged) is None and summaries.picked_step([{}], logged) is None
+    assert summaries.picked_step([{"step_start": 10}], logged) == 10
+    assert summaries.picked_step([{"step_start": 11.0}], logged) == 20  # a merged column starting between logs
+    assert summaries.picked_step([{"step_start": 31}], logged) == 30

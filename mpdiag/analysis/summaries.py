@@ -183,6 +183,15 @@ def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame |
     })
 
 
+def picked_step(selection: list[dict], logged: list[int]) -> int | None:
+    """The logged step a click on the gradient heatmap picked: the first logged step at or after the clicked
+    column's ``step_start`` (a merged column starts at its first step), None without a click."""
+    if not selection or "step_start" not in selection[0]:
+        return None
+    start = float(selection[0]["step_start"])
+    return next((s for s in logged if s >= start), logged[-1] if logged else None)
+
+
 def step_histogram(hist: np.ndarray, specials: dict[str, int], fmt: Format = FP16, log2_scale: float = 0.0) -> pd.DataFrame:
     """Bars for one tensor at one step: one per non-empty exponent bin (shifted by ``log2_scale``), labelled
     with the ``fmt`` region its values fall in, plus zero / NaN / +inf / -inf bars. Columns: bin, label,

@@ -5,6 +5,8 @@ Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no ch
 
 from __future__ import annotations
 
+import warnings
+
 import altair as alt
 import numpy as np
 import pandas as pd
@@ -49,15 +51,21 @@ def _limit_rules(lines: pd.DataFrame) -> alt.LayerChart:
     return alt.layer(rules, labels)
 
 
+#: the heatmap's click selection: the page reads it (st.altair_chart on_select) to show the clicked step
+PICKED_STEP = "picked_step"
+
+
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
                      title: str = "") -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
     count on a log scale; dashed lines at the formats' min subnormal, min normal and max. The step axis spans
     ``steps`` (first logged step, last logged step + 1) whatever the cells hold, so steps with no finite
-    non-zero value (every value zero) stay on it as empty columns rather than vanishing."""
+    non-zero value (every value zero) stay on it as empty columns rather than vanishing. Clicking a cell
+    selects its column (the selection ``PICKED_STEP``, its ``step_start``): the page shows that step below."""
     heat = (
         alt.Chart(cells)
         .mark_rect()
+        .add_params(pick := alt.selection_point(name=PICKED_STEP, fields=["step_start"], on="click"))
         .encode(
             x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False),
                     axis=alt.Axis(format="d", tickMinStep=1)),
@@ -65,8 +73,10 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
             y=alt.Y("log2_lo:Q", title="log2 |gradient|"),
             y2="log2_hi:Q",
             color=alt.Color("count:Q", scale=alt.Scale(type="log", scheme="viridis"), title="values"),
+            opacity=alt.condition(pick, alt.value(1.0), alt.value(0.45)),  # the clicked column stands out
             tooltip=[alt.Tooltip("step_start:Q", title="from step"), alt.Tooltip("step_end:Q", title="to step"),
-                     alt.Tooltip("log2_lo:Q", title="log2 lower edge"), "count:Q"],
+                     alt.Tooltip("log2_lo:Q", title="log2 lower edge"),
+                     alt.Tooltip("count:Q", format=",d", title="values (exact)")],
         )
     )
     return alt.layer(heat, _limit_rules(lines)).resolve_scale(color="independent").properties(title=title, height=360)
@@ -85,7 +95,7 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
             color=alt.Color("region:N", scale=alt.Scale(
                 domain=list(REGION_COLOURS) + [f"{r} (edge bin)" for r in ("subnormal", "normal")],
                 range=list(REGION_COLOURS.values()) + ["#ffbb78", "#98df8a"])),
-            tooltip=["label:N", "count:Q", "region:N"],
+            tooltip=["label:N", alt.Tooltip("count:Q", format=",d", title="values (exact)"), "region:N"],
         )
         .properties(title=title, height=260)
     )
@@ -97,23 +107,31 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     base = alt.Chart(steps).encode(x=STEP_X)
     scale = base.mark_line(interpolate="step-after").encode(
         y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale")),
-        tooltip=["step:Q", "loss_scale:Q", "scale_after:Q", "skipped:Q"],
+        tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g", title="loss scale"),
+                 alt.Tooltip("scale_after:Q", format=".10g", title="scale after update()"), "skipped:Q"],
     )
     skipped = (
         alt.Chart(steps[steps["skipped"] == 1])
         .mark_point(shape="triangle-down", color="#d62728", size=60, filled=True)
-        .encode(x=STEP_X, y="loss_scale:Q", tooltip=["step:Q", "loss_scale:Q"])
+        .encode(x=STEP_X, y="loss_scale:Q", tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g")])
     )
-    tracker = base.mark_line(color="#7f7f7f").encode(y=alt.Y("growth_tracker:Q", title="growth tracker"))
-    loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", "loss:Q"])
+    tracker = base.mark_line(color="#7f7f7f").encode(
+        y=alt.Y("growth_tracker:Q", title="growth tracker"),
+        tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")])
+    loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"),
+                                                  tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
     loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
     # an empty layer would give Vega an infinite extent (a console warning): drawn only when a step was skipped
     top = alt.layer(scale, skipped) if (steps["skipped"] == 1).any() else scale
-    return alt.vconcat(
-        top.properties(height=220, width="container", title="loss scale (▼ skipped step)"),
-        tracker.properties(height=100, width="container"),
-        loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
-    ).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
+    # drag or scroll on any panel pans or zooms the steps of all three: they share one x scale
+    zoom = alt.selection_interval(bind="scales", encodings=["x"], name="steps_zoom")
+    with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
+        warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
+        return alt.vconcat(
+            top.properties(height=220, width="container", title="loss scale (▼ skipped step)"),
+            tracker.properties(height=100, width="container"),
+            loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
+        ).add_params(zoom).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
 
 
 def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
