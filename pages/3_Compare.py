@@ -29,7 +29,6 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
              for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True)}
     everything = pd.concat(steps.values(), ignore_index=True)
 
-    st.altair_chart(charts.runs_overlay(everything, "loss", "loss", labels), width="stretch")
     selected = chosen["run_id"].astype(int).tolist()
     diffs, notes, firsts = [], [], []
     for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True):
@@ -47,22 +46,26 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                  f"first differs by more than {DIVERGENCE_RTOL:.0%} (or turns non-finite) at step {step}")
         notes.append(f"**{plain(lab)}** versus its FP32 reference {plain(ui.run_label(ref))}: {where}.")
         diffs.append(comparison)
+    # loss, its difference to FP32 and the loss scale on one step axis: zooming one zooms all
+    panels = [charts.runs_overlay(everything, "loss", "loss", labels)]
     if diffs:
         first = min((s for s in firsts if s is not None), default=None)
-        st.altair_chart(charts.loss_difference(pd.concat(diffs), first, labels), width="stretch")
+        panels.append(charts.loss_difference(pd.concat(diffs), first, labels, DIVERGENCE_RTOL))
+    panels.append(charts.runs_overlay(everything, "loss_scale", "loss scale", labels, log=True))
+    st.altair_chart(charts.stacked_over_steps(*panels), width="stretch")
+    st.caption("Drag or scroll on any of these panels to pan or zoom the steps of them all.")
     st.markdown("  \n".join(notes))
 
     left, right = st.columns(2)
-    left.altair_chart(charts.runs_overlay(everything, "loss_scale", "loss scale", labels, log=True), width="stretch")
     # step 0 holds the warm-up (allocation, kernel selection, compilation): drawn apart, out of the medians
-    right.altair_chart(charts.runs_overlay(everything[everything["step"] > 0], "step_time_s",
+    left.altair_chart(charts.runs_overlay(everything[everything["step"] > 0], "step_time_s",
                                            "step time (s), from step 1", labels), width="stretch")
+    right.altair_chart(charts.runs_overlay(everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20),
+                                           "peak_mem_mb", "peak memory so far (MB)", labels), width="stretch")
     warmups = everything[everything["step"] == 0]
     if len(warmups):
-        right.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
+        left.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
             f"{plain(run)} {seconds:.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"], strict=True)))
-    st.altair_chart(charts.runs_overlay(everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20),
-                                        "peak_mem_mb", "peak memory so far (MB)", labels), width="stretch")
     st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")
     st.caption("Peak memory is the CUDA allocator's peak on a GPU and the process's peak RSS on a CPU; model state "
                "is the bytes allocated for weights, gradients, master weights and optimizer state.")

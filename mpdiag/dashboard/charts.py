@@ -101,6 +101,17 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
     )
 
 
+def stacked_over_steps(*panels) -> alt.VConcatChart:
+    """Charts over steps stacked, container wide, on one shared step axis: dragging or scrolling any panel pans
+    or zooms the steps of all (one zoom parameter bound to the shared x scale)."""
+    zoom = alt.selection_interval(bind="scales", encodings=["x"], name="steps_zoom")
+    with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
+        warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
+        # a legend at the side would narrow every panel by its width: above, it costs one row
+        return (alt.vconcat(*(panel.properties(width="container") for panel in panels)).add_params(zoom)
+                .resolve_scale(x="shared").properties(autosize=_FIT_WIDTH).configure_legend(orient="top"))
+
+
 def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
     beneath, sharing the step axis."""
@@ -123,15 +134,11 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
     # an empty layer would give Vega an infinite extent (a console warning): drawn only when a step was skipped
     top = alt.layer(scale, skipped) if (steps["skipped"] == 1).any() else scale
-    # drag or scroll on any panel pans or zooms the steps of all three: they share one x scale
-    zoom = alt.selection_interval(bind="scales", encodings=["x"], name="steps_zoom")
-    with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
-        warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
-        return alt.vconcat(
-            top.properties(height=220, width="container", title="loss scale (▼ skipped step)"),
-            tracker.properties(height=100, width="container"),
-            loss.properties(height=200, width="container", title="loss (red rules: NaN/inf loss)"),
-        ).add_params(zoom).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
+    return stacked_over_steps(
+        top.properties(height=220, title="loss scale (▼ skipped step)"),
+        tracker.properties(height=100),
+        loss.properties(height=200, title="loss (red rules: NaN/inf loss)"),
+    )
 
 
 def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
@@ -192,17 +199,23 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     return _with_nonfinite_rules(line, df, y, _run_colour(domain)).properties(height=240, title=title)
 
 
-def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str]) -> alt.LayerChart:
-    """Relative loss difference to the FP32 reference per run, with the first divergence marked."""
+def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str],
+                    threshold: float) -> alt.LayerChart:
+    """Relative loss difference to the FP32 reference per run, in percent (ticks like 0.0005, not 5e-6 in
+    fixed notation), with the first step beyond ``threshold`` (a fraction) marked when there is one."""
     line = (
-        alt.Chart(df)
+        alt.Chart(df.assign(rel_pct=df["rel_diff"] * 100))
         .mark_line()
-        .encode(x=STEP_X, y=alt.Y("rel_diff:Q", title="(loss - FP32 loss) / |FP32 loss|"), color=_run_colour(domain),
-                tooltip=["run:N", "step:Q", "rel_diff:Q"])
+        .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format="~g")),
+                color=_run_colour(domain),
+                tooltip=["run:N", "step:Q", alt.Tooltip("rel_diff:Q", format=".4~%", title="difference")])
     )
-    marks = pd.DataFrame({"step": [] if divergence_step is None else [divergence_step]})
-    rule = alt.Chart(marks).mark_rule(color="black", strokeDash=[4, 4]).encode(x=STEP_X)
-    return alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference")
+    if divergence_step is None:  # no empty rule layer: Vega warns of an infinite extent in the browser console
+        return alt.layer(line).properties(height=200, title="difference to the FP32 reference")
+    rule = alt.Chart(pd.DataFrame({"step": [divergence_step]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
+        x=STEP_X, tooltip=[alt.Tooltip("step:Q", title=f"first step beyond {threshold:.0%}")])
+    return alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference (dashed: first "
+                                                               f"step beyond {threshold:.0%})")
 
 
 def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str]) -> alt.Chart:
