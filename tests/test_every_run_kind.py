@@ -370,3 +370,55 @@ def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds):
             browser.close()
     finally:
         server.stop()
+
+
+def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(tmp_path, monkeypatch):
+    """The issue's 'live refresh reads only new steps': the second render of a running run's Gradients page
+    asks the store for the chosen tensor's histograms after the last step it already holds, and shows all."""
+    import time
+
+    import torch
+
+    from mpdiag.recording.recorder import Recorder
+
+    path = tmp_path / "live.db"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = Recorder(model, Store(path), optimizer=optimizer, name="live")
+
+    def train_until(logged: int) -> None:
+        while len(Store(path).logged_steps(recorder.run_id)) < logged:
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            recorder.record(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.flush()
+            time.sleep(0.2)
+
+    asked = []
+    real = Store.histogram_matrix
+    monkeypatch.setattr(Store, "histogram_matrix", lambda self, run_id, tensor=None, since_step=-1, step=None: (
+        asked.append((tensor, since_step, step)), real(self, run_id, tensor, since_step, step))[1])
+    try:
+        train_until(2)
+        at = render("pages/1_Gradients.py", path, monkeypatch, run=str(recorder.run_id), tensor="weight")
+        assert not at.exception
+        first = Store(path).logged_steps(recorder.run_id)
+        train_until(len(first) + 2)
+        asked.clear()
+        at.run()
+        assert not at.exception
+        whole = [a for a in asked if a[0] == "weight" and a[2] is None]
+        assert whole and all(since >= first[-1] for _, since, _ in whole), asked
+        heat = next(c.proto for c in at.get("vega_lite_chart") if "click a column" in c.proto.spec)
+        drawn = set()
+        for dataset in heat.datasets:
+            table = pa.ipc.open_stream(dataset.data.data).read_all()
+            if "step_start" in table.column_names:
+                drawn |= set(table.column("step_start").to_pylist())
+        # the heatmap is drawn from the rows already held plus the new ones: every logged step
+        assert set(range(len(first) + 2)) <= drawn, drawn
+    finally:
+        recorder.close()

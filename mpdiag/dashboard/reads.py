@@ -129,10 +129,19 @@ def tensor_at_step(store: Store, run_id: int, tensor: str, step: int, final: boo
 
 
 def tensor_histograms(store: Store, run_id: int, tensor: str, final: bool) -> tuple[pd.DataFrame, np.ndarray]:
-    """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix)."""
+    """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix):
+    cached when final; for a live run, only the steps logged since this session's previous read are read."""
     if final:
         return _tensor_histograms(_key(store), int(run_id), tensor)
-    return store.histogram_matrix(int(run_id), tensor)
+    key = f"hists:{store.path}:{run_id}:{tensor}"
+    cached = st.session_state.get(key)
+    since = int(cached[0]["step"].max()) if cached is not None and len(cached[0]) else -1
+    index, counts = store.histogram_matrix(int(run_id), tensor, since_step=since)
+    if cached is not None and len(cached[0]):
+        index = pd.concat([cached[0], index], ignore_index=True)
+        counts = np.concatenate([cached[1], counts]) if len(counts) else cached[1]
+    st.session_state[key] = (index, counts)
+    return index, counts
 
 
 def histograms_at_step(store: Store, run_id: int, step: int, final: bool) -> tuple[pd.DataFrame, np.ndarray]:
