@@ -19,24 +19,10 @@ from mpdiag.examples import bundled_scripts
 FIRST_EXAMPLE = "mlp_digits.py"
 
 
-def launched_panel(runs: pd.DataFrame) -> None:
-    """Processes this session started: those without a run row yet are starting, or failed to start."""
-    recorded = set(runs["run_id"]) if len(runs) else set()
-    for proc, what in actions.launched():
-        if recorded & set(proc.run_ids()):
-            continue
-        if proc.is_alive():
-            st.info(f"Starting {plain(what)}…")
-        else:
-            st.error(f"{plain(what)} ended before recording a run: {plain(proc.ending() or 'the supervisor stopped')}. "
-                     "Its output:")
-            st.code(proc.log_tail(), language=None)
-
-
 @st.fragment(run_every=ui.LIVE_REFRESH_S)
 def runs_panel(store) -> None:
     runs = store.runs()
-    launched_panel(runs)
+    ui.launched_runs(store, runs)
     if runs.empty:
         st.info(f"No runs in {plain(store.path)} yet.")
         script = bundled_scripts()[FIRST_EXAMPLE]
@@ -102,7 +88,7 @@ def new_run_form(store) -> None:
     if actions.confirmed("Start run", "new_start", action, type="primary", disabled=not options or bool(blocked),
                          help=blocked):
         actions.start_run(store, script, options, f"{name} at {options['opt_level']}")
-        st.toast(f"Started {plain(name)}")
+        st.success(f"Started {plain(name)}: its progress and links to its pages are at the top of this page.")
 
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
@@ -118,7 +104,8 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
                              options)
     if actions.confirmed("Rerun", "rerun_start", action, type="primary", disabled=not options):
         actions.start_rerun(store, parent_id, options, f"rerun of #{parent_id} at {options['opt_level']}")
-        st.toast(f"Started a rerun of #{parent_id}")
+        st.success(f"Started a rerun of #{parent_id}: its progress and links to its pages are at the top of this "
+                   "page.")
 
 
 store = ui.frame("Runs")

@@ -85,7 +85,7 @@ def page_path(store: Store, run_id: int) -> dict:
     steps, t["steps"] = timed(store.steps, run_id)
     (index, counts), t["histograms of one tensor"] = timed(store.histogram_matrix, run_id, tensor)
     cells, t["heatmap cells"] = timed(summaries.heatmap_cells, index, counts, steps)
-    spec, t["heatmap chart spec"] = timed(lambda: charts.exponent_heatmap(cells, summaries.format_lines()).to_dict())
+    spec, t["heatmap chart spec"] = timed(lambda: charts.exponent_heatmap(cells, summaries.format_lines(), (logged[0], logged[-1] + 1)).to_dict())
     _, t["one tensor at one step"] = timed(store.tensor_stats, run_id, tensor, -1, logged[-1])
     (step_index, step_counts), t["all tensors at one step"] = timed(store.histogram_matrix, run_id, None, -1, logged[-1])
     _, t["what-if for all tensors"] = timed(lambda: [summaries.whatif_shares(h, 8) for h in step_counts])

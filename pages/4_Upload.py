@@ -74,4 +74,5 @@ if report.ready:
     action = actions.pending(f"Start a run of {filename}", filename, sha, options)
     if actions.confirmed("Start run", "upload_start", action, type="primary", disabled=not options):
         actions.start_run(store, f"sha256:{sha}", options, f"{filename} at {options['opt_level']}")
-        st.success(f"Started {plain(filename)} at {options['opt_level']}: follow it on the Runs page.")
+        st.success(f"Started {plain(filename)} at {options['opt_level']}: its progress and links to its pages follow.")
+ui.launched_panel(store)

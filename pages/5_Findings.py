@@ -99,8 +99,8 @@ def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
                                      run["script_path"] or run["name"], run["script_sha256"], options)
             with cols[1]:
                 if actions.confirmed(f"Rerun with this fix ({fix_text})", f"fix_{run_id}_{i}", action):
-                    actions.start_rerun(store, run_id, options, f"fix of {finding.rule} on #{run_id}")
-                    st.toast(f"Rerunning #{run_id} with {plain(fix_text)}")
+                    actions.start_rerun(store, run_id, options, f"the fix of {finding.rule} on #{run_id} ({fix_text})")
+                    st.rerun()  # the whole page: its top says what started, with its progress and links
 
 
 def findings_view(store, run: pd.Series, final: bool) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from mpdiag.analysis.summaries import run_progress
+from mpdiag.dashboard import actions
 from mpdiag.dashboard.reads import is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
@@ -133,6 +135,39 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     return run, is_final(run)
 
 
+def launched_runs(store: Store, runs: pd.DataFrame) -> None:
+    """What this browser session started (runs, reruns, fixes): a process still starting, one that ended
+    before recording a run (with its output), or each run it recorded with its status, progress and links
+    to its pages."""
+    for proc, what in actions.launched():
+        rows = runs[runs["run_id"].isin(proc.run_ids())] if len(runs) else runs
+        if rows.empty:
+            if proc.is_alive():
+                st.info(f"Starting {plain(what)}…")
+            else:
+                st.error(f"{plain(what)} ended before recording a run: "
+                         f"{plain(proc.ending() or 'the supervisor stopped')}. Its output:")
+                st.code(proc.log_tail(), language=None)
+            continue
+        for _, run in rows.iterrows():
+            run_id = int(run["run_id"])
+            fraction, words = run_progress(run)
+            links = " · ".join(f"[{label}](/{page}?run={run_id})" for page, label in
+                               (("Findings", "Findings"), ("Gradients", "Gradients"), ("Loss_scale", "Loss scale")))
+            st.markdown(plain(f"You started {what}: {run_label(run)}, {run['status']}, {words}.") + f" {links}")
+            if run["status"] == "running" and fraction is not None:
+                st.progress(fraction)
+
+
+def launched_panel(store: Store) -> None:
+    """:func:`launched_runs` on a page other than home, live while anything started is still going; nothing
+    when this session started nothing."""
+    started = actions.launched()
+    if started:
+        live = any(proc.is_alive() for proc, _ in started)
+        st.fragment(lambda: launched_runs(store, store.runs()), run_every=LIVE_REFRESH_S if live else None)()
+
+
 def single_run_page(title: str, view) -> None:
     """The whole frame of a page about one run: store, run picker, then ``view(store, run, final)``, live
     (re-run every LIVE_REFRESH_S) while the run is still going."""
@@ -143,6 +178,7 @@ def single_run_page(title: str, view) -> None:
     if chosen is None:
         return
     run, final = chosen
+    launched_panel(store)
     download_section(store, run)
     st.fragment(view, run_every=None if final else LIVE_REFRESH_S)(store, run, final)
 
