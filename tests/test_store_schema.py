@@ -83,6 +83,9 @@ def test_old_store_migrates_in_place_and_reads_back_identical_data(tmp_path, ver
                 assert long[kind].tolist() == rows[f"{fmt}_{kind}"].tolist(), (fmt, kind)
         index, counts = store.histogram_matrix(run_id)
         assert (counts == np.stack([decode_hist(b) for b in rows["hist"]])).all()
+        names, summed = store.histogram_totals(run_id)  # no writer sums in an old store: summed from the rows
+        for name, hist in zip(names, summed, strict=True):
+            assert (hist == counts[(index["tensor"] == name).to_numpy()].sum(axis=0)).all()  # rows checked above
         totals = store.tensor_totals(run_id)
         old = old_totals[old_totals["run_id"] == run_id].reset_index(drop=True)
         for col in ["logged_steps", "zeros", "nan", "posinf", "neginf", *COLUMN_ERA]:
@@ -204,3 +207,25 @@ def test_run_ids_are_integers(tmp_path):
     assert runs.loc["rerun", "parent_run_id"] == 1 and repr(runs.loc["rerun", "parent_run_id"]) == "np.int64(1)"
     assert pd.isna(runs.loc["parent", "parent_run_id"]) and runs.loc["parent", "pair_run_id"] == child
     assert runs["run_id"].dtype == np.int64
+
+
+def test_histogram_totals_kept_by_the_writer_equal_the_sum_of_the_stored_steps(tmp_path):
+    """Schema 6: the writer's running per-tensor sums, over batches of several flushes, are the per-step
+    histograms summed; the findings read them instead of decoding every (step, tensor) row."""
+    import sqlite3
+
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
+
+    path = tmp_path / "s.db"
+    run_id = train(ModelScript.from_path(ROOT / "mpdiag/examples/mlp_digits.py"),
+                   RunConfig(opt_level="O1", steps=9, every=2, device="cpu"), path)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM hist_totals WHERE run_id = ?", (run_id,)).fetchone()[0] == 6
+    store = Store(path)
+    names, summed = store.histogram_totals(run_id)
+    index, counts = store.histogram_matrix(run_id)
+    assert names == list(dict.fromkeys(index["tensor"])) and sorted(index["step"].unique()) == [0, 2, 4, 6, 8]
+    for name, hist in zip(names, summed, strict=True):
+        assert (hist == counts[(index["tensor"] == name).to_numpy()].sum(axis=0)).all()
+        assert hist.sum() > 0

@@ -208,14 +208,13 @@ def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
     )
 
 
-def needs_bf16_range(run: pd.Series, index: pd.DataFrame, counts: np.ndarray) -> Finding | None:
+def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray) -> Finding | None:
     """FP16 levels: tensors whose gradient range is wider than FP16 holds, so no single scale fits.
-    ``index``/``counts``: the run's histograms (Store.histogram_matrix)."""
+    ``tensors``/``per_tensor``: each tensor's histogram over all logged steps (Store.histogram_totals)."""
     if run["opt_level"] not in FP16_LEVELS:
         return None
     wide = []
-    for tensor, rows in index.groupby("tensor").groups.items():
-        hist = counts[rows].sum(axis=0)
+    for tensor, hist in zip(tensors, per_tensor, strict=True):
         total = hist.sum()
         if total == 0:
             continue
@@ -382,8 +381,8 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     run = runs[runs["run_id"] == int(run_id)].iloc[0]
     totals = store.tensor_totals(run_id)
     steps = store.steps(run_id)
-    index, counts = store.histogram_matrix(run_id)  # read once: summed here, per tensor in needs_bf16_range
-    hist = counts.sum(axis=0)
+    tensors, per_tensor = store.histogram_totals(run_id)  # each tensor's histogram over all logged steps
+    hist = per_tensor.sum(axis=0)
     probe = store.probe(run_id, "scale-linearity")
     ignored = scale_ignored(run, probe)
     # gradients that ignore the scale look like underflow too; the cause is reported instead
@@ -399,7 +398,7 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
         update_swamping(run, store.update_stats(run_id)),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         dead_gradients(run, totals),
-        needs_bf16_range(run, index, counts),
+        needs_bf16_range(run, tensors, per_tensor),
         fp32_divergence(run, runs, store, shadow),
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]

@@ -305,6 +305,14 @@ class Store:
         df = self._tensor_steps("src.hist", run_id, tensor, since_step if step is None else step - 1, until_step=step)
         return df, decode_hists(df.pop("hist").tolist())
 
+    def histogram_totals(self, run_id: int) -> tuple[list[str], np.ndarray]:
+        """(tensor names, counts): counts[i, b] is tensor i's exponent bin EXP_MIN + b summed over every logged
+        step, from the sums the writer keeps (a store older than schema 6 gets them summed once when it is
+        migrated), so its cost does not grow with the number of steps."""
+        df = self._query("SELECT t.name AS tensor, h.hist FROM hist_totals h JOIN tensors t ON t.run_id = h.run_id "
+                         "AND t.tensor_id = h.tensor_id WHERE h.run_id = ? ORDER BY h.tensor_id", (int(run_id),))
+        return df["tensor"].tolist(), decode_hists(df["hist"].tolist())
+
     def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
         """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
         index, counts = self.histogram_matrix(run_id, tensor)

@@ -27,7 +27,8 @@ from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
 DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
 # 4: distributed runs: runs.world_size, backend, launch_command; rank_steps. 5: fp8_steps, fp8_histograms (--fp8).
-SCHEMA_VERSION = 5
+# 6: hist_totals, each tensor's exponent histogram summed over its logged steps (runs recorded before have none).
+SCHEMA_VERSION = 6
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
@@ -138,6 +139,11 @@ _STATEMENTS = [
     exponent INTEGER NOT NULL, count INTEGER NOT NULL,
     PRIMARY KEY (run_id, step, module, role, exponent)) WITHOUT ROWID""",
     _TENSOR_TOTALS_DDL,
+    # the writer's running sum of each tensor's histograms (encode_hist), so a run-wide reading of them (the
+    # findings) does not decode every (step, tensor) row
+    """CREATE TABLE IF NOT EXISTS hist_totals (
+    run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
+    PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID""",
     f"""CREATE TABLE IF NOT EXISTS representability_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
     PRIMARY KEY (run_id, tensor_id, fmt)) WITHOUT ROWID""",
@@ -309,6 +315,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
             _add_missing_run_columns(conn)
             if version is not None and version < 3:
                 _move_representability_to_long_table(conn)
+            if version is not None and version < 6:
+                _sum_histograms_into_totals(conn)
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
     except BaseException:
@@ -326,6 +334,23 @@ def _add_missing_run_columns(conn: sqlite3.Connection) -> None:
     for name, kind in wanted:
         if name not in have:
             conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+
+
+def _sum_histograms_into_totals(conn: sqlite3.Connection, chunk: int = 50_000) -> None:
+    """Migration to version 6: hist_totals for the runs recorded before, summed from their tensor_steps rows
+    once (read in chunks, so a store of millions of rows is not held in memory at once)."""
+    sums: dict[tuple[int, int], np.ndarray] = {}
+    cursor = conn.execute("SELECT run_id, tensor_id, hist FROM tensor_steps")
+    while rows := cursor.fetchmany(chunk):
+        hists = decode_hists([hist for _, _, hist in rows])
+        keys = np.array([(run_id, tensor_id) for run_id, tensor_id, _ in rows], dtype=np.int64)
+        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+        partial = np.zeros((len(unique), N_EXP_BINS), dtype=np.int64)
+        np.add.at(partial, inverse.reshape(-1), hists)
+        for (run_id, tensor_id), hist in zip(unique.tolist(), partial, strict=True):
+            sums[(run_id, tensor_id)] = sums[(run_id, tensor_id)] + hist if (run_id, tensor_id) in sums else hist
+    conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)",
+                     [(run_id, tensor_id, encode_hist(hist)) for (run_id, tensor_id), hist in sums.items()])
 
 
 # The formats whose counts schema versions 1 and 2 kept as columns named {fmt}_{kind}.

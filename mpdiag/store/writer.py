@@ -19,10 +19,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.store.liveness import process_start_time, this_host
 from mpdiag.store.reader import step_summaries
-from mpdiag.store.schema import RUN_FIELDS, SPECIAL_COUNT_COLUMNS, STATUSES, open_for_writing
+from mpdiag.store.schema import (
+    RUN_FIELDS,
+    SPECIAL_COUNT_COLUMNS,
+    STATUSES,
+    decode_hists,
+    encode_hist,
+    open_for_writing,
+)
 
 
 class StepRow(NamedTuple):
@@ -243,7 +252,27 @@ class StoreWriter:
                 f"INSERT INTO representability_totals VALUES ({', '.join('?' * (3 + len(kinds)))}) "
                 "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
                 [(run_id, tensor_id, fmt, *sums) for (tensor_id, fmt), sums in per_format.items()])
+            self._add_hist_totals(run_id, tensor_rows)
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
+
+    def _add_hist_totals(self, run_id: int, tensor_rows: Sequence[TensorRow]) -> None:
+        """Add the rows' histograms to their tensors' running sums in hist_totals (inside the caller's
+        transaction): read the sums of the tensors present, add, write back."""
+        if not tensor_rows:
+            return
+        ids = sorted({row.tensor_id for row in tensor_rows})
+        rows = np.array([row.tensor_id for row in tensor_rows])
+        hists = decode_hists([row.hist for row in tensor_rows])
+        marks = ", ".join("?" * len(ids))
+        held = dict(self._conn.execute(f"SELECT tensor_id, hist FROM hist_totals WHERE run_id = ? AND tensor_id IN "
+                                       f"({marks})", (run_id, *ids)).fetchall())
+        sums = []
+        for tensor_id in ids:
+            total = hists[rows == tensor_id].sum(axis=0)
+            if tensor_id in held:
+                total = total + decode_hists([held[tensor_id]])[0]
+            sums.append((run_id, tensor_id, encode_hist(total)))
+        self._conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)", sums)
 
 
 def _sum_counts(tensor_rows: Sequence[TensorRow]) -> tuple[dict[int, list[int]], dict[tuple[int, str], list[int]]]:
