@@ -1,14 +1,16 @@
 """Every page renders every kind of run (issue 15): each gallery script at its failing and fixed settings,
 the bundled models, a collapsed loss scale, an all-skipped run, a run that failed at step k, one that crashed,
-one still running, a --trace-modules run, FP8 recordings and a watched script. Under AppTest here; in real
-Chromium in test_browser.py, on the same store.
+one still running, a --trace-modules run, FP8 recordings and a watched script; under AppTest and in real
+Chromium, on one store. Then the interactions only a browser shows, and the live and cached reads.
 
 A page passes when it raises nothing and every chart it draws has a finite point to show (a chart of
 nothing but NaN, or of no rows, must be a sentence instead)."""
 
+import contextlib
 import importlib
 import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -17,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import EXAMPLES, ROOT, run_cli
-from streamlit.testing.v1 import AppTest
+from test_app import app
 
 from mpdiag import Store
 from mpdiag.store import StoreWriter
@@ -27,7 +29,6 @@ from mpdiag.training.script import ModelScript
 pytestmark = pytest.mark.slow
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
          "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
-TIMEOUT = 60
 GALLERY = sorted(path.stem for path in EXAMPLES.glob("gallery_*.py"))
 
 FAILS_AT_STEP_3 = """
@@ -70,6 +71,27 @@ WATCHED_LOOP = """
 def cli(store, command, *args):
     done = run_cli(command, "--store", str(store), *args)  # before the script: watch hands what follows it to the script
     return done.returncode, done.stdout + done.stderr
+
+
+def own_loop(path, name: str):
+    """The Recorder in a user's own loop (no planned total) on a small seeded model: (recorder, one step)."""
+    import torch
+
+    from mpdiag.recording.recorder import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = Recorder(model, Store(path), optimizer=optimizer, name=name)
+
+    def train_step() -> None:
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        recorder.record(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return recorder, train_step
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +147,9 @@ def kinds(tmp_path_factory):
 
     from mpdiag.recording.recorder import Recorder
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    recorder = Recorder(model, Store(path), optimizer=optimizer, name="still running")
+    recorder, train_step = own_loop(path, "still running")
     for _ in range(3):
-        loss = model(torch.randn(4, 8)).square().mean()
-        loss.backward()
-        recorder.record(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step()
     recorder.flush()
     runs["running"] = recorder.run_id
     waiting = Recorder(torch.nn.Linear(2, 2), Store(path), name="running, no step yet")  # its heartbeat keeps it running
@@ -151,11 +166,25 @@ def page_query(page: str, run_id: int, partner: dict) -> dict:
 
 
 def render(page, store, monkeypatch, **query):
-    monkeypatch.setenv("MPDIAG_STORE", str(store))
-    at = AppTest.from_file(str(ROOT / page), default_timeout=TIMEOUT)
-    for key, value in query.items():
-        at.query_params[key] = value
-    return at.run()
+    return app(page, store, monkeypatch, **query)
+
+
+@contextlib.contextmanager
+def chromium_on(store):
+    """A streamlit server on ``store`` and a 1400 x 1800 page in Debian's headless Chromium: (server, page)."""
+    from playwright.sync_api import sync_playwright
+    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    server = Server(store)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            yield server, browser.new_page(viewport={"width": 1400, "height": 1800})
+            browser.close()
+    finally:
+        server.stop()
 
 
 def finite_points(chart) -> int:
@@ -232,52 +261,42 @@ URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_sc
 def test_every_page_of_every_kind_in_chromium(kinds):
     """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
     drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/)."""
-    from playwright.sync_api import sync_playwright
-    from test_browser import CHROMIUM, CHROMIUM_ARGS, SHOTS, Server, charts_fit, settle
+    from test_browser import SHOTS, charts_fit, settle
 
-    if not CHROMIUM or not __import__("os").path.exists(CHROMIUM):
-        pytest.skip("needs Debian's chromium (apt-get install chromium)")
     store, runs, partner = kinds
-    server = Server(store)
     problems, shots = {}, SHOTS / "kinds"
     shots.mkdir(parents=True, exist_ok=True)
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1600})
-            console: list[str] = []
-            page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
-            page.on("pageerror", lambda error: console.append(str(error)))
-            page.on("response", lambda response: console.append(f"{response.status} {response.url}")
-                    if response.status >= 400 else None)
-            # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
-            # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
-            benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
-            for kind, run_id in runs.items():
-                for page_file, path in URL_PATHS.items():
-                    query = page_query(page_file, run_id, partner)
-                    url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
-                                                              for v in (vs if isinstance(vs, list) else [vs]))
-                    console.clear()
-                    page.goto(url)
-                    settle(page, wait_ms=300)
-                    found = []
-                    if page.locator("[data-testid='stException']").count():
-                        found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
-                    probes = [text for text in console if benign.match(text)]
-                    said = [text for text in console if not benign.match(text)]
-                    for _ in probes:
-                        if "status of 404" in " ".join(said):
-                            said.remove(next(text for text in said if "status of 404" in text))
-                    found += [f"console: {text[:200]}" for text in said]
-                    found += charts_fit(page)
-                    if found:
-                        problems[f"{kind} on /{path}"] = found
-                    page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
-                                    full_page=True)
-            browser.close()
-    finally:
-        server.stop()
+    with chromium_on(store) as (server, page):
+        console: list[str] = []
+        page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+        page.on("pageerror", lambda error: console.append(str(error)))
+        page.on("response", lambda response: console.append(f"{response.status} {response.url}")
+                if response.status >= 400 else None)
+        # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
+        # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
+        benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
+        for kind, run_id in runs.items():
+            for page_file, path in URL_PATHS.items():
+                query = page_query(page_file, run_id, partner)
+                url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
+                                                          for v in (vs if isinstance(vs, list) else [vs]))
+                console.clear()
+                page.goto(url)
+                settle(page, wait_ms=300)
+                found = []
+                if page.locator("[data-testid='stException']").count():
+                    found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
+                probes = [text for text in console if benign.match(text)]
+                said = [text for text in console if not benign.match(text)]
+                for _ in probes:
+                    if "status of 404" in " ".join(said):
+                        said.remove(next(text for text in said if "status of 404" in text))
+                found += [f"console: {text[:200]}" for text in said]
+                found += charts_fit(page)
+                if found:
+                    problems[f"{kind} on /{path}"] = found
+                page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
+                                full_page=True)
     assert not problems, problems
 
 
@@ -318,28 +337,20 @@ def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds):
     import io
 
     from PIL import Image, ImageChops
-    from playwright.sync_api import sync_playwright
-    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server, settle
+    from test_browser import settle
 
     store, runs, _ = kinds
-    server = Server(store)
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
-            settle(page)
-            chart = page.locator("[data-testid='stVegaLiteChart']").first
-            box = chart.bounding_box()
-            top = lambda: Image.open(io.BytesIO(chart.screenshot())).convert("RGB").crop((0, 0, int(box["width"]), 200))  # noqa: E731
-            before = top()
-            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 120)  # over the loss panel
-            page.mouse.wheel(0, -400)
-            page.wait_for_timeout(800)
-            assert ImageChops.difference(before, top()).getbbox() is not None, "the loss-scale panel did not zoom"
-            browser.close()
-    finally:
-        server.stop()
+    with chromium_on(store) as (server, page):
+        page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
+        settle(page)
+        chart = page.locator("[data-testid='stVegaLiteChart']").first
+        box = chart.bounding_box()
+        top = lambda: Image.open(io.BytesIO(chart.screenshot())).convert("RGB").crop((0, 0, int(box["width"]), 200))  # noqa: E731
+        before = top()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 120)  # over the loss panel
+        page.mouse.wheel(0, -400)
+        page.wait_for_timeout(800)
+        assert ImageChops.difference(before, top()).getbbox() is not None, "the loss-scale panel did not zoom"
 
 
 @pytest.mark.browser
@@ -347,29 +358,21 @@ def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds):
     """On Gradients, a click on the heatmap's first column (step 0) moves the step slider and the step's
     histogram to step 0 (the page opens on the last step). The click height is searched: cells lie only
     where the gradient's exponents are."""
-    from playwright.sync_api import sync_playwright
-    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server, settle
+    from test_browser import settle
 
     store, runs, _ = kinds
-    server = Server(store)
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
-            settle(page, "click a column")
-            assert page.get_by_text("step 5, loss scale").count() == 1
-            box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
-            for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
-                page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
-                page.wait_for_timeout(700)
-                if page.get_by_text("step 0, loss scale").count():
-                    break
-            else:
-                raise AssertionError("no click on the heatmap's first column showed step 0")
-            browser.close()
-    finally:
-        server.stop()
+    with chromium_on(store) as (server, page):
+        page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
+        settle(page, "click a column")
+        assert page.get_by_text("step 5, loss scale").count() == 1
+        box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
+        for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
+            page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
+            page.wait_for_timeout(700)
+            if page.get_by_text("step 0, loss scale").count():
+                break
+        else:
+            raise AssertionError("no click on the heatmap's first column showed step 0")
 
 
 def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(tmp_path, monkeypatch):
@@ -377,23 +380,13 @@ def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(t
     asks the store for the chosen tensor's histograms after the last step it already holds, and shows all."""
     import time
 
-    import torch
-
-    from mpdiag.recording.recorder import Recorder
 
     path = tmp_path / "live.db"
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    recorder = Recorder(model, Store(path), optimizer=optimizer, name="live")
+    recorder, train_step = own_loop(path, "live")
 
     def train_until(logged: int) -> None:
         while len(Store(path).logged_steps(recorder.run_id)) < logged:
-            loss = model(torch.randn(4, 8)).square().mean()
-            loss.backward()
-            recorder.record(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step()
             recorder.flush()
             time.sleep(0.2)
 
