@@ -9,7 +9,6 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import module_trace
-from mpdiag.analysis.findings import diagnose
 from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -36,9 +35,7 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
     if modules.empty:
         not_traced(run, run_id)
         return
-    for f in diagnose(store, run_id):  # what Findings links here says, said here too
-        if f.page == "Modules":
-            (st.error if f.severity == "error" else st.warning)(plain(f"{f.title}. {f.evidence}"))
+    ui.findings_shown_here(store, run_id, "Modules")
     located = module_trace.first_nonfinite(modules).strip()
     st.caption(plain(f"{modules['module'].nunique()} modules traced over {modules['step'].nunique()} steps. "
                      + (located or "Every forward output and gradient stayed finite.")))

@@ -93,3 +93,15 @@ def test_the_overflow_finding_opens_the_modules_page_on_the_module_it_names(stor
     assert "first inf/NaN" in json.dumps(spec)
     untraced = app("pages/7_Modules.py", store_path, monkeypatch, run=str(plain_run))
     assert not untraced.exception and f"python -m mpdiag rerun {plain_run} --trace-modules" in texts(untraced)
+
+
+def test_the_loss_scale_page_says_what_the_findings_linking_to_it_say(store_path, monkeypatch):
+    """O3 with Adam: the optimizer-step finding links to Loss scale; that page states its evidence."""
+    script = ModelScript.from_path(EXAMPLES / "mlp_digits.py")
+    run_id = train(script, RunConfig(opt_level="O3", steps=4, device="cpu"), store_path)
+    linked = [f for f in diagnose(Store(store_path), run_id) if f.page == "Loss_scale"]
+    assert "optimizer-step-nonfinite" in {f.rule for f in linked}
+    at = app("pages/2_Loss_scale.py", store_path, monkeypatch, run=str(run_id))
+    assert not at.exception
+    for finding in linked:
+        assert finding.evidence in texts(at)

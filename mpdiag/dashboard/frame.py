@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.reads import is_final
@@ -133,6 +134,15 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run)
     return run, is_final(run)
+
+
+def findings_shown_here(store: Store, run_id: int, page: str) -> None:
+    """The run's findings whose evidence link opens ``page``, said at its top as Findings says them, so what
+    a link promises is on the page it opens."""
+    for finding in diagnose(store, run_id):
+        if finding.page == page:
+            say = st.error if finding.severity == "error" else st.warning
+            say(plain(f"{finding.title}. {finding.evidence}"))
 
 
 def launched_runs(store: Store, runs: pd.DataFrame) -> None:
