@@ -83,7 +83,7 @@ def settle(page, text=None, timeout=60_000, wait_ms=1500):
     charts to draw."""
     # the script has run to its end once (right after goto the app reads "initial", then "running")
     page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
-    page.wait_for_selector("[data-testid='stMain'] h1", timeout=timeout)
+    page.wait_for_selector("[data-testid='stMain'] [data-testid='stElementContainer']", timeout=timeout)
     if text:
         page.get_by_text(text, exact=False).first.wait_for(timeout=timeout)
     page.wait_for_function(
