@@ -257,46 +257,57 @@ URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_sc
              "pages/7_Modules.py": "Modules"}
 
 
-@pytest.mark.browser
-def test_every_page_of_every_kind_in_chromium(kinds):
-    """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
-    drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/)."""
-    from test_browser import SHOTS, charts_fit, settle
-
-    store, runs, partner = kinds
-    problems, shots = {}, SHOTS / "kinds"
-    shots.mkdir(parents=True, exist_ok=True)
+@pytest.fixture(scope="module")
+def chromium(kinds):
+    """One server on the kinds store and one Chromium page for the module's browser tests: (server, page,
+    console), where console collects the page's errors, failed responses and uncaught exceptions."""
+    store, _, _ = kinds
     with chromium_on(store) as (server, page):
         console: list[str] = []
         page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
         page.on("pageerror", lambda error: console.append(str(error)))
         page.on("response", lambda response: console.append(f"{response.status} {response.url}")
                 if response.status >= 400 else None)
-        # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
-        # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
-        benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
-        for kind, run_id in runs.items():
-            for page_file, path in URL_PATHS.items():
-                query = page_query(page_file, run_id, partner)
-                url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
-                                                          for v in (vs if isinstance(vs, list) else [vs]))
-                console.clear()
-                page.goto(url)
-                settle(page, wait_ms=300)
-                found = []
-                if page.locator("[data-testid='stException']").count():
-                    found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
-                probes = [text for text in console if benign.match(text)]
-                said = [text for text in console if not benign.match(text)]
-                for _ in probes:
-                    if "status of 404" in " ".join(said):
-                        said.remove(next(text for text in said if "status of 404" in text))
-                found += [f"console: {text[:200]}" for text in said]
-                found += charts_fit(page)
-                if found:
-                    problems[f"{kind} on /{path}"] = found
-                page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
-                                full_page=True)
+        yield server, page, console
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page_file", list(URL_PATHS))
+def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
+    """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
+    drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/).
+    One test a page, so that each stays well inside the per-test timeout on CI's two cores."""
+    from test_browser import SHOTS, charts_fit, settle
+
+    _, runs, partner = kinds
+    server, page, console = chromium
+    path = URL_PATHS[page_file]
+    problems, shots = {}, SHOTS / "kinds"
+    shots.mkdir(parents=True, exist_ok=True)
+    # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
+    # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
+    benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
+    for kind, run_id in runs.items():
+        query = page_query(page_file, run_id, partner)
+        url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
+                                                  for v in (vs if isinstance(vs, list) else [vs]))
+        console.clear()
+        page.goto(url)
+        settle(page, wait_ms=300)
+        found = []
+        if page.locator("[data-testid='stException']").count():
+            found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
+        probes = [text for text in console if benign.match(text)]
+        said = [text for text in console if not benign.match(text)]
+        for _ in probes:
+            if "status of 404" in " ".join(said):
+                said.remove(next(text for text in said if "status of 404" in text))
+        found += [f"console: {text[:200]}" for text in said]
+        found += charts_fit(page)
+        if found:
+            problems[kind] = found
+        page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
+                        full_page=True)
     assert not problems, problems
 
 
@@ -331,7 +342,7 @@ def test_a_final_runs_health_badge_follows_a_probe_stored_after_it_was_cached(tm
 
 
 @pytest.mark.browser
-def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds):
+def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds, chromium):
     """Scrolling over the loss panel rescales the steps of the loss-scale panel above it (one shared x scale
     bound to a zoom): the top panel's pixels change although the mouse never touched it."""
     import io
@@ -339,40 +350,40 @@ def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds):
     from PIL import Image, ImageChops
     from test_browser import settle
 
-    store, runs, _ = kinds
-    with chromium_on(store) as (server, page):
-        page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
-        settle(page)
-        chart = page.locator("[data-testid='stVegaLiteChart']").first
-        box = chart.bounding_box()
-        top = lambda: Image.open(io.BytesIO(chart.screenshot())).convert("RGB").crop((0, 0, int(box["width"]), 200))  # noqa: E731
-        before = top()
-        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 120)  # over the loss panel
-        page.mouse.wheel(0, -400)
-        page.wait_for_timeout(800)
-        assert ImageChops.difference(before, top()).getbbox() is not None, "the loss-scale panel did not zoom"
+    _, runs, _ = kinds
+    server, page, _ = chromium
+    page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
+    settle(page)
+    chart = page.locator("[data-testid='stVegaLiteChart']").first
+    box = chart.bounding_box()
+    top = lambda: Image.open(io.BytesIO(chart.screenshot())).convert("RGB").crop((0, 0, int(box["width"]), 200))  # noqa: E731
+    before = top()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 120)  # over the loss panel
+    page.mouse.wheel(0, -400)
+    page.wait_for_timeout(800)
+    assert ImageChops.difference(before, top()).getbbox() is not None, "the loss-scale panel did not zoom"
 
 
 @pytest.mark.browser
-def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds):
+def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds, chromium):
     """On Gradients, a click on the heatmap's first column (step 0) moves the step slider and the step's
     histogram to step 0 (the page opens on the last step). The click height is searched: cells lie only
     where the gradient's exponents are."""
     from test_browser import settle
 
-    store, runs, _ = kinds
-    with chromium_on(store) as (server, page):
-        page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
-        settle(page, "click a column")
-        assert page.get_by_text("step 5, loss scale").count() == 1
-        box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
-        for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
-            page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
-            page.wait_for_timeout(700)
-            if page.get_by_text("step 0, loss scale").count():
-                break
-        else:
-            raise AssertionError("no click on the heatmap's first column showed step 0")
+    _, runs, _ = kinds
+    server, page, _ = chromium
+    page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
+    settle(page, "click a column")
+    assert page.get_by_text("step 5, loss scale").count() == 1
+    box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
+    for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
+        page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
+        page.wait_for_timeout(700)
+        if page.get_by_text("step 0, loss scale").count():
+            break
+    else:
+        raise AssertionError("no click on the heatmap's first column showed step 0")
 
 
 def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(tmp_path, monkeypatch):
