@@ -192,19 +192,39 @@ class Store:
 
     def scripts(self) -> pd.DataFrame:
         """Stored scripts, newest first: sha256, filename, added_at (UTC), runs (how many runs used it)."""
-        df = self._query(
+        return self._uploads(
             "SELECT s.sha256, s.filename, s.added_at, (SELECT COUNT(*) FROM runs r WHERE r.script_sha256 = s.sha256) "
             "AS runs FROM scripts s ORDER BY s.added_at DESC"
         )
-        df["added_at"] = pd.to_datetime(df["added_at"], unit="s", utc=True)
-        return df
 
     def script_source(self, sha256: str) -> tuple[str, str]:
         """(original file name, source text) of a stored script."""
-        df = self._query("SELECT filename, source FROM scripts WHERE sha256 = ?", (sha256,))
+        row = self._upload("SELECT filename, source FROM scripts WHERE sha256 = ?", sha256, "stored script")
+        return row["filename"], row["source"]
+
+    def bundles(self) -> pd.DataFrame:
+        """Uploaded training code, newest first: sha256, name, bytes (its zip's size), added_at (UTC), runs
+        (how many watched runs ran it)."""
+        return self._uploads(
+            "SELECT b.sha256, b.name, LENGTH(b.zip) AS bytes, b.added_at, (SELECT COUNT(*) FROM runs r WHERE "
+            "json_extract(r.config, '$.watch.bundle') = b.sha256) AS runs FROM bundles b ORDER BY b.added_at DESC"
+        )
+
+    def bundle(self, sha256: str) -> tuple[str, bytes]:
+        """(name, canonical zip) of stored uploaded code."""
+        row = self._upload("SELECT name, zip FROM bundles WHERE sha256 = ?", sha256, "uploaded code")
+        return row["name"], bytes(row["zip"])
+
+    def _uploads(self, sql: str) -> pd.DataFrame:
+        df = self._query(sql)
+        df["added_at"] = pd.to_datetime(df["added_at"], unit="s", utc=True)
+        return df
+
+    def _upload(self, sql: str, sha256: str, what: str) -> pd.Series:
+        df = self._query(sql, (sha256,))
         if df.empty:
-            raise StoreError(f"No stored script with hash {sha256} in {self.path}.")
-        return df.iloc[0]["filename"], df.iloc[0]["source"]
+            raise StoreError(f"No {what} with hash {sha256} in {self.path}.")
+        return df.iloc[0]
 
     # -- per step -------------------------------------------------------------------------------------------
     def steps(self, run_id: int, since_step: int = -1) -> pd.DataFrame:

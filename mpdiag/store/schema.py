@@ -28,7 +28,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
 # 4: distributed runs: runs.world_size, backend, launch_command; rank_steps. 5: fp8_steps, fp8_histograms (--fp8).
 # 6: hist_totals, each tensor's exponent histogram summed over its logged steps (runs recorded before have none).
-SCHEMA_VERSION = 6
+# 7: bundles, training code uploaded in the app (a script and the files it imports) that watched runs repeat.
+SCHEMA_VERSION = 7
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
@@ -75,6 +76,8 @@ _STATEMENTS = [
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
     """CREATE TABLE IF NOT EXISTS scripts (
     sha256 TEXT PRIMARY KEY, filename TEXT NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS bundles (
+    sha256 TEXT PRIMARY KEY, name TEXT NOT NULL, zip BLOB NOT NULL, added_at REAL NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS runs (
     run_id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT, script_path TEXT, script_sha256 TEXT REFERENCES scripts(sha256),

@@ -125,6 +125,14 @@ class StoreWriter:
             )
         return sha
 
+    def add_bundle(self, name: str, data: bytes) -> str:
+        """Store uploaded training code (its canonical zip, :class:`mpdiag.sandbox.bundle.Bundle`) under the
+        zip's SHA-256 (idempotent) and return the hash."""
+        sha = hashlib.sha256(data).hexdigest()
+        with self._conn:
+            self._conn.execute("INSERT OR IGNORE INTO bundles VALUES (?, ?, ?, ?)", (sha, name, data, time.time()))
+        return sha
+
     def _insert(self, table: str, run_id: int, rows: Sequence[tuple], verb: str = "INSERT") -> None:
         """One transaction adding ``rows`` (the table's columns after run_id) to ``table`` for ``run_id``."""
         if rows:
@@ -203,6 +211,15 @@ class StoreWriter:
         fields = _json_fields(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._conn.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*fields.values(), int(run_id)])
+
+    def set_optimizer_step_nonfinite(self, run_id: int, record: dict) -> None:
+        """Store the first optimizer step that made weights or optimizer state non-finite from finite values
+        (:class:`mpdiag.recording.nonfinite_step.NonfiniteStepCheck`'s record) as ``config.optimizer_step_nonfinite``,
+        keeping the rest of the run's configuration."""
+        with self._conn:
+            self._conn.execute(
+                "UPDATE runs SET config = json_set(COALESCE(config, '{}'), '$.optimizer_step_nonfinite', json(?)) "
+                "WHERE run_id = ?", (json.dumps(record), int(run_id)))
 
     def end_run(self, run_id: int, status: str, error: str | None = None, note: str | None = None) -> None:
         """End a run: store its step summary (once its last rows are committed, so readers need not scan its steps
