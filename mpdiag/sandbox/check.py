@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpdiag.sandbox.child import SOURCE_FILE, run_task
+from mpdiag.sandbox.child import SOURCE_FILE, TaskResult, run_task
 from mpdiag.sandbox.supervisor import Limits
 
 
@@ -106,6 +106,11 @@ def check_script(filename: str, source: str | bytes, device: str = "auto", limit
     data = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else bytes(source)
     result = run_task("check", {"filename": filename, "device": device}, limits or Limits.for_checks(),
                       files={SOURCE_FILE: data})
+    return report_of(filename, result)
+
+
+def report_of(filename: str, result: TaskResult) -> CheckReport:
+    """The CheckReport of a check child's result; a missing or malformed verdict is a problem, never trusted."""
     report = CheckReport(filename=filename, ready=False)
     verdict = result.verdict
     try:

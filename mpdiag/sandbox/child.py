@@ -58,8 +58,10 @@ _HEADER = struct.Struct(">I")
 #: task name -> "module:function" run in the child as function(payload, channel) -> verdict (a JSON dict)
 TASKS = {
     "check": "mpdiag.sandbox.check:check_in_child",
+    "check-bundle": "mpdiag.sandbox.bundle:check_bundle_in_child",
     "probe": "mpdiag.sandbox.probe:probe_in_child",
     "run": "mpdiag.sandbox.launch:run_in_child",
+    "watch": "mpdiag.sandbox.launch:watch_in_child",
 }
 
 
@@ -228,13 +230,14 @@ def run_task(task: str, payload: dict, limits: Limits, files: dict[str, bytes] |
              log_path: Path | None = None, on_call: OnCall | None = None,
              on_start: Callable[[int], None] | None = None) -> TaskResult:
     """Run ``task`` (a key of TASKS) in a supervised child whose working directory is a fresh scratch
-    directory holding ``files``; removes the directory when the child ends. Never raises for what the child
+    directory holding ``files`` (by relative path); removes the directory when the child ends. Never raises for what the child
     does. ``payload`` travels in argv (it must not hold the store's path)."""
     if task not in TASKS:
         raise ValueError(f"unknown child task {task!r}")
     work = scratch_dir(task)
     try:
-        for name, data in (files or {}).items():
+        for name, data in (files or {}).items():  # relative paths (a bundle's are checked in bundle.py)
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
             (work / name).write_bytes(data)
         read_fd, write_fd = os.pipe()
         reader = _ChannelReader(read_fd, on_call)

@@ -4,13 +4,16 @@
 ``python -m mpdiag.sandbox.launch`` in its own session and hands it the job on stdin (never in argv or the
 environment, where a child could read it). That supervising process:
 
-1. plans the run (script source and :class:`~mpdiag.training.runner.RunConfig`; a bad option ends here with
-   its message), stores the script and creates the run rows with status ``queued`` (two with ``pair``);
+1. plans the job (:func:`plan`: a model script's source and :class:`~mpdiag.training.runner.RunConfig`, or
+   a watched command: uploaded code from the store, or a script ``mpdiag watch`` ran from the command line;
+   a bad option ends here with its message), stores the script and creates the run rows with status
+   ``queued`` (two with ``pair``);
 2. waits for one of :func:`max_concurrent_runs` run slots (lock files: a slot frees itself when its holder
    dies);
-3. runs the ``run`` task of :mod:`mpdiag.sandbox.child` under :meth:`Limits.for_runs`. The child gets the
-   script source, the configuration and the run ids only; its Recorder's writes arrive as calls, applied by
-   :class:`RunOwner` after checking the method is allowed and the run is one this process created;
+3. runs the ``run`` (or ``watch``) task of :mod:`mpdiag.sandbox.child` under :meth:`Limits.for_runs`. The
+   child gets the script source (or the uploaded files), the configuration and the run ids only; its
+   Recorder's writes arrive as calls, applied by :class:`RunOwner` after checking the method is allowed, the
+   run is one this process created, and leaving what the plan fixed (a watched run's command) as planned;
 4. marks any of its runs the child left open ``failed``, with why (a limit, a crash, ``os._exit``).
 
 This module must not let a child name the store or write a run it was not given.
@@ -26,12 +29,14 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from mpdiag.sandbox.bundle import BundleRefused, bundle_from_zip, module_name
 from mpdiag.sandbox.child import (
     SOURCE_FILE,
     WORK_DIR,
@@ -48,7 +53,8 @@ LOG_FILE = "output.log"
 STORED_PREFIX = "sha256:"
 #: store writer methods a run child may call, each with the run id as its first argument
 ALLOWED_CALLS = frozenset({"create_run", "update_run", "add_tensors", "write_batch", "add_modules",
-                           "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run"})
+                           "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run",
+                           "set_optimizer_step_nonfinite"})
 
 
 def max_concurrent_runs() -> int:
@@ -76,8 +82,15 @@ def run_job(script: str, options: dict) -> dict:
 
 
 def rerun_job(run_id: int, options: dict) -> dict:
-    """A rerun of ``run_id`` with ``options`` overridden."""
+    """A rerun of ``run_id`` with ``options`` overridden (for a watched run: WATCH_RERUN_OPTIONS only)."""
     return {"kind": "rerun", "run_id": int(run_id), "options": dict(options)}
+
+
+def watch_job(bundle_sha256: str, entry: str, args: list[str], module: bool, options: dict) -> dict:
+    """A watched run of uploaded code: ``entry`` (a file of the stored bundle) run as ``python [-m] ENTRY ARGS``
+    from the bundle's root, with watch options (opt_level, init_scale, every, trace_modules, name)."""
+    return {"kind": "watch", "bundle": bundle_sha256, "entry": entry, "args": [str(a) for a in args],
+            "module": bool(module), "options": dict(options)}
 
 
 @dataclass(frozen=True)
@@ -162,8 +175,22 @@ def run_slot(max_runs: int, poll_s: float = 0.5):
         time.sleep(poll_s)
 
 
-def plan(job: dict, store_path: str):
-    """(script, config, pair) for a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
+@dataclass
+class Plan:
+    """What the supervising process does for a job: create its queued run rows (``queue(writer)`` returns
+    their ids), then run ``task`` in a child given ``payload`` (plus the run ids) and ``files``. ``fixed``: the
+    run fields the child's ``create_run`` may not set otherwise."""
+
+    task: str
+    payload: dict
+    files: dict[str, bytes]
+    queue: Callable[[object], list[int]]
+    parent_run_id: int | None
+    fixed: dict
+
+
+def plan(job: dict, store_path: str) -> Plan:
+    """The Plan of a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
     from mpdiag.store import Store
     from mpdiag.training.config import UNSET
     from mpdiag.training.runner import RunConfig, rerun_plan
@@ -172,28 +199,89 @@ def plan(job: dict, store_path: str):
     # None: not given (keep the default or the parent's value); UNSET: cleared; False stays False, so a rerun can
     # turn off a switch its parent had on.
     options = {k: None if v == UNSET else v for k, v in job["options"].items() if v is not None}
+    if job["kind"] == "watch":
+        return _watch_plan(_uploaded_watch(job, options), Store(store_path))
     pair = bool(options.pop("pair", False))
     if job["kind"] == "rerun":
-        script, config = rerun_plan(Store(store_path, create=False), job["run_id"], **options)
-        return script, config, pair
-    if job["script"].startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
+        store = Store(store_path, create=False)
+        parent = store.run(job["run_id"])
+        if "watch" in parent["config"]:
+            return _watch_plan(_watch_rerun(job["run_id"], parent, options, pair), store)
+        script, config = rerun_plan(store, job["run_id"], **options)
+    elif job["script"].startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
         filename, source = Store(store_path).script_source(job["script"].removeprefix(STORED_PREFIX))
         script = ModelScript(filename=filename, source=source)
+        config = RunConfig().with_options(**options)
     else:
         script = ModelScript.from_path(job["script"])
-    config = RunConfig().with_options(**options)
+        config = RunConfig().with_options(**options)
     config.validate()
-    return script, config, pair
+    return Plan(task="run", payload={"filename": script.filename, "config": config.to_dict(), "pair": pair},
+                files={SOURCE_FILE: script.source.encode()}, queue=lambda w: _queue_rows(w, script, config, pair),
+                parent_run_id=config.parent_run_id, fixed={})
+
+
+def _uploaded_watch(job: dict, options: dict):
+    """The WatchConfig of uploaded code (a stored bundle's entry point)."""
+    from mpdiag.training.config import WATCH_RERUN_OPTIONS, ConfigError
+    from mpdiag.training.watch import WatchConfig
+
+    unknown = sorted(set(options) - set(WATCH_RERUN_OPTIONS))
+    if unknown:
+        raise ConfigError(f"a watched run takes {', '.join(WATCH_RERUN_OPTIONS)}, not {', '.join(unknown)}")
+    return WatchConfig(target=module_name(job["entry"]) if job["module"] else job["entry"], args=tuple(job["args"]),
+                       module=bool(job["module"]), bundle=job["bundle"], **options)
+
+
+def _watch_rerun(run_id: int, parent, options: dict, pair: bool):
+    from mpdiag.training.config import ConfigError
+    from mpdiag.training.watch import rerun_config
+
+    if pair:
+        raise ConfigError(f"run {run_id} was recorded by mpdiag watch, which runs no FP32 twin.")
+    return rerun_config(run_id, parent["name"], parent["config"]["watch"], **options)
+
+
+def _watch_plan(config, store) -> Plan:
+    """Run a WatchConfig in a child: uploaded code unpacked in its directory, or a command-line script in the
+    directory it was watched from."""
+    from mpdiag.training.config import ConfigError
+
+    config.validate()
+    files = {}
+    if config.bundle is not None:
+        name, data = store.bundle(config.bundle)
+        bundle = bundle_from_zip(name, data)
+        files = dict(bundle.files)
+        target = config.target.replace(".", "/") + ".py" if config.module else config.target
+        if target not in files and not (config.module and target.removesuffix(".py") + "/__main__.py" in files):
+            raise ConfigError(f"{config.target} is not a file of the uploaded code {name}.")
+    name = config.name or os.path.basename(config.target)
+    settings = config.settings()
+    fields = {"name": name, "config": {"watch": settings}, "parent_run_id": config.parent_run_id,
+              "script_path": None if config.module or config.bundle else os.path.join(config.cwd, config.target)}
+
+    def queue(writer) -> list[int]:
+        def create(w) -> list[int]:
+            run_id = w.create_run(opt_level=config.opt_level or "custom", scaling="none", every=config.every, **fields)
+            w.update_run(run_id, status="queued")
+            return [run_id]
+
+        return writer.call(create)
+
+    return Plan(task="watch", payload={"watch": settings, "name": name, "parent_run_id": config.parent_run_id},
+                files=files, queue=queue, parent_run_id=config.parent_run_id, fixed=fields)
 
 
 class RunOwner:
     """Applies a run child's store calls to this process's writer, refusing what the child may not do."""
 
-    def __init__(self, writer, run_ids: list[int], parent_run_id: int | None):
+    def __init__(self, writer, run_ids: list[int], parent_run_id: int | None, fixed: dict | None = None):
         self._writer = writer
         self.run_ids = list(run_ids)
         self._unclaimed = list(run_ids)
         self._parent = parent_run_id
+        self._fixed = dict(fixed or {})
 
     def apply(self, method: str, args: list, kwargs: dict) -> None:
         if method not in ALLOWED_CALLS:
@@ -205,7 +293,7 @@ class RunOwner:
             if run_id not in self._unclaimed:
                 raise PermissionError(f"the child created run {run_id} twice")
             self._unclaimed.remove(run_id)
-            method, kwargs = "update_run", {**kwargs, "status": "running"}
+            method, kwargs = "update_run", {**kwargs, **self._fixed, "status": "running"}
         if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed"):
             raise PermissionError("a child may end its run only as finished or failed")
         if method == "write_batch":
@@ -275,19 +363,18 @@ def supervise_job(job: dict) -> None:
     status = record / STATUS_FILE
     store_path = job["store"]
     try:
-        script, config, pair = plan(job, store_path)
-    except (ConfigError, ScriptError, StoreError, OSError) as exc:
+        planned = plan(job, store_path)
+    except (ConfigError, ScriptError, StoreError, BundleRefused, OSError) as exc:
         status.write_text(json.dumps({"message": str(exc)}))
         return
     # heartbeat=False: the child's heartbeat is the one that tells whether the run is alive
     writer = BackgroundWriter(store_path, heartbeat=False)
     try:
-        owner = RunOwner(writer, _queue_rows(writer, script, config, pair), config.parent_run_id)
+        owner = RunOwner(writer, planned.queue(writer), planned.parent_run_id, planned.fixed)
         status.write_text(json.dumps({"run_ids": owner.run_ids}))
-        payload = {"filename": script.filename, "config": config.to_dict(), "pair": pair, "run_ids": owner.run_ids}
         with run_slot(int(job["max_runs"])):
-            result = run_task("run", payload, Limits.for_runs(), files={SOURCE_FILE: script.source.encode()},
-                              log_path=record / LOG_FILE, on_call=owner.apply)
+            result = run_task(planned.task, {**planned.payload, "run_ids": owner.run_ids}, Limits.for_runs(),
+                              files=planned.files, log_path=record / LOG_FILE, on_call=owner.apply)
         owner.close_unfinished(store_path, result)
         status.write_text(json.dumps({"run_ids": owner.run_ids, "message": result.outcome.message}))
     finally:
@@ -312,6 +399,24 @@ def run_in_child(payload: dict, channel) -> dict:
     except ConfigError as exc:
         return {"error": str(exc)}
     return {"run_ids": list(ids)}
+
+
+def watch_in_child(payload: dict, channel) -> dict:
+    """In the child: run the watched command into the run the supervisor created, writing through ``channel``;
+    from a copy of uploaded code (this directory), or from the directory a command-line watch ran in."""
+    from mpdiag.training.config import ConfigError
+    from mpdiag.training.watch import WatchConfig, watch
+
+    settings = payload["watch"]
+    if not settings.get("bundle"):
+        os.chdir(settings["cwd"])  # the script's relative paths are relative to where it was first run
+    config = WatchConfig.from_settings(settings, name=payload["name"], parent_run_id=payload["parent_run_id"])
+    run_ids = deque(payload["run_ids"])
+    try:
+        run_id, code = watch(config, lambda: StoreCallForwarder(channel, run_ids))
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {"run_ids": [run_id], "exit_code": code}
 
 
 def main() -> int:
