@@ -1,13 +1,14 @@
 """Whether an optimizer step itself turned weights or optimizer state non-finite.
 
-The runner asks around each optimizer step, until the first such step: before it, whether the loss, every
+Asked around an optimizer step (the runner's every step; the Recorder's logged steps in users' loops and under
+``watch``), until the first such step: before it, whether the loss, every
 gradient, every weight the optimizer updates and its state are finite; after it, which of those tensors no
 longer are. A step that starts from finite values and ends with inf/NaN ones broke inside the optimizer (e.g.
 AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides by zero).
 
-Owns that check and the record of it (a JSON-ready dict). Must not write to the store (the runner hands the
-record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs one pass over the
-tensors per check and stops after the first finding. Under FSDP2 each rank checks the shards it holds (no
+Owns that check and the record of it (a JSON-ready dict). Must not write to the store (its caller hands the
+record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs a pass over the tensors
+and one synchronisation before and after each checked step, and stops after the first finding. Under FSDP2 each rank checks the shards it holds (no
 collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
 """
 
@@ -23,17 +24,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class NonfiniteStepCheck:
-    """Watch one optimizer's steps. ``masters`` (O2) are the tensors it updates in place of the model's
-    trainable parameters, in the same order; they are reported under the parameters' names."""
+    """Watch one optimizer's steps. ``named`` are (name, parameter) for the parameters whose gradients it uses,
+    named as ``Store.tensors`` names them; ``masters`` (O2) are the tensors it updates in their place, in the
+    same order, reported under the parameters' names."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters: list | None = None):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+                 masters: list | None = None):
         self._grads_of = [p for _, p in named]
         targets = masters if masters else self._grads_of
         self._updated = [(name, t) for (name, _), t in zip(named, targets, strict=True)]
         self.optimizer = optimizer
         self.found: dict | None = None
         self._armed = False
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 masters: list | None = None) -> NonfiniteStepCheck:
+        """The check over a model's trainable parameters (what the runner's optimizer updates)."""
+        return cls([(n, p) for n, p in model.named_parameters() if p.requires_grad], optimizer, masters)
 
     def _tensors(self):
         """(tensor name, optimizer state key or None, tensor) for every weight the optimizer updates and its
@@ -54,29 +62,37 @@ class NonfiniteStepCheck:
         """Whether every value is finite (a 0-d bool tensor): of the local shard for an FSDP2 DTensor."""
         return torch.isfinite(value.to_local() if isinstance(value, DTensor) else value).all()
 
-    def before(self, loss: torch.Tensor) -> None:
+    def before(self, loss: torch.Tensor | float) -> None:
         """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""
         self._armed = False
         if self.found is not None:
             return
-        values = [loss.detach()] + [p.grad for p in self._grads_of if p.grad is not None]
+        if not self._updated:
+            return
+        device = self._updated[0][1].device
+        values = [torch.as_tensor(loss, device=device).detach()] + [p.grad for p in self._grads_of if p.grad is not None]
         values += [t for _, _, t in self._tensors()]
-        self._armed = bool(torch.stack([self._all_finite(v) for v in values]).all())
+        self._armed = self._finite(values)
+
+    def _finite(self, values) -> bool:
+        return bool(torch.stack([self._all_finite(v).to(values[0].device) for v in values]).all())
 
     def after(self, step: int) -> dict | None:
-        """The record of ``step`` when it made an armed check's tensors non-finite, else None."""
+        """The record of ``step`` when it made an armed check's tensors non-finite, else None (one
+        synchronisation when nothing broke)."""
         if not self._armed:
             return None
         self._armed = False
-        broken = [(name, key, t) for name, key, t in self._tensors() if not bool(self._all_finite(t))]
-        if not broken:
+        tensors = list(self._tensors())
+        if self._finite([t for _, _, t in tensors]):
             return None
+        broken = [(name, key) for name, key, t in tensors if not bool(self._all_finite(t))]
         self.found = {
             "step": int(step),
             "optimizer": type(self.optimizer).__name__,
             "state_dtype": self.state_dtype(),
             "weight_dtype": dtype_name(self._updated[0][1].dtype),
-            "tensors": list(dict.fromkeys(name for name, _, _ in broken)),
-            "values": [name if key is None else f"{name} ({key})" for name, key, _ in broken],
+            "tensors": list(dict.fromkeys(name for name, _ in broken)),
+            "values": [name if key is None else f"{name} ({key})" for name, key in broken],
         }
         return self.found

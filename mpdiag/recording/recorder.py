@@ -20,6 +20,7 @@ import resource
 import sys
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
@@ -36,6 +37,7 @@ from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
+from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
     DEFAULT_STORE,
@@ -120,6 +122,12 @@ class Recorder:
             by the loss scale): exponent histograms, amax, and per recipe the scale and the exact underflow,
             subnormal and overflow counts (see :mod:`mpdiag.recording.fp8_capture`; ``Store.fp8``). Under
             torchrun, rank 0's tensors.
+        check_optimizer_step: at every logged step, check whether the optimizer step itself turned weights or
+            optimizer state inf/NaN while the loss, gradients, weights and state were finite (e.g. a model kept
+            in FP16 with Adam: its eps=1e-8 is 0 there); the first such step is stored with the run
+            (``config["optimizer_step_nonfinite"]``, finding ``optimizer-step-nonfinite``). Costs a pass over
+            the parameters, their gradients and optimizer state, and one synchronisation, before and after each
+            logged optimizer step, until the first finding.
 
     mpdiag's runner builds its Recorder with :meth:`attached` instead (a run row made beforehand, a shared
     writer, FP32 master weights as the update targets).
@@ -138,8 +146,10 @@ class Recorder:
         trace_modules: bool = False,
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
+        check_optimizer_step: bool = True,
     ):
-        self._start(model, scaler, optimizer, every, update_format, update_targets=None)
+        self._start(model, scaler, optimizer, every, update_format, update_targets=None,
+                    check_optimizer_step=check_optimizer_step)
         if fp8 is not None:
             fp8.validate()  # before a run row exists
         path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
@@ -148,30 +158,36 @@ class Recorder:
         fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
         self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field,
                                               **(config or {})})
-        self._hook_in(model, optimizer, trace_modules, fp8, watch_ranks=True)
+        self._hook_in(model, trace_modules, fp8, watch_ranks=True)
 
     @classmethod
     def attached(cls, model: torch.nn.Module, attachment: RunnerAttachment, *, scaler=None,
-                 optimizer: torch.optim.Optimizer | None = None, every: int = 1, trace_modules: bool = False,
-                 update_format: str | None = None, fp8: Fp8Settings | None = None) -> Recorder:
-        """A Recorder writing into the run ``attachment.run_id`` through ``attachment.writer`` (the runner's)."""
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, every: int = 1,
+                 trace_modules: bool = False, update_format: str | None = None, fp8: Fp8Settings | None = None,
+                 check_optimizer_step: bool = False) -> Recorder:
+        """A Recorder writing into the run ``attachment.run_id`` through ``attachment.writer`` (the runner's).
+        ``optimizer`` may be several (``watch``: every optimizer the script made); the optimizer-step check is
+        off by default here, since mpdiag's runner checks every step itself."""
         recorder = cls.__new__(cls)
-        recorder._start(model, scaler, optimizer, every, update_format, attachment.update_targets)
+        recorder._start(model, scaler, optimizer, every, update_format, attachment.update_targets,
+                        check_optimizer_step=check_optimizer_step)
         recorder._owns_writer = False
         recorder._writer = attachment.writer
         recorder.run_id = attachment.run_id
         fields = {**recorder._dist.run_fields(), **({"update_format": update_format} if update_format else {})}
         if fields:  # the job's shape is known only now, once the process group exists
             recorder._writer.submit(lambda w: w.update_run(attachment.run_id, **fields))
-        recorder._hook_in(model, optimizer, trace_modules, fp8, watch_ranks=not attachment.launcher_names_failures)
+        recorder._hook_in(model, trace_modules, fp8, watch_ranks=not attachment.launcher_names_failures)
         return recorder
 
-    def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
+    def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
+        self._optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) \
+            else [optimizer]
         self.flush_interval_s = FLUSH_INTERVAL_S
         self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
         self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -182,8 +198,12 @@ class Recorder:
         self._stepped = False
         #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
         #: step over our parameters was seen
-        self._observable = optimizer is not None or self.scaler is not None
+        self._observable = bool(self._optimizers) or self.scaler is not None
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
+        self._check_steps = check_optimizer_step
+        self._step_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its check
+        self._checked_step: tuple[int, torch.Tensor | float] | None = None  # (step, loss) a step check may use
+        self.optimizer_step_nonfinite: dict | None = None  # the first step whose update broke finite values
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
@@ -201,14 +221,14 @@ class Recorder:
         self._last_record = time.perf_counter()
         self._closed = False
 
-    def _hook_in(self, model: torch.nn.Module, optimizer, trace_modules: bool, fp8: Fp8Settings | None,
+    def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
                  watch_ranks: bool) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
-        self._hooks = self._install_step_hooks(optimizer)
+        self._hooks = self._install_step_hooks()
         if watch_ranks:
             self._dist.watch_for_dead_ranks(self._name_dead_rank)
         if self._tracer is not None:
@@ -244,7 +264,7 @@ class Recorder:
     def _update_tracker(self, update_format, update_targets, optimizer) -> UpdateTracker | None:
         if update_format is None:
             return None
-        if optimizer is None:
+        if len(self._optimizers) != 1:
             raise ValueError("update_format needs optimizer=: updates are observed through its step hooks")
         targets = [p for _, p in self._params] if update_targets is None else list(update_targets)
         shapes = [tuple(p.shape) for _, p in self._params]
@@ -252,29 +272,53 @@ class Recorder:
             raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
         return UpdateTracker(targets, update_format)
 
-    def _install_step_hooks(self, optimizer) -> list:
-        def mark_stepped(opt, args, kwargs):
-            self._stepped = True
-            if self._updates is not None:
-                self._updates.after()
-
-        if optimizer is not None:
-            hooks = [optimizer.register_step_post_hook(mark_stepped)]
-            if self._updates is not None:
-                hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-            return hooks
+    def _install_step_hooks(self) -> list:
+        """Hooks around the optimizer steps: on the given optimizers; else global ones that act on any
+        optimizer holding one of the model's parameters (torch.optim's own global step hooks)."""
         mine = {id(p) for _, p in self._params}
 
-        def mark_if_ours(opt, args, kwargs):
-            if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+        def ours(opt) -> bool:
+            return bool(self._optimizers) or any(id(p) in mine for group in opt.param_groups for p in group["params"])
+
+        def before(opt, args, kwargs):
+            if ours(opt):
+                self._before_optimizer_step(opt)
+
+        def after(opt, args, kwargs):
+            if ours(opt):
                 self._stepped = self._observable = True
+                if self._updates is not None:
+                    self._updates.after()
+                self._after_optimizer_step(opt)
 
-        return [register_optimizer_step_post_hook(mark_if_ours)]
+        if self._optimizers:
+            return [hook for opt in self._optimizers
+                    for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after))]
+        return [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
-    def _before_optimizer_step(self, opt, args, kwargs) -> None:
+    def _before_optimizer_step(self, opt) -> None:
         if self._update_step is not None:
             self._updates.before(self._update_step)
             self._update_step = None
+        if self._checked_step is not None:
+            self._step_check(opt).before(self._checked_step[1])
+
+    def _after_optimizer_step(self, opt) -> None:
+        check = self._step_checks.get(opt)
+        found = check.after(self._checked_step[0]) if check is not None and self._checked_step is not None else None
+        if found is not None:
+            self.optimizer_step_nonfinite = found
+            self._checked_step = None  # one finding per run: the first step that broke
+            self._writer.submit(lambda w: w.set_optimizer_step_nonfinite(self.run_id, found))
+
+    def _step_check(self, opt) -> NonfiniteStepCheck:
+        """The check of ``opt``'s steps over the model's parameters it holds, named as stored."""
+        check = self._step_checks.get(opt)
+        if check is None:
+            names = {id(p): n for n, p in self._params}
+            held = [(names[id(p)], p) for group in opt.param_groups for p in group["params"] if id(p) in names]
+            check = self._step_checks[opt] = NonfiniteStepCheck(held, opt)
+        return check
 
     # -- per step -------------------------------------------------------------------------------------------
     def record(self, loss: torch.Tensor | float) -> None:
@@ -291,6 +335,8 @@ class Recorder:
         scale, state = self._scaler_state(self._dist.exchange_loss(step, loss))
         logged = step % self.every == 0 and self._record_tensors(step, scale)
         self._update_step = step if logged and self._updates is not None else None
+        checked = logged and self._check_steps and self.optimizer_step_nonfinite is None
+        self._checked_step = (step, loss) if checked else None
         if self._tracer is not None:
             traced = self._tracer.take(step)
             self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))

@@ -25,11 +25,11 @@ from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter
+from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store, StoreWriter
 from mpdiag.training import distributed
 from mpdiag.training.config import ConfigError, RunConfig
-from mpdiag.training.nonfinite_step import NonfiniteStepCheck
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
@@ -170,7 +170,7 @@ def train(
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
                 fp8=config.fp8_settings() if config.fp8 else None,
             )
-            check = NonfiniteStepCheck(model, optimizer, policy.master_params() or None)
+            check = NonfiniteStepCheck.of_model(model, optimizer, policy.master_params() or None)
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
                          check)
             state = model_state_bytes(model, optimizer, policy)
@@ -289,10 +289,10 @@ def rerun_plan(store: Store, run_id: int, **overrides) -> tuple[ModelScript, Run
     """The stored script source of ``run_id`` and its configuration with ``overrides`` applied; the new run
     records ``run_id`` as its parent. Raises StoreError / ConfigError naming what is wrong."""
     parent = store.run(run_id)
-    filename, source = store.script_source(parent["script_sha256"])
     stored = parent["config"].get("run")
     if not stored:
         raise ConfigError(f"run {run_id} was recorded by a Recorder in a user's loop; only runs started by mpdiag can be rerun")
+    filename, source = store.script_source(parent["script_sha256"])
     base = RunConfig.from_dict(stored)
     overrides.setdefault("name", f"{parent['name']} ↻ {overrides.get('opt_level', base.opt_level)}")
     config = base.with_options(parent_run_id=int(run_id), **overrides)  # drops what the new level does not use
