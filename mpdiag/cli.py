@@ -34,11 +34,13 @@ from mpdiag.training.config import (
     check_values,
     command_flags,
     flag,
+    rerunnable_by_watch,
+    watch_fix,
 )
 from mpdiag.training.distributed import exit_skipping_finalization, launched_by_torchrun
 from mpdiag.training.runner import rerun_plan, resolve_device, train, train_pair
 from mpdiag.training.script import ModelScript, ScriptError
-from mpdiag.training.watch import WatchConfig, rerun_config, rerunnable_by_watch, watch
+from mpdiag.training.watch import WatchConfig, rerun_config, watch
 
 
 def _store_arg(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE would")
     watch.add_argument("--name", default=None, help="display name of the run (default: the script's file name)")
     watch.add_argument("--every", type=int, default=1, help="record tensor statistics every N steps (default 1)")
+    watch.add_argument("--shadow-every", type=int, default=0, help="every N steps, also compute the step's "
+                       "gradients in FP32 and store how far the recorded ones are from them (default 0: never)")
     watch.add_argument("--trace-modules", action="store_true", help="record each module's output and gradient "
                        "absmax per step, to locate the first inf/NaN")
     watch.add_argument("--opt-level", default=None, help="O0, O1 or bf16: override the script's autocast and "
@@ -195,7 +199,11 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     store = Store(args.store, create=False)
     parent = store.run(args.run_id)
     if "watch" in parent["config"]:  # recorded by mpdiag watch: repeat its command
-        typed = {k: v for k, v in options.items() if v is not None}
+        if parent["config"]["watch"].get("bundle"):
+            raise ConfigError(f"run {args.run_id} ran training code uploaded in the app; rerun it there (the Runs "
+                              "page's rerun form, or a fix on the Findings page), where uploaded code runs in a "
+                              "supervised child process and never in this one.")
+        typed = watch_fix({k: v for k, v in options.items() if v is not None})
         if args.pair:
             raise ConfigError(f"run {args.run_id} was recorded by mpdiag watch, which runs no FP32 twin (--pair).")
         config = rerun_config(args.run_id, parent["name"], parent["config"]["watch"], **typed)
@@ -227,8 +235,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
-        if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
-            print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(f.fix)}  (repeats the watched command)")
+        if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and run["config"]["watch"].get("bundle"):
+            print(f"  check it: rerun it with {command_flags(watch_fix(f.fix))} from the app's Findings page (the run's "
+                  "code was uploaded there)")
+        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
+            print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(watch_fix(f.fix))}  (repeats the "
+                  "watched command)")
         elif f.fix and own_loop:
             print("  check it: change these settings in your own loop (the run was recorded from it, "
                   f"so mpdiag cannot rerun it): {f.fix}")
@@ -244,7 +256,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     recipe = RunConfig(opt_level="O0", fp8=args.fp8, **{name: getattr(args, name) for name in FP8_RECIPE_OPTIONS})
     recipe.validate()  # a recipe option without --fp8 is refused, naming it
     config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
-                         every=args.every, trace_modules=args.trace_modules, opt_level=args.opt_level,
+                         every=args.every, trace_modules=args.trace_modules, shadow_every=args.shadow_every,
+                         opt_level=args.opt_level,
                          init_scale=args.init_scale, fp8=recipe.fp8_settings() if args.fp8 else None)
     if RankContext.launched_as_other_rank():  # torchrun: rank 0 opens (and may create) the store, not this rank
         code = watch(config, args.store or DEFAULT_STORE)[1]

@@ -119,6 +119,22 @@ def test_nanogpt_at_o1_on_the_cpu_says_its_forward_pass_stayed_fp32(store_path, 
     assert "entered no autocast region" in run["note"] and "computed in FP32, not FP16" in run["note"]
 
 
+def test_nanogpt_fp32_shadow_replays_its_forward_which_returns_the_loss(store_path, nanogpt_dir):
+    """nanoGPT computes its loss inside GPT.forward and accumulates 2 micro-batches; on the CPU its forward is
+    FP32 (nullcontext), with a GradScaler at O1. Replaying both calls in FP32 must give back its own gradients:
+    any misstep (a micro-batch lost, the scale not divided out, the loss counted twice through the logits)
+    would show as an error of order 1, not of FP32 rounding."""
+    run_id, code = watch(WatchConfig(target=str(nanogpt_dir / "train.py"), args=tuple(TINY), opt_level="O1",
+                                     shadow_every=2), store_path)
+    store = Store(store_path)
+    run, shadow = store.run(run_id), store.shadow_stats(run_id)
+    assert (code, run["status"], run["scaling"]) == (0, "finished", "dynamic")
+    assert sorted(set(shadow["step"])) == [2, 4]
+    assert set(shadow["tensor"]) == set(store.tensors(run_id)["name"])
+    assert (shadow["rel_error"] < 1e-5).all() and (shadow["cosine"] > 1 - 1e-9).all(), shadow
+    assert "loss head" not in (run["note"] or "")
+
+
 def test_word_language_model_with_its_optimizer(store_path, word_language_model_dir, clip_norms):
     args = (*WLM_TINY, "--use-optimizer")
     run_id, code = watch(WatchConfig(target=str(word_language_model_dir / "main.py"), args=args), store_path)
@@ -144,13 +160,17 @@ def test_word_language_model_updating_by_hand_is_explained(store_path, word_lang
     assert "No optimizer step was observed" in run["note"] and "p.data.add_" in run["note"]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_hugging_face_trainer_unmodified(store_path, tmp_path, bf16):
+@pytest.mark.parametrize(("bf16", "shadow_every"), [(False, 0), (True, 0), (True, 1)],
+                         ids=["fp32", "bf16", "bf16-shadow"])
+def test_hugging_face_trainer_unmodified(store_path, tmp_path, bf16, shadow_every):
+    """With the FP32 shadow on, the Trainer's own logs must be unchanged (the shadow wraps the model's outputs,
+    a ModelOutput the Trainer reads by attribute, in identity views) and the loss, computed inside GPT-2's
+    forward from its labels, makes the replay the whole step."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     script = os.path.join(os.path.dirname(REAL_CODE), "scripts", "hf_trainer.py")
     args = (str(tmp_path), *(["--bf16"] if bf16 else []))
-    run_id, code = watch(WatchConfig(target=script, args=args), store_path)
+    run_id, code = watch(WatchConfig(target=script, args=args, shadow_every=shadow_every), store_path)
     assert code == 0
     store = Store(store_path)
     run, steps, tensors, stats = (store.run(run_id), store.steps(run_id), store.tensors(run_id),
@@ -166,3 +186,7 @@ def test_hugging_face_trainer_unmodified(store_path, tmp_path, bf16):
         assert entry["grad_norm"] > 0.05
         rows = stats[stats["step"] == step]
         assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(entry["grad_norm"], rel=2e-6), step
+    if shadow_every:
+        shadow = store.shadow_stats(run_id)
+        assert sorted(set(shadow["step"])) == [1, 2, 3] and "loss head" not in (run["note"] or "")
+        assert (shadow["cosine"] > 0.99).all() and (shadow["rel_error"] > 0).any()  # BF16 differs from FP32

@@ -294,3 +294,47 @@ def test_rerun_of_a_watched_run_whose_script_is_gone_says_so(store_path, tmp_pat
     done = cli("rerun", parent, "--opt-level", "bf16", "--store", store_path)
     assert done.returncode == 2 and "that file is no longer there" in done.stderr, done.stderr
     assert len(Store(store_path).runs()) == 1  # nothing stored
+
+
+SHADOW_LOOP = os.path.join(ROOT, "tests", "scripts", "shadow_loop.py")
+
+
+@pytest.mark.parametrize(("where", "decorator"), [("inside", False), ("outside", False), ("inside", True)])
+def test_shadow_every_stores_the_loops_own_fp32_comparison(store_path, tmp_path, where, decorator):
+    """Every stored relative error and cosine equals the one the loop computes against its own FP32 copy (same
+    weights, batch and dropout draws; two micro-batches summed). Step 0 runs before watch knows the model."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, SHADOW_LOOP, out, "--steps", 4, "--loss", where,
+                                  *(["--autocast-decorator"] if decorator else []), shadow_every=1)
+    assert code == 0
+    own, stored = json.loads(out.read_text()), store.shadow_stats(run_id)
+    assert sorted(set(stored["step"])) == [1, 2, 3]
+    for step in (1, 2, 3):
+        rows = stored[stored["step"] == step].set_index("tensor")
+        for i, name in enumerate(own["names"]):
+            assert rows.loc[name, "rel_error"] == pytest.approx(own["rel_error"][step][i], rel=1e-9)
+            assert rows.loc[name, "cosine"] == pytest.approx(own["cosine"][step][i], rel=1e-9)
+    assert any(e > 0 for e in own["rel_error"][1])  # FP16 made a difference the comparison can see
+    note = store.run(run_id)["note"] or ""
+    assert ("loss head" in note) == (where == "outside")
+    assert store.run(run_id)["config"]["watch"]["shadow_every"] == 1
+
+
+def test_shadow_every_n_compares_only_every_nth_step(store_path, tmp_path):
+    store, run_id, _ = watched(store_path, SHADOW_LOOP, tmp_path / "own.json", "--steps", 5, shadow_every=2)
+    assert sorted(set(store.shadow_stats(run_id)["step"])) == [2, 4]
+
+
+def test_shadow_of_a_loop_whose_model_is_never_called_says_so(store_path, write_script):
+    path = write_script("""
+        import torch
+        layer = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            (torch.randn(2, 3) @ layer.weight.t()).sum().backward()  # the module's forward is never called
+            optimizer.step()
+    """, name="functional.py")
+    store, run_id, code = watched(store_path, path, shadow_every=1)
+    assert code == 0 and store.shadow_stats(run_id).empty
+    assert "No step was compared with FP32" in store.run(run_id)["note"]

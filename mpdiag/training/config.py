@@ -56,6 +56,27 @@ LEVELS: dict[str, Level] = {level.name: level for level in (
 ALL_LEVELS = tuple(LEVELS)
 SCALING_LEVELS = tuple(name for name, level in LEVELS.items() if level.scales_loss)
 
+#: the levels ``mpdiag watch`` can impose on an unmodified script (autocast's dtype, its GradScalers on or off);
+#: O2, O3 and the pure levels change how the script builds its model, which only ``mpdiag run`` does
+WATCH_LEVEL_NAMES = ("O0", "O1", "bf16")
+#: what a rerun of a watched run may change (the rest of the command is the script's own)
+WATCH_RERUN_OPTIONS = ("opt_level", "init_scale", "every", "trace_modules", "shadow_every", "name")
+
+
+def watch_fix(fix: Mapping[str, Any]) -> dict:
+    """A finding's fix as rerun options of a watched run: ``loss_scale: dynamic`` is what a GradScaler
+    already does, so it is dropped (watch's GradScalers are the script's own, always dynamic)."""
+    return {k: v for k, v in fix.items() if not (k == "loss_scale" and v == "dynamic")}
+
+
+def rerunnable_by_watch(run_config: Mapping[str, Any], fix: Mapping[str, Any]) -> bool:
+    """Whether a finding's ``fix`` can be checked by repeating a watched run's command (a run recorded by
+    watch, a fix that changes only what watch can: the level among WATCH_LEVEL_NAMES, the initial scale)."""
+    options = watch_fix(fix)
+    return "watch" in run_config and set(options) <= {"opt_level", "init_scale"} and \
+        options.get("opt_level", "O1") in WATCH_LEVEL_NAMES
+
+
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 UNSET = "default"  # on the command line, an optional number set to this is cleared (--min-scale default)
 

@@ -37,14 +37,12 @@ from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
-from mpdiag.training.config import ConfigError
+from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError
+from mpdiag.training.watch_shadow import WatchShadow
 
-#: what each level does to the script's own autocast regions (dtype, or False to disable) and GradScalers
-WATCH_LEVELS = {
-    "O0": (False, False),
-    "O1": (torch.float16, True),
-    "bf16": (torch.bfloat16, False),
-}
+#: what each of WATCH_LEVEL_NAMES does to the script's own autocast regions (dtype, or False to disable) and
+#: GradScalers (enabled or not)
+WATCH_LEVELS = dict(zip(WATCH_LEVEL_NAMES, [(False, False), (torch.float16, True), (torch.bfloat16, False)], strict=True))
 REFUSED_LEVELS = {
     "O2": "O2 keeps FP16 weights with FP32 master weights owned by the optimizer; only `mpdiag run` can set that "
           "up, because it builds the model and the optimizer itself",
@@ -55,37 +53,21 @@ REFUSED_LEVELS = {
 }
 
 
-#: what a rerun of a watched run may change (the rest of the command is the script's own)
-RERUN_OPTIONS = ("opt_level", "init_scale", "every", "trace_modules", "name")
-
-
-def rerunnable_by_watch(run_config: dict, fix: dict) -> bool:
-    """Whether a finding's ``fix`` can be checked by rerunning a run's watched command (a run recorded by
-    watch, a fix that changes only what watch can: the level among WATCH_LEVELS, the initial scale)."""
-    return "watch" in run_config and set(fix) <= {"opt_level", "init_scale"} and \
-        fix.get("opt_level", "O1") in WATCH_LEVELS
-
-
 def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchConfig:
-    """The WatchConfig repeating a watched run (its stored ``config.watch``: command line, working directory,
-    options) with ``overrides`` (any of RERUN_OPTIONS), recorded as that run's child. Raises ConfigError naming
-    an option watch cannot change, or a script that is no longer where it was."""
-    refused = sorted(set(overrides) - set(RERUN_OPTIONS))
+    """The WatchConfig repeating a watched run (its stored ``config.watch``: command line, working directory or
+    uploaded code, options) with ``overrides`` (any of WATCH_RERUN_OPTIONS), recorded as that run's child. Raises
+    ConfigError naming an option watch cannot change, or a script that is no longer where it was."""
+    refused = sorted(set(overrides) - set(WATCH_RERUN_OPTIONS))
     if refused:
         raise ConfigError(f"run {run_id} was recorded by mpdiag watch: its rerun repeats the script's command "
-                          f"and can change only {', '.join('--' + o.replace('_', '-') for o in RERUN_OPTIONS)}, "
+                          f"and can change only {', '.join('--' + o.replace('_', '-') for o in WATCH_RERUN_OPTIONS)}, "
                           f"not {', '.join('--' + o.replace('_', '-') for o in refused)}.")
-    argv, module = list(settings["argv"]), settings["argv"][:1] == ["-m"]
-    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
-    kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules") if k in settings}
-    if settings.get("fp8"):
-        kept["fp8"] = Fp8Settings.from_dict(settings["fp8"])
-    level = overrides.get("opt_level", kept.get("opt_level"))
-    config = WatchConfig(target=target, args=tuple(args), module=module, cwd=settings["cwd"], parent_run_id=int(run_id),
-                         **{**kept, "name": f"{name} ↻ {level or 'as recorded'}", **overrides})
-    if not module and not os.path.isfile(os.path.join(config.cwd, target)):
-        raise ConfigError(f"run {run_id} ran {target} in {config.cwd}, and that file is no longer there: rerun it "
-                          "with mpdiag watch from where the script is now.")
+    level = overrides.get("opt_level", settings.get("opt_level"))
+    config = WatchConfig.from_settings(settings, parent_run_id=int(run_id),
+                                       **{"name": f"{name} ↻ {level or 'as recorded'}", **overrides})
+    if config.bundle is None and not config.module and not os.path.isfile(os.path.join(config.cwd, config.target)):
+        raise ConfigError(f"run {run_id} ran {config.target} in {config.cwd}, and that file is no longer there: rerun "
+                          "it with mpdiag watch from where the script is now.")
     return config
 
 
@@ -103,11 +85,35 @@ class WatchConfig:
     name: str | None = None
     every: int = 1
     trace_modules: bool = False
+    #: every N steps, FP32 gradients of the same step (mpdiag.training.watch_shadow) to compare with; 0: never
+    shadow_every: int = 0
     opt_level: str | None = None
     init_scale: float | None = None
     cwd: str = field(default_factory=os.getcwd)
     parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
     fp8: Fp8Settings | None = None  # --fp8: also record what this FP8 recipe would cast in every nn.Linear
+    #: code uploaded in the app (the SHA-256 of its stored bundle): the target is a path inside it, run from a
+    #: fresh copy in a supervised child, whose directory is the copy's; ``cwd`` is not used
+    bundle: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: dict, **fields) -> WatchConfig:
+        """The config a run recorded (:meth:`settings`), with ``fields`` replaced."""
+        argv, module = list(settings["argv"]), settings["argv"][:1] == ["-m"]
+        target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+        kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules", "shadow_every")
+                if k in settings}
+        if settings.get("fp8"):
+            kept["fp8"] = Fp8Settings.from_dict(settings["fp8"])
+        return cls(target=target, args=tuple(args), module=module, cwd=settings.get("cwd") or os.getcwd(),
+                   bundle=settings.get("bundle"), **{**kept, **fields})
+
+    def settings(self) -> dict:
+        """What a run stores of this config (its ``config["watch"]``), so that a rerun can repeat it."""
+        return {"argv": self.command(), "cwd": None if self.bundle else self.cwd, "opt_level": self.opt_level,
+                "init_scale": self.init_scale, "every": self.every, "trace_modules": self.trace_modules,
+                "shadow_every": self.shadow_every, "fp8": None if self.fp8 is None else dataclasses.asdict(self.fp8),
+                **({"bundle": self.bundle} if self.bundle else {})}
 
     def validate(self) -> None:
         """Raise ConfigError (nothing run, nothing stored) for an option watch cannot honour."""
@@ -118,9 +124,14 @@ class WatchConfig:
             raise ConfigError(f"--opt-level {self.opt_level!r}: watch takes {', '.join(WATCH_LEVELS)}")
         if self.every < 1:
             raise ConfigError(f"--every must be >= 1, got {self.every}")
+        if self.shadow_every < 0:
+            raise ConfigError(f"--shadow-every must be >= 0 (0: no FP32 shadow), got {self.shadow_every}")
+        if self.shadow_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--shadow-every is not available under torchrun: the FP32 shadow replays the "
+                              "model's forward on a copy of it, which a DDP or FSDP module cannot give")
         if self.init_scale is not None and not 0 < self.init_scale < float("inf"):
             raise ConfigError(f"--init-scale must be a finite number > 0, got {self.init_scale}")
-        if not self.module and not os.path.isfile(self.target):
+        if not self.module and self.bundle is None and not os.path.isfile(os.path.join(self.cwd, self.target)):
             raise ConfigError(f"{self.target}: no such file. Give the training script's path (or -m MODULE).")
 
     def command(self) -> list[str]:
@@ -135,13 +146,13 @@ class OptimizedParameters(nn.Module):
     def __init__(self, named: list[tuple[str, nn.Parameter]], roots: list[tuple[str, nn.Module]]):
         super().__init__()
         self._named_params = named
-        self._roots = roots
+        self.roots = roots  # (name prefix, outermost module holding some of the parameters)
 
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         return iter(self._named_params)
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
-        for root_prefix, root in self._roots:
+        for root_prefix, root in self.roots:
             yield from root.named_modules(prefix=root_prefix)
 
 
@@ -210,6 +221,8 @@ class Watcher:
         self._recorded = False  # this step's gradients have been given to the Recorder
         self._stepped = False  # an optimizer or scaler step has run since they were
         self._patches = _Patches()
+        self.shadow: WatchShadow | None = None  # --shadow-every: replays the coming step in FP32 when armed
+        self._shadow_error: str | None = None  # why the shadow stopped, for the run's note
 
     # -- interception --------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -261,7 +274,13 @@ class Watcher:
 
         def watched_backward(tensors, *args, **kwargs):
             watcher._on_backward(tensors)
-            return backward(tensors, *args, **kwargs)
+            if watcher.shadow is None:
+                return backward(tensors, *args, **kwargs)
+            watcher.shadow.in_backward = True  # a forward now (activation checkpointing) is not a call to replay
+            try:
+                return backward(tensors, *args, **kwargs)
+            finally:
+                watcher.shadow.in_backward = False
 
         p.set(torch.autograd, "backward", watched_backward)
 
@@ -271,8 +290,8 @@ class Watcher:
             for name in ("clip_grad_norm_", "clip_grad_value_"):
                 p.set(module, name, self._before(getattr(module, name)))
 
+        autocast_cls = torch.amp.autocast_mode.autocast
         if level is not None:
-            autocast_cls = torch.amp.autocast_mode.autocast
             autocast_init = autocast_cls.__init__
 
             def autocast(region, *args, **kwargs):
@@ -285,6 +304,18 @@ class Watcher:
                 autocast_init(*bound.args, **bound.kwargs)
 
             p.set(autocast_cls, "__init__", autocast)
+        if self.config.shadow_every:
+            autocast_enter = autocast_cls.__enter__
+
+            def enter(region):
+                # The FP32 replay turns every region off as it is entered, also those made before it: a
+                # decorator's (Accelerate wraps the model's forward in one autocast object, made once).
+                entered = autocast_enter(region)
+                if watcher.shadow is not None and watcher.shadow.replaying:
+                    torch.set_autocast_enabled(region.device, False)
+                return entered
+
+            p.set(autocast_cls, "__enter__", enter)
 
     def _before(self, clip):
         def clipped(*args, **kwargs):
@@ -296,6 +327,8 @@ class Watcher:
 
     def restore(self) -> None:
         self._patches.restore()
+        if self.shadow is not None:
+            self.shadow.remove()
 
     # -- step boundaries -----------------------------------------------------------------------------------
     def _on_backward(self, tensors) -> None:
@@ -323,9 +356,25 @@ class Watcher:
                 return
         loss = self._loss if self._loss is not None else float("nan")
         self.recorder.record(loss)
+        if self.shadow is not None and self.shadow.armed:
+            self._compare_with_shadow()
         self.steps += 1
+        if self.shadow is not None and self.steps % self.config.shadow_every == 0:
+            self.shadow.arm()
         self._loss, self._scaled = None, {}
         self._recorded = True
+
+    def _compare_with_shadow(self) -> None:
+        """Hand the Recorder this step's FP32 gradients; a replay that fails stops the shadow, never the script."""
+        scale = float(self.recorder.scaler.get_scale()) if self.recorder.scaler is not None else 1.0
+        try:
+            reference = self.shadow.reference(scale)
+            if reference is not None:
+                self.recorder.compare_gradients(reference)
+        except Exception as exc:  # noqa: BLE001 - the script's training goes on without the shadow
+            self._shadow_error = f"The FP32 shadow stopped at step {self.steps}: {type(exc).__name__}: {exc}"
+            self.shadow.remove()
+            self.shadow = None
 
     def _start_recorder(self, scaler) -> Recorder | None:
         """The Recorder over every parameter the script's optimizers hold, with the scaler that steps them
@@ -340,8 +389,14 @@ class Watcher:
         enabled = scaler is not None and scaler.is_enabled()
         fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
         self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        if self.config.shadow_every:  # before the Recorder's hooks, which the FP32 copies must not carry
+            try:
+                self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
+            except Exception as exc:  # noqa: BLE001 - e.g. a module deepcopy cannot copy: recorded, not raised
+                self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
         return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
-                                 every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8)
+                                 optimizer=optimizers, every=self.config.every, trace_modules=self.config.trace_modules,
+                                 fp8=self.config.fp8, check_optimizer_step=True)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
@@ -381,12 +436,27 @@ class Watcher:
             notes.append(f"--opt-level {level} changed nothing in the forward pass: the script entered no autocast "
                          f"region (watch sets the dtype of the script's own regions), so it computed in FP32, not "
                          f"{dtype}.{scalers}")
+        if self.config.shadow_every:
+            notes.extend(self._shadow_notes())
         if not self.steps:
             why = (f" {self.backward_calls} backward pass(es) ran, so the script likely updates its parameters without "
                    "a torch.optim optimizer (e.g. p.data.add_): use one, or call Recorder.record in the loop."
                    if self.backward_calls else "")
             notes.append(f"No optimizer step was observed: nothing to record.{why}")
         return notes
+
+
+    def _shadow_notes(self) -> list[str]:
+        if self._shadow_error is not None:
+            return [self._shadow_error + "."]
+        if self.shadow is None or not self.shadow.replayed_steps:
+            return ["No step was compared with FP32: the modules holding the optimizers' parameters were not called "
+                    "with gradients after step 0 at a shadow step (step 0 runs before watch knows the model)."]
+        if self.shadow.loss_outside:
+            return ["The FP32 shadow replayed the model's forward and backward in FP32 from the gradient that reached "
+                    "its outputs in the mixed-precision step: the loss is computed outside the model's forward, so "
+                    "the loss head itself is not part of the comparison."]
+        return []
 
 
 def _stop(signum, frame):
@@ -403,22 +473,21 @@ def _exit_code(code) -> int:
     return 1
 
 
-def watch(config: WatchConfig, store_path: str | os.PathLike) -> tuple[int, int]:
-    """Run the script under ``config``, record it as one run and return (run id, the script's exit code); the
-    run id is None on a torchrun rank other than 0, which records nothing.
+def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object]) -> tuple[int, int]:
+    """Run the script under ``config``, record it as one run into ``store`` (a store path, or a callable
+    returning a writer-like sink, as a supervised child's forwarder is) and return (run id, the script's exit
+    code); the run id is None on a torchrun rank other than 0, which records nothing.
 
     Raises ConfigError before anything runs or is stored when an option is refused."""
     config.validate()
     # under torchrun, rank 0 records the job; the other ranks run the script with watch's hooks (their
     # collectives must match rank 0's) and write nothing
-    writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store_path)
+    writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store)
     try:
-        settings = {"argv": config.command(), "cwd": config.cwd, "opt_level": config.opt_level,
-                    "init_scale": config.init_scale, "every": config.every, "trace_modules": config.trace_modules,
-                    "fp8": None if config.fp8 is None else dataclasses.asdict(config.fp8)}
+        settings = config.settings()
         run_id = writer.call(lambda w: w.create_run(
-            name=config.name or os.path.basename(config.target), script_path=None if config.module else
-            os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
+            name=config.name or os.path.basename(config.target), script_path=None if config.module or config.bundle
+            else os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
             every=config.every, device="cpu", torch_version=torch.__version__, config={"watch": settings},
             parent_run_id=config.parent_run_id))
         watcher = Watcher(config, writer, run_id)
