@@ -15,6 +15,7 @@ from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
+from mpdiag.training.config import UNSET
 
 FIRST_EXAMPLE = "mlp_digits.py"
 
@@ -92,18 +93,27 @@ def new_run_form(store) -> None:
 
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
-    rerunnable = runs[runs["config"].map(lambda c: "run" in c)]
+    rerunnable = runs[runs["config"].map(lambda c: "run" in c or "watch" in c)]
     if rerunnable.empty:
         st.caption("Runs recorded by a Recorder in your own loop cannot be rerun from here.")
         return
     parent_id = ui.pick_run(rerunnable, key="rerun_of", label="Rerun")
     parent = rerunnable.set_index("run_id").loc[parent_id]
-    options = ui.run_options_form("rerun", parent)
-    st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
-    action = actions.pending(f"Rerun #{parent_id}", parent["script_path"] or parent["name"], parent["script_sha256"],
-                             options)
+    watched = parent["config"].get("watch")
+    if watched:
+        options = ui.watch_options_form("rerun", parent)
+        where = ("the training code uploaded with it" if watched.get("bundle") else
+                 f"the script as it is now, from {watched['cwd']}")
+        st.caption(plain(f"Repeats the watched command (python {' '.join(watched['argv'])}) on {where}."))
+        level = options["opt_level"] if options["opt_level"] not in (None, UNSET) else "its own settings"
+    else:
+        options = ui.run_options_form("rerun", parent)
+        st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
+        level = options.get("opt_level")
+    action = actions.pending(f"Rerun #{parent_id}", parent["script_path"] or parent["name"],
+                             parent["script_sha256"] or (watched or {}).get("bundle") or "none: the file as it is now", options)
     if actions.confirmed("Rerun", "rerun_start", action, type="primary", disabled=not options):
-        actions.start_rerun(store, parent_id, options, f"rerun of #{parent_id} at {options['opt_level']}")
+        actions.start_rerun(store, parent_id, options, f"rerun of #{parent_id} at {level}")
         st.success(f"Started a rerun of #{parent_id}: its progress and links to its pages are at the top of this "
                    "page.")
 

@@ -14,6 +14,7 @@ from mpdiag.analysis.findings import (
     GRADIENT_REL_ERROR,
     diagnose,
     evidence_link,
+    fix_not_rerunnable,
     fix_options,
     rerun_outcomes,
 )
@@ -92,7 +93,10 @@ def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
         cols = st.columns(2)
         where = "below" if finding.page == "Findings" else f"on the {finding.page.replace('_', ' ')} page"
         cols[0].markdown(f"[See the evidence {where}]({evidence_link(finding, run_id)})")  # a percent-encoded URL
-        if finding.fix and final:
+        blocked = fix_not_rerunnable(run["config"], finding.fix) if finding.fix and final else None
+        if blocked:
+            cols[1].caption(plain(blocked))
+        elif finding.fix and final:
             options = fix_options(store.runs(), run_id, finding)
             fix_text = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in finding.fix.items())
             action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",

@@ -80,7 +80,7 @@ def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
     for page in PAGES[1:]:
         other = app(page, tmp_path / "fresh.db", monkeypatch)
         said = texts(other)
-        assert not other.exception and any(m in said for m in ("No runs", "at least two runs", "No scripts stored"))
+        assert not other.exception and any(m in said for m in ("No runs", "at least two runs", "No training code stored"))
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -173,7 +173,8 @@ HOSTILE_DIR = ROOT / "tests" / "hostile"
 
 
 def upload(at, name, data):
-    """Upload ``data`` as ``name`` and check it (a confirmed click)."""
+    """Upload ``data`` as a model script named ``name`` and check it (a confirmed click)."""
+    at.radio(key="kind").set_value("A model script (build(device))").run()
     at.file_uploader(key="upload").set_value((name, data, "text/x-python")).run()
     return confirm(at, "check")
 
@@ -181,7 +182,7 @@ def upload(at, name, data):
 def test_upload_check_and_run_a_good_script(tmp_path, monkeypatch):
     store = tmp_path / "up.db"
     at = app("pages/4_Upload.py", store, monkeypatch)
-    assert "Uploading a script means running it" in texts(at)
+    assert "Uploading code means running it" in texts(at)
     upload(at, "../../etc/evil name.py", (EXAMPLES / "mlp_digits.py").read_bytes())
     assert not at.exception
     assert [shown(s.value) for s in at.success] == ["evil_name.py: ready"]  # no path from the user survives
@@ -211,6 +212,7 @@ def test_upload_of_a_broken_script_is_explained_and_the_app_keeps_serving(name, 
 
 def test_upload_that_is_not_utf8_is_refused(tmp_path, monkeypatch):
     at = app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch)
+    at.radio(key="kind").set_value("A model script (build(device))").run()
     at.file_uploader(key="upload").set_value(("latin.py", "x = 'é'".encode("latin-1"), "text/x-python")).run()
     assert not at.exception and "latin.py is not UTF-8 text." in texts(at)
 

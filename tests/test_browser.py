@@ -4,6 +4,7 @@ Starts the server on an empty store, runs the bundled example to completion from
 page, follows a deep link on a freshly started server, and saves screenshots to artifacts/screenshots/.
 """
 
+import json
 import os
 import re
 import shutil
@@ -147,7 +148,7 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
             ("03_gradients", "Gradients", "What if the loss scale were different?"),
             ("04_loss_scale", "Loss_scale", "loss scale"),
             ("05_compare", "Compare", "versus its FP32 reference"),
-            ("06_upload", "Upload", "Uploading a script means running it"),
+            ("06_upload", "Upload", "Uploading code means running it"),
             ("07_findings", "Findings?run=1", "No findings for #1"),
         ]:
             page.goto(f"{server.url}/{path}")
@@ -269,5 +270,56 @@ def test_fp8_page_of_an_fp8_recording_from_its_findings_link(browser, tmp_path):
         assert page.locator("[data-testid='stVegaLiteChart']").count() == 3  # heatmap, amax panel, what-if
         assert not charts_fit(page), charts_fit(page)
         shot(page, "12_fp8_page")
+    finally:
+        server.stop()
+
+
+def test_upload_training_code_as_files_check_it_and_run_it(browser, tmp_path):
+    """What only a browser does: several files through the multi-file uploader, the entry point and arguments
+    typed, the check and the run each confirmed; the run ends as the loop's own log says."""
+    from test_upload_code import AMP_LOOP
+
+    store, log = tmp_path / "code.db", tmp_path / "log.json"
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "amp_loop.py").write_bytes(AMP_LOOP)
+    (files / "launch.py").write_bytes(b"import amp_loop  # noqa: F401 - the loop runs on import\n")
+    server = Server(store)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(f"{server.url}/Upload")
+        settle(page, "Uploading code means running it")
+        page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(
+            [str(files / "amp_loop.py"), str(files / "launch.py")])
+        settle(page, "Entry point")
+        page.get_by_role("combobox", name="Entry point").click()
+        page.get_by_role("option", name="launch.py").click()
+        settle(page)
+        arguments = page.get_by_role("textbox", name="Arguments")
+        arguments.fill(f"{log} --steps 4")
+        arguments.press("Enter")
+        settle(page, f"python launch.py {log} --steps 4")
+        page.get_by_role("button", name="Check it").click()
+        page.get_by_role("button", name="Confirm").click()
+        settle(page, "launch.py: ready")
+        no_exception(page)
+        assert page.get_by_role("button", name="Confirm").count() == 0
+        shot(page, "upload_code_checked")
+        page.get_by_role("button", name="Start run").click()
+        settle(page, "Start a watched run")  # the check's panel is gone once answered: one Confirm on the page
+        assert page.get_by_role("button", name="Confirm").count() == 1
+        page.get_by_role("button", name="Confirm").click()
+        settle(page, "Started")
+        deadline = time.time() + 180
+        while time.time() < deadline and not log.exists():
+            time.sleep(1)
+        page.get_by_text("finished", exact=False).first.wait_for(timeout=60_000)  # the live panel of the run
+        page.wait_for_timeout(1500)
+        no_exception(page)
+        shot(page, "upload_code_ran")
+        runs = Store(store).runs()
+        assert runs["status"].tolist() == ["finished"], runs["error"].tolist()
+        assert Store(store).steps(int(runs["run_id"].iloc[0]))["loss"].tolist() == \
+            pytest.approx(json.loads(log.read_text())["loss"], rel=1e-6)
     finally:
         server.stop()

@@ -30,6 +30,7 @@ from mpdiag.analysis.summaries import (
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
 from mpdiag.store import Store
+from mpdiag.training.config import rerunnable_by_watch, watch_fix
 
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
 #: values over all logged steps: a warning above this, overall or for any tensor holding >= 1 % of the values
@@ -132,6 +133,13 @@ def optimizer_step_nonfinite(run: pd.Series) -> Finding | None:
         recommendation = (f"Keep FP32 master weights and FP32 optimizer state: --opt-level {target}. In "
                           f"{event['state_dtype']} the optimizer's small terms (e.g. Adam's eps=1e-8, squared "
                           "gradients) round to 0 and its update divides by zero.")
+    elif "float16" in f"{event['weight_dtype']} {event['state_dtype']}":  # float16 or bfloat16, kept by the loop
+        recommendation = (f"The loop keeps the weights ({event['weight_dtype']}) or the optimizer state "
+                          f"({event['state_dtype'] or 'none'}) in low precision itself (e.g. model.half()), where the "
+                          "optimizer's small terms (Adam's eps=1e-8, squared gradients) round to 0. Keep the weights "
+                          "and the optimizer state in FP32 and compute in low precision under torch.autocast (FP16 "
+                          "with a GradScaler), or let the optimizer update FP32 master weights (a model script at "
+                          "--opt-level O2).")
     else:
         recommendation = ("The update itself overflows although the optimizer runs in "
                           f"{event['state_dtype'] or event['weight_dtype']}: lower the learning rate or raise "
@@ -417,9 +425,26 @@ def finding_resolved(before: Finding, after: list[Finding]) -> bool:
 
 def fix_options(runs: pd.DataFrame, run_id: int, finding: Finding) -> dict:
     """Rerun options that apply ``finding``'s fix; with an FP32 twin when no FP32 reference exists to judge the
-    rerun's loss against (and the fix is not itself FP32)."""
+    rerun's loss against (and the fix is not itself FP32), except for a watched run: watch runs no twin."""
+    if "watch" in runs.set_index("run_id").loc[int(run_id), "config"]:
+        return watch_fix(finding.fix)
     twin = reference_run(runs, int(run_id)) is None and finding.fix.get("opt_level") != "O0"
     return dict(finding.fix, pair=twin)
+
+
+def fix_not_rerunnable(run_config: dict, fix: dict) -> str | None:
+    """Why a rerun with ``fix`` cannot be started for a run with this stored config, or None when it can: a
+    run recorded by a Recorder in the user's own loop has nothing mpdiag can rerun; a watched run can be given
+    only what watch imposes on an unmodified script."""
+    wanted = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fix.items())
+    if "run" in run_config or rerunnable_by_watch(run_config, fix):
+        return None
+    if "watch" in run_config:
+        return (f"mpdiag watch cannot apply {wanted} to an unmodified script (watch sets the script's autocast "
+                "dtype, its GradScalers and their initial scale; O2, O3 and the pure levels change how it builds "
+                "its model): make the change in the script, or give it the model-script contract and use mpdiag run.")
+    return (f"This run was recorded from your own loop (a Recorder), so mpdiag cannot rerun it: set {wanted} in "
+            "your loop and record it again.")
 
 
 #: anchors of the Findings page's own evidence sections, for findings whose page is "Findings"

@@ -1,11 +1,12 @@
-"""Everything the dashboard does besides reading: keep an uploaded script, and start runs, reruns, checks and
-probes, each in a child process through :mod:`mpdiag.sandbox`.
+"""Everything the dashboard does besides reading: keep an uploaded script or uploaded training code, and start
+runs, reruns, watched runs, checks and probes, each in a child process through :mod:`mpdiag.sandbox`.
 
 Owns the one rule that makes a page safe to load: nothing here executes code unless a user clicked for it in
 this browser session, twice. :func:`confirmed` is a button that only arms a :class:`Pending` action; the action
 runs when the user then confirms a panel that names the script and its SHA-256 (so a click forged through a
 frame, or a stale form, starts nothing the user did not see). Page loads, query parameters and refreshes never
-reach :func:`start_run`, :func:`start_rerun`, :func:`check_upload` or :func:`probe`.
+reach :func:`start_run`, :func:`start_rerun`, :func:`start_watch`, :func:`check_upload`, :func:`check_code` or
+:func:`probe`.
 This module must not import torch or train in this process: children do that.
 """
 
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import streamlit as st
 
+from mpdiag.sandbox.bundle import Bundle, bundle_from_uploads, bundle_from_zip, check_bundle
+from mpdiag.sandbox.bundle import BundleRefused as BundleRefused  # the Upload page shows its message
 from mpdiag.sandbox.check import CheckReport, check_script
-from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job
+from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job, watch_job
 from mpdiag.sandbox.launch import limits_text as limits_text  # the pages state the limits of what they start
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import Store, StoreWriter
 
-MAX_UPLOAD_BYTES = 1_000_000  # also server.maxUploadSize in .streamlit/config.toml
+MAX_UPLOAD_BYTES = 1_000_000  # a single model script; server.maxUploadSize (20 MB) is for zips of training code
 _LAUNCHED = "launched"  # session key: [(Launched, what)] started by this session
 
 
@@ -63,7 +66,8 @@ def confirmed(label: str, key: str, action: Pending, **button_args) -> bool:
     if armed != action:
         del st.session_state[armed_key]
         return False
-    with st.container(border=True):
+    panel = st.empty()
+    with panel.container(border=True):
         st.markdown("**Confirm:** this runs the script below as Python, in a child process.")
         st.text(armed.text())
         yes, no = st.columns(2)
@@ -71,6 +75,7 @@ def confirmed(label: str, key: str, action: Pending, **button_args) -> bool:
         stop = no.button("Cancel", key=f"{key}_cancel")
     if go or stop:
         del st.session_state[armed_key]
+        panel.empty()  # answered: gone at once, not left on the page while the action runs and after
     return go
 
 
@@ -101,6 +106,30 @@ def store_upload(store: Store, name: str, data: bytes) -> tuple[str, str]:
         return filename, writer.add_script(filename, source)
 
 
+def store_code(store: Store, uploads: list[tuple[str, bytes]]) -> tuple[Bundle, str]:
+    """Keep uploaded training code (several files, or one .zip) in the store: (the bundle, its sha256). Raises
+    BundleRefused saying what is wrong. Nothing is executed."""
+    bundle = bundle_from_uploads(uploads)
+    with StoreWriter(store.path) as writer:
+        return bundle, writer.add_bundle(bundle.name, bundle.to_zip())
+
+
+def stored_code(store: Store, sha256: str) -> Bundle:
+    """Stored uploaded training code, unpacked (in memory; nothing is executed)."""
+    return bundle_from_zip(*store.bundle(sha256))
+
+
+def check_code(bundle: Bundle, entry: str, args: list[str], module: bool) -> CheckReport:
+    """Compile uploaded code and read its entry point, in a supervised child (blocks until it ends)."""
+    return check_bundle(bundle, entry, args, module)
+
+
+def start_watch(store: Store, sha256: str, entry: str, args: list[str], module: bool, options: dict,
+                what: str) -> Launched:
+    """A supervised, watched run of stored uploaded code: ``python [-m] ENTRY ARGS`` from its root."""
+    return _started(launch(watch_job(sha256, entry, args, module, options), store.path), what)
+
+
 def _started(proc: Launched, what: str) -> Launched:
     st.session_state.setdefault(_LAUNCHED, []).append((proc, what))
     return proc
@@ -126,18 +155,19 @@ def check_upload(filename: str, source: str) -> CheckReport:
     return check_script(filename, source, device="auto")
 
 
-def _check_key(store: Store, sha256: str) -> str:
-    return f"check:{store.path}:{sha256}"
+def _check_key(store: Store, subject: str) -> str:
+    return f"check:{store.path}:{subject}"
 
 
-def remember_check(store: Store, sha256: str, report: CheckReport) -> None:
-    """Keep a stored script's check verdict for this session (the Upload page checks; the home page asks)."""
-    st.session_state[_check_key(store, sha256)] = report
+def remember_check(store: Store, subject: str, report: CheckReport) -> None:
+    """Keep a check verdict for this session: ``subject`` is a stored script's sha256 (the Upload page checks;
+    the home page asks), or what names a command of uploaded code (sha256, entry, arguments)."""
+    st.session_state[_check_key(store, subject)] = report
 
 
-def check_verdict(store: Store, sha256: str) -> CheckReport | None:
-    """This session's check of a stored script, or None when it was not checked in this session."""
-    return st.session_state.get(_check_key(store, sha256))
+def check_verdict(store: Store, subject: str) -> CheckReport | None:
+    """This session's check of ``subject``, or None when it was not checked in this session."""
+    return st.session_state.get(_check_key(store, subject))
 
 
 def probe(store: Store, run_id: int) -> dict:

@@ -26,7 +26,16 @@ from mpdiag.dashboard.reads import is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
 from mpdiag.store import DEFAULT_STORE, Store, StoreError
 from mpdiag.store.export import export_zip
-from mpdiag.training.config import FSDP_LEVELS, LEVELS, OPTIONS, PARALLEL, UNSET, ConfigError, RunConfig
+from mpdiag.training.config import (
+    FSDP_LEVELS,
+    LEVELS,
+    OPTIONS,
+    PARALLEL,
+    UNSET,
+    WATCH_LEVEL_NAMES,
+    ConfigError,
+    RunConfig,
+)
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 
@@ -215,6 +224,43 @@ FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
              "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel"}
 DEVICES = ["auto", "cpu", "cuda"]
+
+
+AS_RECORDED = "as the script sets it"
+
+
+def watch_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
+    """Widgets for what ``mpdiag watch`` can change in an unmodified script (defaults: the parent's, when
+    rerunning a watched run). Returns the options for :func:`mpdiag.sandbox.launch.watch_job` /
+    ``rerun_job``: ``opt_level`` (None or "default": the script's own autocast and GradScaler), ``init_scale``
+    (None or "default": the script's), ``every``, ``shadow_every``, ``trace_modules``."""
+    base = parent["config"]["watch"] if parent is not None else {}
+    levels = [AS_RECORDED, *WATCH_LEVEL_NAMES]
+    cols = st.columns(5)
+    level = cols[0].selectbox(
+        "Opt level", levels, index=levels.index(base.get("opt_level") or AS_RECORDED), key=f"{prefix}_watch_level",
+        help="What watch sets in the script's own autocast regions and GradScalers: "
+             + "; ".join(f"{k}: {LEVELS[k].summary}" for k in WATCH_LEVEL_NAMES)
+             + ". O2, O3 and the pure levels change how the script builds its model, which only a model script "
+               "(mpdiag run) can do.")
+    init_scale = cols[1].number_input(
+        "Initial loss scale", min_value=2.0 ** -24, max_value=2.0 ** 64, value=base.get("init_scale"),
+        format="%g", key=f"{prefix}_watch_init_scale", placeholder="the script's",
+        help="Every GradScaler the script creates starts at this scale (empty: the script's own).")
+    every = int(cols[2].number_input("Tensor statistics every N steps", 1, 1_000_000, int(base.get("every", 1)),
+                                     key=f"{prefix}_watch_every", help=OPTIONS["every"].help))
+    shadow = int(cols[3].number_input(
+        "FP32 shadow every N steps", 0, 1_000_000, int(base.get("shadow_every", 0)), key=f"{prefix}_watch_shadow",
+        help=OPTIONS["shadow_every"].help + " Under watch: the model's forward is replayed in FP32 from the "
+             "gradient its outputs received (step 0 is never compared). 0: off."))
+    trace = cols[4].checkbox("Trace modules", bool(base.get("trace_modules", False)), key=f"{prefix}_watch_trace",
+                             help=OPTIONS["trace_modules"].help)
+    def cleared(name: str):  # the parent's value given up: "default" tells the rerun to clear it, None keeps it
+        return UNSET if base.get(name) is not None else None
+
+    return {"opt_level": cleared("opt_level") if level == AS_RECORDED else level,
+            "init_scale": cleared("init_scale") if init_scale is None else float(init_scale), "every": every,
+            "shadow_every": shadow, "trace_modules": trace}
 
 
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
