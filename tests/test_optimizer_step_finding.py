@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from mpdiag import Store
@@ -193,3 +194,20 @@ def test_recorder_in_an_fp32_loop_records_no_event(store_path):
             recorder.record(loss)
             optimizer.step()
     assert "optimizer_step_nonfinite" not in Store(store_path).run(recorder.run_id)["config"]
+
+
+@pytest.mark.parametrize("forged", [{"step": "0", "values": 5}, {"step": 0}, "broke", [1, 2],
+                                    {"step": 0, "optimizer": "A", "weight_dtype": "f", "state_dtype": None,
+                                     "tensors": [], "values": []}])
+def test_a_forged_record_is_ignored_not_trusted(store_path, forged):
+    """A run's config can come from a child running uploaded code: a record that is not the check's own shape
+    gives no finding and no error (the Findings page and diagnose live on)."""
+    from mpdiag import Recorder
+    from mpdiag.store import StoreWriter
+
+    model = torch.nn.Linear(2, 1)
+    with Recorder(model, store_path) as recorder:
+        model(torch.ones(1, 2)).sum().backward()
+        recorder.record(1.0)
+    StoreWriter(store_path).set_optimizer_step_nonfinite(recorder.run_id, forged)
+    assert "optimizer-step-nonfinite" not in [f.rule for f in diagnose(Store(store_path), recorder.run_id)]

@@ -117,12 +117,23 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
 FP32_STATE_LEVEL = {"O3": "O2", "bf16-pure": "bf16"}
 
 
+def nonfinite_step_record(event) -> bool:
+    """Whether ``event`` is an optimizer-step record as NonfiniteStepCheck makes it. A run's config may come
+    from a child running uploaded code: anything else is ignored rather than trusted."""
+    texts = ("optimizer", "weight_dtype")
+    return (isinstance(event, dict) and isinstance(event.get("step"), int)
+            and all(isinstance(event.get(k), str) for k in texts)
+            and isinstance(event.get("state_dtype"), (str, type(None)))
+            and all(isinstance(event.get(k), list) and event[k] and all(isinstance(v, str) for v in event[k])
+                    for k in ("tensors", "values")))
+
+
 def optimizer_step_nonfinite(run: pd.Series) -> Finding | None:
     """An optimizer step that made weights or optimizer state inf/NaN while the loss, gradients, weights and
     state it started from were finite: the update itself overflowed (recorded by the runner)."""
     config = run["config"] if isinstance(run["config"], dict) else {}
     event = config.get("optimizer_step_nonfinite")
-    if not event:
+    if not nonfinite_step_record(event):
         return None
     names = ", ".join(event["values"][:6]) + (" ..." if len(event["values"]) > 6 else "")
     evidence = (f"Step {event['step']}: {event['optimizer']} (weights {event['weight_dtype']}, optimizer state "
