@@ -1,7 +1,7 @@
 """Every page renders every kind of run (issue 15): each gallery script at its failing and fixed settings,
 the bundled models, a collapsed loss scale, an all-skipped run, a run that failed at step k, one that crashed,
-one still running, a --trace-modules run, FP8 recordings and a watched script; under AppTest and in real
-Chromium, on one store. Then the interactions only a browser shows, and the live and cached reads.
+one still running, a --trace-modules run, FP8 recordings and a watched script (with its FP32 shadow); under
+AppTest and in real Chromium, on one store. Then the interactions only a browser shows, and the live and cached reads.
 
 A page passes when it raises nothing and every chart it draws has a finite point to show (a chart of
 nothing but NaN, or of no rows, must be a sentence instead)."""
@@ -133,9 +133,10 @@ def kinds(tmp_path_factory):
     runs["failed at step 3"] = int(Store(path).runs()["run_id"].max())
     loop = folder / "train_loop.py"
     loop.write_text(textwrap.dedent(WATCHED_LOOP))
-    code, out = cli(path, "watch", loop)
+    code, out = cli(path, "watch", "--shadow-every", "2", loop)  # with its FP32 shadow, for Findings' section
     assert code == 0, out
     runs["watched script"] = int(Store(path).runs()["run_id"].max())
+    assert sorted(set(Store(path).shadow_stats(runs["watched script"])["step"])) == [2, 4]
     import subprocess
 
     subprocess.run([sys.executable, "-c", "import sys; from mpdiag.store import StoreWriter; "
