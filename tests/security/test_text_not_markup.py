@@ -17,7 +17,9 @@ from conftest import ROOT
 from google.protobuf.json_format import MessageToDict
 from streamlit.testing.v1 import AppTest
 
+from mpdiag.dashboard.actions import store_code
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.store import Store
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -26,6 +28,7 @@ PAYLOADS = ["![x](http://evil/beacon.png)", "<img src=x onerror=alert(1)>", "[li
 EVIL = " ".join(PAYLOADS)
 #: module names cannot contain '.', so the tensor-name payloads avoid it
 EVIL_MODULE = "<img src=x onerror=alert(1)> [link](http:evil) ![x](http:evil)"
+MODEL_SCRIPT = "A model script (build(device))"  # the Upload page's second kind
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
          "pages/5_Findings.py", "pages/6_FP8.py"]
 #: element kinds Streamlit renders as text, and proto fields that carry no displayed text
@@ -77,6 +80,9 @@ def evil_store(tmp_path_factory):
     train(good, RunConfig(opt_level="O0", steps=4, device="cpu", name=EVIL + " fp32"), path)
     failing = ModelScript(filename=EVIL + " fails.py", source=SCRIPT.replace("{fail_at}", "2"))
     train(failing, RunConfig(opt_level="O1", steps=4, device="cpu", name=EVIL + " fails"), path)
+    # training code whose name and files are payloads, with an import its check will name
+    store_code(Store(path), [(EVIL_MODULE + ".py", b"x = 1\n"),
+                             ("train.py", b'import not_installed_anywhere\nif __name__ == "__main__":\n    pass\n')])
     return path
 
 
@@ -144,6 +150,17 @@ def test_user_supplied_text_builds_no_markup_on_any_page(page, evil_store, monke
             at.query_params["runs"] = ["1", "2"]
         at.run()
         if page.endswith("Upload.py"):
+            # training code (the default kind), its arguments a payload, checked; then a model script, checked
+            at.text_input(key=f"args_{at.selectbox(key='code').value}").set_value(EVIL).run()
+            at.button(key="code_check").click().run()
+            at.button(key="code_check_confirm").click().run()
+            assert not at.exception, [e.value for e in at.exception]
+            assert any("anywhere" in w.value for w in at.warning), "the check names the missing import"
+            views.append(at)
+            at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+            at.query_params["run"] = run
+            at.run()
+            at.radio(key="kind").set_value(MODEL_SCRIPT).run()
             at.button(key="check").click().run()
             at.button(key="check_confirm").click().run()
         assert not at.exception, [e.value for e in at.exception]
