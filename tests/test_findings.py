@@ -144,6 +144,33 @@ def test_trace_modules_records_magnitudes_of_outputs_and_incoming_gradients(stor
     assert rows.loc["1", "bwd_order"] == 0 and rows.loc["0", "bwd_order"] == 1  # backward runs last-to-first
 
 
+def test_trace_modules_ignores_a_deep_copy_of_the_traced_model(store_path):
+    """An EMA copy made with ``copy.deepcopy`` after the Recorder hooked in carries the tracer's hooks; its
+    forward passes (here on inputs 1000 times larger) must not be recorded as the traced model's modules."""
+    import copy
+
+    import torch
+
+    from mpdiag import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    x = torch.randn(5, 4)
+    with Recorder(model, store=store_path, trace_modules=True) as rec:
+        ema = copy.deepcopy(model)
+        out = model(x)
+        out.sum().backward()
+        with torch.no_grad():
+            ema(x * 1000.0)
+        rec.record(out.sum())
+    rows = Store(store_path).module_stats(rec.run_id).set_index("module")
+    with torch.no_grad():
+        linear_out = x @ model[0].weight.T + model[0].bias  # the traced model's own first output, by hand
+    assert rows.loc["0", "fwd_absmax"] == pytest.approx(float(linear_out.abs().max()), rel=1e-6)
+    assert rows.loc["1", "fwd_absmax"] == pytest.approx(float(linear_out.clamp(min=0).max()), rel=1e-6)
+    assert rows.loc["1", "bwd_absmax"] == 1.0 and rows.loc["1", "fwd_order"] == 1
+
+
 def test_gradient_error_ranks_underflowing_tensors_and_the_fix_removes_it(store_path):
     """The FP32 shadow both ways: unscaled FP16 gradients that underflow are far from FP32 (the finding, with
     the tensors ranked), and the recommended scale brings them back (no finding)."""

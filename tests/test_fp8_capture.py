@@ -115,3 +115,19 @@ def test_planted_effects_are_visible_and_evaluation_passes_are_not_captured():
     capture.remove()
     (model(planted_batch(0)[0]) * planted_batch(0)[1]).sum().backward()
     assert capture.take(5).records == []
+
+
+def test_a_deep_copy_of_the_model_is_not_captured():
+    """A copy made with ``copy.deepcopy`` after the capture hooked in (an EMA or teacher model) carries its
+    hooks; its passes, even with gradients enabled, are not the recorded model's tensors."""
+    import copy
+
+    model = planted_model()
+    capture = Fp8Capture(model, Fp8Settings(recipe="current"))
+    teacher = copy.deepcopy(model)
+    x, g = planted_batch(0)
+    (model(x) * g).sum().backward()
+    (teacher(torch.full((5, 6), 1e9)) * 1e9).sum().backward()
+    rows = {(r[1], r[2]): dict(zip(RECORD_COLUMNS, r, strict=True)) for r in capture.take(0).records}
+    assert rows[("0", "input")]["amax"] == float(x.abs().max()) and rows[("0", "input")]["numel"] == x.numel()
+    assert rows[("1", "grad_output")]["amax"] == float(g.abs().max())

@@ -78,6 +78,8 @@ class Fp8Capture:
         first = 3 * index
 
         def hook(module: nn.Linear, args, output):
+            if module is not self.modules[index][1]:
+                return  # a deep copy of the model (an EMA copy) carries this hook too; it is not the recorded model
             if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
                 return
             self._pieces[first].append(args[0].detach())

@@ -32,6 +32,9 @@ class ModuleTracer:
 
     def _on_forward(self, index: int):
         def hook(module, args, output):
+            if module is not self.modules[index][1]:
+                return  # a deep copy of the model (an EMA copy) carries this hook too; it is not the traced model
+
             def watch(t: torch.Tensor) -> torch.Tensor:
                 if t.is_floating_point() and t.numel():
                     self._forward.append((index, _absmax(t)))
