@@ -124,7 +124,7 @@ def test_wrapped_optimizer_and_two_modules(store_path, write_script):
     steps = store.steps(run_id)
     assert len(steps) == 3 and steps["skipped"].tolist() == [0, 0, 0]
     assert steps["loss_scale"].tolist() == [8.0, 8.0, 8.0]
-    assert store.tensors(run_id)["name"].tolist() == ["Linear.weight", "Linear.bias", "Linear1.weight", "Linear1.bias"]
+    assert store.tensors(run_id)["name"].tolist() == ["Linear0.weight", "Linear0.bias", "Linear1.weight", "Linear1.bias"]
 
 
 def test_tied_weight_is_one_tensor_named_by_its_first_path():

@@ -146,6 +146,7 @@ class RankContext:
     backend: str | None = None
     parallel: str | None = None
     _counter: NonfiniteCounter | None = None
+    _named_by_ddp: bool = False  # the Recorder was given the DDP module itself: its names start "module."
     _pending_rows: list[tuple[int, DeviceReadback]] = field(default_factory=list)
     #: every rank's (host name, pid) under torchrun, gathered once when the Recorder starts, to name a dead rank
     _peers: list = field(default_factory=list)
@@ -160,6 +161,7 @@ class RankContext:
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
         parallel = "ddp" if ddp is not None else "fsdp" if _is_fsdp2(model) else None
         context = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), parallel)
+        context._named_by_ddp = isinstance(model, DistributedDataParallel)  # (watch names the module inside)
         if ddp is not None:
             context._counter = NonfiniteCounter(ddp)
         if "TORCHELASTIC_RUN_ID" in os.environ:  # every rank creates its Recorder once: one collective
@@ -204,7 +206,7 @@ class RankContext:
         return {"world_size": self.world_size, "backend": self.backend, "launch_command": launch_command()}
 
     def tensor_name(self, name: str) -> str:
-        return name.removeprefix(DDP_PREFIX) if self.parallel == "ddp" else name
+        return name.removeprefix(DDP_PREFIX) if self._named_by_ddp else name
 
     @staticmethod
     def local(grad: torch.Tensor) -> torch.Tensor:

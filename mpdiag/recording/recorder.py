@@ -1,7 +1,9 @@
 """The Recorder: mpdiag's one instrumentation point, used by the CLI runner and by users' own loops.
 
 Call ``record(loss)`` once per optimizer step, after ``backward`` and before the optimizer (or scaler) step.
-The Recorder reads every parameter's ``.grad`` at that moment. What it learns only after the step - whether
+The Recorder reads, at that moment, the ``.grad`` of every parameter that is this step's
+(:mod:`mpdiag.recording.step_gradients`: autograd wrote it since the previous ``record``, and an optimizer stepping
+in this step holds it - so a GAN's other model's stale or foreign gradients are not taken for this step's). What it learns only after the step - whether
 the optimizer step ran, the scale and growth tracker after ``update()`` - it reads at the next ``record`` (or
 at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict()``, never by re-deriving
 GradScaler's rule.
@@ -38,6 +40,7 @@ from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
+from mpdiag.recording.step_gradients import StepGradients
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
     DEFAULT_STORE,
@@ -77,6 +80,31 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
 
 
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
+
+
+@dataclass(frozen=True)
+class GradientRead:
+    """The statistics of a step's gradients, started by :meth:`Recorder.read_gradients` before ``record``.
+
+    step: the step it was read for; present: the recorded tensors' indices read; pending: their statistics on
+    their way to the host (None: the step is not logged, or no gradient was this step's); unscale_by: what the
+    gradients were divided by to unscale them."""
+
+    step: int
+    present: tuple[int, ...] = ()
+    pending: PendingStats | None = None
+    unscale_by: float | torch.Tensor = 1.0
+
+
+@dataclass
+class _UnreadStats:
+    """A logged step's statistics until they reach the host and the step's owners are known (its ``keep``: the
+    tensors the optimizers stepping in it hold, None for all; settled once the next step or the end began)."""
+
+    step: int
+    read: GradientRead
+    keep: frozenset[int] | None = None
+    settled: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,7 +239,7 @@ class Recorder:
         # Step rows in order, each with the readback of [loss, scale, growth tracker] taken at its record();
         # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
         self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
-        self._unread_stats: deque[tuple[int, tuple[int, ...], PendingStats]] = deque()
+        self._unread_stats: deque[_UnreadStats] = deque()
         self._unread_fp8: deque[PendingFp8Records] = deque()
         self._fp8_rows: tuple[list[tuple], list[tuple]] = ([], [])  # records, histograms
         self._step_rows: list[tuple] = []
@@ -226,6 +254,7 @@ class Recorder:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
+        self._step_grads = StepGradients([p for _, p in self._params])
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
@@ -282,6 +311,7 @@ class Recorder:
 
         def before(opt, args, kwargs):
             if ours(opt):
+                self._step_grads.asked_to_step(opt)
                 self._before_optimizer_step(opt)
 
         def after(opt, args, kwargs):
@@ -321,19 +351,28 @@ class Recorder:
         return check
 
     # -- per step -------------------------------------------------------------------------------------------
-    def record(self, loss: torch.Tensor | float) -> None:
-        """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss.
+    def record(self, loss: torch.Tensor | float, gradients: GradientRead | None = None) -> None:
+        """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss. ``gradients``:
+        this step's gradients as :meth:`read_gradients` read them earlier, instead of reading them now.
 
         Nothing here waits for the device: the loss, the scaler's state and the statistics travel to the
         host in non-blocking copies and are read when they have arrived (on a GPU, normally at the next
         record(), after GradScaler's own synchronisation in ``step``)."""
         if self._closed:
             raise RuntimeError("record() called on a closed Recorder")
+        if gradients is not None and gradients.step != self._step:
+            raise ValueError(f"gradients were read for step {gradients.step}; this is step {self._step}")
         now = time.perf_counter()
         self._close_previous_row(known=True)
+        self._settle_owners()
         step = self._step
         scale, state = self._scaler_state(self._dist.exchange_loss(step, loss))
-        logged = step % self.every == 0 and self._record_tensors(step, scale)
+        read = gradients if gradients is not None else self._read_tensors(step, scale)
+        logged = read.pending is not None
+        if logged:
+            self._unread_stats.append(_UnreadStats(step, read))
+            self._unscale_by = read.unscale_by
+        self._step_grads.next_step()
         self._update_step = step if logged and self._updates is not None else None
         checked = logged and self._check_steps and self.optimizer_step_nonfinite is None
         self._checked_step = (step, loss) if checked else None
@@ -372,48 +411,74 @@ class Recorder:
             tail = torch.tensor([scale, state.get("_growth_tracker", 0)], dtype=torch.float64)
         return scale, DeviceReadback(torch.cat([loss_t, tail.to(loss_t.device)]))
 
-    def _record_tensors(self, step: int, scale: float) -> bool:
-        """Compute and buffer every present gradient's statistics; False when no parameter has a grad."""
-        present = tuple(i for i, (_, p) in enumerate(self._params) if p.grad is not None)
+    def read_gradients(self) -> GradientRead:
+        """Start the statistics of this step's gradients as they are now, for ``record(loss, gradients=...)``:
+        for a loop that changes the gradients (clips them) before it knows whether they are the step's final
+        ones (``mpdiag watch`` at a clip call, which may come before another micro-batch's backward). Dropping
+        the result costs nothing more; using it after a backward added to the gradients would record stale ones."""
+        if self._closed:
+            raise RuntimeError("read_gradients() called on a closed Recorder")
+        return self._read_tensors(self._step, self._scaler_state(None)[0])
+
+    def _read_tensors(self, step: int, scale: float | torch.Tensor) -> GradientRead:
+        """Start the statistics of every gradient that is this step's, on the steps whose tensors are logged."""
+        present = self._step_grads.fresh() if step % self.every == 0 else ()
         if not present or not self._dist.computes_stats:
-            return False
+            return GradientRead(step)
         grads = [self._dist.local(self._params[i][1].grad) for i in present]
         computer = self._computers.get(present)
         if computer is None:
             computer = self._computers[present] = GradStatsComputer([g.numel() for g in grads], self.device)
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
-        self._unscale_by = 1.0 if unscaled else scale
         pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
-            return False
-        self._unread_stats.append((step, present, pending))
+            return GradientRead(step)
         unseen = [i for i in present if i not in self._grad_dtype_known]
         if unseen:
             self._note_grad_dtypes(unseen)
-        return True
+        return GradientRead(step, present, pending, 1.0 if unscaled else scale)
+
+    def _settle_owners(self) -> None:
+        """The open step ends: its rows keep the tensors held by the optimizers that stepped in it."""
+        fed = self._step_grads.fed()
+        if self._unread_stats and not self._unread_stats[-1].settled:
+            self._unread_stats[-1].keep, self._unread_stats[-1].settled = fed, True
+
+    def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` steps in the step recorded last, though no step hook of it saw so (GradScaler skipped
+        the step; the optimizer's step hook ran before the closure that recorded the step)."""
+        self._step_grads.asked_to_step(optimizer)
 
     def compare_gradients(self, reference: Sequence[torch.Tensor | None]) -> None:
         """Store, per tensor, how far this step's gradients are from FP32 ``reference`` gradients computed on
         the same weights and batch (one per trainable parameter in order, e.g. from
         :class:`mpdiag.numerics.shadow.Fp32Shadow`): the relative error ||g - g32|| / ||g32|| and the cosine, with g the
         recorded gradient unscaled, in float64. Call after :meth:`record` and before the optimizer step."""
+        self.add_shadow_rows(self.shadow_rows(reference, GradientRead(self._step - 1, unscale_by=self._unscale_by)))
+
+    def shadow_rows(self, reference: Sequence[torch.Tensor | None], gradients: GradientRead) -> list[tuple]:
+        """:meth:`compare_gradients`' rows for the gradients in ``.grad`` now, read as ``gradients`` (its step and
+        unscaling), to be stored by :meth:`add_shadow_rows` once that step is recorded."""
         if len(reference) != len(self._params):
             raise ValueError(f"reference has {len(reference)} gradients; the model has {len(self._params)} trainable parameters")
-        step, rows, stats = self._step - 1, [], []
+        rows, stats = [], []
         for i, ((_, p), ref) in enumerate(zip(self._params, reference, strict=True)):
             if p.grad is None or ref is None:
                 continue
-            g, r = p.grad.detach().double() / self._unscale_by, ref.detach().double()
+            g, r = p.grad.detach().double() / gradients.unscale_by, ref.detach().double()
             ref_norm = torch.linalg.vector_norm(r)
             stats.append(torch.stack([torch.linalg.vector_norm(g - r) / ref_norm,
                                       (g * r).sum() / (torch.linalg.vector_norm(g) * ref_norm), ref_norm]))
             rows.append(i)
         if not rows:
-            return
+            return []
         values = torch.stack(stats).tolist()
-        shadow_rows = [(step, i, *(v if math.isfinite(v) else None for v in vals))
-                       for i, vals in zip(rows, values, strict=True)]
-        self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, shadow_rows))
+        return [(gradients.step, i, *(v if math.isfinite(v) else None for v in vals))
+                for i, vals in zip(rows, values, strict=True)]
+
+    def add_shadow_rows(self, rows: list[tuple]) -> None:
+        if rows:
+            self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, rows))
 
     def _note_grad_dtypes(self, indices: Iterable[int]) -> None:
         """Complete the tensors table with each tensor's grad dtype, known once its first grad exists."""
@@ -450,9 +515,9 @@ class Recorder:
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
             self.last_loss, self.last_loss_step = self._step_rows[-1][1], self._step_rows[-1][0]
-        while self._unread_stats and (wait or self._unread_stats[0][2].ready()):
-            step, present, pending = self._unread_stats.popleft()
-            self._add_tensor_rows(step, present, pending.result())
+        while self._unread_stats and self._unread_stats[0].settled and (wait or self._unread_stats[0].read.pending.ready()):
+            unread = self._unread_stats.popleft()
+            self._add_tensor_rows(unread.step, unread.read.present, unread.read.pending.result(), unread.keep)
         while self._unread_fp8 and (wait or self._unread_fp8[0].ready()):
             fp8 = self._unread_fp8.popleft().result()
             self._fp8_rows[0].extend(fp8.records)
@@ -461,8 +526,10 @@ class Recorder:
             self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
                                   for i, counts in enumerate(per_tensor)]
 
-    def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats) -> None:
+    def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         for k, i in enumerate(present):
+            if keep is not None and i not in keep:
+                continue  # another optimizer's parameter: its fresh gradient fed no step here
             self._tensor_rows_buf.append(TensorRow(
                 step, i, encode_hist(stats.hist[k]),
                 *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
@@ -508,12 +575,14 @@ class Recorder:
         self._closed = True
         for hook in self._hooks:
             hook.remove()
+        self._step_grads.remove()
         self._dist.close()
         if self._tracer is not None:
             self._tracer.remove()
         if self._fp8 is not None:
             self._fp8.remove()
         self._close_previous_row(known=known)
+        self._settle_owners()
         if self._unread_steps:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)

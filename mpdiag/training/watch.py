@@ -7,9 +7,20 @@ afterwards. It must not compute statistics itself: every number goes through the
 :class:`mpdiag.recording.recorder.Recorder`, fed at the moment a step's gradients are complete.
 
 A step is one ``scaler.step(optimizer)`` call, or one ``optimizer.step()`` where no scaler steps it; several
-optimizer steps after the same backward passes are one step. Its gradients are read once, at the first of: a
-clip call, a scaler step, an optimizer step - so before any clipping, and unscaled by the Recorder whether or
-not the script called ``unscale_``. Its loss is the sum of the (unscaled) values ``backward`` was called on
+optimizer steps after the same backward passes are one step. Its gradients are read once they are final and
+before anything changes them:
+
+* at a clip call (``clip_grad_norm_``/``clip_grad_value_``), read then and recorded at the step that follows -
+  unless another backward comes first (a script that clips every micro-batch of an accumulation window): then
+  that read is dropped, and the gradients are read again at the next clip call or step;
+* else at the scaler's or optimizer's step;
+* for ``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization), after the closure's first
+  evaluation, which runs the forward and backward of the step; later evaluations (LBFGS's iterations and line
+  search, at other weights) are not part of the recorded step, and their backward values are no step's loss.
+
+So the gradients are unclipped, and unscaled by the Recorder whether or not the script called ``unscale_``. Of
+them, the step keeps those of the parameters the optimizers stepping in it hold, written since the previous step
+(:mod:`mpdiag.recording.step_gradients`). Its loss is the sum of the (unscaled) values ``backward`` was called on
 since the previous step: with accumulation over k micro-batches of ``loss / k``, their mean.
 """
 
@@ -36,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
-from mpdiag.recording.recorder import Recorder, RunnerAttachment, scaler_run_fields
+from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError
 from mpdiag.training.watch_shadow import WatchShadow
 
@@ -139,45 +150,90 @@ class WatchConfig:
         return [*(["-m"] if self.module else []), self.target, *self.args]
 
 
+def _wrapped_attributes() -> dict[type, str]:
+    """Modules that only wrap another one, holding its parameters under a prefix of their own (``_orig_mod.``,
+    ``module.``), and the attribute holding the module inside, which is named instead: the names are the ones
+    the user's code uses."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    wrappers = {OptimizedModule: "_orig_mod", nn.DataParallel: "module", nn.parallel.DistributedDataParallel: "module"}
+    for name in ("pytorch_lightning.overrides.base", "lightning.pytorch.overrides.base"):
+        module = sys.modules.get(name)  # only when the script imported Lightning
+        if module is not None:
+            wrappers[module._LightningModuleWrapperBase] = "_forward_module"
+    return wrappers
+
+
+def _unwrapped(module: nn.Module, wrappers: dict[type, str]) -> nn.Module:
+    while type(module) in wrappers:
+        module = getattr(module, wrappers[type(module)])
+    return module
+
+
+def _live_modules(wrappers: dict[type, str]) -> list[nn.Module]:
+    """Every module alive in this process but wrappers (DDP's excepted: the Recorder reads the job's shape from it).
+    By ``type()``, never ``isinstance()``: the heap holds objects whose ``__class__`` raises (a dead
+    ``weakref.proxy``, which torch.compile leaves behind)."""
+    skipped = tuple(t for t in wrappers if t is not nn.parallel.DistributedDataParallel)
+    return [m for m in gc.get_objects() if issubclass(type(m), nn.Module) and not issubclass(type(m), skipped)]
+
+
+def _held_parameters(module: nn.Module) -> list[nn.Parameter]:
+    try:
+        return list(module.parameters())
+    except Exception:  # noqa: BLE001 - a module of the script in an odd state holds nothing watch can name
+        return []
+
+
 class OptimizedParameters(nn.Module):
     """The parameters the script's optimizers hold, each once, named by its path in the module owning it:
     what the Recorder reads. It registers nothing, so it changes no module of the script."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], roots: list[tuple[str, nn.Module]]):
+    def __init__(self, named: list[tuple[str, nn.Parameter]], roots: list[tuple[str, nn.Module]],
+                 wrappers: list[nn.Module] = ()):
         super().__init__()
         self._named_params = named
-        self.roots = roots  # (name prefix, outermost module holding some of the parameters)
+        self.roots = roots  # (name prefix, outermost module holding some of the parameters, wrappers undone)
+        self._wrappers = list(wrappers)  # DDP around a root: how the Recorder knows the job is DDP
 
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         return iter(self._named_params)
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        yield from (("", wrapper) for wrapper in self._wrappers)
         for root_prefix, root in self.roots:
             yield from root.named_modules(prefix=root_prefix)
 
 
 def optimized_parameters(optimizers) -> OptimizedParameters:
-    """Name every distinct parameter of ``optimizers`` by its path in the outermost module holding it (found
-    among the live modules); modules in the order their first parameter appears in the optimizers."""
+    """Name every distinct parameter of ``optimizers`` (in the order they were created) by its path in the
+    outermost module holding it (found among the live modules, wrappers excepted); modules in the order their
+    first parameter appears in the optimizers, each prefixed by its class name when there are several (numbered
+    only when two share one), so identical runs name their tensors identically."""
     held = list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
     position = {id(p): i for i, p in enumerate(held)}
-    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+    wrappers = _wrapped_attributes()
+    with warnings.catch_warnings():  # some deprecated torch objects warn when looked at
         warnings.simplefilter("ignore")
-        live = [m for m in gc.get_objects() if isinstance(m, nn.Module)]
-    candidates = [m for m in live if any(id(p) in position for p in m.parameters())]
-    inner = {id(c) for m in candidates for c in list(m.modules())[1:]}
-    roots = [m for m in candidates if id(m) not in inner]
-    roots.sort(key=lambda m: min(position[id(p)] for p in m.parameters() if id(p) in position))
+        owned = ((m, _held_parameters(m)) for m in _live_modules(wrappers))
+        holding = {id(m): (m, params) for m, params in owned if any(id(p) in position for p in params)}
+    inner = {id(c) for m, _ in holding.values() for c in list(m.modules())[1:]}
+    roots = [(m, params) for key, (m, params) in holding.items() if key not in inner]
+    roots.sort(key=lambda root: min(position[id(p)] for p in root[1] if id(p) in position))
+    outer = [m for m, _ in roots if type(m) in wrappers]
+    roots = [(_unwrapped(m, wrappers), params) for m, params in roots]
+    classes = [type(m).__name__ for m, _ in roots]
     named, seen, prefixed = [], set(), []
-    for root in roots:
-        prefix = "" if len(roots) == 1 else f"{type(root).__name__}{'' if not prefixed else len(prefixed)}"
+    for k, (root, _) in enumerate(roots):
+        cls = classes[k]
+        prefix = "" if len(roots) == 1 else cls if classes.count(cls) == 1 else f"{cls}{classes[:k].count(cls)}"
         prefixed.append((prefix, root))
         for name, p in root.named_parameters(prefix=prefix):
             if id(p) in position and id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
     named += [(f"param{position[id(p)]}", p) for p in held if id(p) not in seen]  # held by no module
-    return OptimizedParameters(named, prefixed)
+    return OptimizedParameters(named, prefixed, outer)
 
 
 class _Patches:
@@ -199,6 +255,13 @@ class _Patches:
             self._undo.pop()()
 
 
+def _closure(args, kwargs):
+    """The closure given to an optimizer's (or scaler's) ``step`` (``args``: its positional arguments after the
+    optimizer), or None."""
+    closure = kwargs["closure"] if "closure" in kwargs else args[0] if args else None
+    return closure if callable(closure) else None
+
+
 def _bound(fn, args, kwargs) -> inspect.BoundArguments:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -212,7 +275,7 @@ class Watcher:
         self.config, self.writer, self.run_id = config, writer, run_id
         self.recorder: Recorder | None = None
         self.steps = 0
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers: list[weakref.ref] = []  # the script's optimizers, in the order it created them
         self._scalers: list = []  # GradScalers the script created, newest last (weak references)
         self._scaled: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # scaler.scale() output -> unscaled loss
         self._loss: torch.Tensor | None = None
@@ -220,6 +283,11 @@ class Watcher:
         self.autocast_regions = 0  # autocast regions the script created while watched (a level changes only these)
         self._recorded = False  # this step's gradients have been given to the Recorder
         self._stepped = False  # an optimizer or scaler step has run since they were
+        #: this step's gradients as read at a clip call, with the FP32 shadow's rows for them; recorded at the
+        #: step unless a backward comes first
+        self._read_at_clip: tuple[GradientRead, list] | None = None
+        self._reevaluating = 0  # inside a closure's evaluation after its first (LBFGS): not the recorded step
+        self._closure_scaler = None  # a (disabled) scaler stepping an optimizer with a closure
         self._patches = _Patches()
         self.shadow: WatchShadow | None = None  # --shadow-every: replays the coming step in FP32 when armed
         self._shadow_error: str | None = None  # why the shadow stopped, for the run's note
@@ -233,10 +301,11 @@ class Watcher:
 
         def optimizer_init(opt, *args, **kwargs):
             opt_init(opt, *args, **kwargs)
-            watcher._optimizers.add(opt)
+            if all(ref() is not opt for ref in watcher._optimizers):
+                watcher._optimizers.append(weakref.ref(opt))
 
         p.set(torch.optim.Optimizer, "__init__", optimizer_init)
-        p.hook(register_optimizer_step_pre_hook(lambda opt, args, kwargs: watcher._capture()))
+        p.hook(register_optimizer_step_pre_hook(self._before_optimizer_step))
         p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._mark_stepped()))
 
         scaler_cls = torch.amp.GradScaler
@@ -260,7 +329,10 @@ class Watcher:
             return scaled
 
         def step(scaler, optimizer, *args, **kwargs):
-            watcher._capture(scaler)
+            if _closure(args, kwargs) is None:
+                watcher._capture(scaler, optimizer)
+            else:  # the optimizer's step (a disabled scaler's) captures after the closure ran
+                watcher._closure_scaler = scaler
             try:
                 return scaler_step(scaler, optimizer, *args, **kwargs)
             finally:
@@ -319,7 +391,7 @@ class Watcher:
 
     def _before(self, clip):
         def clipped(*args, **kwargs):
-            self._capture()
+            self._read_before_clip()
             return clip(*args, **kwargs)
 
         clipped.__wrapped__ = clip
@@ -332,9 +404,12 @@ class Watcher:
 
     # -- step boundaries -----------------------------------------------------------------------------------
     def _on_backward(self, tensors) -> None:
+        if self._reevaluating:
+            return
         self.backward_calls += 1
         if self._recorded and self._stepped:  # the first backward of a new step
             self._recorded = self._stepped = False
+        self._read_at_clip = None  # a clip call before this backward clipped an earlier micro-batch
         if not torch.is_tensor(tensors) or tensors.numel() != 1:
             return
         ref, unscaled = self._scaled.get(id(tensors), (None, None))
@@ -346,35 +421,83 @@ class Watcher:
         if self._recorded:
             self._stepped = True
 
-    def _capture(self, scaler=None) -> None:
-        """Give this step's gradients to the Recorder, once per step, before anything changes them."""
-        if self._recorded:
+    def _before_optimizer_step(self, optimizer, args, kwargs):
+        """An optimizer's step is entered: capture now, or, given a closure, once its first evaluation has run
+        the step's forward and backward (returned in its place, as torch's step pre-hooks may)."""
+        closure = _closure(args[1:], kwargs)  # args[0] is the optimizer itself
+        if closure is None:
+            self._capture(optimizer=optimizer)
+            return None
+        evaluated = self._capturing_closure(closure, optimizer)
+        return (args, {**kwargs, "closure": evaluated}) if "closure" in kwargs else \
+            ((args[0], evaluated, *args[2:]), kwargs)
+
+    def _capturing_closure(self, closure, optimizer):
+        evaluations = 0
+
+        def evaluate():
+            nonlocal evaluations
+            evaluations += 1
+            if evaluations > 1:
+                self._reevaluating += 1
+                try:
+                    return closure()
+                finally:
+                    self._reevaluating -= 1
+            result = closure()
+            self._capture(self._closure_scaler, optimizer)
+            return result
+
+        return evaluate
+
+    def _read_before_clip(self) -> None:
+        if self._recorded or self._read_at_clip is not None or not self._ensure_recorder(None):
             return
+        self._read_at_clip = self._read()
+
+    def _read(self) -> tuple[GradientRead, list]:
+        """This step's gradients as they are now, and the FP32 shadow's rows for them at a shadow step."""
+        read = self.recorder.read_gradients()
+        return read, (self._shadow_rows(read) if self.shadow is not None and self.shadow.armed else [])
+
+    def _ensure_recorder(self, scaler) -> bool:
         if self.recorder is None:
             self.recorder = self._start_recorder(scaler)
-            if self.recorder is None:
-                return
+        return self.recorder is not None
+
+    def _capture(self, scaler=None, optimizer=None) -> None:
+        """Record this step's gradients, once per step, before anything changes them; ``optimizer``: one that
+        steps in it."""
+        if self._recorded:
+            if optimizer is not None:
+                self.recorder.asked_to_step(optimizer)
+            return
+        if not self._ensure_recorder(scaler):
+            return
+        (read, shadow_rows), self._read_at_clip = self._read_at_clip or self._read(), None
         loss = self._loss if self._loss is not None else float("nan")
-        self.recorder.record(loss)
-        if self.shadow is not None and self.shadow.armed:
-            self._compare_with_shadow()
+        self.recorder.record(loss, gradients=read)
+        self.recorder.add_shadow_rows(shadow_rows)
+        if optimizer is not None:
+            self.recorder.asked_to_step(optimizer)
         self.steps += 1
         if self.shadow is not None and self.steps % self.config.shadow_every == 0:
             self.shadow.arm()
         self._loss, self._scaled = None, {}
         self._recorded = True
 
-    def _compare_with_shadow(self) -> None:
-        """Hand the Recorder this step's FP32 gradients; a replay that fails stops the shadow, never the script."""
+    def _shadow_rows(self, read: GradientRead) -> list:
+        """The comparison of this step's gradients with their FP32 replay; a replay that fails stops the shadow,
+        never the script."""
         scale = float(self.recorder.scaler.get_scale()) if self.recorder.scaler is not None else 1.0
         try:
             reference = self.shadow.reference(scale)
-            if reference is not None:
-                self.recorder.compare_gradients(reference)
+            return [] if reference is None else self.recorder.shadow_rows(reference, read)
         except Exception as exc:  # noqa: BLE001 - the script's training goes on without the shadow
             self._shadow_error = f"The FP32 shadow stopped at step {self.steps}: {type(exc).__name__}: {exc}"
             self.shadow.remove()
             self.shadow = None
+            return []
 
     def _start_recorder(self, scaler) -> Recorder | None:
         """The Recorder over every parameter the script's optimizers hold, with the scaler that steps them
@@ -382,7 +505,7 @@ class Watcher:
         live = [s for s in (ref() for ref in self._scalers) if s is not None]
         if scaler is None:
             scaler = next((s for s in reversed(live) if s.is_enabled()), None)
-        optimizers = list(self._optimizers)
+        optimizers = [opt for opt in (ref() for ref in self._optimizers) if opt is not None]
         if not optimizers:
             return None
         params = optimized_parameters(optimizers)

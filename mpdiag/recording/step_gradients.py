@@ -1,0 +1,78 @@
+"""Which parameters' ``.grad`` belong to the step being recorded, and which optimizers that step fed.
+
+A ``.grad`` that is not None is not always this step's gradient. A GAN's loop (pytorch/examples' DCGAN, with
+AMP as torch's AMP examples add it) steps the discriminator, then the generator, each with its own optimizer:
+at the discriminator's step the generator still holds the gradient of its previous step (already unscaled in
+place by ``scaler.step``, so dividing it by the scale again made it 65,536 times too small, and a skipped step's
+NaNs leaked into the next step's row); at the generator's step the discriminator's ``.grad`` holds its consumed
+gradient plus the generator loss's, at two different scales - a number no optimizer uses.
+
+Two rules, each exact where it applies:
+
+* **Fresh.** A gradient is this step's when autograd accumulated into it since the previous step began (a
+  post-accumulate-grad hook, which DDP and FSDP2 also run) or the parameter holds a different ``.grad``
+  object than it did then (one assigned by hand). A gradient left over from an earlier step is neither.
+* **Fed.** Of the fresh gradients, those of the parameters held by the optimizers asked to step in that step
+  (between its ``record`` and the next one, so a second optimizer stepping after the same backward passes
+  counts too). A step in which no optimizer holding a recorded parameter was seen keeps every fresh gradient
+  (weights updated by hand, FP32 master weights held by the optimizer instead, a run stopped inside the step),
+  so a step's evidence is never dropped for lack of an owner.
+
+The hooks never copy or change a gradient; they only mark a parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+
+class StepGradients:
+    """Bookkeeping over ``params`` (the recorded parameters, in the Recorder's order)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self._params = list(params)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._accumulated = [False] * len(self._params)
+        self._previous: list[weakref.ref | None] = [None] * len(self._params)  # each .grad when the step began
+        self._asked: dict[int, torch.optim.Optimizer] = {}  # optimizers asked to step in the open step
+        self._handles = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(self._params)]
+
+    def _marker(self, index: int):
+        def mark(param: torch.Tensor) -> None:
+            self._accumulated[index] = True
+
+        return mark
+
+    def fresh(self) -> tuple[int, ...]:
+        """The indices of the parameters whose ``.grad`` is this step's now."""
+        fresh = []
+        for i, p in enumerate(self._params):
+            grad, previous = p.grad, self._previous[i]
+            if grad is not None and (self._accumulated[i] or previous is None or previous() is not grad):
+                fresh.append(i)
+        return tuple(fresh)
+
+    def next_step(self) -> None:
+        """The step's gradients have been read: what is in ``.grad`` now is stale from here on."""
+        for i, p in enumerate(self._params):
+            self._previous[i] = None if p.grad is None else weakref.ref(p.grad)
+        self._accumulated = [False] * len(self._params)
+
+    def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` was asked to step in the open step (whether or not the step then ran)."""
+        self._asked[id(optimizer)] = optimizer
+
+    def fed(self) -> frozenset[int] | None:
+        """Close the open step: the indices of the recorded parameters the optimizers asked to step in it hold;
+        None when none holds any (the step's owner is unknown: keep every fresh gradient)."""
+        asked, self._asked = self._asked, {}
+        held = frozenset(self._index[id(p)] for opt in asked.values() for group in opt.param_groups
+                         for p in group["params"] if id(p) in self._index)
+        return held or None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
