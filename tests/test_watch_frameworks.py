@@ -49,8 +49,11 @@ def assert_steps_are_the_frameworks(store, run_id, truth, rel=1e-6):
     ("--precision", "bf16-mixed", "--accumulate", "2"),
     ("--precision", "bf16-mixed", "--clip", "0.5"),
     ("--precision", "16-mixed", "--accumulate", "2", "--clip", "0.1"),
+    ("--precision", "cpu-fp16", "--accumulate", "2", "--clip", "0.1"),
+    ("--precision", "cpu-fp16", "--manual"),
     ("--manual",),
-], ids=["32-true", "32-clip", "32-accumulate3-clip", "bf16-accumulate2", "bf16-clip", "16-mixed", "manual"])
+], ids=["32-true", "32-clip", "32-accumulate3-clip", "bf16-accumulate2", "bf16-clip", "16-mixed-as-bf16-on-cpu",
+        "16-mixed-scaled", "16-mixed-scaled-manual", "manual"])
 def test_lightning_trainer(store_path, tmp_path, args):
     """Automatic optimization runs ``optimizer.step(closure)`` (forward and backward inside the step); AdamW with
     two parameter groups and a per-step scheduler; max_steps."""

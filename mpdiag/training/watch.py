@@ -596,50 +596,75 @@ def _exit_code(code) -> int:
     return 1
 
 
+class WatchSession:
+    """One watched run: its store writer, run row and the interception, from construction to :meth:`end`.
+    ``watch`` wraps a script in one; the framework callbacks (:mod:`mpdiag.integrations`) wrap a training call
+    in one, handing over the ``optimizers`` made before it started. One at a time in a process."""
+
+    active: WatchSession | None = None
+
+    def __init__(self, config: WatchConfig, store: str | os.PathLike | Callable[[], object], optimizers=()):
+        config.validate()
+        if WatchSession.active is not None:
+            raise RuntimeError("mpdiag is already watching this process: one watched run at a time")
+        # under torchrun, rank 0 records the job; the other ranks run the script with watch's hooks (their
+        # collectives must match rank 0's) and write nothing
+        self.writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store)
+        try:
+            settings = config.settings()
+            self.run_id = self.writer.call(lambda w: w.create_run(
+                name=config.name or os.path.basename(config.target), script_path=None if config.module or
+                config.bundle else os.path.abspath(config.target), opt_level=config.opt_level or "custom",
+                scaling="none", every=config.every, device="cpu", torch_version=torch.__version__,
+                config={"watch": settings}, parent_run_id=config.parent_run_id))
+            self.watcher = Watcher(config, self.writer, self.run_id)
+            self.watcher._optimizers.extend(weakref.ref(opt) for opt in optimizers)
+            self.watcher.install()
+        except BaseException:
+            self.writer.close()
+            raise
+        WatchSession.active = self
+
+    def end(self, status: str, error: str | None) -> None:
+        """Undo the interception and end the run (``finished``, ``failed`` or ``crashed``); idempotent."""
+        if WatchSession.active is not self:
+            return
+        WatchSession.active = None
+        try:
+            self.watcher.restore()
+            if self.watcher.recorder is not None:
+                device = str(self.watcher.recorder.device)
+                self.writer.submit(lambda w: w.update_run(self.run_id, device=device))
+            self.watcher.end(status, error)
+        finally:
+            self.writer.close()
+
+
 def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object]) -> tuple[int, int]:
     """Run the script under ``config``, record it as one run into ``store`` (a store path, or a callable
     returning a writer-like sink, as a supervised child's forwarder is) and return (run id, the script's exit
     code); the run id is None on a torchrun rank other than 0, which records nothing.
 
     Raises ConfigError before anything runs or is stored when an option is refused."""
-    config.validate()
-    # under torchrun, rank 0 records the job; the other ranks run the script with watch's hooks (their
-    # collectives must match rank 0's) and write nothing
-    writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store)
+    session = WatchSession(config, store)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
     try:
-        settings = config.settings()
-        run_id = writer.call(lambda w: w.create_run(
-            name=config.name or os.path.basename(config.target), script_path=None if config.module or config.bundle
-            else os.path.abspath(config.target), opt_level=config.opt_level or "custom", scaling="none",
-            every=config.every, device="cpu", torch_version=torch.__version__, config={"watch": settings},
-            parent_run_id=config.parent_run_id))
-        watcher = Watcher(config, writer, run_id)
-        on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
-        watcher.install()
-        try:
-            watcher.run_script()
-            status, error, code = "finished", None, 0
-        except SystemExit as exc:
-            code = _exit_code(exc.code)
-            status, error = ("finished", None) if code == 0 else \
-                ("failed", f"the script called sys.exit({exc.code!r})")
-        except WatchStopped as exc:
-            status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
-        except KeyboardInterrupt:
-            status, error, code = "crashed", "stopped by keyboard interrupt (SIGINT)", 128 + signal.SIGINT
-        except BaseException:  # noqa: BLE001 - the script's own error: recorded, printed, exit 1 as python would
-            error = traceback.format_exc()
-            print(error, file=sys.stderr, end="")
-            status, code = "failed", 1
-        finally:
-            watcher.restore()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        if watcher.recorder is not None:
-            device = str(watcher.recorder.device)
-            writer.submit(lambda w: w.update_run(run_id, device=device))
-        watcher.end(status, error)
-        return run_id, code
+        session.watcher.run_script()
+        status, error, code = "finished", None, 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        status, error = ("finished", None) if code == 0 else ("failed", f"the script called sys.exit({exc.code!r})")
+    except WatchStopped as exc:
+        status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
+    except KeyboardInterrupt:
+        status, error, code = "crashed", "stopped by keyboard interrupt (SIGINT)", 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - the script's own error: recorded, printed, exit 1 as python would
+        error = traceback.format_exc()
+        print(error, file=sys.stderr, end="")
+        status, code = "failed", 1
     finally:
-        writer.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    session.end(status, error)
+    return session.run_id, code

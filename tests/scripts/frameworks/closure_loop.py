@@ -31,9 +31,8 @@ def main() -> None:
     y = x.sum(dim=1, keepdim=True).sin()
     truth = {"loss": [], "norms": [], "returned": [], "names": [n for n, _ in model.named_parameters()]}
     for _ in range(args.steps):
-        evaluations = []
 
-        def closure():
+        def closure(evaluations=[]):  # noqa: B006 - a new list per step: it counts this step's evaluations
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()

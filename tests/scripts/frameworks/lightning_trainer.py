@@ -1,6 +1,9 @@
 """A Lightning ``Trainer`` run as users write one (tests/test_watch_frameworks.py runs it unmodified under watch).
 
 Usage: lightning_trainer.py TRUTH_JSON [--precision P] [--accumulate N] [--clip V] [--manual] [--max-steps N]
+                            [--mpdiag-callback STORE]
+``--precision 16-mixed`` falls back to bf16-mixed on the CPU (Lightning's own choice); ``--precision cpu-fp16`` is
+Lightning's 16-mixed plugin given a CPU GradScaler (init scale 2^10), so the scaled path runs on the CPU too.
 Automatic optimization by default (Lightning runs ``optimizer.step(closure)``), AdamW with two parameter groups and a
 per-step scheduler. The truth is Lightning's own: the loss it hands ``on_before_backward`` (divided by the loss
 scale under 16-mixed, where it is the scaled loss), summed per optimizer step, and the gradients it hands
@@ -12,6 +15,7 @@ import json
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -63,13 +67,21 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--mpdiag-callback", metavar="STORE", help="record with mpdiag's Lightning callback")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(96, 8, generator=generator)
     data = DataLoader(TensorDataset(x, x[:, :1] * 3 + 0.1 * torch.randn(96, 1, generator=generator)), batch_size=8)
     model = Regression(args.manual)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, precision=args.precision, max_steps=args.max_steps,
+    callbacks = []
+    if args.mpdiag_callback:
+        from mpdiag.integrations.lightning import MpdiagCallback
+
+        callbacks.append(MpdiagCallback(store=args.mpdiag_callback, name="lightning callback"))
+    precision = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))]} \
+        if args.precision == "cpu-fp16" else {"precision": args.precision}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.max_steps, callbacks=callbacks, **precision,
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data)

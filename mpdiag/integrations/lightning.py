@@ -1,0 +1,71 @@
+"""``Trainer(callbacks=[MpdiagCallback()])``: a Lightning fit recorded as one mpdiag run, over the Recorder.
+
+Owns the mapping from Lightning's hooks to the Recorder's contract: the run starts when training starts (the
+LightningModule's parameters, Lightning's optimizers and its precision plugin's GradScaler, if any); the loss of a
+step is the sum of the values Lightning hands ``on_before_backward`` since the previous step (divided by the loss
+scale under ``16-mixed``, where Lightning hands the scaled loss; with ``accumulate_grad_batches`` k, each is the
+micro-batch loss / k, so the sum is their mean); the gradients are read at ``on_before_optimizer_step``, which
+Lightning calls once they are final for the step, unscaled and before it clips them. Optimizer steps after the same
+backward passes are one step, as in ``mpdiag watch``. The run ends at ``on_train_end`` (finished) or
+``on_exception`` (failed, with the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytorch_lightning as pl
+import torch
+
+from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.recording.recorder import Recorder
+from mpdiag.training.watch import WatchSession
+
+
+class MpdiagCallback(pl.Callback):
+    """Records the fit into ``store`` (default ``MPDIAG_STORE`` or ``mpdiag_runs.db``) as run ``name`` (default:
+    the LightningModule's class name); ``every``, ``trace_modules`` and ``fp8`` as the Recorder takes them."""
+
+    def __init__(self, store: str | os.PathLike | None = None, name: str | None = None, every: int = 1, *,
+                 trace_modules: bool = False, fp8: Fp8Settings | None = None):
+        self.store, self.name, self.every, self.trace_modules, self.fp8 = store, name, every, trace_modules, fp8
+        self.recorder: Recorder | None = None
+        self._loss: torch.Tensor | None = None  # the unscaled loss back-propagated since the previous step
+
+    @property
+    def run_id(self) -> int | None:
+        return None if self.recorder is None else self.recorder.run_id
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if WatchSession.active is not None:
+            return  # `mpdiag watch` records this script already
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        settings = {"precision": str(trainer.precision), "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                    "gradient_clip_val": trainer.gradient_clip_val, "max_steps": trainer.max_steps}
+        self.recorder = Recorder(pl_module, store=self.store, name=self.name or type(pl_module).__name__,
+                                 scaler=scaler, optimizer=list(trainer.optimizers), every=self.every,
+                                 config={"lightning": settings}, trace_modules=self.trace_modules, fp8=self.fp8)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.recorder is None:
+            return
+        value = loss.detach().reshape(()).double()
+        scaler = self.recorder.scaler
+        if scaler is not None:  # Lightning scaled it before the hook; the scale is a power of 2: exact
+            value = value / scaler._get_scale_async().double().reshape(())
+        self._loss = value if self._loss is None else self._loss + value
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self.recorder is None or self._loss is None:
+            return  # no backward since the step recorded last: another optimizer of the same step
+        self.recorder.record(self._loss)
+        self._loss = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.recorder is not None:
+            self.recorder.fail("".join(traceback.format_exception(exception)))
