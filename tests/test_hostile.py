@@ -112,4 +112,4 @@ def test_a_child_killed_by_a_signal_is_described_by_name(tmp_path):
 
     outcome = supervise(["python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
                         Limits(wall_s=30, memory_mb=4000, log_bytes=1000), tmp_path)
-    assert not outcome.ok and outcome.message == "the process was killed by signal SIGTERM"
+    assert not outcome.ok and outcome.message == "terminated (SIGTERM)"

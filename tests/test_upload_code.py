@@ -57,6 +57,13 @@ def test_a_file_with_a_main_block_or_a_training_name_is_offered_first():
     ([("a.py", b""), ("b.zip", zipped({"c.py": b""}))], "upload a .zip on its own"),
     ([("a.py", b""), ("sub/../a.py", b"")], "leaves the bundle"),
     ([], "No files uploaded."),
+    # what would pass these checks and then fail to be written out for the child: refused up front, by name
+    ([("a", b""), ("a/b.py", b"")], "a is both a file and a folder of the upload."),
+    ([("x.zip", zipped({"pkg": b"", "pkg/train.py": b""}))], "pkg is both a file and a folder"),
+    ([("n" * 256 + ".py", b"")], "a name of 259 bytes; at most 255"),
+    ([("x.zip", zipped({"/".join(["d" * 200] * 6) + "/t.py": b""}))], "a path of 1,210 bytes; at most 1,024"),
+    ([("/".join("d" * 40) + "/t.py", b"")], "40 folders deep; at most 32"),
+    ([(f"f{i}.py", b"") for i in range(2001)], "2,001 files uploaded; a bundle holds at most 2,000."),
 ])
 def test_uploads_that_cannot_be_a_bundle_are_refused_with_the_reason(uploads, message):
     with pytest.raises(BundleRefused, match=message.replace(".", r"\.")):

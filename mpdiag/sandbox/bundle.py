@@ -2,9 +2,11 @@
 
 A :class:`Bundle` is a set of files by relative path, made from several uploaded files or one ``.zip``
 (:func:`bundle_from_uploads`). The server only unpacks and validates it, executing and compiling nothing: every
-path must be relative and stay inside the bundle, the number of files and their unpacked size are bounded (a
-zip's declared sizes are not trusted: reading stops at the limit), and a single folder holding everything (a
-zipped project directory) is taken as the bundle's root. Its canonical zip (sorted names, fixed timestamps) is
+path must be relative and stay inside the bundle, and every bundle, however it was uploaded, holds at most
+MAX_BUNDLE_FILES files of MAX_BUNDLE_BYTES together (a zip's declared sizes are not trusted: reading stops at
+the limit), names of at most MAX_NAME_BYTES, paths of at most MAX_PATH_BYTES and MAX_DEPTH folders, and no path
+that is both a file and a folder - so that writing it out for a child cannot fail. A single folder holding
+everything (a zipped project directory) is taken as the bundle's root. Its canonical zip (sorted names, fixed timestamps) is
 what the store keeps, under its SHA-256, and what a child gets, unpacked into its scratch directory, which is
 then the script's working directory.
 
@@ -33,6 +35,9 @@ from mpdiag.sandbox.supervisor import Limits, cuda_present
 
 MAX_BUNDLE_BYTES = 20 * 2**20  # unpacked, all files together; also server.maxUploadSize in .streamlit/config.toml
 MAX_BUNDLE_FILES = 2000
+MAX_NAME_BYTES = 255  # a file or folder name, UTF-8: what Linux file systems take
+MAX_PATH_BYTES = 1024  # a whole relative path: well inside PATH_MAX (4096) once under a scratch directory
+MAX_DEPTH = 32  # folders in a path
 #: what a zipped project carries that is not its code: left out of the bundle
 _LEFT_OUT_PARTS = {"__pycache__", "__MACOSX", ".git", ".ipynb_checkpoints"}
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
@@ -70,6 +75,7 @@ class Bundle:
         """A bundle of ``files``, with a single top folder holding everything taken as its root."""
         if not files:
             raise BundleRefused(f"{name}: no files (folders such as __pycache__ and .git are left out).")
+        _check_paths(name, files)
         tops = {path.split("/", 1)[0] for path in files}
         if len(tops) == 1 and all("/" in path for path in files):
             top = tops.pop()
@@ -106,6 +112,27 @@ class Bundle:
             return (not main, not posixpath.basename(path).startswith("train"), path.count("/"), path)
 
         return sorted(self.python_files(), key=likely)
+
+
+def _check_paths(name: str, files: dict[str, bytes]) -> None:
+    """Refuse, naming the file, what could not be written out as it is: too many files, a name or path too
+    long, too deep, a path that is a file and a folder."""
+    if len(files) > MAX_BUNDLE_FILES:
+        raise BundleRefused(f"{name}: {len(files):,} files; a bundle holds at most {MAX_BUNDLE_FILES:,}.")
+    folders = set()
+    for path in files:
+        parts = path.split("/")
+        folders.update("/".join(parts[:k]) for k in range(1, len(parts)))
+        if len(path.encode()) > MAX_PATH_BYTES:
+            raise BundleRefused(f"{path[:80]}...: a path of {len(path.encode()):,} bytes; at most {MAX_PATH_BYTES:,}.")
+        if len(parts) - 1 > MAX_DEPTH:
+            raise BundleRefused(f"{path[:80]}: {len(parts) - 1} folders deep; at most {MAX_DEPTH}.")
+        long = next((part for part in parts if len(part.encode()) > MAX_NAME_BYTES), None)
+        if long is not None:
+            raise BundleRefused(f"{long[:80]}...: a name of {len(long.encode()):,} bytes; at most {MAX_NAME_BYTES}.")
+    both = sorted(folders & set(files))
+    if both:
+        raise BundleRefused(f"{both[0]} is both a file and a folder of the upload.")
 
 
 def _read_zip(name: str, data: bytes) -> dict[str, bytes]:
@@ -146,6 +173,8 @@ def bundle_from_uploads(uploads: list[tuple[str, bytes]]) -> Bundle:
     zips = [name for name, _ in uploads if name.lower().endswith(".zip")]
     if zips:
         raise BundleRefused(f"{zips[0]}: upload a .zip on its own, or the files themselves (not both).")
+    if len(uploads) > MAX_BUNDLE_FILES:
+        raise BundleRefused(f"{len(uploads):,} files uploaded; a bundle holds at most {MAX_BUNDLE_FILES:,}.")
     files = {}
     for name, data in uploads:
         path = _clean_path(name)

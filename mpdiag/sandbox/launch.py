@@ -294,8 +294,8 @@ class RunOwner:
                 raise PermissionError(f"the child created run {run_id} twice")
             self._unclaimed.remove(run_id)
             method, kwargs = "update_run", {**kwargs, **self._fixed, "status": "running"}
-        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed"):
-            raise PermissionError("a child may end its run only as finished or failed")
+        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed", "crashed"):
+            raise PermissionError("a child may end its run only as finished, failed or crashed (stopped by a signal)")
         if method == "write_batch":
             args = [run_id, *_row_records(*args[1:])]
         if method == "update_run":
@@ -311,20 +311,37 @@ class RunOwner:
         if "parent_run_id" in fields and fields["parent_run_id"] != self._parent:
             raise PermissionError(f"the child tried to set parent run {fields['parent_run_id']!r}")
 
-    def close_unfinished(self, store_path: str, result: TaskResult) -> None:
-        """Mark the runs the child left queued or running failed, saying why."""
+    def close_unfinished(self, store_path: str, error: str) -> None:
+        """Mark the runs the child left queued or running (or never started) failed with ``error``."""
         from mpdiag.store import Store
 
         runs = Store(store_path).runs()
         mine = runs[runs["run_id"].isin(self.run_ids) & runs["status"].isin(["queued", "running", "stalled"])]
-        verdict_error = (result.verdict or {}).get("error")
-        if result.refused or not isinstance(verdict_error, str):
-            tail = result.outcome.output_tail.strip()[-1500:]
-            error = result.outcome.message + (f"\nLast output:\n{tail}" if tail else "")
-        else:
-            error = verdict_error
         for run_id in mine["run_id"]:
             self._writer.call(lambda w, r=int(run_id): w.end_run(r, "failed", error=error))
+
+
+    def note_leftovers(self, store_path: str, names: tuple[str, ...]) -> None:
+        """Say in each run's note that processes it started were still running when it ended (they were killed)."""
+        from mpdiag.store import Store
+
+        said = (f"The training code left {len(names)} process(es) running when it ended "
+                f"({', '.join(sorted(set(names)))}); they were ended with the run.")
+        notes = Store(store_path).runs().set_index("run_id")["note"]
+        for run_id in self.run_ids:
+            note = notes.get(run_id)
+            text = said if not isinstance(note, str) or not note else f"{note} {said}"
+            self._writer.call(lambda w, r=run_id, t=text: w.update_run(r, note=t))
+
+
+def _error_of(result: TaskResult) -> str:
+    """Why a child's runs did not end themselves: the child's own verdict, or how the process ended and its last
+    output."""
+    verdict_error = (result.verdict or {}).get("error")
+    if not result.refused and isinstance(verdict_error, str):
+        return verdict_error
+    tail = result.outcome.output_tail.strip()[-1500:]
+    return result.outcome.message + (f"\nLast output:\n{tail}" if tail else "")
 
 
 def _row_records(step_rows: list, tensor_rows: list) -> tuple[list, list]:
@@ -372,10 +389,18 @@ def supervise_job(job: dict) -> None:
     try:
         owner = RunOwner(writer, planned.queue(writer), planned.parent_run_id, planned.fixed)
         status.write_text(json.dumps({"run_ids": owner.run_ids}))
-        with run_slot(int(job["max_runs"])):
-            result = run_task(planned.task, {**planned.payload, "run_ids": owner.run_ids}, Limits.for_runs(),
-                              files=planned.files, log_path=record / LOG_FILE, on_call=owner.apply)
-        owner.close_unfinished(store_path, result)
+        try:
+            with run_slot(int(job["max_runs"])):
+                result = run_task(planned.task, {**planned.payload, "run_ids": owner.run_ids}, Limits.for_runs(),
+                                  files=planned.files, log_path=record / LOG_FILE, on_call=owner.apply)
+        except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
+            message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
+            owner.close_unfinished(store_path, message)
+            status.write_text(json.dumps({"run_ids": owner.run_ids, "message": message}))
+            raise
+        owner.close_unfinished(store_path, _error_of(result))
+        if result.outcome.left_running:
+            owner.note_leftovers(store_path, result.outcome.left_running)
         status.write_text(json.dumps({"run_ids": owner.run_ids, "message": result.outcome.message}))
     finally:
         writer.close()

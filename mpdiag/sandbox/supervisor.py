@@ -1,10 +1,13 @@
 """The limits on a child process: wall time, memory, output; and why it ended, in words a user can act on.
 
 :func:`supervise` starts a command in its own process group with a wall-time limit, a memory limit (an
-address-space rlimit on CPU-only machines, and a resident-memory watchdog over the whole process tree
-everywhere), and its output captured to a bounded log that keeps the *last* part of a huge output. When the
-child ends, whatever it left running in its group is killed. It never raises for what the child does: it
-returns an :class:`Outcome`.
+address-space rlimit on CPU-only machines, and a resident-memory watchdog over every process of the run
+everywhere), and its output captured to a bounded log that keeps the *last* part of a huge output, mirrored to
+its file twice a second. The processes of a run are the child and everything it starts, also in a session of
+its own (``setsid``, a daemon's double fork): the supervising process makes itself their subreaper (Linux), so
+orphans come back to it rather than to init, and each carries the run's token in its environment. When the child
+ends, every process of the run still there is killed, and the outcome says which were left running. It never
+raises for what the child does: it returns an :class:`Outcome`.
 
 This module is the mechanism only: it knows nothing of tasks, verdicts or the store. The protocol that every
 run, check and probe child follows (scratch directory, verdict channel, forwarded store writes) is
@@ -13,8 +16,10 @@ run, check and probe child follows (scratch directory, verdict channel, forwarde
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import secrets
 import signal
 import subprocess
 import threading
@@ -26,6 +31,7 @@ from pathlib import Path
 import psutil
 
 MiB = 2**20
+RUN_TOKEN_ENV = "MPDIAG_SUPERVISED_RUN"  # every process of a run inherits it: how an orphan is known as the run's
 
 
 def _env_number(name: str, default: float) -> float:
@@ -67,7 +73,7 @@ class Outcome:
     dropped_bytes: int
     child_pid: int
     seconds: float
-
+    left_running: tuple[str, ...] = ()  # names of the processes of the run still running when the child ended
     @property
     def ok(self) -> bool:
         return self.reason == "exited" and self.exit_code == 0
@@ -81,9 +87,11 @@ class BoundedLog:
         self.tail = bytearray()
         self.dropped = 0
         self._written = 0.0
+        self._pending = False  # output not yet in the file
         self._lock = threading.Lock()
 
     def add(self, chunk: bytes) -> None:
+        self._pending = True
         with self._lock:
             self.tail += chunk
             excess = len(self.tail) - self.limit
@@ -98,8 +106,15 @@ class BoundedLog:
             head = f"[... {self.dropped} earlier bytes of output dropped ...]\n" if self.dropped else ""
             return head + self.tail.decode("utf-8", "replace")
 
+    def flush_if_due(self) -> None:
+        """Mirror output that arrived since the last write, once it is half a second old (a child that prints,
+        then hangs, has its last line in the file)."""
+        if self.path is not None and time.monotonic() - self._written > 0.5 and self._pending:
+            self.flush()
+
     def flush(self) -> None:
         self._written = time.monotonic()
+        self._pending = False
         if self.path is not None:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(self.text(), encoding="utf-8")
@@ -120,14 +135,73 @@ def _limit_address_space(memory_mb: float):
     return apply
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
+def _become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init (Linux's PR_SET_CHILD_SUBREAPER)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: orphans in sessions of their own are then found only while their parent lives
+
+
+class RunProcesses:
+    """The processes of one supervised run: the child, its descendants, and the orphans of its tree that came
+    back to this process (its subreaper) still carrying the run's token."""
+
+    def __init__(self, child: psutil.Process, token: str):
+        self.child, self.token = child, token
+        self.seen: dict[int, psutil.Process] = {}  # every process of the run seen alive, by pid
+
+    def _carries_token(self, proc: psutil.Process) -> bool:
         try:
-            total += p.memory_info().rss
+            return proc.environ().get(RUN_TOKEN_ENV) == self.token
+        except psutil.Error:
+            return False
+
+    def alive(self) -> list[psutil.Process]:
+        found = {}
+        try:
+            found[self.child.pid] = self.child
+            found.update((p.pid, p) for p in self.child.children(recursive=True))
         except psutil.Error:
             pass
-    return total
+        for orphan in psutil.Process().children():
+            if orphan.pid not in found and (orphan.pid in self.seen or self._carries_token(orphan)):
+                found[orphan.pid] = orphan
+                try:
+                    found.update((p.pid, p) for p in orphan.children(recursive=True))
+                except psutil.Error:
+                    pass
+        self.seen.update(found)
+        return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def rss(self) -> int:
+        total = 0
+        for p in self.alive():
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def end_leftovers(self) -> list[str]:
+        """Kill every process of the run still there but the child (already ended) and reap those that are this
+        process's children; the names of those that were left running."""
+        left = [p for p in self.alive() if p.pid != self.child.pid]
+        names = []
+        for p in left:
+            try:
+                names.append(p.name())
+                p.kill()
+            except psutil.Error:
+                pass
+        mine = {c.pid for c in psutil.Process().children()}
+        for pid in set(self.seen) - {self.child.pid}:  # killed here, or ended earlier as an orphan: reap it
+            if pid in mine:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+        return names
 
 
 def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_path: Path | None = None,
@@ -139,8 +213,11 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     ``refusal()``, polled while it runs, returns why the parent wants it stopped (or None to let it run)."""
     log = BoundedLog(log_path, limits.log_bytes)
     start = time.monotonic()
+    _become_subreaper()
+    token = secrets.token_hex(8)
     proc = subprocess.Popen(
-        command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        command, cwd=cwd, env={**(os.environ if env is None else env), RUN_TOKEN_ENV: token}, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, pass_fds=pass_fds,
         preexec_fn=None if cuda_present() else _limit_address_space(limits.memory_mb),
     )
@@ -149,7 +226,7 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     reader = threading.Thread(target=lambda: [log.add(c) for c in iter(lambda: proc.stdout.read1(65536), b"")],
                               daemon=True)
     reader.start()
-    watched = psutil.Process(proc.pid)
+    processes = RunProcesses(psutil.Process(proc.pid), token)
     reason, refused = "exited", None
     while proc.poll() is None:
         refused = refusal() if refusal is not None else None
@@ -157,19 +234,24 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
             reason = "refused"
         elif time.monotonic() - start > limits.wall_s:
             reason = "wall_time"
-        elif _tree_rss(watched) > limits.memory_mb * MiB:
+        elif processes.rss() > limits.memory_mb * MiB:
             reason = "memory"
         if reason != "exited":
             break
+        log.flush_if_due()
         time.sleep(0.1)
-    _kill_group(proc)  # also what the child left behind: nothing it started outlives it
+    _kill_group(proc)
     proc.wait()
+    left = processes.end_leftovers()  # nothing the run started outlives it, in its group or not
     reader.join(timeout=5)
     log.flush()
     code = proc.returncode
     message = refused or _describe(reason, code, limits)
+    if left:
+        message += (f"; it left {len(left)} process(es) running ({', '.join(sorted(set(left)))}), ended with it")
     return Outcome(exit_code=code, reason=reason, message=message, output_tail=log.text(),
-                   dropped_bytes=log.dropped, child_pid=proc.pid, seconds=time.monotonic() - start)
+                   dropped_bytes=log.dropped, child_pid=proc.pid, seconds=time.monotonic() - start,
+                   left_running=tuple(left))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -183,13 +265,14 @@ def _describe(reason: str, code: int | None, limits: Limits) -> str:
     if reason == "wall_time":
         return f"stopped at the wall-time limit of {limits.wall_s:g} s (does the script loop forever or wait on input?)"
     if reason == "memory":
-        return f"stopped: the process used more than {limits.memory_mb:g} MB of memory"
+        return f"stopped by the memory cap ({limits.memory_mb:,g} MB): the run's processes used more than that"
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
-        return f"the process was killed by signal {name}"
+        return {"SIGTERM": "terminated (SIGTERM)", "SIGKILL": "killed (SIGKILL)",
+                "SIGINT": "interrupted (SIGINT)"}.get(name, f"killed by signal {name}")
     if code == 0:
         return "the process exited normally"
     return f"the process exited with code {code}"

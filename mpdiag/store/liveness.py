@@ -11,9 +11,11 @@ import psutil
 
 
 def process_start_time(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), or None when there is no such process to see."""
+    """When process ``pid`` started (seconds since the epoch), or None when there is no such process to see or it
+    has exited (a zombie its parent, such as the app that launched it, has not reaped yet)."""
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 

@@ -1,0 +1,114 @@
+"""mpdiag/sandbox/launch.py: every run the app starts reaches a final status with a reason the user can read,
+whatever happens around its child, and nothing the training code starts outlives its run. Each test starts a
+real supervising process (or calls its job function in this process where a failure is injected) and reads the
+outcome from the store, as a page would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from mpdiag.sandbox import launch as launching
+from mpdiag.sandbox.bundle import bundle_from_uploads
+from mpdiag.store import Store, StoreWriter
+
+pytestmark = pytest.mark.slow
+
+STEPS_THEN = """
+import subprocess, sys, time
+import torch
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad(); model(torch.ones(4, 3)).sum().backward(); opt.step()
+{after}
+"""
+
+
+def stored_upload(store_path, source: str) -> str:
+    bundle = bundle_from_uploads([("train.py", source.encode())])
+    with StoreWriter(store_path) as writer:
+        return writer.add_bundle(bundle.name, bundle.to_zip())
+
+
+def wait_final(store_path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ids = proc.run_ids()
+        if ids and not proc.is_alive():
+            return Store(store_path).run(ids[0])
+        time.sleep(0.3)
+    raise AssertionError(f"the job did not end: {proc.ending()}")
+
+
+def test_a_process_the_training_code_detaches_is_ended_with_the_run_and_said(tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    after = (f"p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
+    store_path = tmp_path / "runs.db"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=after))
+    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
+    run = wait_final(store_path, proc)
+    assert run["status"] == "finished" and run["steps_done"] == 3
+    pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert run["note"] == "The training code left 1 process(es) running when it ended (sleep); they were ended with the run."
+
+
+def test_a_supervisor_that_fails_marks_its_runs_failed_with_why(tmp_path, monkeypatch):
+    store_path = tmp_path / "runs.db"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=""))
+    job = {**launching.watch_job(sha, "train.py", [], False, {}), "store": str(store_path), "max_runs": 1}
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(launching, "run_task", broken)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError):
+        launching.supervise_job(job)
+    run = Store(store_path).runs().iloc[0]
+    assert run["status"] == "failed"
+    assert run["error"] == "the run could not be supervised: OSError: [Errno 28] No space left on device"
+    assert "could not be supervised" in json.loads((tmp_path / launching.STATUS_FILE).read_text())["message"]
+
+
+def test_a_queued_run_whose_supervisor_is_gone_reads_crashed(tmp_path):
+    """A supervisor killed while its run waits for a slot (every slot taken) leaves a queued row: readers report it
+    crashed, saying its process is gone."""
+    store_path = tmp_path / "runs.db"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=""))
+    with launching.run_slot(1):  # the only slot, held here: the job must queue
+        proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path, max_runs=1)
+        deadline = time.time() + 60
+        while not proc.run_ids() and time.time() < deadline:
+            time.sleep(0.2)
+        assert Store(store_path).run(proc.run_ids()[0])["status"] == "queued"
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while proc.is_alive() and time.time() < deadline:
+            time.sleep(0.1)
+        run = Store(store_path).run(proc.run_ids()[0])
+    assert run["status"] == "crashed" and run["error"] == "the training process exited without closing the run"
+
+
+def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path):
+    """SIGTERM to the training child: the run ends crashed with the signal named, not a protocol refusal."""
+    store_path, started = tmp_path / "runs.db", tmp_path / "started"
+    after = f"open({str(started)!r}, 'w').write('x'); time.sleep(120)"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=after))
+    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
+    deadline = time.time() + 90
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    supervisor = psutil.Process(proc.pid)
+    [child] = [c for c in supervisor.children() if "mpdiag.sandbox.child" in " ".join(c.cmdline())]
+    child.send_signal(signal.SIGTERM)
+    run = wait_final(store_path, proc)
+    assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
+    assert run["steps_done"] == 3
