@@ -229,3 +229,43 @@ def test_histogram_totals_kept_by_the_writer_equal_the_sum_of_the_stored_steps(t
     for name, hist in zip(names, summed, strict=True):
         assert (hist == counts[(index["tensor"] == name).to_numpy()].sum(axis=0)).all()
         assert hist.sum() > 0
+
+
+def _tables(path) -> dict[str, pd.DataFrame]:
+    """Every table of a store file, read with plain SQL, rows in a fixed order."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        names = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name != "
+                                            "'sqlite_sequence' ORDER BY name")]
+        return {name: pd.read_sql_query(f"SELECT * FROM {name}", conn).pipe(
+            lambda df: df.sort_values(list(df.columns)).reset_index(drop=True)) for name in names}
+
+
+def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes(tmp_path):
+    """Schema 8 (run management) adds runs.user_note and run_tags in place; every row of every table of a real
+    schema-7 file (tests/data/make_store_v7.py) reads back as it was, and the new fields start empty."""
+    original = DATA / "store_v7.db"
+    assert _stamp(original) == "7"
+    before = _tables(original)
+    path = tmp_path / "v7.db"
+    shutil.copy(original, path)
+    store = Store(path)
+    assert _stamp(path) == str(SCHEMA_VERSION) == "8"
+    after = _tables(path)
+    assert set(after) - set(before) == {"run_tags"} and after["run_tags"].empty
+    for table, old in before.items():
+        new = after[table]
+        if table == "runs":
+            assert new["user_note"].isna().all()
+            new = new.drop(columns="user_note")
+        elif table == "meta":
+            continue
+        pd.testing.assert_frame_equal(new, old, check_dtype=False, obj=table)
+    runs = store.runs().sort_values("run_id")
+    assert runs["tags"].tolist() == [[], [], []] and runs["user_note"].isna().all()
+    assert runs["note"].tolist()[2] == "stopped early"  # mpdiag's own note is a different field, kept
+    with StoreWriter(path) as writer:  # the migrated store takes every management action
+        writer.rename_run(1, "renamed")
+        writer.tag_run(1, ["fp16", "baseline"])
+        writer.set_user_note(1, "first try\nlr 1e-3")
+    run = Store(path).run(1)
+    assert (run["name"], run["tags"], run["user_note"]) == ("renamed", ["baseline", "fp16"], "first try\nlr 1e-3")

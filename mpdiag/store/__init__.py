@@ -20,10 +20,25 @@ from mpdiag.store.schema import (
     decode_hists,
     encode_hist,
 )
-from mpdiag.store.writer import Representability, StepRow, StoreWriter, TensorRow
+from mpdiag.store.writer import (
+    MAX_NAME_CHARS,
+    MAX_NOTE_CHARS,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
+    Representability,
+    RunBusy,
+    RunTextRefused,
+    StepRow,
+    StoreWriter,
+    TensorRow,
+    clean_name,
+    clean_note,
+    clean_tag,
+)
 
 __all__ = [
-    "DEFAULT_STORE", "REPRESENTABILITY_COLUMNS", "REPRESENTABILITY_KINDS", "RUN_FIELDS", "SCHEMA_VERSION",
-    "STATUSES", "TOTAL_COLUMNS", "Representability", "StepRow", "Store", "StoreError", "StoreWriter", "TensorRow",
-    "decode_hist", "decode_hists", "encode_hist",
+    "DEFAULT_STORE", "MAX_NAME_CHARS", "MAX_NOTE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS", "REPRESENTABILITY_COLUMNS",
+    "REPRESENTABILITY_KINDS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "TOTAL_COLUMNS", "Representability",
+    "RunBusy", "RunTextRefused", "StepRow", "Store", "StoreError", "StoreWriter", "TensorRow", "clean_name",
+    "clean_note", "clean_tag", "decode_hist", "decode_hists", "encode_hist",
 ]

@@ -20,7 +20,7 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
     return {
         # dict fields (config, model_state) as JSON text: Parquet cannot store an empty struct (a run that
         # crashed before its first step has no model_state)
-        "run": store.run(run_id).map(lambda v: json.dumps(v) if isinstance(v, dict) else v).to_frame().T,
+        "run": store.run(run_id).map(lambda v: json.dumps(v) if isinstance(v, dict | list) else v).to_frame().T,
         "steps": store.steps(run_id),
         "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
         "tensor_stats": store.tensor_stats(run_id),

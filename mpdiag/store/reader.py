@@ -143,8 +143,9 @@ class Store:
 
     # -- runs -----------------------------------------------------------------------------------------------
     def runs(self) -> pd.DataFrame:
-        """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised.
-        Status ``running`` is reported as ``crashed`` when the owning process no longer exists."""
+        """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised, ``tags`` (a
+        sorted list) and ``user_note`` (a person's note; ``note`` is mpdiag's own). Status ``running`` is reported
+        as ``crashed`` when the owning process no longer exists; a parent or twin that was deleted reads <NA>."""
         df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
@@ -180,7 +181,16 @@ class Store:
             df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else {})
         for col in ("parent_run_id", "pair_run_id"):  # ids stay integers; absent is <NA>, never a float NaN
             df[col] = df[col].astype("Int64")
+            # a link to a deleted run reads as no link (deleting a run leaves other runs' rows as they are)
+            df[col] = df[col].where(df[col].isin(df["run_id"].astype(int)), pd.NA)
+        tags = self._query("SELECT run_id, tag FROM run_tags ORDER BY run_id, tag")
+        held = tags.groupby("run_id")["tag"].agg(list).to_dict() if len(tags) else {}
+        df["tags"] = df["run_id"].map(lambda r: held.get(int(r), []))
         return df
+
+    def tags(self) -> pd.DataFrame:
+        """Every tag in the store with how many runs carry it: tag, runs; by tag."""
+        return self._query("SELECT tag, COUNT(*) AS runs FROM run_tags GROUP BY tag ORDER BY tag")
 
     def run(self, run_id: int) -> pd.Series:
         """One run's row, as in :meth:`runs`. Raises StoreError naming the id when it does not exist."""

@@ -29,7 +29,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 4: distributed runs: runs.world_size, backend, launch_command; rank_steps. 5: fp8_steps, fp8_histograms (--fp8).
 # 6: hist_totals, each tensor's exponent histogram summed over its logged steps (runs recorded before have none).
 # 7: bundles, training code uploaded in the app (a script and the files it imports) that watched runs repeat.
-SCHEMA_VERSION = 7
+# 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
+SCHEMA_VERSION = 8
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
 
@@ -89,7 +90,10 @@ _STATEMENTS = [
     pid INTEGER, host TEXT, process_started_at REAL,
     parent_run_id INTEGER REFERENCES runs(run_id), pair_run_id INTEGER REFERENCES runs(run_id),
     batch_size INTEGER, params INTEGER, model_state TEXT, config TEXT, summary TEXT, update_format TEXT,
-    world_size INTEGER, backend TEXT, launch_command TEXT)""",
+    world_size INTEGER, backend TEXT, launch_command TEXT, user_note TEXT)""",
+    # a person's labels of a run (mpdiag runs tag, the Runs page): one row per (run, tag)
+    """CREATE TABLE IF NOT EXISTS run_tags (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), tag TEXT NOT NULL, PRIMARY KEY (run_id, tag)) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,

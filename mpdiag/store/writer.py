@@ -1,8 +1,10 @@
 """Writing a store: :class:`StoreWriter`, the one object every path that writes uses, and the row records it
 takes.
 
-Owns every INSERT and UPDATE of runs' data and the running totals, kept in the same transaction as the rows
-they sum. It must not create or migrate the schema (schema.py does that when the writer opens the file) and
+Owns every INSERT, UPDATE and DELETE of runs' data and the running totals, kept in the same transaction as the
+rows they sum, and the rules for what a person may write about a run (:func:`clean_name`, :func:`clean_tag`,
+:func:`clean_note`: one clear :class:`RunTextRefused` message for an empty name, an overlong tag or a control
+character). It must not create or migrate the schema (schema.py does that when the writer opens the file) and
 must not answer questions about runs (reader.py). Use it as a context manager: a run created through it that
 is still open when the block raises is marked failed with the traceback, and the connection is closed.
 """
@@ -15,6 +17,7 @@ import os
 import sqlite3
 import time
 import traceback
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -22,16 +25,72 @@ from typing import NamedTuple
 import numpy as np
 
 from mpdiag.numerics.formats import LOW_PRECISION
-from mpdiag.store.liveness import process_start_time, this_host
+from mpdiag.store.liveness import process_is_alive, process_start_time, this_host
 from mpdiag.store.reader import step_summaries
 from mpdiag.store.schema import (
     RUN_FIELDS,
     SPECIAL_COUNT_COLUMNS,
     STATUSES,
+    StoreError,
     decode_hists,
     encode_hist,
     open_for_writing,
 )
+
+#: what a person may write about a run (run names, tags, notes), in characters
+MAX_NAME_CHARS = 200
+MAX_TAG_CHARS = 40
+MAX_TAGS = 20
+MAX_NOTE_CHARS = 2000
+
+
+class RunTextRefused(ValueError):
+    """A run name, tag or note that cannot be stored; the message says what is wrong in one sentence."""
+
+
+class RunBusy(StoreError):
+    """A run that cannot be deleted now: its process is still running it."""
+
+
+def _control_character(text: str, allowed: str = "") -> str | None:
+    """The first control or invisible formatting character of ``text`` (not in ``allowed``) as U+XXXX, or None.
+    Format characters (bidi overrides among them) are refused too; the emoji joiner U+200D is not."""
+    for ch in text:
+        if ch not in allowed and ch != "\u200d" and unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+def _clean(text: object, what: str, limit: int, allowed: str = "", empty_ok: bool = False) -> str:
+    if not isinstance(text, str):
+        raise RunTextRefused(f"{what} must be text.")
+    text = text.strip()
+    if not text and not empty_ok:
+        raise RunTextRefused(f"{what} cannot be empty.")
+    if len(text) > limit:
+        raise RunTextRefused(f"{what} is at most {limit:,} characters; this one has {len(text):,}.")
+    bad = _control_character(text, allowed)
+    if bad:
+        raise RunTextRefused(f"{what} cannot contain control characters (found {bad}).")
+    return text
+
+
+def clean_name(name: object) -> str:
+    """A run name as stored: surrounding space removed; refused (RunTextRefused) when empty, longer than
+    MAX_NAME_CHARS or holding a control character."""
+    return _clean(name, "A run name", MAX_NAME_CHARS)
+
+
+def clean_tag(tag: object) -> str:
+    """A tag as stored: surrounding space removed; refused when empty, longer than MAX_TAG_CHARS or holding a
+    control character."""
+    return _clean(tag, "A tag", MAX_TAG_CHARS)
+
+
+def clean_note(note: object) -> str:
+    """A note as stored ("" clears it): surrounding space removed; line breaks and tabs kept; refused when
+    longer than MAX_NOTE_CHARS or holding another control character."""
+    return _clean("" if note is None else note, "A note", MAX_NOTE_CHARS, allowed="\n\t", empty_ok=True)
 
 
 class StepRow(NamedTuple):
@@ -232,6 +291,90 @@ class StoreWriter:
             self._conn.execute("UPDATE runs SET summary = ? WHERE run_id = ?", (json.dumps(summary), int(run_id)))
         if int(run_id) in self._open_runs:
             self._open_runs.remove(int(run_id))
+
+    # -- what a person says about a run: one method per action, each one transaction -------------------------
+    def _existing(self, run_id: int) -> tuple:
+        row = self._conn.execute("SELECT status, pid, host, process_started_at FROM runs WHERE run_id = ?",
+                                 (int(run_id),)).fetchone()
+        if row is None:
+            raise StoreError(f"No run {run_id} in {self.path}. `mpdiag runs` lists the runs.")
+        return row
+
+    def rename_run(self, run_id: int, name: str) -> str:
+        """Give a run a new display name (:func:`clean_name`); returns the name stored."""
+        name = clean_name(name)
+        with self._conn:
+            self._existing(run_id)
+            self._conn.execute("UPDATE runs SET name = ? WHERE run_id = ?", (name, int(run_id)))
+        return name
+
+    def tag_run(self, run_id: int, tags: Iterable[str]) -> list[str]:
+        """Add tags (:func:`clean_tag`) to a run, keeping those it has; returns the run's tags, sorted. A run
+        holds at most MAX_TAGS."""
+        cleaned = sorted({clean_tag(t) for t in tags})
+        with self._conn:
+            self._existing(run_id)
+            held = {r[0] for r in self._conn.execute("SELECT tag FROM run_tags WHERE run_id = ?", (int(run_id),))}
+            if len(held | set(cleaned)) > MAX_TAGS:
+                raise RunTextRefused(f"A run holds at most {MAX_TAGS} tags; run {run_id} has {len(held)} and "
+                                     f"{len(set(cleaned) - held)} would be added.")
+            self._conn.executemany("INSERT OR IGNORE INTO run_tags VALUES (?, ?)", [(int(run_id), t) for t in cleaned])
+        return sorted(held | set(cleaned))
+
+    def untag_run(self, run_id: int, tags: Iterable[str]) -> list[str]:
+        """Remove tags from a run (a tag it does not have is ignored); returns the run's tags, sorted."""
+        with self._conn:
+            self._existing(run_id)
+            self._conn.executemany("DELETE FROM run_tags WHERE run_id = ? AND tag = ?",
+                                   [(int(run_id), str(t).strip()) for t in tags])
+            return sorted(r[0] for r in self._conn.execute("SELECT tag FROM run_tags WHERE run_id = ?",
+                                                           (int(run_id),)))
+
+    def set_tags(self, run_id: int, tags: Iterable[str]) -> list[str]:
+        """Make a run's tags exactly ``tags`` (:func:`clean_tag` each, at most MAX_TAGS), in one transaction;
+        returns them, sorted. The Runs page saves its tag editor with this."""
+        cleaned = sorted({clean_tag(t) for t in tags})
+        if len(cleaned) > MAX_TAGS:
+            raise RunTextRefused(f"A run holds at most {MAX_TAGS} tags; {len(cleaned)} were given.")
+        with self._conn:
+            self._existing(run_id)
+            self._conn.execute("DELETE FROM run_tags WHERE run_id = ?", (int(run_id),))
+            self._conn.executemany("INSERT INTO run_tags VALUES (?, ?)", [(int(run_id), t) for t in cleaned])
+        return cleaned
+
+    def set_user_note(self, run_id: int, note: str | None) -> str:
+        """Store a person's note with a run (:func:`clean_note`; empty clears it); returns the note stored.
+        mpdiag's own note about the run (``runs.note``) is a different field and is left alone."""
+        note = clean_note(note)
+        with self._conn:
+            self._existing(run_id)
+            self._conn.execute("UPDATE runs SET user_note = ? WHERE run_id = ?", (note or None, int(run_id)))
+        return note
+
+    def delete_run(self, run_id: int) -> dict[str, int]:
+        """Delete a run: its rows in every table that has a ``run_id`` column, in one transaction; returns the
+        rows deleted per table. Nothing else is touched: stored scripts and uploaded code stay (other runs may
+        use them), and so do other runs' rows, their links to this run included (readers drop a link to a run
+        that no longer exists). Raises RunBusy, deleting nothing, while the run's process is still alive."""
+        run_id = int(run_id)
+        self._conn.execute("BEGIN IMMEDIATE")  # the status read and the deletes under one lock
+        try:
+            status, pid, host, started = self._existing(run_id)
+            if status in ("running", "queued") and process_is_alive(pid, host, started):
+                raise RunBusy(f"Run {run_id} is still {status} (process {pid} on {host}): it would go on writing "
+                              "rows into the store. Stop it or wait until it ends, then delete it.")
+            tables = [name for (name,) in self._conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+                if any(col[1] == "run_id" for col in self._conn.execute(f"PRAGMA table_info({name})"))]
+            deleted = {table: self._conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,)).rowcount
+                       for table in tables}
+            self._conn.commit()
+        except BaseException:
+            self._conn.rollback()
+            raise
+        if run_id in self._open_runs:
+            self._open_runs.remove(run_id)
+        return deleted
 
     def add_tensors(self, run_id: int, rows: Iterable[tuple]) -> None:
         """rows: (tensor_id, name, shape list, numel, param_dtype, grad_dtype)."""

@@ -1,0 +1,131 @@
+"""Run management: rename, tags, notes and delete, in the store, from `mpdiag runs` and on the Runs page; the run a
+page opens on; what a rerun is called.
+
+Ground truth is the store file read with plain SQL (every table, every row), never the page's or the CLI's own
+code: a delete must remove the run's rows in every table and leave every other row as it was.
+"""
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import EXAMPLES, ROOT, run_cli
+
+from mpdiag import Store
+from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunBusy, RunTextRefused, StoreWriter
+
+DATA = ROOT / "tests" / "data"
+
+
+def tables(path) -> dict[str, pd.DataFrame]:
+    """Every table of the store with a run_id column, read with plain SQL, in a fixed order."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        names = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        out = {}
+        for name in names:
+            df = pd.read_sql_query(f"SELECT * FROM {name}", conn)
+            out[name] = df.sort_values(list(df.columns)).reset_index(drop=True) if len(df) else df
+        return out
+
+
+@pytest.fixture
+def three_runs(tmp_path):
+    """A copy of the schema-7 store (runs 1 at O1 and 2 its FP32 twin, 3 a rerun of 1; rows in every per-run
+    table), migrated, with tags and notes on every run."""
+    path = tmp_path / "runs.db"
+    shutil.copy(DATA / "store_v7.db", path)
+    with StoreWriter(path) as writer:
+        for run_id in (1, 2, 3):
+            writer.tag_run(run_id, [f"t{run_id}", "shared"])
+            writer.set_user_note(run_id, f"note {run_id}")
+    return path
+
+
+# -- the store ----------------------------------------------------------------------------------------------
+
+def test_delete_removes_the_runs_rows_in_every_table_and_touches_nothing_else(three_runs):
+    before = tables(three_runs)
+    per_run = {t for t, df in before.items() if "run_id" in df and (df["run_id"] == 1).any()}
+    assert {"runs", "steps", "tensors", "tensor_steps", "representability", "representability_totals",
+            "tensor_totals", "hist_totals", "modules", "module_steps", "update_steps", "shadow_steps", "rank_steps",
+            "fp8_steps", "fp8_histograms", "probes", "run_tags"} <= per_run  # the fixture has rows everywhere
+    with StoreWriter(three_runs) as writer:
+        deleted = writer.delete_run(1)
+    after = tables(three_runs)
+    assert set(after) == set(before)
+    for table, old in before.items():
+        if "run_id" in old:
+            assert deleted[table] == int((old["run_id"] == 1).sum()), table
+            assert not (after[table]["run_id"] == 1).any(), table
+            old = old[old["run_id"] != 1].reset_index(drop=True)
+        pd.testing.assert_frame_equal(after[table], old, obj=table)  # other runs, scripts, bundles: as they were
+    runs = Store(three_runs).runs().set_index("run_id")
+    assert list(runs.index) == [3, 2]
+    # links to the deleted run read as none, though the rows holding them were not changed
+    assert pd.isna(runs.loc[2, "pair_run_id"]) and pd.isna(runs.loc[3, "parent_run_id"])
+    assert runs.loc[2, "tags"] == ["shared", "t2"] and runs.loc[3, "user_note"] == "note 3"
+
+
+def test_a_running_run_cannot_be_deleted_and_a_dead_one_can(tmp_path):
+    path = tmp_path / "runs.db"
+    writer = StoreWriter(path)
+    live = writer.create_run(name="still going", opt_level="O1")  # owned by this (alive) process
+    before = tables(path)
+    with pytest.raises(RunBusy, match=r"Run 1 is still running \(process \d+ on .*\).*Stop it or wait until it ends"):
+        writer.delete_run(live)
+    assert {k: v.to_dict() for k, v in tables(path).items()} == {k: v.to_dict() for k, v in before.items()}
+    writer.close()
+    subprocess.run([sys.executable, "-c", "import sys; from mpdiag.store import StoreWriter; "
+                    "StoreWriter(sys.argv[1]).create_run(name='died', opt_level='O1')", str(path)], check=True, cwd=ROOT)
+    assert Store(path).run(2)["status"] == "crashed"
+    with StoreWriter(path) as w:
+        assert w.delete_run(2)["runs"] == 1
+    assert Store(path).runs()["run_id"].tolist() == [1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda w: w.rename_run(1, "   "), "A run name cannot be empty."),
+    (lambda w: w.rename_run(1, "x" * (MAX_NAME_CHARS + 1)),
+     f"A run name is at most {MAX_NAME_CHARS} characters; this one has {MAX_NAME_CHARS + 1}."),
+    (lambda w: w.rename_run(1, "bell\x07"), r"A run name cannot contain control characters \(found U\+0007\)."),
+    (lambda w: w.rename_run(1, "evil\u202egnp.py"), r"control characters \(found U\+202E\)"),  # a bidi override
+    (lambda w: w.rename_run(1, "two\nlines"), r"found U\+000A"),
+    (lambda w: w.tag_run(1, ["t" * (MAX_TAG_CHARS + 1)]), f"A tag is at most {MAX_TAG_CHARS} characters"),
+    (lambda w: w.tag_run(1, [""]), "A tag cannot be empty."),
+    (lambda w: w.tag_run(1, ["tab\there"]), r"A tag cannot contain control characters \(found U\+0009\)."),
+    (lambda w: w.tag_run(1, [f"tag{i}" for i in range(MAX_TAGS)]), f"A run holds at most {MAX_TAGS} tags"),
+    (lambda w: w.set_tags(1, [f"tag{i}" for i in range(MAX_TAGS + 1)]), f"at most {MAX_TAGS} tags"),
+    (lambda w: w.set_user_note(1, "n" * (MAX_NOTE_CHARS + 1)), f"A note is at most {MAX_NOTE_CHARS:,} characters"),
+    (lambda w: w.set_user_note(1, "nul\x00"), r"A note cannot contain control characters \(found U\+0000\)."),
+])
+def test_bad_names_tags_and_notes_are_refused_with_one_message_and_change_nothing(three_runs, call, message):
+    before = tables(three_runs)
+    with StoreWriter(three_runs) as writer, pytest.raises(RunTextRefused, match=message):
+        call(writer)
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())
+
+
+def test_rename_tags_and_notes_are_stored_as_given_and_read_back(three_runs):
+    with StoreWriter(three_runs) as writer:
+        assert writer.rename_run(1, "  baseline 🚀 fp16  ") == "baseline 🚀 fp16"
+        assert writer.tag_run(1, ["fp16", " lr-sweep ", "fp16"]) == ["fp16", "lr-sweep", "shared", "t1"]
+        assert writer.untag_run(1, ["t1", "not there"]) == ["fp16", "lr-sweep", "shared"]
+        assert writer.set_user_note(1, "lr 3e-4\n\tbatch 64") == "lr 3e-4\n\tbatch 64"
+        assert writer.set_tags(2, ["only"]) == ["only"]
+        assert writer.set_user_note(3, "") == ""
+        with pytest.raises(Exception, match="No run 42"):
+            writer.rename_run(42, "x")
+    with sqlite3.connect(three_runs) as conn:
+        assert conn.execute("SELECT name, user_note, note FROM runs WHERE run_id = 1").fetchone() == \
+            ("baseline 🚀 fp16", "lr 3e-4\n\tbatch 64", None)
+        assert conn.execute("SELECT user_note FROM runs WHERE run_id = 3").fetchone() == (None,)
+        assert conn.execute("SELECT run_id, tag FROM run_tags ORDER BY run_id, tag").fetchall() == [
+            (1, "fp16"), (1, "lr-sweep"), (1, "shared"), (2, "only"), (3, "shared"), (3, "t3")]
+    store = Store(three_runs)
+    assert store.tags().to_dict("records") == [{"tag": "fp16", "runs": 1}, {"tag": "lr-sweep", "runs": 1},
+                                               {"tag": "only", "runs": 1}, {"tag": "shared", "runs": 2},
+                                               {"tag": "t3", "runs": 1}]
