@@ -6,8 +6,6 @@ outcome from the store, as a page would."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
