@@ -97,7 +97,8 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
     if rerunnable.empty:
         st.caption("Runs recorded by a Recorder in your own loop cannot be rerun from here.")
         return
-    parent_id = ui.pick_run(rerunnable, key="rerun_of", label="Rerun")
+    parent_id = ui.pick_run(rerunnable, key="rerun_of", label="Rerun",
+                            default=lambda: ui.default_run(store, runs, among=rerunnable))
     parent = rerunnable.set_index("run_id").loc[parent_id]
     watched = parent["config"].get("watch")
     if watched:

@@ -129,3 +129,123 @@ def test_rename_tags_and_notes_are_stored_as_given_and_read_back(three_runs):
     assert store.tags().to_dict("records") == [{"tag": "fp16", "runs": 1}, {"tag": "lr-sweep", "runs": 1},
                                                {"tag": "only", "runs": 1}, {"tag": "shared", "runs": 2},
                                                {"tag": "t3", "runs": 1}]
+
+
+# -- the run a page opens on, and what a rerun is called ----------------------------------------------------
+
+SINGLE_RUN_PAGES = ["pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/5_Findings.py", "pages/6_FP8.py",
+                    "pages/7_Modules.py"]
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """The README Quick start's store shape: gallery_underflow at O1 with a static scale of 1 and an FP32 shadow,
+    then its FP32 twin (--pair), recorded after it, so the twin is the newest run."""
+    from mpdiag.training.runner import RunConfig, train_pair
+    from mpdiag.training.script import ModelScript
+
+    path = tmp_path_factory.mktemp("quick") / "runs.db"
+    train_pair(ModelScript.from_path(EXAMPLES / "gallery_underflow.py"),
+               RunConfig(opt_level="O1", loss_scale=1.0, steps=20, shadow_every=10, device="cpu"), path)
+    return path
+
+
+def app(page, store, monkeypatch, **query):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("MPDIAG_STORE", str(store))
+    at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+    for key, value in query.items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def said(at) -> str:
+    import re
+
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info]
+    parts += [w.value for w in at.warning] + [e.value for e in at.error] + [s.value for s in at.success]
+    return re.sub(r"\\(.)", r"\1", "\n".join(parts))
+
+
+@pytest.mark.parametrize("page", SINGLE_RUN_PAGES)
+def test_a_page_opens_on_the_failing_run_not_its_newer_fp32_twin(page, quick_start, monkeypatch):
+    from mpdiag.analysis.findings import diagnose
+
+    store = Store(quick_start)
+    runs = store.runs().set_index("run_id")
+    # the store's truth: the newest run is the O0 twin of run 1, and run 1 is the one with findings
+    assert runs.index[0] == 2 and runs.loc[2, "opt_level"] == "O0" and runs.loc[2, "pair_run_id"] == 1
+    assert {f.severity for f in diagnose(store, 1)} & {"error", "warning"} and not diagnose(store, 2)
+    at = app(page, quick_start, monkeypatch)
+    assert at.selectbox(key="run").value == 1 and at.query_params["run"] == "1"
+    if page.endswith("Findings.py"):
+        assert "No findings" not in said(at)
+        assert all(f.title in said(at) for f in diagnose(store, 1))  # the findings the store's run 1 has
+    # an explicit ?run= wins, and so does the user's own choice, on every later rerun of the page
+    assert app(page, quick_start, monkeypatch, run="2").selectbox(key="run").value == 2
+    at.selectbox(key="run").set_value(2).run()
+    assert at.run().selectbox(key="run").value == 2 and at.query_params["run"] == "2"
+
+
+def test_likely_run_rule():
+    from mpdiag.analysis.run_choice import likely_run
+
+    def runs(*rows):  # newest first: (run_id, opt_level, status)
+        return pd.DataFrame(rows, columns=["run_id", "opt_level", "status"])
+
+    with_findings = {3}.__contains__
+    assert likely_run(runs(), with_findings) is None
+    assert likely_run(runs((4, "O0", "finished"), (3, "O1", "finished")), with_findings) == 3  # twin skipped
+    assert likely_run(runs((4, "O0", "finished"), (2, "O0", "finished")), with_findings) == 4  # only references
+    assert likely_run(runs((5, "bf16", "finished"), (4, "O0", "finished"), (3, "O1", "finished")), with_findings) == 3
+    assert likely_run(runs((5, "bf16", "finished"), (4, "O1", "finished")), with_findings) == 5  # none: the newest
+    assert likely_run(runs((5, "bf16", "running"), (3, "O1", "finished")), with_findings) == 5  # being watched
+
+
+def test_a_rerun_of_the_fp32_twin_is_named_after_what_changed(quick_start):
+    from mpdiag.training.runner import rerun_plan
+
+    store = Store(quick_start)
+    assert store.run(2)["name"] == "gallery_underflow.py (FP32 twin)"
+    cases = [({"opt_level": "bf16"}, "gallery_underflow.py ↻ bf16"),
+             ({"opt_level": "O1", "loss_scale": "dynamic", "init_scale": 256.0},
+              "gallery_underflow.py ↻ O1: dynamic scaling, initial scale 2^8"),
+             ({"opt_level": "O0", "steps": 50}, "gallery_underflow.py ↻ O0: 50 steps"),
+             ({"opt_level": "bf16", "name": "mine"}, "mine")]
+    for overrides, expected in cases:
+        assert rerun_plan(store, 2, **overrides)[1].name == expected
+    # a rerun of the O1 run at bf16: the scale it no longer uses is not called a change
+    assert rerun_plan(store, 1, opt_level="bf16")[1].name == "gallery_underflow.py ↻ bf16"
+
+
+def test_the_rerun_form_offers_the_failing_run_and_names_a_rerun_of_the_twin_by_its_change(quick_start, tmp_path,
+                                                                                            monkeypatch):
+    import time
+
+    path = tmp_path / "runs.db"
+    shutil.copy(quick_start, path)
+    at = app("app.py", path, monkeypatch)
+    assert at.selectbox(key="rerun_of").value == 1  # not the newer FP32 twin
+    at.selectbox(key="rerun_of").set_value(2).run()
+    assert at.text_input(key="rerun_name").value == ""  # never the parent's name (with its twin label)
+    at.selectbox(key="rerun_level").set_value("bf16").run()
+    at.number_input(key="rerun_steps").set_value(3).run()
+    assert "Empty: this rerun is named “gallery_underflow.py ↻ bf16: 3 steps”." in said(at)
+    at.button(key="rerun_start").click().run()
+    assert "name: gallery_underflow.py ↻ bf16: 3 steps" in at.text[-1].value  # the confirmation names it
+    at.button(key="rerun_start_confirm").click().run()
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        runs = Store(path).runs()
+        if len(runs) == 3 and runs.iloc[0]["status"] not in ("queued", "running"):
+            break
+        time.sleep(0.5)
+    child = Store(path).runs().iloc[0]
+    assert (child["run_id"], child["parent_run_id"], child["opt_level"], child["status"]) == (3, 2, "bf16", "finished")
+    assert child["name"] == "gallery_underflow.py ↻ bf16: 3 steps"
+    at.text_input(key="rerun_name").set_value("sneaky\x1b[31m").run()
+    assert "A run name cannot contain control characters (found U+001B)." in said(at)
+    assert at.button(key="rerun_start").disabled

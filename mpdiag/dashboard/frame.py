@@ -20,11 +20,12 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.run_choice import likely_run
 from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import actions
-from mpdiag.dashboard.reads import is_final
+from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
-from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
 from mpdiag.training.config import (
     FSDP_LEVELS,
@@ -35,6 +36,7 @@ from mpdiag.training.config import (
     WATCH_LEVEL_NAMES,
     ConfigError,
     RunConfig,
+    rerun_name,
 )
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
@@ -87,26 +89,43 @@ def run_label(run: pd.Series) -> str:
     return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
 
 
-def _seed_from_url(key: str, runs: pd.DataFrame, fallback: list[int]) -> None:
+def _seed_from_url(key: str, runs: pd.DataFrame, fallback) -> None:
     """Before the widget exists: its value from ``?run=3`` (or ``?runs=3&runs=5``) when those ids exist, else
-    ``fallback``; set once per session, through Session State only (a widget default as well would draw a
-    Streamlit warning)."""
+    ``fallback`` (a value, or a function giving it, called only then); set once per session, through Session
+    State only (a widget default as well would draw a Streamlit warning)."""
     if key in st.session_state:
         return
     known = set(runs["run_id"].astype(int))
     raw = st.query_params.get_all(key)
     ids = [int(v) for v in raw if v.isdigit() and int(v) in known]
-    st.session_state[key] = ids or fallback
+    st.session_state[key] = ids or (fallback() if callable(fallback) else fallback)
 
 
-def pick_run(runs: pd.DataFrame, key: str = "run", label: str = "Run") -> int | None:
-    """A run selector, newest first, whose run is always in the URL (``?run=ID``), which also chooses it."""
+def default_run(store: Store, runs: pd.DataFrame, among: pd.DataFrame | None = None) -> int | None:
+    """The run a page opens on when the URL names none: :func:`mpdiag.analysis.run_choice.likely_run` of
+    ``among`` (default: every run in ``runs``, all the store's runs): not an FP32 reference, the newest with
+    findings; findings read through the cache the runs table uses."""
+    version = findings_version(store, runs)
+    by_id = runs.set_index("run_id", drop=False)
+    return likely_run(runs if among is None else among, lambda run_id: any(
+        s in ("error", "warning") for s in finding_severities(store, by_id.loc[run_id], version)))
+
+
+def pick_run(runs: pd.DataFrame, key: str = "run", label: str = "Run", default=None) -> int | None:
+    """A run selector, newest first, whose run is always in the URL (``?run=ID``), which also chooses it.
+    Without one (and no choice made in this session): ``default`` (an id, or a function giving it; else the
+    newest run)."""
     labels = {int(r["run_id"]): run_label(r) for _, r in runs.iterrows()}
-    _seed_from_url(key, runs, [next(iter(labels))])
+
+    def fallback() -> int:
+        chosen = default() if callable(default) else default
+        return chosen if chosen in labels else next(iter(labels))
+
+    _seed_from_url(key, runs, fallback)
     if isinstance(st.session_state[key], list):  # seeded as a list (the URL may repeat the key): one run here
         st.session_state[key] = st.session_state[key][0]
-    if st.session_state[key] not in labels:  # the run was in another store file
-        st.session_state[key] = next(iter(labels))
+    if st.session_state[key] not in labels:  # the run was in another store file, or was deleted
+        st.session_state[key] = fallback()
     run_id = st.selectbox(label, list(labels), format_func=labels.get, key=key)
     st.query_params[key] = str(run_id)  # the URL names the run shown, the default included
     return run_id
@@ -139,7 +158,7 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     if runs.empty:
         st.info("No runs in this store yet. Start one on the Runs page (the home page).")
         return None
-    run_id = pick_run(runs)
+    run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run)
     return run, is_final(run)
@@ -324,9 +343,21 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
                                           help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
                                           + (". Disabled: one process has nothing to parallelize; set Processes "
                                              "above 1." if chosen["nproc"] == 1 else ""))
-        chosen["name"] = st.text_input("Run name (optional)", base.name or "", key=key["name"],
-                                       help="Empty: the script's file name (a rerun: the parent's name and level).")
-        chosen["name"] = chosen["name"] or None
+        typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
+                              key=key["name"], max_chars=MAX_NAME_CHARS,
+                              help="Empty: the script's file name; a rerun: its parent's name and what changed.")
+        try:
+            chosen["name"] = clean_name(typed) if typed.strip() else None
+        except RunTextRefused as exc:
+            st.error(str(exc))
+            return {}
+        if parent is not None and chosen["name"] is None:  # the name the rerun will get, shown and confirmed
+            try:
+                chosen["name"] = rerun_name(parent["name"], base.to_dict(),
+                                            base.with_options(**{**chosen, "name": None}).to_dict())
+            except ConfigError:
+                pass  # a bad combination: refused below with its message
+            st.caption(plain(f"Empty: this rerun is named “{chosen['name'] or parent['name']}”."))
     pair = chosen["opt_level"] != "O0" and st.checkbox(
         "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair")
     if chosen["opt_level"] == "O0":
@@ -343,8 +374,8 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     options = {"opt_level": config.opt_level}
     for name, value in chosen.items():
         if value is None and name == "name":
-            continue  # no name typed: the run's own default name (a rerun's: the parent's name and level)
-        if value != getattr(base, name):
+            continue  # no name typed: the run's own default name
+        if value != getattr(base, name) or (name == "name" and parent is not None):  # a rerun's name, always
             options[name] = UNSET if value is None else value
     return options | ({"pair": True} if pair else {})
 

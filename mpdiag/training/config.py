@@ -336,3 +336,45 @@ def check_values(values: Mapping[str, Any]) -> None:
             raise ConfigError(f"--opt-level: unknown opt level {value!r}; choose one of: {', '.join(ALL_LEVELS)}")
         if not spec.accepts(value):
             raise ConfigError(f"{flag(name)} must be {spec.requirement()}, got {value!r}")
+
+
+#: how an FP32 twin's name ends (``--pair``), and what separates a rerun's name from its parent's
+TWIN_LABEL = " (FP32 twin)"
+RERUN_MARK = " ↻ "
+#: what a rerun's name says about each option that changed, beyond the level (a value of None: the option cleared)
+_CHANGE_WORDS = {
+    "loss_scale": lambda v: "the level's scaling" if v is None else "dynamic scaling" if v == "dynamic"
+    else f"static scale {_power_text(v)}",
+    "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {_power_text(v)}",
+    "steps": lambda v: f"{v} steps",
+    "shadow_every": lambda v: "no FP32 shadow" if not v else f"FP32 shadow every {v}",
+    "every": lambda v: f"statistics every {v}",
+    "trace_modules": lambda v: "modules traced" if v else "modules not traced",
+    "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
+    "nproc": lambda v: f"{v} processes",
+}
+
+
+def _power_text(value: Any) -> str:
+    """2^16 for a power of two (as loss scales are written), else the value."""
+    try:
+        exponent = math.log2(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+    return f"2^{int(exponent)}" if exponent.is_integer() else f"{float(value):g}"
+
+
+def rerun_name(parent_name: object, before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """The name a rerun gets when none is typed: its parent's name without the FP32 twin label or an earlier
+    rerun's ``↻ ...``, then ``↻``, the rerun's level and the other options that changed (``before``: the
+    parent's options; ``after``: the rerun's; RunConfig fields or watch settings). An option the new level does
+    not use is not mentioned. Never the parent's twin label: a rerun of a twin at bf16 is ``x.py ↻ bf16``."""
+    base = str(parent_name or "run").split(RERUN_MARK)[0].removesuffix(TWIN_LABEL).strip() or "run"
+    level = after.get("opt_level") or "as recorded"
+    fp8 = bool(after.get("fp8"))
+    changes = [words(after.get(name)) for name, words in _CHANGE_WORDS.items()
+               if name in after and after.get(name) != before.get(name)
+               and (name not in OPTIONS or level not in LEVELS or applies(name, level, fp8))]
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    tail = f"{RERUN_MARK}{level}" + (f": {', '.join(changes[:3])}{more}" if changes else "")
+    return base[: max(1, 200 - len(tail))] + tail

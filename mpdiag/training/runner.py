@@ -29,7 +29,7 @@ from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import Store, StoreWriter
 from mpdiag.training import distributed
-from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.training.config import ConfigError, RunConfig, rerun_name
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
@@ -294,8 +294,9 @@ def rerun_plan(store: Store, run_id: int, **overrides) -> tuple[ModelScript, Run
         raise ConfigError(f"run {run_id} was recorded by a Recorder in a user's loop; only runs started by mpdiag can be rerun")
     filename, source = store.script_source(parent["script_sha256"])
     base = RunConfig.from_dict(stored)
-    overrides.setdefault("name", f"{parent['name']} ↻ {overrides.get('opt_level', base.opt_level)}")
     config = base.with_options(parent_run_id=int(run_id), **overrides)  # drops what the new level does not use
+    if overrides.get("name") is None:  # none typed: say what changed, never the parent's twin label
+        config = config.with_options(name=rerun_name(parent["name"], base.to_dict(), config.to_dict()))
     config.validate()
     return ModelScript(filename=parent["script_path"] or filename, source=source), config
 

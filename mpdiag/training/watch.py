@@ -48,7 +48,7 @@ from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
-from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError
+from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
 from mpdiag.training.watch_shadow import WatchShadow
 
 #: what each of WATCH_LEVEL_NAMES does to the script's own autocast regions (dtype, or False to disable) and
@@ -73,9 +73,10 @@ def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchCo
         raise ConfigError(f"run {run_id} was recorded by mpdiag watch: its rerun repeats the script's command "
                           f"and can change only {', '.join('--' + o.replace('_', '-') for o in WATCH_RERUN_OPTIONS)}, "
                           f"not {', '.join('--' + o.replace('_', '-') for o in refused)}.")
-    level = overrides.get("opt_level", settings.get("opt_level"))
-    config = WatchConfig.from_settings(settings, parent_run_id=int(run_id),
-                                       **{"name": f"{name} ↻ {level or 'as recorded'}", **overrides})
+    after = {**settings, **{k: v for k, v in overrides.items() if k != "name"}}
+    if overrides.get("name") is None:  # none typed: say what changed, never the parent's twin label
+        overrides = {**overrides, "name": rerun_name(name, settings, after)}
+    config = WatchConfig.from_settings(settings, parent_run_id=int(run_id), **overrides)
     if config.bundle is None and not config.module and not os.path.isfile(os.path.join(config.cwd, config.target)):
         raise ConfigError(f"run {run_id} ran {config.target} in {config.cwd}, and that file is no longer there: rerun "
                           "it with mpdiag watch from where the script is now.")
