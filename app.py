@@ -10,11 +10,13 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from mpdiag.analysis.run_choice import LIVE_STATUSES, script_name, select_runs
 from mpdiag.analysis.summaries import RUN_LINKS, nonfinite_losses, run_progress, runs_table
 from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
+from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunTextRefused, StoreError
 from mpdiag.training.config import UNSET
 
 FIRST_EXAMPLE = "mlp_digits.py"
@@ -49,17 +51,92 @@ def runs_panel(store) -> None:
             else:
                 st.caption("No finite loss recorded yet." if len(steps) else "No step recorded yet.")
     version = reads.findings_version(store, runs)
-    table = runs_table(runs, [reads.finding_severities(store, run, version) for _, run in runs.iterrows()])
-    filters = st.columns(3)
-    for col, (column, label) in zip(filters, {"status": "Status", "opt level": "Level", "script": "Script"}.items(),
-                                    strict=True):
-        keep = col.multiselect(label, sorted(table[column].dropna().unique()), key=f"filter_{column}",
-                               placeholder="all")
-        table = table[table[column].isin(keep)] if keep else table
+    severities = {int(run["run_id"]): reads.finding_severities(store, run, version) for _, run in runs.iterrows()}
+    shown = filtered_runs(runs)
+    table = runs_table(shown, [severities[int(r)] for r in shown["run_id"]])
+    table.insert(4, "tags", shown["tags"].map(", ".join).to_numpy())  # after the health badge
+    table["note"] = shown["user_note"].map(note_preview).to_numpy()
     st.dataframe(table, hide_index=True, width="stretch", column_config={
         column: st.column_config.LinkColumn(text, display_text=text) for column, text in RUN_LINKS.items()})
     for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
         ui.explain_run_state(run)
+
+
+def note_preview(note) -> str:
+    """A note's first line, shortened for the runs table ("" for none)."""
+    if not isinstance(note, str) or not note:
+        return ""
+    first = note.splitlines()[0]
+    return first[:60] + ("…" if len(first) > 60 or "\n" in note else "")
+
+
+def filtered_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs the table's filters keep (every run when none is set): by tag, status, level and script."""
+    cols = st.columns(4)
+    tags = cols[0].multiselect("Tag", sorted({t for held in runs["tags"] for t in held}), key="filter_tag",
+                               placeholder="all", help="Runs carrying any of these tags.")
+    statuses = cols[1].multiselect("Status", sorted(runs["status"].unique()), key="filter_status", placeholder="all")
+    levels = cols[2].multiselect("Level", sorted(runs["opt_level"].dropna().unique()), key="filter_opt level",
+                                 placeholder="all")
+    scripts = cols[3].multiselect("Script", sorted(set(runs["script_path"].map(script_name)) - {""}),
+                                  key="filter_script", placeholder="all")
+    shown = select_runs(runs, tags=tags, statuses=statuses, scripts=scripts)
+    return shown[shown["opt_level"].isin(levels)] if levels else shown
+
+
+def manage_panel(store, runs: pd.DataFrame) -> None:
+    """Rename a run, set its tags and note, or delete it: each written only on a click here (a delete only on
+    a second click confirming it), through the store's rules, with one message for what was refused."""
+    labels = {int(r["run_id"]): ui.run_label(r) for _, r in runs.iterrows()}
+    if st.session_state.get("manage_run") not in labels:
+        st.session_state["manage_run"] = next(iter(labels))
+    run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="manage_run")
+    run = runs.set_index("run_id").loc[run_id]
+    done = st.session_state.pop("manage_done", None)
+    if done:
+        st.success(plain(done))
+    name_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
+    name = name_col.text_input("Name", run["name"] or "", key=f"manage_name_{run_id}", max_chars=MAX_NAME_CHARS)
+    if button_col.button("Rename", key="manage_rename", width="stretch"):
+        _write(lambda: f"Run #{run_id} is now named “{actions.rename_run(store, run_id, name)}”.")
+    known = sorted({t for held in runs["tags"] for t in held})
+    tag_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
+    tags = tag_col.multiselect("Tags", known, default=list(run["tags"]), key=f"manage_tags_{run_id}",
+                               accept_new_options=True, placeholder="type a tag and press Enter",
+                               help=f"Up to {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters each.")
+    if button_col.button("Save tags", key="manage_tag", width="stretch"):
+        _write(lambda: f"Run #{run_id}'s tags: {', '.join(actions.set_tags(store, run_id, tags)) or 'none'}.")
+    note = st.text_area("Note", run["user_note"] if isinstance(run["user_note"], str) else "",
+                        key=f"manage_note_{run_id}", max_chars=MAX_NOTE_CHARS, height=90,
+                        help="Yours, kept with the run; empty clears it. What mpdiag itself noted about the run "
+                             "is shown beside it, not here.")
+    if st.button("Save note", key="manage_note"):
+        _write(lambda: f"Run #{run_id}'s note {'saved' if actions.set_note(store, run_id, note) else 'cleared'}.")
+    live = run["status"] in LIVE_STATUSES
+    why = (f"Run #{run_id} is {run['status']}: it cannot be deleted while its process may still write to the "
+           "store. Wait until it ends (or stop it), then delete it.") if live else None
+    if why:
+        st.caption(plain(why))
+    what = (f"#{run_id} · {run['name']} · {run['opt_level']} · {run['status']}, {int(run['steps_done'])} steps"
+            + (f" · FP32 twin of #{run['pair_run_id']}" if run["opt_level"] == "O0" and pd.notna(run["pair_run_id"])
+               else ""))
+    if actions.confirmed_delete(f"Delete run #{run_id}…", "manage_delete", run_id, what, disabled=live, help=why):
+        def delete() -> str:
+            rows = actions.delete_run(store, run_id)
+            return (f"Deleted run #{run_id}: {sum(rows.values()):,} rows from "
+                    f"{sum(1 for n in rows.values() if n)} tables.")
+        _write(delete)
+
+
+def _write(action) -> None:
+    """Do a management action; its message (or the store's one-sentence refusal) is shown after the page
+    reruns on the store as it now is."""
+    try:
+        st.session_state["manage_done"] = action()
+    except (RunTextRefused, StoreError) as exc:
+        st.error(plain(exc))
+        return
+    st.rerun()
 
 
 def new_run_form(store) -> None:
@@ -133,5 +210,8 @@ with right, st.expander("Rerun with other settings", expanded=False):
         st.caption("No runs to rerun yet.")
     else:
         rerun_form(store, runs)
+if not runs.empty:
+    with st.expander("Rename, tag, note or delete a run", expanded=False):
+        manage_panel(store, runs)
 st.caption("Deep links: `?run=3` on the Gradients or Loss scale page opens run 3; `?runs=3&runs=4` on Compare. "
            "A link only selects what is shown: nothing starts until you click for it here.")

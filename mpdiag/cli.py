@@ -1,4 +1,5 @@
-"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|runs|export``.
+"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|runs|export|dashboard``; ``runs`` lists,
+renames, tags, notes and deletes runs (through the store's writer, one method per action).
 
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
 on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run
@@ -13,17 +14,19 @@ import json
 import os
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.run_choice import select_runs
 from mpdiag.recording.distributed import RankContext
 from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 from mpdiag.sandbox.probe import run_probe
-from mpdiag.store import DEFAULT_STORE, Store, StoreError
+from mpdiag.store import DEFAULT_STORE, RunTextRefused, Store, StoreError, StoreWriter
 from mpdiag.store.export import export_run
 from mpdiag.training.config import (
     ALL_LEVELS,
@@ -43,10 +46,24 @@ from mpdiag.training.script import ModelScript, ScriptError
 from mpdiag.training.watch import WatchConfig, rerun_config, watch
 
 
-def _store_arg(parser: argparse.ArgumentParser) -> None:
+def _store_arg(parser: argparse.ArgumentParser, inner: bool = False) -> None:
+    """--store; ``inner``: on an action of ``runs`` too, where its default must not hide one given before it."""
     parser.add_argument(
-        "--store", default=None, help=f"store file (default: $MPDIAG_STORE, else ./{DEFAULT_STORE})"
+        "--store", default=argparse.SUPPRESS if inner else None,
+        help=f"store file (default: $MPDIAG_STORE, else ./{DEFAULT_STORE})"
     )
+
+
+def _runs_filters(parser: argparse.ArgumentParser, inner: bool = False) -> None:
+    """The runs listing's filters: each repeatable, a run is kept when it matches any value given."""
+    default = argparse.SUPPRESS if inner else []
+    parser.add_argument("--tag", action="append", default=default, help="runs carrying this tag (repeatable)")
+    parser.add_argument("--status", action="append", default=default,
+                        help="runs with this status: queued, running, stalled, finished, failed, crashed (repeatable)")
+    parser.add_argument("--script", action="append", default=default,
+                        help="runs of this script file name, as the listing shows it (repeatable)")
+    if inner:
+        _store_arg(parser, inner=True)
 
 
 def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = False) -> None:
@@ -94,8 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--no-probe", action="store_true",
                           help="skip the scale-linearity probe (it reruns one batch of the stored script in a child)")
     _store_arg(diagnose)
-    runs = sub.add_parser("runs", help="list the runs in the store")
+    runs = sub.add_parser("runs", help="list the runs in the store (filter by --tag, --status, --script); rename, "
+                          "tag, untag, note or delete one", description="Without an action: list the runs.")
+    _runs_filters(runs)
     _store_arg(runs)
+    actions = runs.add_subparsers(dest="action", metavar="{list,rename,tag,untag,note,delete}")
+    listing = actions.add_parser("list", help="list the runs (the default)")
+    _runs_filters(listing, inner=True)
+    for name, helps, extra in (
+        ("rename", "give a run a new name", [("name", {"help": "the new name (quote it if it has spaces)"})]),
+        ("tag", "add tags to a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("untag", "remove tags from a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("note", "set a run's note (\"\" clears it)", [("text", {"help": "the note (quote it)"})]),
+        ("delete", "delete a run and every row recorded for it (asks first)", []),
+    ):
+        action = actions.add_parser(name, help=helps, description=helps)
+        action.add_argument("run_id", type=int)
+        for arg, kwargs in extra:
+            action.add_argument(arg, **kwargs)
+        if name == "delete":
+            action.add_argument("--yes", action="store_true", help="do not ask (needed when not at a terminal)")
+        _store_arg(action, inner=True)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
     rerun.add_argument("run_id", type=int)
     _run_options(rerun, inherit=True)
@@ -286,15 +322,68 @@ def _watch_and_report(config: WatchConfig, store: Store) -> int:
     return code
 
 
+def printable(text: object) -> str:
+    """``text`` safe to print on a terminal: control and invisible formatting characters (an escape sequence
+    in a run name written by a script) shown as \\xNN / \\uNNNN, not sent to the terminal."""
+    return "".join(ch.encode("unicode_escape").decode() if unicodedata.category(ch) in ("Cc", "Cf") else ch
+                   for ch in str(text))
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
+    action = getattr(args, "action", None) or "list"
+    if action == "list":
+        return _list_runs(args)
+    store = Store(args.store, create=False)
+    run = store.run(args.run_id)  # an unknown run is refused before anything is written
+    label = f"run {args.run_id} ({printable(run['name'])})"
+    try:
+        with StoreWriter(store.path) as writer:
+            if action == "rename":
+                print(f"{label} renamed to {printable(writer.rename_run(args.run_id, args.name))}")
+            elif action in ("tag", "untag"):
+                change = writer.tag_run if action == "tag" else writer.untag_run
+                tags = change(args.run_id, args.tags)
+                print(f"{label} tags: {printable(', '.join(tags)) or 'none'}")
+            elif action == "note":
+                note = writer.set_user_note(args.run_id, args.text)
+                print(f"{label} note {'saved' if note else 'cleared'}")
+            elif action == "delete":
+                if not args.yes and not _confirm_delete(label, run):
+                    return _refuse(f"{label} was not deleted" + ("" if sys.stdin.isatty() else
+                                   ": not at a terminal, so nothing can be confirmed; pass --yes to delete it"))
+                deleted = writer.delete_run(args.run_id)
+                print(f"deleted {label}: {sum(deleted.values()):,} rows from "
+                      f"{sum(1 for n in deleted.values() if n)} tables; scripts and other runs were not touched")
+    except RunTextRefused as exc:
+        return _refuse(str(exc))
+    return 0
+
+
+def _confirm_delete(label: str, run: pd.Series) -> bool:
+    """Ask on the terminal; False (nothing asked) when stdin is not one."""
+    if not sys.stdin.isatty():
+        return False
+    answer = input(f"Delete {label}, {run['status']}, {int(run['steps_done'])} steps, and every row recorded for "
+                   "it? This cannot be undone. [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _list_runs(args: argparse.Namespace) -> int:
     runs = Store(args.store).runs()
     if runs.empty:
         print("no runs yet: python -m mpdiag run mpdiag/examples/mlp_digits.py")
         return 0
-    cols = ["run_id", "name", "opt_level", "scaling", "init_scale", "device", "status", "steps_done", "skipped_steps",
-            "final_loss", "parent_run_id", "pair_run_id"]
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(runs[cols].to_string(index=False))
+    shown = select_runs(runs, tags=args.tag, statuses=args.status, scripts=args.script)
+    if shown.empty:
+        print(f"no run matches these filters ({len(runs)} runs in the store)")
+        return 0
+    table = shown.assign(name=shown["name"].map(printable), tags=shown["tags"].map(lambda t: printable(",".join(t))),
+                         note=shown["user_note"].map(lambda n: printable(n.splitlines()[0][:40]) if isinstance(n, str)
+                                                      and n else ""))
+    cols = ["run_id", "name", "tags", "opt_level", "scaling", "init_scale", "device", "status", "steps_done",
+            "skipped_steps", "final_loss", "parent_run_id", "pair_run_id", "note"]
+    with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
+        print(table[cols].to_string(index=False))
     return 0
 
 

@@ -5,7 +5,6 @@ Ground truth is the store file read with plain SQL (every table, every row), nev
 code: a delete must remove the run's rows in every table and leave every other row as it was.
 """
 
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -249,3 +248,184 @@ def test_the_rerun_form_offers_the_failing_run_and_names_a_rerun_of_the_twin_by_
     at.text_input(key="rerun_name").set_value("sneaky\x1b[31m").run()
     assert "A run name cannot contain control characters (found U+001B)." in said(at)
     assert at.button(key="rerun_start").disabled
+
+
+# -- the Runs page ------------------------------------------------------------------------------------------
+
+def test_runs_page_renames_tags_notes_and_filters_on_click_only(three_runs, monkeypatch):
+    before = tables(three_runs)
+    at = app("app.py", three_runs, monkeypatch)
+    at.selectbox(key="manage_run").set_value(1).run()
+    at.text_input(key="manage_name_1").set_value("baseline fp16").run()
+    at.multiselect(key="manage_tags_1").set_value(["shared", "fp16", "lr 3e-4"]).run()
+    at.text_area(key="manage_note_1").set_value("scale 1 underflows\nsee step 40").run()
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())  # typing writes nothing
+    at.button(key="manage_rename").click().run()
+    at.button(key="manage_tag").click().run()
+    at.button(key="manage_note").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Run #1's note saved." in said(at)
+    with sqlite3.connect(three_runs) as conn:
+        assert conn.execute("SELECT name, user_note FROM runs WHERE run_id = 1").fetchone() == \
+            ("baseline fp16", "scale 1 underflows\nsee step 40")
+        assert [t for (t,) in conn.execute("SELECT tag FROM run_tags WHERE run_id = 1 ORDER BY tag")] == \
+            ["fp16", "lr 3e-4", "shared"]
+    table = at.dataframe[0].value.set_index("run")
+    assert table.loc[1, "name"] == "baseline fp16" and table.loc[1, "tags"] == "fp16, lr 3e-4, shared"
+    assert table.loc[1, "note"] == "scale 1 underflows…" and table.loc[2, "tags"] == "shared, t2"
+    at.multiselect(key="filter_tag").set_value(["fp16", "t3"]).run()  # any of the tags
+    assert at.dataframe[0].value["run"].tolist() == [3, 1]
+    at.multiselect(key="filter_status").set_value(["finished"]).run()
+    assert at.dataframe[0].value["run"].tolist() == [3, 1]
+    at.multiselect(key="filter_tag").set_value([]).run()
+    at.multiselect(key="filter_script").set_value(["tiny.py"]).run()
+    assert at.dataframe[0].value["run"].tolist() == [3, 2, 1]
+    at.multiselect(key="filter_tag").set_value(["fp16"]).run()
+    at.multiselect(key="filter_opt level").set_value(["O0"]).run()  # no run matches: an empty table, no error
+    assert not at.exception and at.dataframe[0].value.empty
+
+
+@pytest.mark.parametrize("widget, value, button, message", [
+    ("manage_name_1", "   ", "manage_rename", "A run name cannot be empty."),
+    ("manage_name_1", "bell\x07", "manage_rename", "A run name cannot contain control characters (found U+0007)."),
+    ("manage_tags_1", ["t" * 41], "manage_tag", "A tag is at most 40 characters; this one has 41."),
+    ("manage_note_1", "nul\x00", "manage_note", "A note cannot contain control characters (found U+0000)."),
+])
+def test_runs_page_refuses_bad_input_with_one_message(three_runs, monkeypatch, widget, value, button, message):
+    before = tables(three_runs)
+    at = app("app.py", three_runs, monkeypatch)
+    at.selectbox(key="manage_run").set_value(1).run()
+    element = {"name": at.text_input, "tags": at.multiselect, "note": at.text_area}[widget.split("_")[1]]
+    element(key=widget).set_value(value).run()
+    at.button(key=button).click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value.replace("\\", "") for e in at.error] == [message]  # one message, as typed (unescaped)
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())
+
+
+def test_runs_page_deletes_a_run_after_a_confirming_click_and_nothing_else(three_runs, monkeypatch):
+    before = tables(three_runs)
+    at = app("app.py", three_runs, monkeypatch)
+    at.selectbox(key="manage_run").set_value(2).run()
+    at.button(key="manage_delete").click().run()  # asks, naming the run
+    assert at.text[-1].value == "#2 · tiny.py (FP32 twin) · O0 · finished, 3 steps · FP32 twin of #1"
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())
+    at.button(key="manage_delete_cancel").click().run()
+    assert not any(b.key == "manage_delete_confirm" for b in at.button)  # answered: the panel is gone
+    at.button(key="manage_delete").click().run()
+    at.selectbox(key="manage_run").set_value(3).run()  # choosing another run drops the request
+    assert not any(b.key == "manage_delete_confirm" for b in at.button)
+    at.selectbox(key="manage_run").set_value(2).run()
+    at.button(key="manage_delete").click().run()
+    at.button(key="manage_delete_confirm").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Deleted run #2:" in said(at)
+    after = tables(three_runs)
+    for table, old in before.items():
+        if "run_id" in old:
+            assert not (after[table]["run_id"] == 2).any(), table
+            old = old[old["run_id"] != 2].reset_index(drop=True)
+        pd.testing.assert_frame_equal(after[table], old, obj=table)
+    assert at.dataframe[0].value["run"].tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("page", [*SINGLE_RUN_PAGES, "pages/3_Compare.py"])
+def test_pages_of_a_run_whose_fp32_twin_was_deleted_still_render(page, quick_start, tmp_path, monkeypatch):
+    path = tmp_path / "runs.db"
+    shutil.copy(quick_start, path)
+    with StoreWriter(path) as writer:
+        writer.delete_run(2)
+    assert pd.isna(Store(path).run(1)["pair_run_id"])
+    at = app(page, path, monkeypatch)  # no exception (asserted in app)
+    if page != "pages/3_Compare.py":
+        assert at.selectbox(key="run").value == 1
+
+
+def test_a_running_run_offers_no_delete_and_says_why(tmp_path, monkeypatch):
+    path = tmp_path / "runs.db"
+    writer = StoreWriter(path)
+    writer.create_run(name="going", opt_level="O1")  # this process is alive: the run is running
+    at = app("app.py", path, monkeypatch)
+    assert at.button(key="manage_delete").disabled
+    assert "Run #1 is running: it cannot be deleted while its process may still write to the store." in said(at)
+    writer.close()
+
+
+# -- mpdiag runs ----------------------------------------------------------------------------------------------
+
+def cli(*args, capsys=None):
+    from mpdiag.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_runs_rename_tag_untag_note_list_and_filter(three_runs, capsys):
+    store = ("--store", three_runs)
+    assert cli("runs", "rename", 1, "baseline fp16", *store, capsys=capsys)[:2] == \
+        (0, "run 1 (tiny.py) renamed to baseline fp16\n")
+    assert cli("runs", *store, "tag", 1, "fp16", "sweep", capsys=capsys)[1] == \
+        "run 1 (baseline fp16) tags: fp16, shared, sweep, t1\n"  # --store before the action works too
+    assert cli("runs", "untag", 1, "t1", "sweep", *store, capsys=capsys)[1] == "run 1 (baseline fp16) tags: fp16, shared\n"
+    assert cli("runs", "note", 2, "the reference", *store, capsys=capsys)[1] == \
+        "run 2 (tiny.py (FP32 twin)) note saved\n"
+    with sqlite3.connect(three_runs) as conn:
+        assert conn.execute("SELECT name FROM runs WHERE run_id = 1").fetchone() == ("baseline fp16",)
+        assert conn.execute("SELECT user_note FROM runs WHERE run_id = 2").fetchone() == ("the reference",)
+        assert conn.execute("SELECT tag FROM run_tags WHERE run_id = 1 ORDER BY tag").fetchall() == [("fp16",),
+                                                                                                   ("shared",)]
+    code, out, _ = cli("runs", *store, capsys=capsys)
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 4 and "baseline fp16" in lines[3] and "fp16,shared" in lines[3]
+    assert "the reference" in lines[2]
+    out = cli("runs", "--tag", "fp16", "--tag", "t3", *store, capsys=capsys)[1]
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["3", "1"]
+    out = cli("runs", "list", "--status", "finished", "--script", "tiny.py", *store, capsys=capsys)[1]
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["3", "2", "1"]
+    assert cli("runs", "--status", "crashed", *store, capsys=capsys)[1] == \
+        "no run matches these filters (3 runs in the store)\n"
+
+
+def test_cli_refuses_bad_input_and_unknown_runs_with_exit_2(three_runs, capsys):
+    before = tables(three_runs)
+    store = ("--store", three_runs)
+    for args, message in [
+        (("rename", 1, ""), "mpdiag: A run name cannot be empty.\n"),
+        (("tag", 1, "x" * 41), "mpdiag: A tag is at most 40 characters; this one has 41.\n"),
+        (("note", 1, "a\x1b[2Jb"), "mpdiag: A note cannot contain control characters (found U+001B).\n"),
+        (("rename", 9, "x"), f"mpdiag: No run 9 in {three_runs}. `python -m mpdiag runs` lists the runs.\n"),
+        (("delete", 9, "--yes"), f"mpdiag: No run 9 in {three_runs}. `python -m mpdiag runs` lists the runs.\n"),
+    ]:
+        assert cli("runs", *args, *store, capsys=capsys) == (2, "", message)
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())
+
+
+def test_cli_delete_asks_first_and_refuses_a_running_run(three_runs, tmp_path):
+    before = tables(three_runs)
+    refused = run_cli("runs", "delete", "2", "--store", three_runs)  # stdin is not a terminal: nothing to confirm
+    assert refused.returncode == 2 and refused.stderr == (
+        "mpdiag: run 2 (tiny.py (FP32 twin)) was not deleted: not at a terminal, so nothing can be confirmed; pass "
+        "--yes to delete it\n")
+    assert all(tables(three_runs)[t].equals(df) for t, df in before.items())
+    done = run_cli("runs", "delete", "2", "--yes", "--store", three_runs)
+    assert done.returncode == 0 and done.stdout.startswith("deleted run 2 (tiny.py (FP32 twin)): ")
+    assert not any((df["run_id"] == 2).any() for df in tables(three_runs).values() if "run_id" in df)
+    # a run whose process is alive (this test's): refused, with why
+    live_store = tmp_path / "live.db"
+    writer = StoreWriter(live_store)
+    writer.create_run(name="going", opt_level="O1")
+    busy = run_cli("runs", "delete", "1", "--yes", "--store", live_store)
+    assert busy.returncode == 2 and "Run 1 is still running" in busy.stderr and "Stop it or wait" in busy.stderr
+    assert Store(live_store).runs()["run_id"].tolist() == [1]
+    writer.close()
+
+
+def test_cli_listing_shows_control_characters_escaped(tmp_path, capsys):
+    """A run name written by a script (not through rename, which refuses them) with a terminal escape
+    sequence is printed escaped, so listing runs cannot drive the terminal."""
+    path = tmp_path / "runs.db"
+    with StoreWriter(path, finish_runs=True) as writer:
+        writer.create_run(name="evil\x1b[2J\x1b]0;title\x07", opt_level="O1")
+    out = cli("runs", "--store", path, capsys=capsys)[1]
+    assert "\x1b" not in out and "\x07" not in out and "evil\\x1b[2J\\x1b]0;title\\x07" in out

@@ -6,7 +6,9 @@ this browser session, twice. :func:`confirmed` is a button that only arms a :cla
 runs when the user then confirms a panel that names the script and its SHA-256 (so a click forged through a
 frame, or a stale form, starts nothing the user did not see). Page loads, query parameters and refreshes never
 reach :func:`start_run`, :func:`start_rerun`, :func:`start_watch`, :func:`check_upload`, :func:`check_code` or
-:func:`probe`.
+:func:`probe`. What a person says about a run (:func:`rename_run`, :func:`set_tags`, :func:`set_note`) is
+written only on a click in this session, and :func:`delete_run` only on a second click confirming a panel that
+names the run (:func:`confirmed_delete`).
 This module must not import torch or train in this process: children do that.
 """
 
@@ -173,3 +175,52 @@ def check_verdict(store: Store, subject: str) -> CheckReport | None:
 def probe(store: Store, run_id: int) -> dict:
     """The scale-linearity probe of a stored run, in a supervised child; its result is stored with the run."""
     return run_probe(store.path, int(run_id))
+
+
+def rename_run(store: Store, run_id: int, name: str) -> str:
+    """Rename a run (the store's rules: RunTextRefused says what is wrong); returns the name stored."""
+    with StoreWriter(store.path) as writer:
+        return writer.rename_run(int(run_id), name)
+
+
+def set_tags(store: Store, run_id: int, tags: list[str]) -> list[str]:
+    """Make a run's tags exactly ``tags``; returns them as stored."""
+    with StoreWriter(store.path) as writer:
+        return writer.set_tags(int(run_id), tags)
+
+
+def set_note(store: Store, run_id: int, note: str) -> str:
+    """Store a person's note with a run ("" clears it); returns it as stored."""
+    with StoreWriter(store.path) as writer:
+        return writer.set_user_note(int(run_id), note)
+
+
+def delete_run(store: Store, run_id: int) -> dict[str, int]:
+    """Delete a run's rows from every table (RunBusy while its process still runs); rows deleted per table."""
+    with StoreWriter(store.path) as writer:
+        return writer.delete_run(int(run_id))
+
+
+def confirmed_delete(label: str, key: str, run_id: int, what: str, **button_args) -> bool:
+    """A button that asks to delete run ``run_id``; True only on the run where the user then clicks Delete in
+    the panel that names it (``what``, shown as text). Choosing another run drops the request."""
+    armed_key = f"pending:{key}"
+    if st.button(label, key=key, **button_args):
+        st.session_state[armed_key] = int(run_id)
+    if st.session_state.get(armed_key) is None:
+        return False
+    if st.session_state[armed_key] != int(run_id):
+        del st.session_state[armed_key]
+        return False
+    panel = st.empty()
+    with panel.container(border=True):
+        st.markdown("**Delete this run?** Its steps, tensor statistics and every other row recorded for it are "
+                    "removed from the store; stored scripts and other runs stay. This cannot be undone.")
+        st.text(what)
+        yes, no = st.columns(2)
+        go = yes.button("Delete", key=f"{key}_confirm", type="primary")
+        stop = no.button("Cancel", key=f"{key}_cancel")
+    if go or stop:
+        del st.session_state[armed_key]
+        panel.empty()
+    return go
