@@ -143,12 +143,17 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
 
 
 def explain_run_state(run: pd.Series) -> None:
-    """Say what a failed or crashed run reported (its error as text), and any note stored with it."""
+    """Say what a failed or crashed run reported (its error as text), any note mpdiag stored with it, and the
+    tags and note a person gave it (as text)."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
     if isinstance(run.get("note"), str):
         st.info(plain(run["note"]))
+    tags, note = run.get("tags") or [], run.get("user_note")
+    if tags or (isinstance(note, str) and note):
+        st.caption(plain("  ·  ".join(([f"Tags: {', '.join(tags)}"] if tags else [])
+                                     + ([f"Note: {note}"] if isinstance(note, str) and note else []))))
 
 
 def choose_run(store: Store) -> tuple[pd.Series, bool] | None:

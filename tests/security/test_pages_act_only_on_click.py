@@ -1,4 +1,5 @@
-"""No action from a URL: loading any page, with any query parameters, starts, checks, probes or reruns nothing.
+"""No action from a URL: loading any page, with any query parameters, starts, checks, probes, reruns, renames,
+tags, notes or deletes nothing.
 
 The store holds a script that writes a marker file whenever it is executed, and a finished run of it that the
 Findings page could probe and the home page could rerun. Every page is loaded with hostile query parameters
@@ -58,7 +59,8 @@ def spawned(monkeypatch):
         return fake
 
     monkeypatch.setattr(subprocess, "Popen", record("subprocess.Popen"))
-    for name in ("start_run", "start_rerun", "check_upload", "probe", "store_upload"):
+    for name in ("start_run", "start_rerun", "check_upload", "probe", "store_upload", "rename_run", "set_tags",
+                 "set_note", "delete_run"):
         monkeypatch.setattr(actions, name, record(f"actions.{name}"))
     return calls
 
@@ -66,7 +68,9 @@ def spawned(monkeypatch):
 def hostile_query(store, sha):
     return {"store": str(store), "run": "1", "runs": ["1", "1"], "script": sha, "tensor": "0.weight", "check": "1",
             "probe": "1", "start": "1", "rerun": "1", "fix": "1", "confirm": "1", "new_start": "1",
-            "upload_start": "1", "first_example": "1", "check_confirm": "1", "probe_1_confirm": "1"}
+            "upload_start": "1", "first_example": "1", "check_confirm": "1", "probe_1_confirm": "1",
+            "manage_run": "1", "manage_rename": "1", "manage_name_1": "renamed", "manage_tag": "1", "tags": "x",
+            "manage_note": "1", "note": "x", "manage_delete": "1", "manage_delete_confirm": "1", "delete": "1"}
 
 
 @pytest.mark.parametrize("configured", [True, False], ids=["configured-store", "store-only-in-url"])
@@ -84,6 +88,8 @@ def test_loading_a_page_with_hostile_query_parameters_executes_nothing(page, con
     assert not at.exception, [e.value for e in at.exception]
     assert spawned == []
     assert not marker.exists()
+    run = Store(store).run(1)  # nothing renamed, tagged, noted or deleted either
+    assert (run["name"], run["tags"], run["user_note"]) == ("marker.py", [], None)
     if not configured:  # the URL cannot point the app at a store: the configured (empty) one is shown
         assert Store(tmp_path / "empty.db").runs().empty
         assert all(str(s.value) != str(store) for s in at.sidebar.selectbox)

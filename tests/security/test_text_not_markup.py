@@ -1,7 +1,7 @@
 """Text, not markup: every user-supplied string reaches the browser as text.
 
-A store is filled with runs whose run name, script file name, script ``name``, tensor (module) names and error
-text are Markdown/HTML payloads: an image beacon, an onerror handler, a link, a closing code fence. Every page
+A store is filled with runs whose run name, script file name, script ``name``, tensor (module) names, error
+text, tags and note are Markdown/HTML payloads: an image beacon, an onerror handler, a link, a closing code fence. Every page
 is rendered (the Upload page with its check done, so the check's summary and problems show) and every string
 the page sends in an element that Streamlit renders as Markdown is inspected: no image, no HTML element and no
 link to anything but the app's own pages may be built from them. Elements that Streamlit shows as text
@@ -19,7 +19,7 @@ from streamlit.testing.v1 import AppTest
 
 from mpdiag.dashboard.actions import store_code
 from mpdiag.dashboard.untrusted import plain
-from mpdiag.store import Store
+from mpdiag.store import Store, StoreWriter
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -80,6 +80,11 @@ def evil_store(tmp_path_factory):
     train(good, RunConfig(opt_level="O0", steps=4, device="cpu", name=EVIL + " fp32"), path)
     failing = ModelScript(filename=EVIL + " fails.py", source=SCRIPT.replace("{fail_at}", "2"))
     train(failing, RunConfig(opt_level="O1", steps=4, device="cpu", name=EVIL + " fails"), path)
+    # what a person says about a run: payload tags (each within the tag limit; no line breaks in a tag) and note
+    with StoreWriter(path) as writer:
+        for run_id in (1, 3):
+            writer.tag_run(run_id, [p for p in PAYLOADS if "\n" not in p])
+            writer.set_user_note(run_id, EVIL)
     # training code whose name and files are payloads, with an import its check will name
     store_code(Store(path), [(EVIL_MODULE + ".py", b"x = 1\n"),
                              ("train.py", b'import not_installed_anywhere\nif __name__ == "__main__":\n    pass\n')])
@@ -168,5 +173,32 @@ def test_user_supplied_text_builds_no_markup_on_any_page(page, evil_store, monke
     said = [s for at in views for s in markdown_strings(at)]
     assert any("evil" in s for s in said) or page.endswith(("Loss_scale.py", "Compare.py")), \
         "the payload should reach this page's Markdown (escaped)"
+    bad = {s: built_markup(s) for s in said if built_markup(s)}
+    assert not bad, bad
+
+
+def test_renaming_tagging_and_noting_a_run_on_the_runs_page_builds_no_markup(evil_store, tmp_path, monkeypatch):
+    """The Runs page's management panel with payloads typed in: the name, tags and note it saves, and every
+    message it says about them, reach the browser as text."""
+    path = tmp_path / "runs.db"
+    path.write_bytes(evil_store.read_bytes())
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    at.selectbox(key="manage_run").set_value(1).run()
+    views = []
+    for kind, key, value, button in (("text_input", "name", EVIL.replace("\n", " "), "manage_rename"),
+                                     ("multiselect", "tags", [p for p in PAYLOADS if "\n" not in p], "manage_tag"),
+                                     ("text_area", "note", EVIL, "manage_note"),
+                                     ("text_input", "name", "\x1b" + EVIL.replace("\n", " "), "manage_rename")):
+        getattr(at, kind)(key=f"manage_{key}_1").set_value(value).run()
+        at.button(key=button).click().run()
+        assert not at.exception, [e.value for e in at.exception]
+        views.append(markdown_strings(at))
+    at.button(key="manage_delete").click().run()  # the confirmation names the run (as st.text)
+    views.append(markdown_strings(at))
+    run = Store(path).run(1)
+    assert run["name"] == EVIL.replace("\n", " ") and run["user_note"] == EVIL  # saved as typed
+    said = [s for view in views for s in view]
+    assert any("evil" in s and "is now named" in s for s in said) and any("control characters" in s for s in said)
     bad = {s: built_markup(s) for s in said if built_markup(s)}
     assert not bad, bad
