@@ -1,6 +1,7 @@
 """Recorder against ground truth: analytic gradients, and GradScaler's own state for scale and skips."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -188,3 +189,45 @@ def test_invalid_scaling_is_refused_before_training(store_path, write_script):
     with pytest.raises(ConfigError, match="unknown opt level"):
         train(script, RunConfig(opt_level="O7", device="cpu"), store_path)
     assert Store(store_path).runs().empty  # nothing was written
+
+
+def test_a_loop_stuck_inside_a_step_has_its_earlier_steps_in_the_store_and_reads_stalled(tmp_path, monkeypatch):
+    """The rows of the steps before a hang are committed by the writer's thread on a timer (the training thread,
+    stuck, never flushes again), and the run reads stalled once no step has come for STALL_S and STALL_STEPS
+    median steps; it is running again at its next step."""
+    from mpdiag.store import reader
+
+    monkeypatch.setattr(reader, "STALL_S", 1.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt)
+    rec.flush_interval_s = 3600.0  # the training thread alone would not flush these rows for an hour
+
+    def step():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        rec.record(loss)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    store = Store(tmp_path / "runs.db")
+    assert store.steps(rec.run_id).empty  # nothing committed yet: the interval has not passed
+    rec.flush_interval_s = 0.2  # now the writer's timer flushes what arrived
+    deadline = time.time() + 5
+    while len(store.steps(rec.run_id)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    # steps 0 and 1 are complete; step 2's row waits for the scaler state after its update (the next step)
+    assert store.steps(rec.run_id)["step"].tolist() == [0, 1]
+    assert store.run(rec.run_id)["status"] == "running"
+    time.sleep(1.5)
+    assert store.run(rec.run_id)["status"] == "stalled"
+    step()
+    deadline = time.time() + 5
+    while store.run(rec.run_id)["status"] != "running" and time.time() < deadline:
+        time.sleep(0.05)
+    assert store.run(rec.run_id)["status"] == "running" and store.steps(rec.run_id)["step"].tolist() == [0, 1, 2]
+    rec.close()
+    assert store.steps(rec.run_id)["step"].tolist() == [0, 1, 2, 3]

@@ -7,7 +7,10 @@ Jobs call write methods on a *sink*: in a process that may hold the store (the C
 Recorder) the sink is a :class:`mpdiag.store.StoreWriter`; in a child started by the app it is
 :class:`mpdiag.sandbox.child.StoreCallForwarder`, which hands each call to the supervising process, the only one
 that writes that store. While a run this writer created is open, the thread sends ``update_run(run_id,
-heartbeat_at=now)`` every HEARTBEAT_S, so readers can tell a stopped process from a slow step. This module must
+heartbeat_at=now)`` every HEARTBEAT_S until the run's first step rows are committed; from then on the heartbeat is
+the commit of step rows itself (the store's ``write_batch``), so a training loop that hangs reads as stalled while
+this thread lives on. Periodic work registered with :meth:`BackgroundWriter.every` (the Recorder's flush of rows
+that arrived, so steps reach the store while the training thread is stuck) runs on this thread. This module must
 not decide what a run records; it only carries the calls.
 """
 
@@ -24,6 +27,7 @@ from typing import Any
 from mpdiag.store import StoreWriter
 
 HEARTBEAT_S = 5.0
+TICK_S = 0.25  # how often periodic work is looked at
 _ENDED = ("finished", "failed", "crashed")
 
 
@@ -34,6 +38,7 @@ class _OpenRuns:
     def __init__(self, sink):
         self.sink = sink
         self.open: set[int] = set()
+        self.stepping: set[int] = set()  # open runs with step rows committed: write_batch is their heartbeat
 
     def create_run(self, **fields) -> int:
         run_id = self.sink.create_run(**fields)
@@ -45,8 +50,13 @@ class _OpenRuns:
         if fields.get("status") in _ENDED:
             self.open.discard(int(run_id))
 
+    def write_batch(self, run_id: int, step_rows, tensor_rows) -> None:
+        self.sink.write_batch(run_id, step_rows, tensor_rows)
+        if step_rows:
+            self.stepping.add(int(run_id))
+
     def beat(self) -> None:
-        for run_id in sorted(self.open):
+        for run_id in sorted(self.open - self.stepping):
             self.sink.update_run(run_id, heartbeat_at=time.time())
 
     def __getattr__(self, name: str):
@@ -66,6 +76,8 @@ class BackgroundWriter:
         self._open_sink = target if callable(target) else (lambda: StoreWriter(target))
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._periodic: dict[int, tuple[float, Callable[[], None]]] = {}  # id -> (interval, fn)
+        self._last_run: dict[int, float] = {}
         ready: Future = Future()
         self._thread = threading.Thread(target=self._loop, args=(ready,), name="mpdiag-writer", daemon=True)
         self._thread.start()
@@ -83,9 +95,10 @@ class BackgroundWriter:
         try:
             while True:
                 try:
-                    job, future = self._jobs.get(timeout=HEARTBEAT_S)
+                    job, future = self._jobs.get(timeout=TICK_S if self._periodic else HEARTBEAT_S)
                 except queue.Empty:
                     job = future = None
+                self._run_periodic()
                 if future is not None and job is None:
                     future.set_result(None)
                     return
@@ -103,6 +116,24 @@ class BackgroundWriter:
                         self._error = self._error or exc
         finally:
             sink.close()
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn()`` on this writer's thread about every ``interval_s`` until the returned function is called;
+        an exception in it is raised in the submitting thread, as a job's is."""
+        key = id(fn)
+        self._periodic[key] = (interval_s, fn)
+        return lambda: self._periodic.pop(key, None)
+
+    def _run_periodic(self) -> None:
+        now = time.monotonic()
+        for key, (interval, fn) in list(self._periodic.items()):
+            if now - self._last_run.get(key, now - interval) >= interval:
+                self._last_run[key] = now
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - re-raised in the training thread
+                    self._error = self._error or exc
+                    self._periodic.pop(key, None)
 
     def _raise_pending(self) -> None:
         if self._error is not None:

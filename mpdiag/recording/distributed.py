@@ -21,6 +21,7 @@ import shlex
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,9 @@ class DiscardingWriter:
     def call(self, job) -> None:
         return None
 
+    def every(self, interval_s, fn):
+        return lambda: None
+
     def close(self) -> None:
         return None
 
@@ -99,11 +103,29 @@ class DeadRankWatch:
 
         return [r for r, pid in self._local if ended(pid)]
 
+    def _naming(self, dead: list[int]) -> str:
+        return ", ".join(f"rank {r} died" for r in dead) + f" at step {self._step()}"
+
+    def check_now(self, grace_s: float = 1.0) -> str | None:
+        """The dead rank's naming, looked at now if the thread has not yet: this rank's collective has just failed,
+        and the peer whose death made it fail may have died since the thread's last look - or be dying: a killed
+        process's sockets close before it is a zombie, so it is looked at for up to ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        while self.named is None:
+            dead = self.dead_ranks()
+            if dead:
+                self.named = self._naming(dead)
+            elif time.monotonic() > deadline:
+                break
+            else:
+                time.sleep(self.POLL_S)
+        return self.named
+
     def _watch(self) -> None:
         while not self._stopping.wait(self.POLL_S):
             dead = self.dead_ranks()
             if dead:
-                self.named = ", ".join(f"rank {r} died" for r in dead) + f" at step {self._step()}"
+                self.named = self.named or self._naming(dead)
                 try:
                     self._report(self.named)
                 finally:
@@ -178,7 +200,7 @@ class RankContext:
     @property
     def dead_rank_named(self) -> str | None:
         """What the dead-rank watch reported, if a rank died."""
-        return None if self._dead_watch is None else self._dead_watch.named
+        return None if self._dead_watch is None else self._dead_watch.check_now()
 
     @staticmethod
     def launched_as_other_rank() -> bool:

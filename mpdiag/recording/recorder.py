@@ -20,6 +20,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -248,12 +249,15 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._last_record = time.perf_counter()
         self._closed = False
+        #: held while rows move (record, flush, close): the writer's thread also flushes, on a timer
+        self._lock = threading.RLock()
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
                  watch_ranks: bool) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
+        self._stop_timer = self._writer.every(self.flush_interval_s, self._flush_on_timer)
         self._step_grads = StepGradients([p for _, p in self._params])
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
@@ -358,6 +362,10 @@ class Recorder:
         Nothing here waits for the device: the loss, the scaler's state and the statistics travel to the
         host in non-blocking copies and are read when they have arrived (on a GPU, normally at the next
         record(), after GradScaler's own synchronisation in ``step``)."""
+        with self._lock:
+            self._record(loss, gradients)
+
+    def _record(self, loss: torch.Tensor | float, gradients: GradientRead | None) -> None:
         if self._closed:
             raise RuntimeError("record() called on a closed Recorder")
         if gradients is not None and gradients.step != self._step:
@@ -539,8 +547,23 @@ class Recorder:
                                   for fmt in LOW_PRECISION},
             ))
 
+    def _flush_on_timer(self) -> None:
+        """On the writer's thread: hand over the rows that have arrived when the training thread has not for a
+        while - it may be stuck inside a step, and the steps before it still reach the store."""
+        if not self._lock.acquire(blocking=False):
+            return  # the training thread is recording: it flushes itself
+        try:
+            if not self._closed and time.monotonic() - self._last_flush >= self.flush_interval_s:
+                self.flush()
+        finally:
+            self._lock.release()
+
     def flush(self) -> None:
         """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         self._read_arrived(wait=False)
         steps, tensors, updates = self._step_rows, self._tensor_rows_buf, self._update_rows
         self._step_rows, self._tensor_rows_buf, self._update_rows = [], [], []
@@ -570,9 +593,14 @@ class Recorder:
         self._end(status=status, error=error, note=None, known=False)
 
     def _end(self, status: str, error: str | None, note: str | None, known: bool) -> None:
+        with self._lock:
+            self._end_locked(status, error, note, known)
+
+    def _end_locked(self, status: str, error: str | None, note: str | None, known: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stop_timer()
         for hook in self._hooks:
             hook.remove()
         self._step_grads.remove()

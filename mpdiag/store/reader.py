@@ -10,7 +10,8 @@ schema, goes through the writer's path in schema.py to create or migrate it. Con
 * Representability counts are one row per (run, step, tensor, format) in a long table; the wide
   ``fp16_underflow``... columns of :meth:`Store.tensor_stats` and :meth:`Store.tensor_totals` are built from it.
 * A run whose status is ``running`` or ``queued`` but whose process is gone is reported as ``crashed`` by every
-  reader; a ``running`` run whose heartbeat is older than STALL_S (its process stopped or hung) as ``stalled``.
+  reader; a ``running`` run whose heartbeat (its last committed step, or before its first step its writer's
+  heartbeat) is older than STALL_S and STALL_STEPS median steps (its process stopped or hung) as ``stalled``.
 * Every SQLite failure reaches the caller as one :class:`StoreError` naming the file.
 """
 
@@ -35,6 +36,7 @@ from mpdiag.store.schema import (
     SCHEMA_VERSION,
     SPECIAL_COUNT_COLUMNS,
     STALL_S,
+    STALL_STEPS,
     STEP_COLUMNS,
     TENSOR_STAT_COLUMNS,
     StoreError,
@@ -166,7 +168,8 @@ class Store:
         dead = df["status"].isin(["running", "queued"]) & ~df.apply(
             lambda r: process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
         )
-        stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - STALL_S)
+        quiet_s = np.maximum(STALL_S, STALL_STEPS * df["median_step_time_s"].fillna(0))
+        stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - quiet_s)
         df.loc[stalled, "status"] = "stalled"
         df.loc[dead, "status"] = "crashed"
         # NULL (or a store too old to have the column): recorded by one process

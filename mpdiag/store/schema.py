@@ -32,7 +32,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
 SCHEMA_VERSION = 8
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
-STALL_S = 30.0  # a running run whose heartbeat is older than this reads "stalled"
+STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
+STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
 
 #: The six representability counts of one tensor at one step in one format: of the unscaled gradient g, then of
 #: S*g (suffix _at_scale).
