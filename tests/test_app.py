@@ -297,3 +297,24 @@ def test_run_form_disables_what_does_nothing_and_says_why(tmp_path, monkeypatch)
     at.selectbox(key="new_level").set_value("O0").run()
     twin = next(c for c in at.checkbox if c.label.startswith("Also run an FP32"))
     assert twin.disabled and "O0 is the FP32 run itself" in twin.help
+
+
+def test_a_stalled_run_says_so_on_its_pages_with_its_last_step(tmp_path, monkeypatch):
+    """A running run (this process: alive) whose last step was committed 10 minutes ago reads stalled, and each
+    single-run page says how long it has been quiet and which step came last."""
+    from mpdiag.store import StepRow, StoreWriter
+
+    store = tmp_path / "stall.db"
+    with StoreWriter(store) as writer:
+        run_id = writer.create_run(name="stuck loop", opt_level="custom", scaling="none")
+        writer.write_batch(run_id, [StepRow(step, 1.0 / (step + 1), 1.0, 0, None, 1.0, 0.05, 1000, 0)
+                                    for step in range(3)], [])
+        writer.update_run(run_id, heartbeat_at=time.time() - 600)
+    run = Store(store).run(run_id)
+    assert run["status"] == "stalled" and run["steps_done"] == 3
+    for page in ("pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/5_Findings.py"):
+        at = app(page, store, monkeypatch, run=str(run_id))
+        assert not at.exception, page
+        said = texts(at)
+        assert "has recorded nothing for 10.0 min, since its last stored step (2)" in said, page
+        assert "its median step takes 0.05 s" in said, page

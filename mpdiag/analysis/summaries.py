@@ -342,6 +342,19 @@ def _scale_text(scale) -> str:
         else f"{float(scale):g}"
 
 
+def stall_text(run: pd.Series) -> str:
+    """Why a run reads stalled: how long since its last step (or since it started, before its first), in words."""
+    quiet = (pd.Timestamp.now(tz="UTC") - run["heartbeat_at"]).total_seconds()
+    since = f"{quiet / 60:,.1f} min" if quiet >= 120 else f"{quiet:,.0f} s"
+    done = int(run["steps_done"])
+    last = f"since its last stored step ({done - 1:,})" if done else "and has stored no step yet"
+    median = run.get("median_step_time_s")
+    pace = f"; its median step takes {median:,.2f} s" if isinstance(median, float) and math.isfinite(median) else ""
+    return (f"Run #{int(run['run_id'])} is still running but has recorded nothing for {since}, {last}{pace}. "
+            "Its training loop may be stuck (a data loader, a collective waiting on another rank, input) or in a "
+            "long pause of its own (evaluation, a checkpoint).")
+
+
 def run_progress(run: pd.Series) -> tuple[float | None, str]:
     """A running run's progress: the share of its planned steps done, or None where the script decides how
     many steps there are (``mpdiag watch``, the Recorder in a user's own loop: no total is stored), and the

@@ -21,7 +21,7 @@ import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import likely_run
-from mpdiag.analysis.summaries import run_progress
+from mpdiag.analysis.summaries import run_progress, stall_text
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
@@ -148,6 +148,8 @@ def explain_run_state(run: pd.Series) -> None:
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
+    if run["status"] == "stalled":
+        st.warning(stall_text(run))
     if isinstance(run.get("note"), str):
         st.info(plain(run["note"]))
     tags, note = run.get("tags") or [], run.get("user_note")
