@@ -13,11 +13,10 @@ import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.finding import Finding
+from mpdiag.analysis.fp8_summaries import LOST_SHARE, past_threshold
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
 from mpdiag.training.config import ConfigError, RunConfig
 
-#: a layer's role loses more than this share of its values to underflow at some recorded step: a warning
-LOST_SHARE = 0.01
 MAX_MARGIN = 64
 
 
@@ -50,7 +49,7 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
     if records.empty:
         return []
     rows = records.assign(share=records["underflow"] / records["numel"].where(records["numel"] > 0))
-    bad = rows[(rows["share"] > LOST_SHARE) | (rows["overflow"] > 0)]
+    bad = rows[past_threshold(records)]
     findings = []
     for (module, role, recipe), hit in bad.groupby(["module", "role", "recipe"], sort=False):
         worst = hit.loc[hit["share"].idxmax()] if hit["overflow"].sum() == 0 else hit.loc[hit["overflow"].idxmax()]
@@ -66,8 +65,10 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
         findings.append(Finding(
             rule="fp8-lost-values", severity="warning", page="FP8",
             title=f"FP8 ({recipe} scaling) loses values of {module}'s {role}",
-            evidence=(f"{len(hit)} of {int(((records['module'] == module) & (records['role'] == role) & (records['recipe'] == recipe)).sum())} "
-                      f"recorded steps lose values in {worst['fmt']}; worst at step {int(worst['step'])}: "
+            evidence=(f"{len(hit):,} of {int(((records['module'] == module) & (records['role'] == role) & (records['recipe'] == recipe)).sum()):,} "
+                      f"recorded steps lose more than {LOST_SHARE:.0%} of the values to underflow, or any to "
+                      f"overflow, in {worst['fmt']} (the layer table's \"steps the finding counts\"); "
+                      f"worst at step {int(worst['step'])}: "
                       f"{int(worst['underflow'])} of {int(worst['numel'])} underflow ({worst['share']:.2%}), "
                       f"{int(worst['overflow'])} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
             recommendation=advice, tensors=[f"{module}:{role}"], fix=fix,

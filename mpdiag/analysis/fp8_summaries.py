@@ -15,6 +15,17 @@ import pandas as pd
 from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, recipe_scales, whatif_counts
 
+#: a recorded step where more than this share of a tensor's values underflow, or any value overflows, is past
+#: the fp8-lost-values finding's threshold (the finding and the layer table count such steps the same way)
+LOST_SHARE = 0.01
+
+
+def past_threshold(records: pd.DataFrame) -> pd.Series:
+    """Which records (one tensor at one recorded step) the fp8-lost-values finding counts: more than
+    LOST_SHARE of the values underflow, or any value overflows."""
+    share = records["underflow"] / records["numel"].where(records["numel"] > 0)
+    return (share > LOST_SHARE) | (records["overflow"] > 0)
+
 
 def with_lost(records: pd.DataFrame) -> pd.DataFrame:
     """The records with ``lost`` (underflow + overflow: values the cast loses) and ``lost_share`` (of numel)."""
@@ -40,18 +51,21 @@ def lost_cells(records: pd.DataFrame, recipe: str, role: str, max_columns: int =
 
 
 def layer_table(records: pd.DataFrame) -> pd.DataFrame:
-    """Per layer, role and recipe: the worst recorded step's lost share and counts, the steps that lost any
-    value, and the totals; sorted worst first (largest worst share, then most overflow)."""
+    """Per layer, role and recipe: the worst recorded step's lost share and counts, the recorded steps, those
+    that lost any value and those past the fp8-lost-values finding's threshold (:func:`past_threshold`, the
+    count the finding states), and the totals; sorted worst first (largest worst share, then most overflow)."""
     if records.empty:
         return pd.DataFrame(columns=["module", "role", "recipe", "fmt", "worst lost share", "worst step",
-                                     "steps losing values", "underflow", "overflow", "subnormal"])
-    rows = with_lost(records)
+                                     "recorded steps", "steps losing any value", "steps the finding counts",
+                                     "underflow", "overflow", "subnormal"])
+    rows = with_lost(records).assign(past=past_threshold(records))
     out = []
     for (module, role, recipe), one in rows.groupby(["module", "role", "recipe"], sort=False):
         worst = one.loc[one["lost_share"].fillna(0).idxmax()]
         out.append({"module": module, "role": role, "recipe": recipe, "fmt": one["fmt"].iloc[0],
                     "worst lost share": float(worst["lost_share"]), "worst step": int(worst["step"]),
-                    "steps losing values": int((one["lost"] > 0).sum()), "underflow": int(one["underflow"].sum()),
+                    "recorded steps": int(one["step"].nunique()), "steps losing any value": int((one["lost"] > 0).sum()),
+                    "steps the finding counts": int(one["past"].sum()), "underflow": int(one["underflow"].sum()),
                     "overflow": int(one["overflow"].sum()), "subnormal": int(one["subnormal"].sum())})
     table = pd.DataFrame(out)
     return table.sort_values(["worst lost share", "overflow"], ascending=False, kind="stable").reset_index(drop=True)
