@@ -47,7 +47,12 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
     default = next(iter(first.values()))["module"] if first else order[0]
     module = st.selectbox("Module (forward order; type to search)", order, index=order.index(default), key="module",
                           bind="query-params")
-    st.altair_chart(charts.module_lines(module_trace.magnitude_cells(modules), module), width="stretch")
+    magnitudes = module_trace.magnitude_cells(modules)
+    if module_trace.drawable_magnitudes(magnitudes, module):
+        st.altair_chart(charts.module_lines(magnitudes, module), width="stretch")
+    else:
+        st.caption(plain(f"{module}: no finite, non-zero output or gradient at any traced step (every value was "
+                         "inf/NaN or 0), so there is nothing to draw on a log axis."))
     st.subheader("Modules, forward order")
     st.dataframe(module_trace.module_table(modules), hide_index=True, width="stretch")
     st.caption("Gradients are at the loss scale (as the backward pass carried them): divide by the scale on the "

@@ -54,7 +54,7 @@ def test_magnitude_cells_flag_what_fp16_cannot_hold_and_mark_the_first():
     assert cells["first"].sum() == 2 and cells.loc[(fwd, "b", 2), "first"]
     assert module_trace.module_order(planted_trace()) == ["a", "b", "c"]
     table = module_trace.module_table(planted_trace()).set_index("module")
-    assert table.loc["b", "largest |output|"] == 7e4 and table.loc["b", "output first inf/NaN at step"] == "2"
+    assert table.loc["b", "largest |output|"] == "70,000" and table.loc["b", "output first inf/NaN at step"] == "2"
     assert table.loc["a", "gradient first inf/NaN at step"] == "never"
 
 

@@ -68,7 +68,8 @@ def magnitude_cells(modules: pd.DataFrame) -> pd.DataFrame:
 
 
 def module_table(modules: pd.DataFrame) -> pd.DataFrame:
-    """Per module in forward order: type, the largest finite |output| and |gradient| seen, and the first step
+    """Per module in forward order: type, the largest finite |output| and |gradient| seen (as text, 6
+    significant digits; "no finite value" where every one was inf/NaN or none was traced), and the first step
     each went non-finite ("never" when it stayed finite)."""
     rows = []
     for name in module_order(modules):
@@ -78,10 +79,16 @@ def module_table(modules: pd.DataFrame) -> pd.DataFrame:
             values = one[f"{prefix}_absmax"].to_numpy(dtype=float)
             finite = values[np.isfinite(values)]
             bad = one[one[f"{prefix}_finite"] == 0]["step"]
-            row[f"largest |{what}|"] = float(finite.max()) if finite.size else np.nan
+            row[f"largest |{what}|"] = f"{finite.max():,.6g}" if finite.size else "no finite value"
             row[f"{what} first inf/NaN at step"] = str(int(bad.min())) if len(bad) else "never"
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def drawable_magnitudes(cells: pd.DataFrame, module: str) -> int:
+    """How many of one module's traced values (``magnitude_cells``) a log axis can draw: finite and above 0."""
+    one = cells[cells["module"] == module]
+    return int((np.isfinite(one["absmax"]) & (one["absmax"] > 0)).sum())
 
 
 def merge_steps(cells: pd.DataFrame, max_columns: int = 200) -> tuple[pd.DataFrame, int]:
