@@ -109,3 +109,28 @@ def test_a_runs_data_downloads_from_any_run_page_after_a_click(fp8_store, monkey
     assert {"run1_run.csv", "run1_tensor_stats.parquet", "run1_fp8_histograms.csv"} <= names
     store = Store(fp8_store)
     assert len(steps) == len(store.steps(1)) and len(fp8) == len(store.fp8(1))
+
+
+def test_the_banner_and_the_layer_table_count_the_same_steps_as_the_store(fp8_store, monkeypatch):
+    """Issue 27: each fp8-lost-values banner's "N of M recorded steps" equals the layer table's count for the
+    same layer, role and recipe, and both equal the steps counted from the store's FP8 rows."""
+    import re
+
+    import numpy as np
+
+    at = page(fp8_store, monkeypatch, run="1")
+    table = at.dataframe[0].value.set_index(["module", "role", "recipe"])
+    rows = Store(fp8_store).fp8(1)
+    banners = [w.value.replace("\\", "") for w in at.warning if "loses values of" in w.value]
+    assert banners
+    for banner in banners:
+        recipe, module, role = re.search(r"FP8 \((\w+) scaling\) loses values of (.+)'s (\w+)\.", banner).groups()
+        counted, recorded = (int(n.replace(",", "")) for n in re.search(r"([\d,]+) of ([\d,]+) recorded steps", banner).groups())
+        one = rows[(rows["module"] == module) & (rows["role"] == role) & (rows["recipe"] == recipe)]
+        truth = int(((one["underflow"] / one["numel"] > 0.01) | (one["overflow"] > 0)).sum())
+        assert counted == truth == table.loc[(module, role, recipe), "steps the finding counts"]
+        assert recorded == len(one) == table.loc[(module, role, recipe), "recorded steps"]
+        assert table.loc[(module, role, recipe), "steps losing any value"] == int(
+            (one["underflow"] + one["overflow"] > 0).sum())
+    assert not any(v in ("None", "nan") for v in table.astype(str).to_numpy().ravel() if isinstance(v, str))
+    assert np.isfinite(table["recorded steps"].astype(float)).all()
