@@ -231,3 +231,48 @@ def test_a_loop_stuck_inside_a_step_has_its_earlier_steps_in_the_store_and_reads
     assert store.run(rec.run_id)["status"] == "running" and store.steps(rec.run_id)["step"].tolist() == [0, 1, 2]
     rec.close()
     assert store.steps(rec.run_id)["step"].tolist() == [0, 1, 2, 3]
+
+
+def _disk_fills_after(monkeypatch, batches: int):
+    """StoreWriter.write_batch fails as SQLite does on a full disk from its ``batches``+1-th call on."""
+    import sqlite3
+
+    from mpdiag.store import StoreWriter
+
+    real, calls = StoreWriter.write_batch, []
+
+    def write_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > batches:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "write_batch", write_batch)
+
+
+def test_a_full_disk_stops_recording_once_and_lets_training_finish(tmp_path, monkeypatch, capsys):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    _disk_fills_after(monkeypatch, batches=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks_before = len(opt._optimizer_step_pre_hooks), len(_global_optimizer_pre_hooks)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt)
+    rec.flush_interval_s = 0.0  # every record() flushes
+    weights = []
+    for _ in range(12):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        rec.record(loss)
+        opt.step()
+        weights.append(model.weight.detach().clone())
+    rec.close()
+    assert len(weights) == 12  # every step trained
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpdiag:")]
+    assert len(said) == 1 and "database or disk is full" in said[0] and "The training itself went on" in said[0]
+    run = Store(tmp_path / "runs.db").run(rec.run_id)
+    assert run["status"] == "failed" and run["error"].startswith("mpdiag stopped recording at step ")
+    assert len(Store(tmp_path / "runs.db").steps(rec.run_id)) >= 1  # what was committed before is kept
+    assert (len(opt._optimizer_step_pre_hooks), len(_global_optimizer_pre_hooks)) == hooks_before

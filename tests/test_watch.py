@@ -338,3 +338,16 @@ def test_shadow_of_a_loop_whose_model_is_never_called_says_so(store_path, write_
     store, run_id, code = watched(store_path, path, shadow_every=1)
     assert code == 0 and store.shadow_stats(run_id).empty
     assert "No step was compared with FP32" in store.run(run_id)["note"]
+
+
+def test_a_full_disk_never_ends_the_watched_script(store_path, tmp_path, monkeypatch, capsys):
+    """The script runs to its own end and exit code; watch says once that it stopped recording."""
+    from test_recorder import _disk_fills_after
+
+    _disk_fills_after(monkeypatch, batches=0)
+    log_path = tmp_path / "log.json"
+    store, run_id, code = watched(store_path, AMP_LOOP, log_path, "--steps", 6)
+    assert code == 0 and len(json.loads(log_path.read_text())["loss"]) == 6
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpdiag:")]
+    assert len(said) == 1 and "database or disk is full" in said[0]
+    assert store.run(run_id)["status"] == "failed"

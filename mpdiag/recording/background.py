@@ -26,6 +26,11 @@ from typing import Any
 
 from mpdiag.store import StoreWriter
 
+
+class StoreWriteFailed(RuntimeError):
+    """A write to the store (or to the supervising process) failed; raised in the thread that submits next."""
+
+
 HEARTBEAT_S = 5.0
 TICK_S = 0.25  # how often periodic work is looked at
 _ENDED = ("finished", "failed", "crashed")
@@ -139,7 +144,7 @@ class BackgroundWriter:
         if self._error is not None:
             error, self._error = self._error, None
             where = f"the store {self.path}" if self.path is not None else "the supervising process"
-            raise RuntimeError(f"writing to {where} failed: {error}") from error
+            raise StoreWriteFailed(f"writing to {where} failed: {error}") from error
 
     def submit(self, job: Callable[[Any], Any]) -> Future:
         """Queue a job; returns its future. Raises the error of an earlier failed job, if any."""

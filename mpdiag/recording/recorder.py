@@ -16,6 +16,7 @@ from the training layer above it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import resource
@@ -37,7 +38,7 @@ from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
-from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
@@ -81,6 +82,23 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
 
 
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
+
+
+def _never_ends_training(method):
+    """A Recorder method the training loop calls: when writing to the store fails (a full disk, a store gone), the
+    Recorder stops recording and says so once; the loop goes on (:meth:`Recorder._stop_recording`)."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if self.stopped_recording is not None:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except StoreWriteFailed as exc:
+            self._stop_recording(exc)
+            return None
+
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -251,6 +269,8 @@ class Recorder:
         self._closed = False
         #: held while rows move (record, flush, close): the writer's thread also flushes, on a timer
         self._lock = threading.RLock()
+        #: why recording stopped while training went on (writing to the store failed), or None
+        self.stopped_recording: str | None = None
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
                  watch_ranks: bool) -> None:
@@ -337,6 +357,7 @@ class Recorder:
         if self._checked_step is not None:
             self._step_check(opt).before(self._checked_step[1])
 
+    @_never_ends_training
     def _after_optimizer_step(self, opt) -> None:
         check = self._step_checks.get(opt)
         found = check.after(self._checked_step[0]) if check is not None and self._checked_step is not None else None
@@ -355,6 +376,7 @@ class Recorder:
         return check
 
     # -- per step -------------------------------------------------------------------------------------------
+    @_never_ends_training
     def record(self, loss: torch.Tensor | float, gradients: GradientRead | None = None) -> None:
         """Record the step whose gradients are in ``.grad`` now; ``loss`` is the unscaled loss. ``gradients``:
         this step's gradients as :meth:`read_gradients` read them earlier, instead of reading them now.
@@ -424,9 +446,40 @@ class Recorder:
         for a loop that changes the gradients (clips them) before it knows whether they are the step's final
         ones (``mpdiag watch`` at a clip call, which may come before another micro-batch's backward). Dropping
         the result costs nothing more; using it after a backward added to the gradients would record stale ones."""
+        if self.stopped_recording is not None:
+            return GradientRead(self._step)
         if self._closed:
             raise RuntimeError("read_gradients() called on a closed Recorder")
-        return self._read_tensors(self._step, self._scaler_state(None)[0])
+        try:
+            return self._read_tensors(self._step, self._scaler_state(None)[0])
+        except StoreWriteFailed as exc:
+            self._stop_recording(exc)
+            return GradientRead(self._step)
+
+    def _stop_recording(self, exc: StoreWriteFailed) -> None:
+        """Writing to the store failed: stop recording, say so once on stderr and, where the store still takes a
+        write, as the run's error; take every hook out, so the training goes on exactly as without mpdiag."""
+        self.stopped_recording = (f"mpdiag stopped recording at step {self._step}: {exc}. The training itself went "
+                                  "on; the steps committed before were kept.")
+        print(f"mpdiag: {self.stopped_recording}", file=sys.stderr)
+        self._closed = True
+        self._stop_timer()
+        for hook in self._hooks:
+            hook.remove()
+        self._step_grads.remove()
+        self._dist.close()
+        for part in (self._tracer, self._fp8):
+            if part is not None:
+                part.remove()
+        try:
+            self._writer.call(lambda w: w.end_run(self.run_id, "failed", error=self.stopped_recording))
+        except Exception:  # noqa: BLE001 - the store may refuse this too (a full disk): stderr has said it
+            pass
+        if self._owns_writer:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - as above
+                pass
 
     def _read_tensors(self, step: int, scale: float | torch.Tensor) -> GradientRead:
         """Start the statistics of every gradient that is this step's, on the steps whose tensors are logged."""
@@ -457,6 +510,7 @@ class Recorder:
         the step; the optimizer's step hook ran before the closure that recorded the step)."""
         self._step_grads.asked_to_step(optimizer)
 
+    @_never_ends_training
     def compare_gradients(self, reference: Sequence[torch.Tensor | None]) -> None:
         """Store, per tensor, how far this step's gradients are from FP32 ``reference`` gradients computed on
         the same weights and batch (one per trainable parameter in order, e.g. from
@@ -484,6 +538,7 @@ class Recorder:
         return [(gradients.step, i, *(v if math.isfinite(v) else None for v in vals))
                 for i, vals in zip(rows, values, strict=True)]
 
+    @_never_ends_training
     def add_shadow_rows(self, rows: list[tuple]) -> None:
         if rows:
             self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, rows))
@@ -558,6 +613,7 @@ class Recorder:
         finally:
             self._lock.release()
 
+    @_never_ends_training
     def flush(self) -> None:
         """Hand the rows that have reached the host to the writer thread (committed there in one transaction)."""
         with self._lock:
@@ -580,10 +636,12 @@ class Recorder:
             self._writer.submit(lambda w: w.add_fp8_steps(self.run_id, fp8_records, fp8_histograms))
 
     # -- end ------------------------------------------------------------------------------------------------
+    @_never_ends_training
     def close(self, note: str | None = None) -> None:
         """Write everything and mark the run finished (idempotent)."""
         self._end(status="finished", error=None, note=note, known=True)
 
+    @_never_ends_training
     def fail(self, error: str, status: str = "failed") -> None:
         """Write everything and mark the run failed with ``error``; after another rank died, ``crashed``, with
         the error naming that rank first."""
@@ -615,7 +673,9 @@ class Recorder:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
         self.flush()
-        # After the last rows: jobs run in order, so the stored summary counts every step.
+        # After the last rows: jobs run in order, so the stored summary counts every step. Waiting for them
+        # first makes a write that failed (a full disk) fail here, before the run is ended as if complete.
+        self._writer.call(lambda w: None)
         self._writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
         if self._owns_writer:
             self._writer.close()

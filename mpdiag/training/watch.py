@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
@@ -469,6 +469,8 @@ class Watcher:
     def _capture(self, scaler=None, optimizer=None) -> None:
         """Record this step's gradients, once per step, before anything changes them; ``optimizer``: one that
         steps in it."""
+        if self.recorder is not None and self.recorder.stopped_recording is not None:
+            return  # writing to the store failed: the script trains on unrecorded
         if self._recorded:
             if optimizer is not None:
                 self.recorder.asked_to_step(optimizer)
@@ -512,7 +514,13 @@ class Watcher:
         params = optimized_parameters(optimizers)
         enabled = scaler is not None and scaler.is_enabled()
         fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
-        self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        try:
+            self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
+        except StoreWriteFailed as exc:  # the Recorder would stop at its first write: say it once, never start
+            print(f"mpdiag: recording stopped before the first step: {exc}. The training itself goes on.",
+                  file=sys.stderr)
+            self._optimizers.clear()
+            return None
         if self.config.shadow_every:  # before the Recorder's hooks, which the FP32 copies must not carry
             try:
                 self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
@@ -631,14 +639,19 @@ class WatchSession:
         if WatchSession.active is not self:
             return
         WatchSession.active = None
+        self.watcher.restore()
         try:
-            self.watcher.restore()
-            if self.watcher.recorder is not None:
-                device = str(self.watcher.recorder.device)
-                self.writer.submit(lambda w: w.update_run(self.run_id, device=device))
-            self.watcher.end(status, error)
-        finally:
-            self.writer.close()
+            try:
+                self.watcher.end(status, error)  # first: the Recorder meets a failed write itself and says so
+                if self.watcher.recorder is not None:
+                    device = str(self.watcher.recorder.device)
+                    self.writer.submit(lambda w: w.update_run(self.run_id, device=device))
+            finally:
+                self.writer.close()
+        except StoreWriteFailed as exc:  # the script has run; what could not be stored is said, not raised
+            stopped = self.watcher.recorder is not None and self.watcher.recorder.stopped_recording is not None
+            if not stopped:
+                print(f"mpdiag: the run could not be stored in full: {exc}", file=sys.stderr)
 
 
 def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object]) -> tuple[int, int]:
