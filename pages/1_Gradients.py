@@ -17,13 +17,6 @@ from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
 SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
 
 
-def pct(bounds: tuple[float, float]) -> str:
-    lo, hi = bounds
-    if np.isnan(lo):
-        return "n/a"
-    return f"{lo:.3%}" if lo == hi else f"{lo:.3%} – {hi:.3%}"
-
-
 def gradients_view(store, run: pd.Series, final: bool) -> None:
     run_id = int(run["run_id"])
     logged = reads.logged_steps(store, run_id, final)
@@ -64,13 +57,23 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     index, counts = reads.tensor_histograms(store, run_id, tensor, final)
     cells = summaries.heatmap_cells(index, counts, steps, at_scale=at_scale)
     lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
-    clicked = st.altair_chart(charts.exponent_heatmap(cells, lines, (logged[0], logged[-1] + 1),
-                                                      f"{tensor}: |{'S·g' if at_scale else 'g'}| per step "
-                                                      "(click a column to see its step below)"),
-                              width="stretch", on_select="rerun", selection_mode=charts.PICKED_STEP, key="heatmap")
+    what = "S·g" if at_scale else "g"
+    clicked = None
+    if len(cells):
+        drawn, extent, off = summaries.heatmap_view(cells, lines)
+        clicked = st.altair_chart(charts.exponent_heatmap(cells, drawn, (logged[0], logged[-1] + 1),
+                                                          f"{tensor}: |{what}| per step (click a column to see its "
+                                                          "step below)", extent),
+                                  width="stretch", on_select="rerun", selection_mode=charts.PICKED_STEP, key="heatmap")
+        if off:
+            st.caption(plain("Not drawn, to keep the data readable: " + "; ".join(off) + "."))
+    else:
+        st.info(plain(f"{tensor}: no finite non-zero value of |{what}| at any logged step (every value was 0, "
+                      f"NaN or inf{', or the loss scale was 0' if at_scale else ''}), so there is nothing to place "
+                      "on the exponent axis. The counts below say what it held."))
     # the slider's value lives in the session (no default beside it: Streamlit warns of both); a new click on
     # the heatmap moves it to the clicked column's first logged step, once per click
-    picked = summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
+    picked = None if clicked is None else summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
     if picked is not None and st.session_state.get("step_clicked") != picked:
         st.session_state["step"] = st.session_state["step_clicked"] = picked
     if st.session_state.get("step") not in logged:
@@ -80,47 +83,81 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     row = np.flatnonzero(index["step"].to_numpy() == step)
     at_step = reads.tensor_at_step(store, run_id, tensor, step, final)
     hist = counts[row[0]] if len(row) else np.zeros(counts.shape[1], dtype=np.int64)
-    shift = float(np.log2(scale)) if at_scale else 0.0
-    bars = summaries.step_histogram(hist, {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}, LOW_PRECISION[fmt], shift)
-    st.altair_chart(charts.step_histogram(bars, f"step {step}, loss scale {scale:g}"), width="stretch")
-    m = st.columns(6 if states_flushed else 5)
-    for col, (cat, (n, denom)) in zip(m, summaries.exact_shares(at_step, fmt, at_scale).items(), strict=False):
-        col.metric(f"{fmt} {cat} (exact)", f"{n / denom:.3%}" if denom else "n/a",
-                   help=f"{n} of {denom} finite non-zero values, counted by casting")
-    m[3].metric("zeros", int(at_step["zeros"]))
-    m[4].metric("NaN / inf", int(at_step["nan"] + at_step["posinf"] + at_step["neginf"]))
+    # the multiplier the shown view applies to g: 1, or the step's loss scale (log2 of 0 is -inf: S·g all 0)
+    with np.errstate(divide="ignore"):
+        own = float(np.log2(scale)) if at_scale and np.isfinite(scale) else 0.0
+    specials = {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}
+    if np.isfinite(own):
+        bars = summaries.step_histogram(hist, specials, LOW_PRECISION[fmt], own)
+        st.altair_chart(charts.step_histogram(bars, f"step {step:,}, loss scale {summaries.scale_text(scale)}"),
+                        width="stretch")
+    else:
+        st.info(f"At step {step:,} the loss scale was 0: S·g is 0 everywhere, so there is no exponent to histogram "
+                "(the unscaled view shows g).")
+    # The tiles count S·g at this step's own loss scale, the what-if starts there: one function (cast_shares)
+    # gives both, so they agree; g itself (2^0) is stated beside them, also exact.
+    with np.errstate(divide="ignore"):
+        run_own = float(np.log2(scale)) if np.isfinite(scale) else 0.0
+    st.markdown(f"**At step {step:,}: S·g at this step's loss scale {plain(summaries.scale_text(scale))}, cast to "
+                f"{fmt} (exact counts)**")
+    tiles = summaries.cast_shares(at_step, hist, fmt, run_own, scale)
+    unscaled = summaries.cast_shares(at_step, hist, fmt, 0, scale)
+    denom = int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0])
+    # two rows of three, lined up with the what-if's three below: the same column, the same category
+    m = [*st.columns(3), *st.columns(3)]
+    for col, cat in zip(m, ("underflow", "subnormal", "overflow"), strict=False):
+        col.metric(f"{fmt} {cat}", summaries.share_text(tiles[cat]),
+                   help=f"Of the {denom:,} finite non-zero values, counted by casting each one to {fmt}.")
+    if scale != 1:
+        st.caption(f"The unscaled gradient g (2^0) cast to {fmt}, also exact: " + ", ".join(
+            f"{cat} {summaries.share_text(unscaled[cat])}" for cat in ("underflow", "subnormal", "overflow")) + ".")
+    m[3].metric("zeros", f"{int(at_step['zeros']):,}", help=f"Of {int(at_step['numel']):,} values.")
+    m[4].metric("NaN / inf", f"{int(at_step['nan'] + at_step['posinf'] + at_step['neginf']):,}")
     if states_flushed:
         twin_step = reads.twin_at_step(store, twin_id, tensor, step)
         share = None if twin_step is None else float(
             summaries.flushed_to_zero(at_step.to_frame().T, twin_step.to_frame().T).iloc[0])
-        m[5].metric(f"fp16 {summaries.FLUSHED_LABEL}", "unknown" if share is None else f"{share:.3%}",
+        m[5].metric(f"{fmt} flushed to zero", "unknown" if share is None or np.isnan(share) else f"{share:.3%}",
                     help=f"At step {step}: " + summaries.flushed_text(share, shadow_steps))
 
     st.subheader("What if the loss scale were different?")
     # The offered powers include every scale the run used, so the default is always one of them.
     exponents = summaries.whatif_exponents(steps)
     used = summaries.log2_exponent(scale)
-    k = st.select_slider("Scale the unscaled gradient by", exponents, value=0 if used is None else used,
+    k = st.select_slider("Multiply the unscaled gradient g by", exponents, value=0 if used is None else used,
                          format_func=lambda e: f"2^{e}", key="whatif")
-    shares = summaries.whatif_shares(hist, k, LOW_PRECISION[fmt])
+    shares = summaries.cast_shares(at_step, hist, fmt, k, scale)
     w = st.columns(3)
     for col, cat in zip(w, ("underflow", "subnormal", "overflow"), strict=True):
-        col.metric(f"{fmt} {cat} at 2^{k}", pct(shares[cat]))
+        col.metric(f"{fmt} {cat} at 2^{k}", summaries.share_text(shares[cat]),
+                   help="exact: counted by casting" if shares[cat][2] else "from the exponent histogram")
+    exact_at = ([f"At 2^{used}, this step's loss scale, these are the tiles' exact counts of S·g"]
+                if used is not None and 2.0**used == scale and used != 0 else []) + ["at 2^0 the exact counts of g"]
     st.caption(
-        "Derived from the stored exponent histogram: multiplying by 2^k moves every value exactly k bins. Values in "
-        "the three bins that straddle a rounding edge can go either way, so a range is shown where they matter; "
-        "the exact counts above are for the scale the run actually used."
+        f"{'; '.join(exact_at).capitalize() if len(exact_at) == 1 else '; '.join(exact_at)}. At any other power they "
+        "are derived from the stored exponent histogram of g: multiplying by "
+        "2^k moves every value exactly k bins; values in the three bins that straddle a rounding edge can go "
+        "either way, so a range is shown where they matter."
     )
 
-    st.subheader(f"All tensors ranked by {fmt} underflow, then overflow ({'S·g' if at_scale else 'g'}, all logged steps)")
-    whatif = summaries.whatif_underflow_by_tensor(*reads.histograms_at_step(store, run_id, step, final), k,
-                                                  LOW_PRECISION[fmt])
-    table = ranking.assign(**{f"underflow at 2^{k}, step {step}": ranking["tensor"].map(lambda t: pct(whatif.get(t, (np.nan, np.nan))))})
-    st.dataframe(
-        table, hide_index=True, width="stretch",
-        column_config={c: st.column_config.NumberColumn(format="percent") for c in
-                       ("underflow_share", "subnormal_share", "overflow_share", "zero_share")},
-    )
+    st.subheader(f"All tensors ranked by {fmt} underflow, then overflow ({what}, all logged steps)")
+    at_step_all = reads.tensors_at_step(store, run_id, step, final).set_index("tensor")
+    h_index, h_counts = reads.histograms_at_step(store, run_id, step, final)
+    hists = dict(zip(h_index["tensor"], h_counts, strict=True))
+    column = f"underflow at 2^{k}, step {step:,}"
+
+    def underflow_at_k(name: str) -> str:
+        if name not in at_step_all.index:
+            return "not logged"
+        hist_t = hists.get(name, np.zeros(h_counts.shape[1] if len(h_counts) else 1, dtype=np.int64))
+        return summaries.share_text(summaries.cast_shares(at_step_all.loc[name], hist_t, fmt, k, scale)["underflow"])
+
+    shares_as_text = {c: ranking[c].map(lambda v: "n/a" if pd.isna(v) else f"{v:.2%}")
+                      for c in ("underflow_share", "subnormal_share", "overflow_share", "zero_share")}
+    table = ranking.assign(**shares_as_text, **{column: ranking["tensor"].map(underflow_at_k)})
+    st.dataframe(table, hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(format="localized") for c in ("numel", "nonfinite")})
+    st.caption("n/a: the tensor had no finite non-zero value (every value 0, NaN or inf).")
     st.caption(f"Shares are of finite non-zero values. Exponent bins start at 2^{EXP_MIN}.")
 
 

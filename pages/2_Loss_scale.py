@@ -22,17 +22,19 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
     ui.findings_shown_here(store, run_id, "Loss_scale")
     events = summaries.scale_events(steps)
     m = st.columns(6)
-    m[0].metric("steps", len(steps))
-    m[1].metric("skipped", f"{events['skips']} ({events['skips'] / len(steps):.1%})")
-    m[2].metric("backoffs", events["backoffs"])
-    m[3].metric("growths", events["growths"])
-    m[4].metric("lowest scale", f"{events['min_scale']:g}")
-    m[5].metric("loss NaN/inf", summaries.nonfinite_losses(steps))
+    m[0].metric("steps", f"{len(steps):,}")
+    m[1].metric(f"skipped ({events['skips'] / len(steps):.1%})", f"{events['skips']:,}")
+    m[2].metric("backoffs", f"{events['backoffs']:,}")
+    m[3].metric("growths", f"{events['growths']:,}")
+    m[4].metric("lowest scale", summaries.scale_text(events["min_scale"]))
+    m[5].metric("loss NaN/inf", f"{summaries.nonfinite_losses(steps):,} steps")
     if run["scaling"] == "none":
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
     st.altair_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
+    for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]):
+        st.caption(plain(note))
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
     if int(run["world_size"]) > 1:
         ranks_view(store, run, steps, final)

@@ -10,13 +10,19 @@ import streamlit as st
 
 from mpdiag.analysis import summaries
 from mpdiag.analysis.compare import (
+    COUNTED_PART,
     DIVERGENCE_RTOL,
+    FLUSHED_PART,
+    STEP_TIME_OUTLIER,
     config_table,
     cost_table,
     default_selection,
     first_divergence,
+    fp16_underflow_parts,
     loss_comparison,
     reference_run,
+    step_time_outliers,
+    worst_by_total,
 )
 from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
@@ -57,49 +63,85 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     st.markdown("  \n".join(notes))
 
     left, right = st.columns(2)
-    # step 0 holds the warm-up (allocation, kernel selection, compilation): drawn apart, out of the medians
-    left.altair_chart(charts.runs_overlay(everything[everything["step"] > 0], "step_time_s",
-                                           "step time (s), from step 1", labels), width="stretch")
-    right.altair_chart(charts.runs_overlay(everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20),
-                                           "peak_mem_mb", "peak memory so far (MB)", labels), width="stretch")
+    # step 0 holds the warm-up (allocation, kernel selection, compilation): drawn apart, out of the medians;
+    # a later step far above its run's median (a stall) is listed, not drawn: the axis would be scaled to it
+    timed = everything[(everything["step"] > 0) & np.isfinite(everything["step_time_s"].astype(float))]
+    outliers = step_time_outliers(timed)
+    if len(timed[~outliers]):
+        left.altair_chart(charts.runs_overlay(timed[~outliers], "step_time_s", "step time (s), from step 1", labels),
+                          width="stretch")
+    else:
+        left.caption("Step time: no step after the warm-up step 0 was recorded, so there is nothing to chart.")
     warmups = everything[everything["step"] == 0]
     if len(warmups):
         left.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
-            f"{plain(run)} {seconds:.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"], strict=True)))
-    st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")
-    st.caption("Peak memory is the CUDA allocator's peak on a GPU and the process's peak RSS on a CPU; model state "
-               "is the bytes allocated for weights, gradients, master weights and optimizer state.")
-
-    st.subheader("FP16 shares per tensor (gradient at the loss scale, all logged steps)")
-    shares, unknown_flushed = [], []
-    for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True):
-        totals = reads.tensor_totals(store, int(r["run_id"]), reads.is_final(r))
-        if len(totals):
-            twin = reads.twin_totals(store, summaries.fp32_twin(r))
-            ranking = summaries.tensor_ranking(totals, "fp16", at_scale=True)
-            flushed = np.nan if twin is None else ranking["tensor"].map(summaries.flushed_to_zero(totals, twin))
-            shares.append(ranking.assign(run=lab, flushed_share=flushed))
-            if twin is None and r["opt_level"] in summaries.FP16_LEVELS:
-                unknown_flushed.append(lab)
-    if shares:
-        top = summaries.worst_tensors(pd.concat(shares, ignore_index=True))
-        st.altair_chart(charts.runs_bars(top, "tensor", "underflow_share", "FP16 underflow share", labels), width="stretch")
-        flushed = top.dropna(subset=["flushed_share"])
-        if len(flushed):
-            st.altair_chart(charts.runs_bars(flushed, "tensor", "flushed_share",
-                                             f"FP16 {summaries.FLUSHED_LABEL}, share of all values", labels),
-                            width="stretch")
-        for lab in unknown_flushed:
-            st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
-        if flushed.empty and not unknown_flushed:
-            st.caption(f"FP16 {summaries.FLUSHED_LABEL}: none of these runs has an FP32 twin to estimate it from.")
-        st.altair_chart(charts.runs_bars(top, "tensor", "overflow_share", "FP16 overflow share", labels), width="stretch")
+            f"{plain(run)} {seconds:,.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"], strict=True)))
+    if outliers.any():
+        far = timed[outliers]
+        listed = "; ".join(f"{plain(run)} step {int(step):,} {seconds:,.3g} s" for run, step, seconds in
+                           zip(far["run"].head(5), far["step"].head(5), far["step_time_s"].head(5), strict=True))
+        more = f"; and {len(far) - 5:,} more" if len(far) > 5 else ""
+        left.caption(f"Not in the chart (over {STEP_TIME_OUTLIER:g}× their run's 90th percentile step time; in "
+                     f"the medians): {listed}{more}.")
+    memory = everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20)
+    if np.isfinite(memory["peak_mem_mb"].astype(float)).any():
+        right.altair_chart(charts.runs_overlay(memory, "peak_mem_mb", "peak memory so far (MiB)", labels),
+                           width="stretch")
     else:
-        st.info("None of these runs has gradient statistics yet.")
+        right.caption("Peak memory: none of these runs recorded it.")
+    st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")
+    st.caption("Median step time is over the steps after the warm-up step 0. Peak memory is the CUDA allocator's "
+               "peak on a GPU and the process's peak RSS on a CPU; model state is the bytes allocated for weights, "
+               "gradients, master weights and optimizer state.")
+    fp16_shares(store, chosen, labels)
 
     st.subheader("Configuration")
     only_diff = st.checkbox("Only settings that differ", value=True, key="only_diff")
     st.dataframe(config_table(chosen, labels, only_diff), width="stretch")
+
+
+def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:
+    """FP16 underflow and overflow per tensor, each run's bars what is true of that run: an FP16 run's
+    flushed values (zeros in its record) beside what would underflow if cast, an FP32 run's only the latter."""
+    st.subheader("FP16 underflow and overflow per tensor (all logged steps)")
+    parts, overflow, no_stats, no_twin = [], [], [], []
+    for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True):
+        totals = reads.tensor_totals(store, int(r["run_id"]), reads.is_final(r))
+        if totals.empty:
+            no_stats.append(lab)
+            continue
+        twin = reads.twin_totals(store, summaries.fp32_twin(r))
+        if twin is None and r["opt_level"] in summaries.FP16_LEVELS:
+            no_twin.append(lab)
+        parts.append(fp16_underflow_parts(totals, twin, r["opt_level"], lab))
+        overflow.append(pd.DataFrame({"tensor": totals["tensor"], "run": lab,
+                                      "share": totals["fp16_overflow_at_scale"] / totals["numel"]}))
+    if no_stats:
+        st.caption("No gradient statistics recorded (yet) for " + "; ".join(plain(lab) for lab in no_stats) + ".")
+    if not parts:
+        return
+    under = worst_by_total(pd.concat(parts, ignore_index=True))
+    if len(under):
+        drawn = [p for p in (FLUSHED_PART, COUNTED_PART) if p in set(under["part"])]
+        st.altair_chart(charts.runs_bars(under, "tensor", "share", "FP16 underflow, share of all values", labels,
+                                         parts=drawn), width="stretch")
+        st.caption(f"Solid ({FLUSHED_PART}): the values an FP16 run's backward pass had already made zero when "
+                   "they were recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches). "
+                   f"Light ({COUNTED_PART}): the recorded gradient at its run's loss scale, cast to FP16 and "
+                   "counted; for a run computed in FP32 or BF16 (O0, bf16) that is what FP16 would lose, not a "
+                   "loss the run had.")
+    else:
+        st.caption("FP16 underflow: no value of any tensor of these runs was flushed to zero or would underflow "
+                   "FP16 at its run's loss scale, so there is nothing to chart.")
+    for lab in no_twin:
+        st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
+    over = worst_by_total(pd.concat(overflow, ignore_index=True))
+    if len(over):
+        st.altair_chart(charts.runs_bars(over, "tensor", "share", "FP16 overflow at the loss scale, share of all "
+                                         "values", labels), width="stretch")
+    else:
+        st.caption("FP16 overflow: no recorded gradient value of these runs, at its run's loss scale, is above "
+                   "FP16's largest value 65,504, so there is nothing to chart.")
 
 
 store = ui.frame("Compare")

@@ -6,6 +6,7 @@ needs a confirmed click; opening the page (with any query parameters) starts not
 run names from the user's script: they reach Markdown only through ``plain``.
 """
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -65,7 +66,15 @@ def shadow_section(store, run_id: int, final: bool) -> None:
                                 "max_rel_error": st.column_config.NumberColumn(format="%.3g"),
                                 "min_cosine": st.column_config.NumberColumn(format="%.5f")})
     top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
-    st.altair_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
+    drawable = shadow[shadow["tensor"].isin(top) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
+    if len(drawable):
+        st.altair_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
+    elif top and (shadow.loc[shadow["tensor"].isin(top), "rel_error"] == 0).all():
+        st.caption("Every gradient equals its FP32 shadow exactly (error 0 at every shadow step, as in a run "
+                   "computed in FP32), so there is no error to chart on a log axis.")
+    else:
+        st.caption("No finite, non-zero gradient error against the FP32 shadow among the tensors whose reference "
+                   "gradient is not negligible, so there is nothing to chart on a log axis.")
 
 
 def updates_section(store, run: pd.Series, final: bool) -> None:

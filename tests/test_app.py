@@ -1,5 +1,6 @@
 """Every page under streamlit's AppTest: selections, controls, starting runs, and bad stores."""
 
+import math
 import re
 import subprocess
 import sys
@@ -115,7 +116,37 @@ def test_gradients_deep_link_and_controls(filled_store, monkeypatch):
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert "fp16 underflow at 2^0" in metrics
-    assert "fp16 underflow (exact)" in metrics
+    assert "fp16 underflow" in metrics
+
+
+def shown_share(text: str) -> float:
+    return float(text.rstrip("%")) / 100
+
+
+def test_gradients_tiles_and_whatif_agree_at_the_runs_own_scale_with_the_store(filled_store, monkeypatch):
+    """Issue 27: the exact tiles and the what-if at the step's own loss scale (2^16, dynamic) are the same
+    numbers, and both are the store's exact counts of S·g; the what-if at 2^0 is the store's counts of g."""
+    store = Store(filled_store)
+    step = store.logged_steps(1)[-1]
+    scale = float(store.steps(1).set_index("step").loc[step, "loss_scale"])
+    k = round(math.log2(scale))
+    assert 2.0**k == scale and k != 0
+    for fmt in ("fp16", "bf16"):
+        at = app("pages/1_Gradients.py", filled_store, monkeypatch, run="1", tensor="1.weight", fmt=fmt)
+        assert not at.exception, [e.value for e in at.exception]
+        row = store.tensor_stats(1, "1.weight", step=step).iloc[0]
+        denom = row["numel"] - row["zeros"] - row["nan"] - row["posinf"] - row["neginf"]
+        metrics = {m.label: m.value for m in at.metric}
+        assert at.select_slider(key="whatif").value == k
+        for cat in ("underflow", "subnormal", "overflow"):
+            truth = row[f"{fmt}_{cat}_at_scale"] / denom
+            assert metrics[f"{fmt} {cat}"] == metrics[f"{fmt} {cat} at 2^{k}"]
+            assert shown_share(metrics[f"{fmt} {cat}"]) == pytest.approx(truth, abs=5e-6)
+        at.select_slider(key="whatif").set_value(0).run()
+        metrics = {m.label: m.value for m in at.metric}
+        for cat in ("underflow", "subnormal", "overflow"):
+            assert shown_share(metrics[f"{fmt} {cat} at 2^0"]) == pytest.approx(row[f"{fmt}_{cat}"] / denom, abs=5e-6)
+            assert f"{cat} {metrics[f'{fmt} {cat} at 2^0']}" in " ".join(c.value for c in at.caption)
 
 
 def test_gradients_of_a_run_that_crashed_at_step_0(filled_store, monkeypatch):
@@ -128,7 +159,7 @@ def test_loss_scale_of_a_nan_run(filled_store, monkeypatch):
     at = app("pages/2_Loss_scale.py", filled_store, monkeypatch, run="3")
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["loss NaN/inf"] == "5"  # O3 with Adam: NaN from the first update on
+    assert metrics["loss NaN/inf"] == "5 steps"  # O3 with Adam: NaN from the first update on
     assert "Static loss scale 1" in texts(at)
 
 

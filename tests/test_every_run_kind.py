@@ -3,8 +3,9 @@ the bundled models, a collapsed loss scale, an all-skipped run, a run that faile
 one still running, a --trace-modules run, FP8 recordings and a watched script (with its FP32 shadow); under
 AppTest and in real Chromium, on one store. Then the interactions only a browser shows, and the live and cached reads.
 
-A page passes when it raises nothing and every chart it draws has a finite point to show (a chart of
-nothing but NaN, or of no rows, must be a sentence instead)."""
+A page passes when it raises nothing and every chart it draws passes the chart check (tests/chart_check.py: each
+view has finite data to draw, is at least 150 px each way, and puts no log scale over zeros); a chart of
+nothing, or of nothing but NaN, must be a sentence instead."""
 
 import contextlib
 import importlib
@@ -18,6 +19,7 @@ import textwrap
 import numpy as np
 import pyarrow as pa
 import pytest
+from chart_check import page_chart_problems
 from conftest import EXAMPLES, ROOT, run_cli
 from test_app import app
 
@@ -124,6 +126,12 @@ def kinds(tmp_path_factory):
     runs["collapsed scale 2^-83"] = train(ModelScript.from_path(EXAMPLES / "gallery_underflow.py"),
                                           base.with_options(opt_level="O1", loss_scale=2.0**-83, steps=3), path)
     runs["all skipped"] = runs["gallery_activation_overflow failing"]
+    # GradScaler's fp32 scale backs off 1000x a step from 1e-40 and reaches exactly 0 (a log axis cannot show 0)
+    runs["scale collapsed to 0"] = train(ModelScript.from_path(EXAMPLES / "gallery_activation_overflow.py"),
+                                         base.with_options(opt_level="O1", init_scale=1e-40, backoff_factor=1e-3,
+                                                           steps=4), path)
+    # an FP32 run with an FP32 shadow: every gradient error is exactly 0 (a log axis of zeros)
+    runs["O0 with shadow"] = train(mlp, base.with_options(opt_level="O0", shadow_every=2, steps=4), path)
     runs["traced O3 NaN"] = train(mlp, base.with_options(opt_level="O3", trace_modules=True, steps=4), path)
 
     broken = folder / "fails_at_step_3.py"
@@ -226,6 +234,8 @@ def test_the_page_renders_every_kind_of_run(page_file, kinds, monkeypatch):
             problems[kind] = [e.value for e in at.exception]
         elif empty := empty_charts(at):
             problems[kind] = f"charts without a finite point: {empty}"
+        elif found := page_chart_problems(at):
+            problems[kind] = found
     assert not problems, problems
 
 
@@ -240,6 +250,8 @@ def test_the_store_holds_every_kind(kinds):
     assert steps["step"].tolist() == [0, 1, 2]
     assert (Store(store).steps(runs["all skipped"])["skipped"] == 1).all()
     assert (Store(store).steps(runs["collapsed scale 2^-83"])["loss_scale"] == 2.0**-83).all()
+    assert Store(store).steps(runs["scale collapsed to 0"])["loss_scale"].iloc[-1] == 0.0
+    assert (Store(store).shadow_stats(runs["O0 with shadow"])["rel_error"] == 0).all()
     assert not Store(store).fp8(runs["fp8 recorded"]).empty
 
 

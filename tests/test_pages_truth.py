@@ -7,9 +7,13 @@ import re
 import subprocess
 import sys
 
+import pandas as pd
+import pyarrow as pa
 import pytest
 from conftest import EXAMPLES, ROOT
 from streamlit.testing.v1 import AppTest
+
+from mpdiag.analysis.compare import COUNTED_PART, FLUSHED_PART
 
 TIMEOUT = 60
 COLLAPSED_SCALE = 2.0**-83  # every scaled gradient underflows FP32 to exact zero
@@ -47,11 +51,6 @@ def said(at) -> str:
                      + [str(m.value) for m in at.metric])
 
 
-def heatmap_spec(at) -> dict:
-    charts = [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
-    return next(c for c in charts if any(layer.get("mark", {}).get("type") == "rect" for layer in c.get("layer", [])))
-
-
 @pytest.mark.parametrize("run, steps", [(1, 3), (2, 5)])
 def test_gradients_page_of_a_collapsed_loss_scale(run, steps, truth_store, monkeypatch):
     at = page("1_Gradients.py", truth_store, monkeypatch, run=str(run))
@@ -65,14 +64,49 @@ def test_gradients_page_of_a_collapsed_loss_scale(run, steps, truth_store, monke
     assert exponents[0] == smallest and whatif.value == smallest
     assert "nan%" not in said(at)
     assert "no finite non-zero values" in said(at)
-    # every logged step stays on the heatmap's step axis even though no cell has a value
-    heat = next(layer for layer in heatmap_spec(at)["layer"] if layer["mark"]["type"] == "rect")
-    assert heat["encoding"]["x"]["scale"]["domain"] == [0, steps]
+    # no cell has a value: a sentence says so instead of an empty heatmap (issue 27: never an empty chart)
+    assert not [c for c in at.get("vega_lite_chart") if "click a column" in c.proto.spec]
+    assert "nothing to place on the exponent axis" in " ".join(i.value for i in at.info).replace("\\", "")
     for view in ("at the loss scale (S·g)", "unscaled g"):
         at.radio(key="view").set_value(view).run()
         at.select_slider(key="whatif").set_value(exponents[-1]).run()
         assert not at.exception, [e.value for e in at.exception]
         assert "nan%" not in said(at)
+
+
+def chart_data(at, title: str) -> pd.DataFrame:
+    """The data of the chart titled ``title`` on a rendered page (its datasets, concatenated)."""
+    chart = next(c for c in at.get("vega_lite_chart") if json.loads(c.proto.spec).get("title") == title)
+    return pd.concat([pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets])
+
+
+def test_compare_tells_final_losses_apart_and_charts_step_times_as_stored(truth_store, monkeypatch):
+    """Final losses to as many digits as tell them apart, each the store's; every stored step time after step
+    0 is either drawn or listed as an outlier, never silently dropped or drawn when the caption says not."""
+    from mpdiag import Store
+
+    store = Store(truth_store, create=False)
+    at = page("3_Compare.py", truth_store, monkeypatch, runs=["3", "4"])
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.dataframe[0].value
+    stored = store.runs().set_index("run_id").loc[[3, 4], "final_loss"].astype(float).to_numpy()
+    shown = table["final loss"].tolist()
+    assert [float(v) for v in shown] == pytest.approx(stored, rel=1e-3)
+    assert (shown[0] != shown[1]) == (stored[0] != stored[1])
+    assert not any(v in ("None", "nan") for v in table.astype(str).to_numpy().ravel())
+    drawn = chart_data(at, "step time (s), from step 1")
+    captions = " ".join(c.value for c in at.caption)
+    for run in (3, 4):
+        steps = store.steps(run)
+        label = drawn["run"].str.startswith(f"#{run} ")
+        for step, seconds in zip(steps["step"], steps["step_time_s"], strict=True):
+            if step == 0:
+                assert step not in set(drawn.loc[label, "step"])
+                continue
+            if step in set(drawn.loc[label, "step"]):
+                assert drawn.loc[label & (drawn["step"] == step), "step_time_s"].iloc[0] == pytest.approx(seconds)
+            else:
+                assert f"step {step:,} {seconds:,.3g} s" in captions, (run, step)
 
 
 def percent_after(text: str, pattern: str) -> float:
@@ -95,8 +129,8 @@ def test_flushed_share_agrees_between_gradients_findings_and_compare(truth_store
     shown = percent_after(line, r"([0-9.]+)% of all values flushed to zero before recording \(underflow\)")
     assert shown == pytest.approx(expected["1.weight"], abs=5e-5)
     metrics = {m.label: m.value for m in grads.metric}
-    assert "fp16 flushed to zero before recording (underflow)" in metrics
-    assert metrics["fp16 flushed to zero before recording (underflow)"].endswith("%")
+    assert "fp16 flushed to zero" in metrics
+    assert metrics["fp16 flushed to zero"].endswith("%")
 
     findings = page("5_Findings.py", truth_store, monkeypatch, run="3")
     assert not findings.exception, [e.value for e in findings.exception]
@@ -106,15 +140,22 @@ def test_flushed_share_agrees_between_gradients_findings_and_compare(truth_store
 
     compare = page("3_Compare.py", truth_store, monkeypatch, runs=["3", "4"])
     assert not compare.exception, [e.value for e in compare.exception]
-    titles = [json.loads(c.proto.spec).get("title") for c in compare.get("vega_lite_chart")]
-    assert "FP16 flushed to zero before recording (underflow), share of all values" in titles
+    bars = chart_data(compare, "FP16 underflow, share of all values")
+    # the FP16 run's bars are what its backward pass flushed (zeros in its record), the twin's what FP16 would
+    # have lost of its FP32 gradient: each against the store, so the healthy twin no longer reads as the broken run
+    flushed = bars[bars["run"].str.startswith("#3 ") & (bars["part"] == FLUSHED_PART)].set_index("tensor")["share"]
+    assert len(flushed) and all(flushed[t] == pytest.approx(expected[t], abs=1e-9) for t in flushed.index)
+    counted = bars[bars["run"].str.startswith("#4 ") & (bars["part"] == COUNTED_PART)].set_index("tensor")["share"]
+    truth = (twin["fp16_underflow_at_scale"] / twin["numel"]).set_axis(twin["tensor"])
+    assert len(counted) and all(counted[t] == pytest.approx(truth[t], abs=1e-12) for t in counted.index)
+    assert not (bars["run"].str.startswith("#4 ") & (bars["part"] == FLUSHED_PART)).any()  # FP32 flushes nothing
 
 
 def test_without_a_twin_the_flushed_share_is_said_to_be_unknowable(truth_store, monkeypatch):
     at = page("1_Gradients.py", truth_store, monkeypatch, run="1")
     text = said(at)
     assert "cannot be known from this run" in text and "--pair" in text
-    assert {m.label: m.value for m in at.metric}["fp16 flushed to zero before recording (underflow)"] == "unknown"
+    assert {m.label: m.value for m in at.metric}["fp16 flushed to zero"] == "unknown"
 
 
 def test_runs_table_for_triage(truth_store, monkeypatch):

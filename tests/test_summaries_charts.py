@@ -1,5 +1,6 @@
 """Data shaping and chart specs: numbers against ground truth, charts by their Vega-Lite specs."""
 
+import json
 import math
 
 import numpy as np
@@ -163,3 +164,44 @@ def test_a_heatmap_click_picks_the_first_logged_step_of_its_column():
     assert summaries.picked_step([{"step_start": 10}], logged) == 10
     assert summaries.picked_step([{"step_start": 11.0}], logged) == 20  # a merged column starting between logs
     assert summaries.picked_step([{"step_start": 31}], logged) == 30
+
+
+def test_a_scale_of_zero_is_a_rule_and_a_missing_tracker_no_panel():
+    """Issue 27: a log axis cannot draw 0 (the page went blank exactly when the scale collapsed): the zero steps
+    are rules, the scale line holds only positive scales, and a run with no growth tracker has no empty panel."""
+    from chart_check import chart_problems
+
+    steps = pd.DataFrame({"step": [0, 1, 2], "loss": [1.0, np.nan, np.nan], "loss_scale": [2.0**-140, 0.0, 0.0],
+                          "scale_after": [0.0, 0.0, 0.0], "skipped": [1.0, 1.0, 1.0],
+                          "growth_tracker": [np.nan] * 3})
+    spec = charts.loss_scale_panel(steps).to_dict()
+    assert len(spec["vconcat"]) == 2  # scale and loss; no growth-tracker panel of nothing
+    data = spec["datasets"]
+    scale_layers = spec["vconcat"][0]["layer"]
+    assert [r["loss_scale"] for r in data[scale_layers[0]["data"]["name"]]] == [2.0**-140]
+    assert [r["step"] for r in data[scale_layers[-1]["data"]["name"]]] == [1, 2]
+    notes = " ".join(summaries.loss_scale_notes(steps, "dynamic", "O1"))
+    assert "fell to 0 at step 1" in notes and "No growth-tracker panel" in notes
+    assert "O0 has no GradScaler" in " ".join(summaries.loss_scale_notes(steps.assign(loss_scale=1.0), "none", "O0"))
+
+    class Proto:  # what AppTest hands the chart check: the spec with its datasets inline
+        spec = json.dumps(charts.loss_scale_panel(steps).to_dict())
+        datasets = []
+
+    assert chart_problems(Proto) == []
+
+
+def test_cast_shares_is_exact_at_two_to_the_zero_and_at_the_steps_own_scale():
+    """The tiles and the what-if read one function: at 2^0 and at the step's own scale the exact counts,
+    elsewhere the histogram's bounds."""
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-30 - EXP_MIN] = 3  # 2^-30: underflows FP16 unscaled, subnormal at 2^8
+    hist[-10 - EXP_MIN] = 1
+    row = pd.Series({"numel": 5, "zeros": 1, "nan": 0, "posinf": 0, "neginf": 0,
+                     "fp16_underflow": 3, "fp16_subnormal": 0, "fp16_overflow": 0,
+                     "fp16_underflow_at_scale": 1, "fp16_subnormal_at_scale": 2, "fp16_overflow_at_scale": 0})
+    assert summaries.cast_shares(row, hist, "fp16", 0, 256.0)["underflow"] == (0.75, 0.75, True)
+    own = summaries.cast_shares(row, hist, "fp16", 8, 256.0)
+    assert own["underflow"] == (0.25, 0.25, True) and own["subnormal"] == (0.5, 0.5, True)  # the record, not the histogram
+    assert summaries.cast_shares(row, hist, "fp16", 9, 256.0)["underflow"][2] is False
+    assert summaries.share_text((np.nan, np.nan, True)) == "n/a"

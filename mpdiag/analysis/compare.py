@@ -6,8 +6,12 @@ same script source (hash) and seed, which had identical initial weights and batc
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
+
+from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
 #: one of the two is non-finite.
@@ -69,20 +73,106 @@ def default_selection(runs: pd.DataFrame) -> list[int]:
     return runs["run_id"].head(2).astype(int).tolist()
 
 
+def distinct_digits(values, least: int = 4, most: int = 17) -> int:
+    """The fewest significant digits (at least ``least``) at which the different finite ``values`` are all
+    written differently: final losses are never rounded into being the same."""
+    finite = sorted({float(v) for v in values if v is not None and math.isfinite(float(v))})
+    for digits in range(least, most + 1):
+        if len({f"{v:.{digits}g}" for v in finite}) == len(finite):
+            return digits
+    return most
+
+
+def number_text(value, digits: int = 4, unit: str = "") -> str:
+    """A number for a table: thousands separators, ``digits`` significant digits, its unit; "n/a" when missing,
+    "NaN"/"inf" when it is not finite (never "None" or "nan")."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or pd.isna(value):
+        return "n/a"
+    value = float(value)
+    if not math.isfinite(value):
+        return "inf" if value > 0 else "-inf"
+    if abs(value) >= 10**digits:
+        text = f"{value:,.0f}"
+    elif value == 0 or abs(value) >= 1e-4:
+        decimals = max(0, digits - 1 - math.floor(math.log10(abs(value)))) if value else 0
+        text = f"{value:,.{decimals}f}"
+    else:
+        text = f"{value:.{digits}g}"
+    return f"{text} {unit}".strip()
+
+
+def loss_text(value, digits: int) -> str:
+    """A recorded loss: "NaN" when the last step's loss was NaN (or missing), else ``digits`` significant digits."""
+    if value is None or pd.isna(value):
+        return "NaN"
+    return f"{float(value):.{digits}g}"
+
+
 def cost_table(chosen: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
-    """What each chosen run cost, one row per run (``labels`` name them): median step time, throughput
-    (batch size / median step time), peak memory, the bytes of model state (weights, gradients, master
-    weights, optimizer state; the ``params`` count excluded), skipped steps and final loss."""
+    """What each chosen run cost, one row per run (``labels`` name them), as the page shows it (text, with
+    thousands separators and units): median step time (after the warm-up step 0), throughput (batch size /
+    median step time), peak memory, the bytes of model state (weights, gradients, master weights, optimizer
+    state; the ``params`` count excluded), skipped steps, and the final loss to as many significant digits as
+    tell the runs apart."""
+    digits = distinct_digits(chosen["final_loss"])
+    state = [sum(v for k, v in s.items() if k != "params") / 2**20 if isinstance(s, dict) and s else None
+             for s in chosen["model_state"]]
     return pd.DataFrame({
         "run": labels,
-        "median step ms": (chosen["median_step_time_s"] * 1e3).round(2).to_numpy(),
-        "samples/s": (chosen["batch_size"] / chosen["median_step_time_s"]).round(1).to_numpy(),
-        "peak memory MB": (chosen["peak_mem_bytes"] / 2**20).round(1).to_numpy(),
-        "model state MB": [round(sum(v for k, v in s.items() if k != "params") / 2**20, 3) if s else None
-                           for s in chosen["model_state"]],
-        "skipped steps": chosen["skipped_steps"].to_numpy(),
-        "final loss": chosen["final_loss"].to_numpy(),
+        "median step time": [number_text(t * 1e3, 4, "ms") if pd.notna(t) else "n/a"
+                             for t in chosen["median_step_time_s"]],
+        "throughput": [number_text(b / t, 4, "samples/s") if pd.notna(b) and pd.notna(t) and t > 0 else "n/a"
+                       for b, t in zip(chosen["batch_size"], chosen["median_step_time_s"], strict=True)],
+        "peak memory": [number_text(m / 2**20, 4, "MiB") if pd.notna(m) else "n/a" for m in chosen["peak_mem_bytes"]],
+        "model state": [number_text(m, 3, "MiB") for m in state],
+        "skipped steps": [f"{int(k):,} of {int(n):,}" if pd.notna(k) and pd.notna(n) else "n/a"
+                          for k, n in zip(chosen["skipped_steps"], chosen["steps_done"], strict=True)],
+        "final loss": [loss_text(v, digits) for v in chosen["final_loss"]],
     })
+
+
+#: a step after the warm-up taking more than this many times its run's 90th percentile step time is an outlier
+#: (a stall: a later compilation, a checkpoint, the machine busy): the step-time chart leaves it out, as its axis
+#: would be scaled to it, and the page lists it. Against the percentile, not the median, so a run whose steps
+#: alternate between two speeds keeps both in the chart.
+STEP_TIME_OUTLIER = 5.0
+
+
+def step_time_outliers(steps: pd.DataFrame) -> pd.Series:
+    """Which rows of ``steps`` (steps after the warm-up step 0 of one or more runs, column ``run``) took more
+    than STEP_TIME_OUTLIER times their run's 90th percentile step time."""
+    typical = steps.groupby("run")["step_time_s"].transform(lambda t: t.quantile(0.9))
+    return steps["step_time_s"] > STEP_TIME_OUTLIER * typical
+
+
+#: the two parts of a tensor's FP16 underflow on Compare: what an FP16 run's backward pass already flushed to
+#: zero, and what would underflow were the recorded gradient at its run's loss scale cast to FP16
+FLUSHED_PART = "flushed to zero in the FP16 backward pass (estimated)"
+COUNTED_PART = "would underflow if cast to FP16 (counted)"
+
+
+def fp16_underflow_parts(totals: pd.DataFrame, twin_totals: pd.DataFrame | None, opt_level: str,
+                         label: str) -> pd.DataFrame:
+    """Per tensor of one run, its FP16 underflow as shares of all its values (tensor, run, part, share): the
+    values its FP16 backward pass flushed to zero before they were recorded (FP16 levels with an FP32 twin:
+    :func:`~mpdiag.analysis.summaries.flushed_to_zero`), and those of the recorded gradient at the run's loss
+    scale that would underflow if cast to FP16 (the exact counts). An FP16 run's flushed values are zeros in
+    its record, so its counted part alone would read as healthy beside its FP32 twin, whose counted part is
+    what FP16 would have lost."""
+    counted = totals["fp16_underflow_at_scale"] / totals["numel"].where(totals["numel"] > 0)
+    parts = [pd.DataFrame({"tensor": totals["tensor"], "part": COUNTED_PART, "share": counted.to_numpy()})]
+    if opt_level in FP16_LEVELS and twin_totals is not None:
+        flushed = flushed_to_zero(totals, twin_totals)
+        parts.append(pd.DataFrame({"tensor": flushed.index, "part": FLUSHED_PART, "share": flushed.to_numpy()}))
+    return pd.concat(parts, ignore_index=True).assign(run=label).dropna(subset=["share"])
+
+
+def worst_by_total(shares: pd.DataFrame, value: str = "share", n: int = 12) -> pd.DataFrame:
+    """Rows of ``shares`` (tensor, run, ``value``[, part]) for the ``n`` tensors whose largest per-run total is
+    highest, leaving out tensors at 0 in every run."""
+    total = shares.groupby(["tensor", "run"])[value].sum().groupby("tensor").max()
+    worst = total[total > 0].nlargest(n).index
+    return shares[shares["tensor"].isin(worst)]
 
 
 #: run settings the Compare page lays side by side

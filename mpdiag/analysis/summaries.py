@@ -145,7 +145,7 @@ def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
     (never "nan%")."""
     if math.isnan(chosen["underflow_share"]):
         return (f"{fmt} underflow, subnormal, overflow: n/a, no finite non-zero values over all logged steps "
-                f"(zeros {chosen['zero_share']:.2%} of all values, {int(chosen['nonfinite'])} NaN/inf).")
+                f"(zeros {chosen['zero_share']:.2%} of all values, {int(chosen['nonfinite']):,} NaN/inf).")
     return (f"{fmt} underflow {chosen['underflow_share']:.2%}, subnormal {chosen['subnormal_share']:.2%}, "
             f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
 
@@ -165,7 +165,14 @@ def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame |
     shift = np.zeros(len(index))
     if at_scale and steps is not None:
         scale = steps.set_index("step")["loss_scale"].reindex(step_values).fillna(1.0).to_numpy()
-        shift = np.log2(scale)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shift = np.log2(scale)
+        # at a scale of 0 (or not finite) S·g holds no finite non-zero value: such steps have no cell
+        keep = np.isfinite(shift)
+        index, counts, shift = index[keep].reset_index(drop=True), counts[keep], shift[keep]
+        step_values = step_values[keep]
+        if len(index) == 0:
+            return pd.DataFrame(columns=["step_start", "step_end", "log2_lo", "log2_hi", "count"])
     occupied = max(1, int((counts.sum(axis=0) > 0).sum()))
     n_buckets = max(1, min(len(index), max_marks // occupied))
     bucket = np.minimum((np.arange(len(index)) * n_buckets) // len(index), n_buckets - 1)
@@ -226,6 +233,32 @@ def scale_events(steps: pd.DataFrame) -> dict[str, int]:
     }
 
 
+def loss_scale_notes(steps: pd.DataFrame, scaling: str, opt_level: str) -> list[str]:
+    """What the Loss scale panel (charts.loss_scale_panel) cannot draw, and why, as sentences: steps whose scale
+    was 0 (a log axis has no 0; a dynamic scale backed off below FP32's smallest value) and a growth tracker
+    that does not exist (no dynamic GradScaler) or was not recorded. ``steps``: Store.steps."""
+    notes = []
+    scale = steps["loss_scale"].astype(float)
+    zero = steps.loc[scale == 0, "step"]
+    if len(zero) == len(steps):
+        notes.append("The loss scale was 0 at every recorded step: a log axis has no 0, so there is no scale panel. "
+                     "With a scale of 0 every scaled gradient is 0, and GradScaler cannot grow 0 back.")
+    elif len(zero):
+        notes.append(f"The loss scale fell to 0 at step {int(zero.iloc[0]):,} ({len(zero):,} of {len(steps):,} "
+                     "steps at 0, the red rules: a log axis has no 0): each backoff multiplied it until it was "
+                     "below FP32's smallest value. With a scale of 0 every scaled gradient is 0, and GradScaler "
+                     "cannot grow 0 back.")
+    other = steps.loc[~np.isfinite(scale), "step"]
+    if len(other):
+        notes.append(f"The loss scale was not finite at {len(other):,} steps (first at step {int(other.iloc[0]):,}): "
+                     "those steps are red rules on the scale panel.")
+    if steps["growth_tracker"].isna().all():
+        why = {"none": f"{opt_level} has no GradScaler", "static": "a static scale never grows or backs off"}.get(
+            scaling, "this run did not record GradScaler's growth tracker")
+        notes.append(f"No growth-tracker panel: {why}.")
+    return notes
+
+
 def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
     """At most about ``max_points`` evenly spaced rows, always keeping skipped and non-finite-loss steps."""
     if len(steps) <= max_points:
@@ -236,16 +269,37 @@ def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
 
 
 def format_lines(formats: tuple[str, ...] = ("fp16",)) -> pd.DataFrame:
-    """Horizontal reference lines (log2 magnitude) for each format's min subnormal, min normal and max."""
+    """Horizontal reference lines (log2 magnitude) for each format's min subnormal, min normal and max:
+    format, kind, limit (its name, as a legend says it), log2."""
     rows = []
     for name in formats:
         fmt = LOW_PRECISION[name]
         rows += [
-            {"format": name, "limit": f"{name} min subnormal 2^{fmt.min_subnormal_exponent}", "log2": fmt.min_subnormal_exponent},
-            {"format": name, "limit": f"{name} min normal 2^{fmt.min_normal_exponent}", "log2": fmt.min_normal_exponent},
-            {"format": name, "limit": f"{name} max {fmt.max_finite:.6g}", "log2": math.log2(fmt.max_finite)},
+            {"format": name, "kind": "min subnormal", "limit": f"{name} min subnormal 2^{fmt.min_subnormal_exponent}",
+             "log2": fmt.min_subnormal_exponent},
+            {"format": name, "kind": "min normal", "limit": f"{name} min normal 2^{fmt.min_normal_exponent}",
+             "log2": fmt.min_normal_exponent},
+            {"format": name, "kind": "max", "limit": f"{name} max {fmt.max_finite:,.6g}", "log2": math.log2(fmt.max_finite)},
         ]
     return pd.DataFrame(rows)
+
+
+#: a format limit within this many binades of a gradient heatmap's data is drawn on it; one further away would
+#: squeeze the data into a thin band (FP16's max 2^16 over gradients near 2^-20), so the page names it instead
+LIMIT_REACH = 6
+
+
+def heatmap_view(cells: pd.DataFrame, lines: pd.DataFrame) -> tuple[pd.DataFrame, tuple[float, float], list[str]]:
+    """What the gradient heatmap draws: the format lines within LIMIT_REACH binades of its cells, the y extent
+    (the cells and those lines, a binade of room each side), and, as sentences, each limit left off and how far
+    it lies from the data. ``cells``: :func:`heatmap_cells` (not empty); ``lines``: :func:`format_lines`."""
+    lo, hi = float(cells["log2_lo"].min()), float(cells["log2_hi"].max())
+    near = (lines["log2"] >= lo - LIMIT_REACH) & (lines["log2"] <= hi + LIMIT_REACH)
+    drawn = lines[near].reset_index(drop=True)
+    extent = (min([lo, *drawn["log2"]]) - 1, max([hi, *drawn["log2"]]) + 1)
+    off = [f"{row.limit} is {row.log2 - hi:,.0f} binades above the largest value" if row.log2 > hi else
+           f"{row.limit} is {lo - row.log2:,.0f} binades below the smallest value" for row in lines[~near].itertuples()]
+    return drawn, extent, off
 
 
 #: a tensor whose FP32 reference gradient has an RMS below this fraction of the whole model's gradient RMS
@@ -307,6 +361,33 @@ def exact_shares(at_step: pd.Series, fmt: str, at_scale: bool) -> dict[str, tupl
     return {cat: (int(at_step[f"{fmt}_{cat}{suffix}"]), denom) for cat in ("underflow", "subnormal", "overflow")}
 
 
+def cast_shares(at_step: pd.Series, hist: np.ndarray, fmt: str, log2_multiplier: float,
+                scale: float) -> dict[str, tuple[float, float, bool]]:
+    """One tensor at one step: per category (underflow, subnormal, overflow) the share of its finite non-zero
+    values that fall in it when its unscaled gradient g, multiplied by 2**log2_multiplier, is cast to ``fmt``,
+    as (lower, upper, exact). The Gradients page's tiles and its what-if both read this, so they agree wherever
+    both are shown: at a multiplier of 2^0 it is the exact count of g cast (``at_step``, a Store.tensor_stats
+    row), at the step's own loss scale ``scale`` (a power of two, or any scale when ``log2_multiplier`` is
+    log2 of it) the exact count of S·g as recorded; elsewhere it is derived from the exponent histogram
+    ``hist`` of g (:func:`whatif_shares`: a range where a bin straddles a rounding edge). NaN when the tensor
+    had no finite non-zero value."""
+    own = float(scale) == 2.0**log2_multiplier if not math.isnan(log2_multiplier) else False
+    if log2_multiplier == 0 or own:
+        counts = exact_shares(at_step, fmt, at_scale=log2_multiplier != 0)
+        return {cat: (n / d, n / d, True) if d else (math.nan, math.nan, True) for cat, (n, d) in counts.items()}
+    bounds = whatif_shares(hist, int(log2_multiplier), LOW_PRECISION[fmt])
+    return {cat: (lo, hi, False) for cat, (lo, hi) in bounds.items()}
+
+
+def share_text(share: tuple[float, float, bool]) -> str:
+    """A :func:`cast_shares` entry as the page says it: "12.500%", a range "0.061% – 0.122%", or "n/a" when
+    the tensor had no finite non-zero value (never "nan%")."""
+    lo, hi = share[0], share[1]
+    if math.isnan(lo):
+        return "n/a"
+    return f"{lo:.3%}" if lo == hi else f"{lo:.3%} – {hi:.3%}"
+
+
 def whatif_underflow_by_tensor(index: pd.DataFrame, counts: np.ndarray, log2_scale: int,
                                fmt: Format = FP16) -> dict[str, tuple[float, float]]:
     """Per tensor, bounds on its ``fmt`` underflow share were its unscaled gradient multiplied by 2**log2_scale
@@ -340,6 +421,17 @@ def _scale_text(scale) -> str:
     exponent = np.log2(float(scale)) if scale > 0 else np.nan
     return f"2^{int(exponent)}" if np.isfinite(exponent) and exponent == int(exponent) and exponent < -4 \
         else f"{float(scale):g}"
+
+
+def scale_text(scale: float) -> str:
+    """A loss scale for a reader: 0, 65,536, 0.5, or 2^-83 / 2^40 for powers of two far from 1 (never 1e-25)."""
+    scale = float(scale)
+    if not math.isfinite(scale):
+        return "not finite" if not math.isnan(scale) else "not recorded"
+    exponent = log2_exponent(scale)
+    if exponent is not None and 2.0**exponent == scale and abs(exponent) > 16:
+        return f"2^{exponent}"
+    return f"{scale:,.10g}" if scale >= 1 or scale == 0 else f"{scale:.6g}"
 
 
 def stall_text(run: pd.Series) -> str:

@@ -5,6 +5,7 @@ Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no ch
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import altair as alt
@@ -28,27 +29,56 @@ LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "f
 #: stacked charts (vconcat) whose parts are "container" wide: without fit-x on the whole, each part takes the
 #: container's width and the axes and padding push the whole past it (seen in Chromium)
 _FIT_WIDTH = alt.AutoSizeParams(type="fit-x", contains="padding")
+
+
+def _fit(chart):
+    """``chart`` sized as its heights say: the width fits the element (the pages draw every chart
+    ``width="stretch"``), each height is the plot's own. Without it Streamlit fits the whole chart, title, axes
+    and legends included, into the height, and a 240 px chart with a legend above has a plot of 130 px."""
+    return chart.properties(autosize=_FIT_WIDTH)
+
+
+def _unfit(chart):
+    """A copy of ``chart`` without an autosize (a part of a concatenation may not have one)."""
+    part = chart.copy()
+    part.autosize = alt.Undefined
+    return part
+
+
 #: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...)
 STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
 
 
-def _power_of_two_axis(title: str) -> alt.Axis:
-    """A log2 axis labelled 2^k (its ticks fall on powers of two), not 9.53674316406e-7."""
-    return alt.Axis(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))", tickMinStep=1)
+def _power_of_two_axis(title: str, values=None) -> alt.Axis:
+    """A log2 axis labelled 2^k, ticked only at whole powers of two spanning ``values`` (the data it shows, with
+    any rule drawn on it), at most about eight of them: Vega's own log ticks fall between powers of two, and
+    rounded to 2^k they read 2^16, 2^16, 2^15."""
+    axis = dict(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))")
+    v = np.asarray([] if values is None else values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.size:
+        lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
+        stride = max(1, math.ceil((hi - lo) / 8))
+        axis["values"] = [2.0**k for k in range(lo - lo % stride, hi + stride, stride)]
+    return alt.Axis(**axis)
 
 
-def _limit_rules(lines: pd.DataFrame) -> alt.LayerChart:
-    """Dashed rules at each format limit (``summaries.format_lines``), coloured by format with a legend, each
-    labelled with what it is ("fp16 min normal 2^-14") at the left edge of the plot."""
-    drawn = list(dict.fromkeys(lines["format"]))  # the legend lists the formats drawn, in their colours
-    colour = alt.Color("format:N", scale=alt.Scale(domain=drawn, range=[LIMIT_COLOURS[f] for f in drawn]),
-                       legend=alt.Legend(title="format limits"))
-    rules = alt.Chart(lines).mark_rule(strokeDash=[6, 3], strokeWidth=1.5).encode(
-        y="log2:Q", color=colour, tooltip=["limit:N"])
-    labels = alt.Chart(lines).mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontSize=11,
-                                        fontWeight="bold").encode(
-        y="log2:Q", x=alt.value(0), text="limit:N", color=colour)
-    return alt.layer(rules, labels)
+#: the dash of each kind of format limit (``summaries.format_lines``' "kind")
+LIMIT_DASHES = {"min subnormal": [2, 2], "min normal": [6, 3], "max": [12, 3]}
+
+
+def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
+    """Rules at each format limit (``summaries.format_lines``), coloured by format and dashed by kind, named in
+    a legend beside the plot ("fp16 min normal 2^-14"), not on it, where the data would cover the name."""
+    names = list(lines["limit"])
+    colours = [LIMIT_COLOURS[f] for f in lines["format"]]
+    dashes = [LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]]
+    legend = alt.Legend(title="format limits", labelLimit=260, symbolType="stroke", symbolStrokeWidth=2,
+                        symbolSize=300)
+    return alt.Chart(lines).mark_rule(strokeWidth=1.5).encode(
+        y="log2:Q", tooltip=["limit:N"],
+        color=alt.Color("limit:N", scale=alt.Scale(domain=names, range=colours), legend=None),
+        strokeDash=alt.StrokeDash("limit:N", scale=alt.Scale(domain=names, range=dashes), legend=legend))
 
 
 #: the heatmap's click selection: the page reads it (st.altair_chart on_select) to show the clicked step
@@ -56,12 +86,16 @@ PICKED_STEP = "picked_step"
 
 
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
-                     title: str = "") -> alt.LayerChart:
+                     title: str = "", log2_range: tuple[float, float] | None = None) -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
     count on a log scale; dashed lines at the formats' min subnormal, min normal and max. The step axis spans
     ``steps`` (first logged step, last logged step + 1) whatever the cells hold, so steps with no finite
     non-zero value (every value zero) stay on it as empty columns rather than vanishing. Clicking a cell
-    selects its column (the selection ``PICKED_STEP``, its ``step_start``): the page shows that step below."""
+    selects its column (the selection ``PICKED_STEP``, its ``step_start``): the page shows that step below.
+    ``log2_range``: the y axis's extent (``summaries.heatmap_view``: the data and the limits near it), by
+    default the cells' and the lines'."""
+    if log2_range is None:
+        log2_range = (min([*cells["log2_lo"], *lines["log2"]]) - 1, max([*cells["log2_hi"], *lines["log2"]]) + 1)
     heat = (
         alt.Chart(cells)
         .mark_rect()
@@ -70,7 +104,7 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
             x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False),
                     axis=alt.Axis(format="d", tickMinStep=1)),
             x2="step_end:Q",
-            y=alt.Y("log2_lo:Q", title="log2 |gradient|"),
+            y=alt.Y("log2_lo:Q", title="log2 |gradient|", scale=alt.Scale(domain=list(log2_range), nice=False)),
             y2="log2_hi:Q",
             color=alt.Color("count:Q", scale=alt.Scale(type="log", scheme="viridis"), title="values"),
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.45)),  # the clicked column stands out
@@ -79,7 +113,7 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
                      alt.Tooltip("count:Q", format=",d", title="values (exact)")],
         )
     )
-    return alt.layer(heat, _limit_rules(lines)).resolve_scale(color="independent").properties(title=title, height=360)
+    return alt.layer(heat, *([_limit_rules(lines)] if len(lines) else [])).resolve_scale(color="independent").properties(title=title, height=360).properties(autosize=_FIT_WIDTH)
 
 
 def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
@@ -97,7 +131,7 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
                 range=list(REGION_COLOURS.values()) + ["#ffbb78", "#98df8a"])),
             tooltip=["label:N", alt.Tooltip("count:Q", format=",d", title="values (exact)"), "region:N"],
         )
-        .properties(title=title, height=260)
+        .properties(title=title, height=260, autosize=_FIT_WIDTH)
     )
 
 
@@ -108,37 +142,56 @@ def stacked_over_steps(*panels) -> alt.VConcatChart:
     with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
         warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
         # a legend at the side would narrow every panel by its width: above, it costs one row
-        return (alt.vconcat(*(panel.properties(width="container") for panel in panels)).add_params(zoom)
+        return (alt.vconcat(*(_unfit(panel).properties(width="container") for panel in panels)).add_params(zoom)
                 .resolve_scale(x="shared").properties(autosize=_FIT_WIDTH).configure_legend(orient="top"))
+
+
+def drawable_on_log(values: pd.Series) -> pd.Series:
+    """Which values a log axis can draw: finite and above zero (a zero or negative one has no place on it; one
+    in the data gives Vega an infinite extent and a blank chart)."""
+    v = values.astype(float)
+    return np.isfinite(v) & (v > 0)
 
 
 def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
-    beneath, sharing the step axis."""
-    base = alt.Chart(steps).encode(x=STEP_X)
-    scale = base.mark_line(interpolate="step-after").encode(
-        y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale")),
-        tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g", title="loss scale"),
-                 alt.Tooltip("scale_after:Q", format=".10g", title="scale after update()"), "skipped:Q"],
-    )
-    skipped = (
-        alt.Chart(steps[steps["skipped"] == 1])
-        .mark_point(shape="triangle-down", color="#d62728", size=60, filled=True)
-        .encode(x=STEP_X, y="loss_scale:Q", tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g")])
-    )
-    tracker = base.mark_line(color="#7f7f7f").encode(
-        y=alt.Y("growth_tracker:Q", title="growth tracker"),
-        tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")])
-    loss = base.mark_line(color="#1f77b4").encode(y=alt.Y("loss:Q", title="loss"),
-                                                  tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
+    beneath, sharing the step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
+    collapsed dynamic scale) are red rules on the scale panel (a log axis has no 0), the scale panel is left out
+    when no step had a scale above 0, the growth tracker when none was recorded (no dynamic GradScaler): the
+    page says why (:func:`mpdiag.analysis.summaries.loss_scale_notes`)."""
+    panels = []
+    positive = drawable_on_log(steps["loss_scale"])
+    if positive.any():
+        on_log = steps[positive]
+        layers = [alt.Chart(on_log).mark_line(interpolate="step-after").encode(
+            x=STEP_X,
+            y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale", on_log["loss_scale"])),
+            tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g", title="loss scale"),
+                     alt.Tooltip("scale_after:Q", format=".10g", title="scale after update()"), "skipped:Q"],
+        )]
+        said = ["▼ skipped step"] if (on_log["skipped"] == 1).any() else []
+        if said:  # an empty layer would give Vega an infinite extent (a console warning)
+            layers.append(alt.Chart(on_log[on_log["skipped"] == 1])
+                          .mark_point(shape="triangle-down", color="#d62728", size=60, filled=True)
+                          .encode(x=STEP_X, y="loss_scale:Q", tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g")]))
+        if not positive.all():
+            zero = steps[~positive].assign(value=lambda d: d["loss_scale"].astype(str))
+            layers.append(alt.Chart(zero).mark_rule(color="#d62728", opacity=0.5, strokeWidth=2).encode(
+                x=STEP_X, tooltip=["step:Q", alt.Tooltip("value:N", title="loss scale")]))
+            said.append("red rules: scale 0, below any log axis")
+        panels.append(alt.layer(*layers).properties(
+            height=220, title="loss scale" + (f" ({'; '.join(said)})" if said else "")))
+    if steps["growth_tracker"].notna().any():
+        panels.append(alt.Chart(steps).mark_line(color="#7f7f7f").encode(
+            x=STEP_X, y=alt.Y("growth_tracker:Q", title="growth tracker", axis=alt.Axis(format="d", tickMinStep=1)),
+            tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")],
+        ).properties(height=150, title="growth tracker (good steps since the scale last changed)"))
+    loss = alt.Chart(_blanked(steps, "loss")).mark_line(color="#1f77b4").encode(
+        x=STEP_X, y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
     loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
-    # an empty layer would give Vega an infinite extent (a console warning): drawn only when a step was skipped
-    top = alt.layer(scale, skipped) if (steps["skipped"] == 1).any() else scale
-    return stacked_over_steps(
-        top.properties(height=220, title="loss scale (▼ skipped step)"),
-        tracker.properties(height=100),
-        loss.properties(height=200, title="loss (red rules: NaN/inf loss)"),
-    )
+    bad = (~np.isfinite(steps["loss"].astype(float))).any()
+    panels.append(loss.properties(height=200, title="loss" + (" (red rules: NaN/inf loss)" if bad else "")))
+    return stacked_over_steps(*panels)
 
 
 def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
@@ -165,38 +218,58 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
                        ).resolve_scale(x="shared").properties(autosize=_FIT_WIDTH)
 
 
-def _run_colour(domain: list[str]) -> alt.Color:
+def _run_colour(domain: list[str], orient: str = "right") -> alt.Color:
     return alt.Color("run:N", scale=alt.Scale(domain=domain, range=RUN_COLOURS[: len(domain)]),
-                     legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320))
+                     legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320, orient=orient,
+                                       direction="vertical"))
 
 
-def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour) -> alt.LayerChart:
-    """``chart`` with faint vertical rules at steps where ``y`` is NaN or inf, which a line chart would
-    silently drop; without the layer when there are none (an empty layer makes Vega warn of an infinite
-    extent in the browser console)."""
-    bad = df[~np.isfinite(df[y].astype(float))].assign(value=lambda d: d[y].astype(str))
+def _undrawable(values: pd.Series, log: bool = False) -> np.ndarray:
+    """Which values a line cannot draw: NaN and inf, and on a log axis zero and negative ones too."""
+    v = values.astype(float).to_numpy()
+    return ~np.isfinite(v) | (v <= 0) if log else ~np.isfinite(v)
+
+
+def _blanked(df: pd.DataFrame, y: str, log: bool = False) -> pd.DataFrame:
+    """``df`` with the values of ``y`` a line cannot draw made NaN (a gap): an inf, or a 0 on a log axis, in a
+    chart's data gives Vega an infinite extent and a blank chart."""
+    return df.assign(**{y: df[y].astype(float).where(~_undrawable(df[y], log))})
+
+
+def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = False) -> alt.LayerChart:
+    """``chart`` (drawn from :func:`_blanked` data) with faint vertical rules at steps where ``y`` is NaN or
+    inf (or, with ``log``, zero or negative), which a line chart would silently drop; without the layer when
+    there are none (an empty layer makes Vega warn of an infinite extent in the browser console), and the
+    rules alone when no value is drawable."""
+    bad_rows = _undrawable(df[y], log)
+    bad = df[bad_rows].assign(value=lambda d: d[y].astype(str))
     if bad.empty:
         return alt.layer(chart)
-    return alt.layer(chart, (
+    rules = (
         alt.Chart(bad)
         .mark_rule(opacity=0.35, strokeWidth=2)
         .encode(x=STEP_X, color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
-    ))
+    )
+    return alt.layer(chart, rules) if not bad_rows.all() else alt.layer(rules)
 
 
-def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False) -> alt.LayerChart:
+def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False,
+                 height: int = 240) -> alt.LayerChart:
     """One line per run (column ``run``) of ``y`` over ``step``, in the runs' fixed colours; NaN/inf values
-    appear as faint vertical rules in the run's colour."""
+    (and on a ``log`` axis zero ones: a collapsed loss scale) appear as faint vertical rules in the run's
+    colour. The legend is above the plot, so a chart in a narrow column keeps its width for the data."""
     scale = alt.Scale(type="log", base=2) if log else alt.Scale(zero=False)
+    colour = _run_colour(domain, orient="top")
     line = (
-        alt.Chart(df)
+        alt.Chart(_blanked(df, y, log))
         .mark_line(interpolate="step-after" if log else "linear")
-        .encode(x=STEP_X, y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title) if log else
-                                           alt.Axis(title=title)), color=_run_colour(domain),
+        .encode(x=STEP_X, y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title, df[y]) if log else
+                                           alt.Axis(title=title)), color=colour,
                 tooltip=["run:N", "step:Q", f"{y}:Q"])
     )
-    title = f"{title} (faint rules: NaN/inf)" if (~np.isfinite(df[y].astype(float))).any() else title
-    return _with_nonfinite_rules(line, df, y, _run_colour(domain)).properties(height=240, title=title)
+    if _undrawable(df[y], log).any():
+        title = f"{title} (faint rules: NaN/inf{' or 0, below any log axis' if log else ''})"
+    return _fit(_with_nonfinite_rules(line, df, y, colour, log).properties(height=height, title=title))
 
 
 def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str],
@@ -204,34 +277,43 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
     """Relative loss difference to the FP32 reference per run, in percent (ticks like 0.0005, not 5e-6 in
     fixed notation), with the first step beyond ``threshold`` (a fraction) marked when there is one."""
     line = (
-        alt.Chart(df.assign(rel_pct=df["rel_diff"] * 100))
+        alt.Chart(_blanked(df.assign(rel_pct=df["rel_diff"] * 100), "rel_pct"))
         .mark_line()
         .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format="~g")),
                 color=_run_colour(domain),
                 tooltip=["run:N", "step:Q", alt.Tooltip("rel_diff:Q", format=".4~%", title="difference")])
     )
     if divergence_step is None:  # no empty rule layer: Vega warns of an infinite extent in the browser console
-        return alt.layer(line).properties(height=200, title="difference to the FP32 reference")
+        return _fit(alt.layer(line).properties(height=200, title="difference to the FP32 reference"))
     rule = alt.Chart(pd.DataFrame({"step": [divergence_step]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
         x=STEP_X, tooltip=[alt.Tooltip("step:Q", title=f"first step beyond {threshold:.0%}")])
-    return alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference (dashed: first "
-                                                               f"step beyond {threshold:.0%})")
+    return _fit(alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference (dashed: "
+                                                                    f"first step beyond {threshold:.0%})"))
 
 
-def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str]) -> alt.Chart:
-    """Grouped bars: ``x`` categories, one bar per run."""
-    return (
-        alt.Chart(df)
-        .mark_bar()
-        .encode(x=alt.X(f"{x}:N", title=None), xOffset="run:N", y=alt.Y(f"{y}:Q", title=title), color=_run_colour(domain),
-                tooltip=["run:N", f"{x}:N", alt.Tooltip(f"{y}:Q", format=".3%")])
-        .properties(height=260, title=title)
-    )
+def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
+              parts: list[str] | None = None) -> alt.Chart:
+    """Grouped bars: ``x`` categories (tensor names, labels slanted and kept whole up to 220 px), one bar per
+    run in its colour, ``y`` a share (percent axis); with ``parts`` (the values of a ``part`` column) each run's
+    bar is stacked from its parts, the first solid, the next lighter, with a legend saying which is which.
+    Legends are above the plot, so it keeps the element's width."""
+    encoding = dict(
+        x=alt.X(f"{x}:N", title=None, axis=alt.Axis(labelAngle=-30, labelLimit=220, labelOverlap=False)),
+        xOffset="run:N", y=alt.Y(f"{y}:Q", title=None, axis=alt.Axis(format="%")),
+        color=_run_colour(domain, orient="top"),
+        tooltip=["run:N", f"{x}:N", *(["part:N"] if parts else []), alt.Tooltip(f"{y}:Q", format=".3%")])
+    if parts:
+        encoding["opacity"] = alt.Opacity("part:O", sort=parts, scale=alt.Scale(domain=parts, range=[1.0, 0.4][: len(parts)]),
+                                          legend=alt.Legend(title=None, orient="top", direction="vertical",
+                                                            labelLimit=480))
+        encoding["order"] = alt.Order("part_order:Q")
+        df = df.assign(part_order=df["part"].map({p: i for i, p in enumerate(parts)}))
+    return _fit(alt.Chart(df).mark_bar().encode(**encoding).properties(height=260, width="container", title=title))
 
 
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
-    return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160)
+    return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
 
 
 def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: float) -> alt.LayerChart:
@@ -246,7 +328,7 @@ def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: floa
     )
     rule = alt.Chart(pd.DataFrame({"threshold": [threshold]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
         y="threshold:Q", tooltip=["threshold:Q"])
-    return alt.layer(line, rule).properties(height=240, title="gradient error against the FP32 shadow")
+    return _fit(alt.layer(line, rule).properties(height=240, title="gradient error against the FP32 shadow"))
 
 
 def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
@@ -263,7 +345,7 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
                                     scale=alt.Scale(domain=[0, 1])),
                 color=alt.Color("what:N", title=None), strokeDash=alt.StrokeDash("what:N", title=None),
                 tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
-        .properties(height=220)
+        .properties(height=220, autosize=_FIT_WIDTH)
     )
 
 
@@ -282,7 +364,8 @@ def fp8_lost_heatmap(cells: pd.DataFrame, title: str = "") -> alt.Chart:
     lost = base.transform_filter("!datum.lossless").mark_rect().encode(
         color=alt.Color("lost_pct:Q", title="lost %", scale=alt.Scale(type="log", scheme="orangered"),
                         legend=alt.Legend(format=".3g", orient="bottom")))
-    return alt.layer(lossless, lost).properties(title=title, width="container", height=alt.Step(24))
+    rows = max(1, cells["module"].nunique())  # 24 px a layer, never under 160 px: one layer is still readable
+    return _fit(alt.layer(lossless, lost).properties(title=title, width="container", height=max(160, 24 * rows)))
 
 
 def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
@@ -294,13 +377,13 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
         x=STEP_X,
-        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("|x|")), color=colour,
+        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("|x|", long["value"])), color=colour,
         tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
     over = alt.Chart(series[series["overflow"] > 0]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
         x=STEP_X, y="amax:Q", tooltip=["step:Q", alt.Tooltip("amax:Q", format=".6g"),
                                          alt.Tooltip("limit:Q", format=".6g"), alt.Tooltip("overflow:Q", format="d")])
-    return alt.layer(lines, over).properties(title=title, width="container", height=260)
+    return _fit(alt.layer(lines, over).properties(title=title, width="container", height=260))
 
 
 def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
@@ -314,10 +397,12 @@ def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
         x=x, y="high:Q", tooltip=["step:Q", alt.Tooltip("low:Q", format="d", title="at least"),
                                   alt.Tooltip("high:Q", format="d", title="at most"),
                                   alt.Tooltip("scale:Q", format=".6g")])
-    return alt.layer(band, high).properties(title=title, width="container", height=200)
+    return _fit(alt.layer(band, high).properties(title=title, width="container", height=200))
 
 
-MODULE_STATES = {"above FP16's max": "#ff7f0e", "inf/NaN": "#d62728"}
+#: flagged cells of the Modules heatmap: inf/NaN pale, since after the first one every later module and step
+#: inherits it (a solid red block would hide which was first); the first one is strong red and circled
+MODULE_STATES = {"above FP16's max": "#ff7f0e", "inf/NaN": "#f4c2c2", "first inf/NaN": "#d62728"}
 
 
 def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt.VConcatChart:
@@ -334,8 +419,11 @@ def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt
                     axis=alt.Axis(labelOverlap=True)),
             y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelOverlap=False, labelLimit=240)),
             tooltip=tooltip)
+        # no finite cell (every value inf/NaN): no colour scale of log2 |value|, whose empty layer would give
+        # Vega an infinite extent
         layers = [base.transform_filter("datum.state == 'finite'").mark_rect().encode(
-            color=alt.Color("log2_absmax:Q", title="log2 |value|", scale=alt.Scale(scheme="viridis")))]
+            color=alt.Color("log2_absmax:Q", title="log2 |value|", scale=alt.Scale(scheme="viridis")))
+            for _ in range(int((one["state"] == "finite").any()))]
         flagged = one[one["state"] != "finite"]
         if len(flagged):  # an empty layer makes Vega warn of an infinite extent in the browser console
             drawn = [s for s in MODULE_STATES if s in set(flagged["state"])]
@@ -343,11 +431,12 @@ def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt
                 color=alt.Color("state:N", title="flagged",
                                 scale=alt.Scale(domain=drawn, range=[MODULE_STATES[s] for s in drawn]))))
         if one["first"].any():
+            layers.append(base.transform_filter("datum.first").mark_rect(color=MODULE_STATES["first inf/NaN"]))
             layers.append(base.transform_filter("datum.first").mark_point(
                 shape="circle", size=220, filled=False, color="black", strokeWidth=2.5))
         panels.append(alt.layer(*layers).resolve_scale(color="independent").properties(
-            title=f"{label}: largest |value| per step (○ the first inf/NaN)", width="container",
-            height=max(120, 22 * len(order))))
+            title=f"{label}: largest |value| per step (red ○: the first inf/NaN; pale red: inf/NaN after it)",
+            width="container", height=max(160, 24 * len(order))))
     return alt.vconcat(*panels).resolve_scale(color="independent").properties(autosize=_FIT_WIDTH)
 
 
@@ -355,10 +444,10 @@ def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
     """One module's largest |forward output| and |gradient into its output| per traced step on a log2 axis,
     FP16's max as a labelled rule, faint vertical rules where a value was inf/NaN."""
     one = cells[cells["module"] == module]
-    colour = alt.Color("pass:N", legend=alt.Legend(title=None, orient="top"))
-    drawn = one[np.isfinite(one["absmax"]) & (one["absmax"] > 0)]
+    colour = alt.Color("pass:N", legend=alt.Legend(title=None, orient="top", labelLimit=400))
+    drawn = one[np.isfinite(one["absmax"]) & (one["absmax"] > 0)]  # the page says so where none is
     lines = alt.Chart(drawn).mark_line(point=True).encode(
-        x=STEP_X, y=alt.Y("absmax:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("largest |value|")),
+        x=STEP_X, y=alt.Y("absmax:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("largest |value|", [*drawn["absmax"], FP16.max_finite])),
         color=colour, tooltip=["step:Q", "pass:N", alt.Tooltip("absmax:Q", format=".6g")])
     limit = alt.Chart(pd.DataFrame({"absmax": [FP16.max_finite], "label": [f"fp16 max {FP16.max_finite:g}"]}))
     rule = limit.mark_rule(strokeDash=[6, 3], color=LIMIT_COLOURS["fp16"]).encode(y="absmax:Q")
@@ -366,4 +455,4 @@ def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
                            color=LIMIT_COLOURS["fp16"]).encode(y="absmax:Q", x=alt.value(0), text="label:N")
     chart = alt.layer(lines, rule, text)
     return _with_nonfinite_rules(chart, one.assign(value=one["absmax"].where(one["state"] != "inf/NaN", np.nan)),
-                                 "value", colour).properties(height=260)
+                                 "value", colour).properties(height=260, autosize=_FIT_WIDTH)

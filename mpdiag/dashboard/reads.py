@@ -128,6 +128,18 @@ def tensor_at_step(store: Store, run_id: int, tensor: str, step: int, final: boo
     return store.tensor_stats(int(run_id), tensor, step=int(step)).iloc[0]
 
 
+@st.cache_data(max_entries=64, show_spinner=False)
+def _tensors_at_step(key: tuple, run_id: int, step: int) -> pd.DataFrame:
+    return Store(key[0], create=False).tensor_stats(run_id, step=step)
+
+
+def tensors_at_step(store: Store, run_id: int, step: int, final: bool) -> pd.DataFrame:
+    """Every tensor's statistics row at one logged step (Store.tensor_stats)."""
+    if final:
+        return _tensors_at_step(_key(store), int(run_id), int(step))
+    return store.tensor_stats(int(run_id), step=int(step))
+
+
 def tensor_histograms(store: Store, run_id: int, tensor: str, final: bool) -> tuple[pd.DataFrame, np.ndarray]:
     """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix):
     cached when final; for a live run, only the steps logged since this session's previous read are read."""
