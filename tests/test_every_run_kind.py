@@ -163,7 +163,11 @@ def kinds(tmp_path_factory):
     runs["running"] = recorder.run_id
     waiting = Recorder(torch.nn.Linear(2, 2), Store(path), name="running, no step yet")  # its heartbeat keeps it running
     runs["running, no step yet"] = waiting.run_id
-    yield path, runs, partner
+    with pytest.MonkeyPatch.context() as patch:
+        # the running run takes no step while the module's tests run (minutes): it stays 'running', not 'stalled'
+        # (tests/test_app.py has the stalled run)
+        patch.setattr("mpdiag.store.reader.STALL_S", 24 * 3600.0)
+        yield path, runs, partner
     recorder.close()
     waiting.close()
 

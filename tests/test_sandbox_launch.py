@@ -110,3 +110,23 @@ def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path):
     run = wait_final(store_path, proc)
     assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
     assert run["steps_done"] == 3
+
+
+def test_a_queued_job_waits_light(tmp_path):
+    """While a job waits for a run slot, its supervising process holds no torch or pandas (the planning process that
+    needed them has exited): a queued click costs tens of MB, not hundreds."""
+    store_path = tmp_path / "runs.db"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=""))
+    with launching.run_slot(1):
+        proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path, max_runs=1)
+        deadline = time.time() + 60
+        while not proc.run_ids() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        supervisor = psutil.Process(proc.pid)
+        rss_mb = supervisor.memory_info().rss / 2**20
+        maps = open(f"/proc/{proc.pid}/maps").read()
+        assert Store(store_path).run(proc.run_ids()[0])["status"] == "queued"
+        assert "torch" not in maps and "pandas" not in maps and rss_mb < 60, rss_mb
+    run = wait_final(store_path, proc)  # the slot freed: it runs
+    assert run["status"] == "finished" and run["steps_done"] == 3

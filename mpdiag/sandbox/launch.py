@@ -4,10 +4,11 @@
 ``python -m mpdiag.sandbox.launch`` in its own session and hands it the job on stdin (never in argv or the
 environment, where a child could read it). That supervising process:
 
-1. plans the job (:func:`plan`: a model script's source and :class:`~mpdiag.training.runner.RunConfig`, or
-   a watched command: uploaded code from the store, or a script ``mpdiag watch`` ran from the command line;
-   a bad option ends here with its message), stores the script and creates the run rows with status
-   ``queued`` (two with ``pair``);
+1. has the job planned by a short-lived process of its own (``--plan``, :func:`plan_and_queue`: a model script's
+   source and :class:`~mpdiag.training.runner.RunConfig`, or a watched command: uploaded code from the store, or
+   a script ``mpdiag watch`` ran from the command line; a bad option ends here with its message), which stores
+   the script and creates the run rows with status ``queued`` (two with ``pair``), owned by the supervisor - so
+   the supervisor itself never imports torch or pandas before its slot, and a queued click costs ~20 MB;
 2. waits for one of :func:`max_concurrent_runs` run slots (lock files: a slot frees itself when its holder
    dies);
 3. runs the ``run`` (or ``watch``) task of :mod:`mpdiag.sandbox.child` under :meth:`Limits.for_runs`. The
@@ -21,6 +22,7 @@ This module must not let a child name the store or write a run it was not given.
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import fcntl
 import json
@@ -369,41 +371,72 @@ def _queue_rows(writer, script, config, pair: bool) -> list[int]:
     return writer.call(create)
 
 
-def supervise_job(job: dict) -> None:
-    """The supervising process's work for one job (see the module docstring); never raises for the child."""
+def plan_and_queue(job: dict) -> dict:
+    """In the planning process: the job's plan, with its queued run rows created and handed to the supervisor
+    (``job["owner_pid"]``), as JSON-able data; or ``{"error": why}`` when the job cannot run."""
     from mpdiag.recording.background import BackgroundWriter
     from mpdiag.store import StoreError
     from mpdiag.training.policies import ConfigError
     from mpdiag.training.script import ScriptError
 
+    try:
+        planned = plan(job, job["store"])
+    except (ConfigError, ScriptError, StoreError, BundleRefused, OSError) as exc:
+        return {"error": str(exc)}
+    writer = BackgroundWriter(job["store"], heartbeat=False)
+    try:
+        run_ids = planned.queue(writer)
+        writer.call(lambda w: [w.hand_run_to(run_id, int(job["owner_pid"])) for run_id in run_ids])
+    finally:
+        writer.close()
+    return {"task": planned.task, "payload": planned.payload, "run_ids": run_ids, "parent_run_id": planned.parent_run_id,
+            "fixed": planned.fixed, "files": {path: base64.b64encode(data).decode() for path, data in planned.files.items()}}
+
+
+def _planned_elsewhere(job: dict) -> dict:
+    """:func:`plan_and_queue` in a process of its own, which exits once the rows exist (torch and pandas go with it)."""
+    done = subprocess.run([sys.executable, "-m", "mpdiag.sandbox.launch", "--plan"], env=child_env(),
+                          input=json.dumps({**job, "owner_pid": os.getpid()}).encode(), capture_output=True)
+    try:
+        return json.loads(done.stdout.splitlines()[-1])  # the last line: anything printed before is not the plan
+    except (ValueError, IndexError):
+        tail = done.stderr.decode("utf-8", "replace").strip()[-1500:]
+        return {"error": f"the job could not be planned (exit code {done.returncode}): {tail}"}
+
+
+def supervise_job(job: dict) -> None:
+    """The supervising process's work for one job (see the module docstring); never raises for the child."""
     record = Path.cwd()
     status = record / STATUS_FILE
     store_path = job["store"]
-    try:
-        planned = plan(job, store_path)
-    except (ConfigError, ScriptError, StoreError, BundleRefused, OSError) as exc:
-        status.write_text(json.dumps({"message": str(exc)}))
+    planned = _planned_elsewhere(job)
+    if "error" in planned:
+        status.write_text(json.dumps({"message": planned["error"]}))
         return
-    # heartbeat=False: the child's heartbeat is the one that tells whether the run is alive
-    writer = BackgroundWriter(store_path, heartbeat=False)
-    try:
-        owner = RunOwner(writer, planned.queue(writer), planned.parent_run_id, planned.fixed)
-        status.write_text(json.dumps({"run_ids": owner.run_ids}))
+    run_ids = planned["run_ids"]
+    status.write_text(json.dumps({"run_ids": run_ids}))
+    with run_slot(int(job["max_runs"])):
+        from mpdiag.recording.background import BackgroundWriter  # only now: waiting costs no heavy imports
+
+        # heartbeat=False: the child's heartbeat is the one that tells whether the run is alive
+        writer = BackgroundWriter(store_path, heartbeat=False)
         try:
-            with run_slot(int(job["max_runs"])):
-                result = run_task(planned.task, {**planned.payload, "run_ids": owner.run_ids}, Limits.for_runs(),
-                                  files=planned.files, log_path=record / LOG_FILE, on_call=owner.apply)
-        except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
-            message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
-            owner.close_unfinished(store_path, message)
-            status.write_text(json.dumps({"run_ids": owner.run_ids, "message": message}))
-            raise
-        owner.close_unfinished(store_path, _error_of(result))
-        if result.outcome.left_running:
-            owner.note_leftovers(store_path, result.outcome.left_running)
-        status.write_text(json.dumps({"run_ids": owner.run_ids, "message": result.outcome.message}))
-    finally:
-        writer.close()
+            owner = RunOwner(writer, run_ids, planned["parent_run_id"], planned["fixed"])
+            files = {path: base64.b64decode(data) for path, data in planned["files"].items()}
+            try:
+                result = run_task(planned["task"], {**planned["payload"], "run_ids": run_ids}, Limits.for_runs(),
+                                  files=files, log_path=record / LOG_FILE, on_call=owner.apply)
+            except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
+                message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
+                owner.close_unfinished(store_path, message)
+                status.write_text(json.dumps({"run_ids": run_ids, "message": message}))
+                raise
+            owner.close_unfinished(store_path, _error_of(result))
+            if result.outcome.left_running:
+                owner.note_leftovers(store_path, result.outcome.left_running)
+            status.write_text(json.dumps({"run_ids": run_ids, "message": result.outcome.message}))
+        finally:
+            writer.close()
 
 
 def run_in_child(payload: dict, channel) -> dict:
@@ -446,7 +479,11 @@ def watch_in_child(payload: dict, channel) -> dict:
 
 def main() -> int:
     _forbid_inspection()
-    supervise_job(json.loads(sys.stdin.read()))
+    job = json.loads(sys.stdin.read())
+    if sys.argv[1:] == ["--plan"]:
+        print(json.dumps(plan_and_queue(job)))
+    else:
+        supervise_job(job)
     return 0
 
 

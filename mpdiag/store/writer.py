@@ -255,6 +255,13 @@ class StoreWriter:
         self._open_runs.append(int(cur.lastrowid))
         return int(cur.lastrowid)
 
+    def hand_run_to(self, run_id: int, pid: int) -> None:
+        """Process ``pid`` (on this host) owns the run from now on: readers report it crashed once that process is
+        gone (the app's supervisor, for the queued rows a short-lived planning process created)."""
+        with self._conn:
+            self._conn.execute("UPDATE runs SET pid = ?, host = ?, process_started_at = ? WHERE run_id = ?",
+                               (int(pid), this_host(), process_start_time(int(pid)), int(run_id)))
+
     def update_run(self, run_id: int, **fields) -> None:
         """Set run fields (RUN_FIELDS, status, error, note, finished_at); unknown names are an error."""
         with self._conn:
