@@ -349,3 +349,17 @@ def test_a_stalled_run_says_so_on_its_pages_with_its_last_step(tmp_path, monkeyp
         said = texts(at)
         assert "has recorded nothing for 10.0 min, since its last stored step (2)" in said, page
         assert "its median step takes 0.05 s" in said, page
+
+
+def test_an_older_store_is_upgraded_with_a_message(tmp_path, monkeypatch):
+    """Opening a store of an older schema migrates it under a spinner naming the versions, and says it did."""
+    import shutil
+
+    from mpdiag.store import SCHEMA_VERSION
+
+    store = tmp_path / "old.db"
+    shutil.copy(ROOT / "tests" / "data" / "store_v7.db", store)
+    at = app("app.py", store, monkeypatch)
+    assert not at.exception
+    assert f"The store old.db was upgraded from schema 7 to {SCHEMA_VERSION} in" in texts(at)
+    assert "upgraded" not in texts(app("app.py", store, monkeypatch))  # once

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -25,8 +26,9 @@ from mpdiag.analysis.summaries import run_progress, stall_text
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
-from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, RunTextRefused, Store, StoreError, clean_name
+from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
+from mpdiag.store.schema import older_version
 from mpdiag.training.config import (
     FSDP_LEVELS,
     LEVELS,
@@ -77,7 +79,16 @@ def frame(title: str) -> Store | None:
     st.title(title)
     try:
         # The configured store is created on first use so a fresh machine opens on something; another must exist.
-        return Store(path, create=path == configured)
+        old = older_version(path) if path.exists() else None
+        if old is None:
+            return Store(path, create=path == configured)
+        started = time.monotonic()
+        with st.spinner(f"Upgrading the store {path.name} from schema {old} to {SCHEMA_VERSION}: once, in place, "
+                        "every run kept. A store of hundreds of MB takes a minute or more."):
+            store = Store(path, create=path == configured)
+        st.caption(f"The store {plain(path.name)} was upgraded from schema {old} to {SCHEMA_VERSION} in "
+                   f"{time.monotonic() - started:,.1f} s.")
+        return store
     except StoreError as exc:
         st.error(plain(exc))
         st.info("Pick another store file in the sidebar.")

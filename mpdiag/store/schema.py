@@ -247,6 +247,20 @@ def stored_version(conn: sqlite3.Connection, path: Path) -> int | None:
         raise StoreError(f"{path} carries an unreadable schema version {row[0]!r}.") from None
 
 
+def older_version(path: Path) -> int | None:
+    """The schema version of the mpdiag store at ``path`` when opening it will migrate it (older than this
+    mpdiag's), else None (current, newer, new, or not a store: opening it says what is wrong)."""
+    try:
+        conn = connect_read(path, immutable=needs_immutable(path))
+        try:
+            version = stored_version(conn, path)
+        finally:
+            conn.close()
+    except (sqlite3.DatabaseError, StoreError, OSError):
+        return None
+    return version if version is not None and version < SCHEMA_VERSION else None
+
+
 def refuse_newer(path: Path, version: int | None) -> None:
     if version is not None and version > SCHEMA_VERSION:
         raise StoreError(f"{path} has mpdiag schema version {version}, newer than this mpdiag's version "
