@@ -84,3 +84,12 @@ def test_the_run_token_is_in_the_childs_environment_only(tmp_path):
     supervise(["python3", "-c", f"import os; open({str(out)!r}, 'w').write(os.environ['MPDIAG_SUPERVISED_RUN'])"],
               LIMITS, tmp_path)
     assert len(out.read_text()) == 16 and "MPDIAG_SUPERVISED_RUN" not in os.environ
+
+
+def test_a_child_that_fills_its_directory_is_stopped_at_the_disk_cap(tmp_path):
+    writer = "import time\nwith open('big', 'wb') as f:\n    for _ in range(400):\n        f.write(b'x' * 2**20); f.flush(); time.sleep(0.01)\ntime.sleep(30)"
+    outcome = supervise(["python3", "-c", writer], Limits(wall_s=60, memory_mb=4000, log_bytes=1000, disk_mb=50),
+                        tmp_path)
+    assert outcome.reason == "disk"
+    assert outcome.message.startswith("stopped by the disk cap (50 MB)")
+    assert outcome.seconds < 20

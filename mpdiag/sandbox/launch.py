@@ -70,8 +70,9 @@ def max_concurrent_runs() -> int:
 def limits_text() -> str:
     """The limits on runs started from the app, in one sentence for the pages."""
     limits = Limits.for_runs()
-    return (f"Each run started here may use up to {limits.memory_mb:g} MB of memory and {limits.wall_s / 3600:g} h "
-            f"of wall time (the last {limits.log_bytes / 2**20:g} MiB of its output is kept); at most "
+    return (f"Each run started here may use up to {limits.memory_mb:,g} MB of memory and {limits.wall_s / 3600:g} h "
+            f"of wall time, and write up to {limits.disk_mb:,g} MB into its directory (the last "
+            f"{limits.log_bytes / 2**20:g} MiB of its output is kept); everything it starts ends with it; at most "
             f"{max_concurrent_runs()} run(s) train at once, later ones wait as queued.")
 
 

@@ -43,17 +43,19 @@ def _env_number(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits on one supervised child. Defaults come from MPDIAG_RUN_WALL_S, MPDIAG_RUN_MEMORY_MB and
-    MPDIAG_LOG_BYTES (runs) or MPDIAG_CHECK_WALL_S (checks)."""
+    """Limits on one supervised child. Defaults come from MPDIAG_RUN_WALL_S, MPDIAG_RUN_MEMORY_MB,
+    MPDIAG_LOG_BYTES and MPDIAG_RUN_DISK_MB (runs) or MPDIAG_CHECK_WALL_S (checks). ``disk_mb``: what the child
+    may write into its own directory (uploaded code's copy; None: no cap)."""
 
     wall_s: float
     memory_mb: float
     log_bytes: int
+    disk_mb: float | None = None
 
     @classmethod
     def for_runs(cls) -> Limits:
         return cls(_env_number("MPDIAG_RUN_WALL_S", 6 * 3600), _env_number("MPDIAG_RUN_MEMORY_MB", 8192),
-                   int(_env_number("MPDIAG_LOG_BYTES", MiB)))
+                   int(_env_number("MPDIAG_LOG_BYTES", MiB)), _env_number("MPDIAG_RUN_DISK_MB", 4096))
 
     @classmethod
     def for_checks(cls) -> Limits:
@@ -63,8 +65,8 @@ class Limits:
 
 @dataclass
 class Outcome:
-    """How a supervised child ended. ``reason``: exited, wall_time, memory, or refused (its parent stopped it
-    for breaking the child protocol; ``message`` says how)."""
+    """How a supervised child ended. ``reason``: exited, wall_time, memory, disk, or refused (its parent stopped
+    it for breaking the child protocol; ``message`` says how)."""
 
     exit_code: int | None
     reason: str
@@ -133,6 +135,21 @@ def _limit_address_space(memory_mb: float):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     return apply
+
+
+DISK_CHECK_S = 1.0  # how often a child's directory is measured against its disk cap
+
+
+def _directory_bytes(path: str | os.PathLike) -> int:
+    """Bytes in the files under ``path`` (links not followed; files that vanish while counted skipped)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _become_subreaper() -> None:
@@ -227,15 +244,20 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
                               daemon=True)
     reader.start()
     processes = RunProcesses(psutil.Process(proc.pid), token)
-    reason, refused = "exited", None
+    reason, refused, disk_checked = "exited", None, start
     while proc.poll() is None:
         refused = refusal() if refusal is not None else None
+        disk_due = limits.disk_mb is not None and time.monotonic() - disk_checked >= DISK_CHECK_S
         if refused is not None:
             reason = "refused"
         elif time.monotonic() - start > limits.wall_s:
             reason = "wall_time"
         elif processes.rss() > limits.memory_mb * MiB:
             reason = "memory"
+        elif disk_due and _directory_bytes(cwd) > limits.disk_mb * MiB:
+            reason = "disk"
+        if disk_due:
+            disk_checked = time.monotonic()
         if reason != "exited":
             break
         log.flush_if_due()
@@ -266,6 +288,9 @@ def _describe(reason: str, code: int | None, limits: Limits) -> str:
         return f"stopped at the wall-time limit of {limits.wall_s:g} s (does the script loop forever or wait on input?)"
     if reason == "memory":
         return f"stopped by the memory cap ({limits.memory_mb:,g} MB): the run's processes used more than that"
+    if reason == "disk":
+        return (f"stopped by the disk cap ({limits.disk_mb:,g} MB): the run wrote more than that into its directory "
+                "(MPDIAG_RUN_DISK_MB sets the cap)")
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
