@@ -46,5 +46,7 @@ def test_the_limit_comes_from_the_environment_or_the_cpu_count(monkeypatch):
 def test_limits_are_stated_for_the_pages(monkeypatch):
     monkeypatch.setenv("MPDIAG_RUN_MEMORY_MB", "1234")
     monkeypatch.setenv("MPDIAG_MAX_RUNS", "2")
+    monkeypatch.setenv("MPDIAG_RUN_DISK_MB", "500")
     text = limits_text()
-    assert "1234 MB of memory" in text and "at most 2 run(s)" in text and "queued" in text
+    assert "1,234 MB of memory" in text and "at most 2 run(s)" in text and "queued" in text
+    assert "write up to 500 MB into its directory" in text and "everything it starts ends with it" in text
