@@ -130,3 +130,27 @@ def test_a_queued_job_waits_light(tmp_path):
         assert "torch" not in maps and "pandas" not in maps and rss_mb < 60, rss_mb
     run = wait_final(store_path, proc)  # the slot freed: it runs
     assert run["status"] == "finished" and run["steps_done"] == 3
+
+
+def test_a_run_that_hangs_reads_stalled_with_its_last_line_of_output(tmp_path, monkeypatch):
+    """Uploaded code that prints, trains 3 steps and hangs: its steps reach the store, and the run reads stalled
+    with the last line it printed (the log mirrored while it hangs), as the pages show it."""
+    from mpdiag.store import reader
+
+    monkeypatch.setattr(reader, "STALL_S", 2.0)
+    store_path = tmp_path / "runs.db"
+    after = "print('loading the next shard', flush=True); time.sleep(120)"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=after))
+    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
+    deadline, run = time.time() + 90, None
+    while time.time() < deadline:
+        ids = proc.run_ids()
+        run = Store(store_path).run(ids[0]) if ids else None
+        if run is not None and run["status"] == "stalled":
+            break
+        time.sleep(0.3)
+    assert run is not None and run["status"] == "stalled" and run["steps_done"] == 2
+    assert launching.last_output_line(store_path, int(run["run_id"])) == "loading the next shard"
+    assert launching.last_output_line(tmp_path / "other.db", int(run["run_id"])) is None
+    for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        process.kill()

@@ -25,6 +25,7 @@ from mpdiag.sandbox.bundle import Bundle, bundle_from_uploads, bundle_from_zip, 
 from mpdiag.sandbox.bundle import BundleRefused as BundleRefused  # the Upload page shows its message
 from mpdiag.sandbox.check import CheckReport, check_script
 from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job, watch_job
+from mpdiag.sandbox.launch import last_output_line as last_output_line  # a stalled run's last line
 from mpdiag.sandbox.launch import limits_text as limits_text  # the pages state the limits of what they start
 from mpdiag.sandbox.probe import run_probe
 from mpdiag.store import Store, StoreWriter

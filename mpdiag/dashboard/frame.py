@@ -153,14 +153,19 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
     return chosen
 
 
-def explain_run_state(run: pd.Series) -> None:
-    """Say what a failed or crashed run reported (its error as text), any note mpdiag stored with it, and the
+def explain_run_state(run: pd.Series, store: Store | None = None) -> None:
+    """Say what a failed or crashed run reported (its error as text), why a stalled one reads so (with its last
+    line of output, when ``store`` is given and the app started it), any note mpdiag stored with it, and the
     tags and note a person gave it (as text)."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stalled":
         st.warning(stall_text(run))
+        line = None if store is None else actions.last_output_line(store.path, int(run["run_id"]))
+        if line is not None:
+            st.caption("Its last line of output:")
+            st.code(line, language=None)
     if isinstance(run.get("note"), str):
         st.info(plain(run["note"]))
     tags, note = run.get("tags") or [], run.get("user_note")
@@ -178,7 +183,7 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
         return None
     run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
-    explain_run_state(run)
+    explain_run_state(run, store)
     return run, is_final(run)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -372,6 +373,28 @@ def _queue_rows(writer, script, config, pair: bool) -> list[int]:
     return writer.call(create)
 
 
+def store_key(store_path: str | os.PathLike) -> str:
+    """What a job's status file says of its store: a digest of its path, which names the store to a page that
+    knows it without telling a child (which can read the status files) where it is."""
+    return hashlib.sha256(str(Path(store_path).absolute()).encode()).hexdigest()[:16]
+
+
+def last_output_line(store_path: str | os.PathLike, run_id: int) -> str | None:
+    """The last line a run started from the app printed (its mirrored log), or None when this machine holds no
+    log of it (a run recorded from the command line, or one whose log was cleaned up)."""
+    key = store_key(store_path)
+    for status in sorted(WORK_DIR.glob("launch-*/" + STATUS_FILE), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            said = json.loads(status.read_text())
+            if said.get("store_key") != key or int(run_id) not in said.get("run_ids", []):
+                continue
+            lines = [line for line in (status.parent / LOG_FILE).read_text(errors="replace").splitlines() if line.strip()]
+        except (OSError, ValueError, TypeError):
+            continue
+        return lines[-1][-500:] if lines else None
+    return None
+
+
 def plan_and_queue(job: dict) -> dict:
     """In the planning process: the job's plan, with its queued run rows created and handed to the supervisor
     (``job["owner_pid"]``), as JSON-able data; or ``{"error": why}`` when the job cannot run."""
@@ -415,7 +438,8 @@ def supervise_job(job: dict) -> None:
         status.write_text(json.dumps({"message": planned["error"]}))
         return
     run_ids = planned["run_ids"]
-    status.write_text(json.dumps({"run_ids": run_ids}))
+    key = store_key(store_path)
+    status.write_text(json.dumps({"run_ids": run_ids, "store_key": key}))
     with run_slot(int(job["max_runs"])):
         from mpdiag.recording.background import BackgroundWriter  # only now: waiting costs no heavy imports
 
@@ -430,12 +454,12 @@ def supervise_job(job: dict) -> None:
             except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
                 message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
                 owner.close_unfinished(store_path, message)
-                status.write_text(json.dumps({"run_ids": run_ids, "message": message}))
+                status.write_text(json.dumps({"run_ids": run_ids, "store_key": key, "message": message}))
                 raise
             owner.close_unfinished(store_path, _error_of(result))
             if result.outcome.left_running:
                 owner.note_leftovers(store_path, result.outcome.left_running)
-            status.write_text(json.dumps({"run_ids": run_ids, "message": result.outcome.message}))
+            status.write_text(json.dumps({"run_ids": run_ids, "store_key": key, "message": result.outcome.message}))
         finally:
             writer.close()
 
