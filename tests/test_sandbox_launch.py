@@ -154,3 +154,15 @@ def test_a_run_that_hangs_reads_stalled_with_its_last_line_of_output(tmp_path, m
     assert launching.last_output_line(tmp_path / "other.db", int(run["run_id"])) is None
     for process in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
         process.kill()
+
+
+def test_a_run_whose_allocation_the_memory_cap_refused_says_so(tmp_path, monkeypatch):
+    """Without CUDA the cap is also an address-space limit: the script's allocation raises MemoryError, watch
+    records the run failed, the child exits normally - and the job's ending names the cap, not 'exited normally'."""
+    monkeypatch.setenv("MPDIAG_RUN_MEMORY_MB", "1500")
+    store_path = tmp_path / "runs.db"
+    sha = stored_upload(store_path, STEPS_THEN.format(after="hog = bytearray(4 * 2**30)"))
+    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
+    run = wait_final(store_path, proc)
+    assert run["status"] == "failed" and "MemoryError" in run["error"]
+    assert proc.ending().startswith("stopped by the memory cap (1,500 MB): an allocation was refused (MemoryError")

@@ -49,7 +49,7 @@ from mpdiag.sandbox.child import (
     run_task,
     scratch_dir,
 )
-from mpdiag.sandbox.supervisor import Limits
+from mpdiag.sandbox.supervisor import Limits, cuda_present
 
 STATUS_FILE = "status.json"
 LOG_FILE = "output.log"
@@ -338,6 +338,24 @@ class RunOwner:
             self._writer.call(lambda w, r=run_id, t=text: w.update_run(r, note=t))
 
 
+def _ending(store_path: str, run_ids: list[int], result: TaskResult) -> str:
+    """How the job ended, for the page that started it: how its child process ended, unless that exited normally
+    while a run failed (a script's own error, caught by watch; an allocation the memory cap refused): then that."""
+    from mpdiag.store import Store
+
+    if not result.outcome.ok:
+        return result.outcome.message
+    runs = Store(store_path).runs()
+    failed = runs[runs["run_id"].isin(run_ids) & (runs["status"] == "failed")]
+    if failed.empty:
+        return result.outcome.message
+    error = str(failed.iloc[0]["error"] or "").strip()
+    last = error.splitlines()[-1] if error else "no error was recorded"
+    if "MemoryError" in last and not cuda_present():
+        return f"stopped by the memory cap ({Limits.for_runs().memory_mb:,g} MB): an allocation was refused ({last})"
+    return f"the run failed: {last}"
+
+
 def _error_of(result: TaskResult) -> str:
     """Why a child's runs did not end themselves: the child's own verdict, or how the process ended and its last
     output."""
@@ -459,7 +477,8 @@ def supervise_job(job: dict) -> None:
             owner.close_unfinished(store_path, _error_of(result))
             if result.outcome.left_running:
                 owner.note_leftovers(store_path, result.outcome.left_running)
-            status.write_text(json.dumps({"run_ids": run_ids, "store_key": key, "message": result.outcome.message}))
+            status.write_text(json.dumps({"run_ids": run_ids, "store_key": key,
+                                          "message": _ending(store_path, run_ids, result)}))
         finally:
             writer.close()
 
