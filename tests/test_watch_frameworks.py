@@ -140,3 +140,59 @@ def test_gan_steps_record_only_the_stepping_models_gradients_under_stable_names(
         assert sorted(rows.index) == sorted(norms), f"step {step} ({truth['model'][step]})"
         finite = {name: norm for name, norm in norms.items() if math.isfinite(norm)}
         assert [rows[name] for name in finite] == pytest.approx(list(finite.values()), rel=1e-6)
+
+
+def test_clipping_with_get_total_norm_and_clip_grads_with_norm(store_path, write_script, tmp_path):
+    """torch's two-part clip (Hugging Face's Trainer uses it for gradients on several meshes): the recorded
+    gradients are those before ``clip_grads_with_norm_``, whose global norm is what ``get_total_norm`` returned."""
+    norms_path = tmp_path / "norms.json"
+    script = write_script(f"""
+import json
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+norms = []
+for _ in range(3):
+    opt.zero_grad()
+    (model(torch.randn(16, 4)) * 100).square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    total = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.01, total)
+    norms.append(float(total))
+    opt.step()
+json.dump(norms, open({str(norms_path)!r}, "w"))
+""", name="two_part_clip.py")
+    run_id, code = watch(WatchConfig(target=str(script)), store_path)
+    assert code == 0
+    stats, norms = Store(store_path).tensor_stats(run_id), json.loads(norms_path.read_text())
+    recorded = stats.groupby("step")["l2"].apply(lambda l2: math.sqrt((l2 ** 2).sum())).tolist()
+    assert recorded == pytest.approx(norms, rel=1e-5) and min(norms) > 1  # far above the clip: before it
+
+
+def test_a_closure_the_optimizer_never_calls_is_named_not_guessed(store_path, write_script):
+    """An optimizer whose step ignores its closure: watch cannot see that step's gradients, so it stores no step
+    for it and the run's note says so."""
+    script = write_script("""
+import torch
+class Ignoring(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # updates from the gradients already there; the closure is never called
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+model = torch.nn.Linear(3, 1)
+opt = Ignoring(model.parameters())
+for _ in range(2):
+    def closure():
+        opt.zero_grad(); loss = model(torch.ones(2, 3)).sum(); loss.backward(); return loss
+    closure()
+    opt.step(closure)
+""", name="ignoring.py")
+    run_id, code = watch(WatchConfig(target=str(script)), store_path)
+    run = Store(store_path).run(run_id)
+    assert code == 0 and run["note"].startswith("2 optimizer step(s) were given a closure they never called")
+    assert Store(store_path).steps(run_id).empty

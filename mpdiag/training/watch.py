@@ -289,6 +289,8 @@ class Watcher:
         self._read_at_clip: tuple[GradientRead, list] | None = None
         self._reevaluating = 0  # inside a closure's evaluation after its first (LBFGS): not the recorded step
         self._closure_scaler = None  # a (disabled) scaler stepping an optimizer with a closure
+        self._closures: dict[int, list[int]] = {}  # optimizer -> evaluations of the closure its running step got
+        self.closures_never_called = 0  # optimizer steps whose closure never ran: those steps are not recorded
         self._patches = _Patches()
         self.shadow: WatchShadow | None = None  # --shadow-every: replays the coming step in FP32 when armed
         self._shadow_error: str | None = None  # why the shadow stopped, for the run's note
@@ -307,7 +309,7 @@ class Watcher:
 
         p.set(torch.optim.Optimizer, "__init__", optimizer_init)
         p.hook(register_optimizer_step_pre_hook(self._before_optimizer_step))
-        p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._mark_stepped()))
+        p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._after_optimizer_step(opt)))
 
         scaler_cls = torch.amp.GradScaler
         scaler_init, scaler_scale, scaler_step = scaler_cls.__init__, scaler_cls.scale, scaler_cls.step
@@ -359,8 +361,9 @@ class Watcher:
 
         # Each name is wrapped as it is found, so a wrapper installed before watch (a profiler's, a test's) still
         # runs; the capture happens before it.
-        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for module, names in ((torch.nn.utils, ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")),
+                              (torch.nn.utils.clip_grad, ("clip_grad_norm_", "clip_grad_value_"))):
+            for name in names:  # clip_grads_with_norm_: the second half of get_total_norm + clip, as HF calls it
                 p.set(module, name, self._before(getattr(module, name)))
 
         autocast_cls = torch.amp.autocast_mode.autocast
@@ -422,6 +425,12 @@ class Watcher:
         if self._recorded:
             self._stepped = True
 
+    def _after_optimizer_step(self, optimizer) -> None:
+        evaluations = self._closures.pop(id(optimizer), None)
+        if evaluations is not None and evaluations[0] == 0:
+            self.closures_never_called += 1  # its forward and backward never ran where watch could see them
+        self._mark_stepped()
+
     def _before_optimizer_step(self, optimizer, args, kwargs):
         """An optimizer's step is entered: capture now, or, given a closure, once its first evaluation has run
         the step's forward and backward (returned in its place, as torch's step pre-hooks may)."""
@@ -434,12 +443,11 @@ class Watcher:
             ((args[0], evaluated, *args[2:]), kwargs)
 
     def _capturing_closure(self, closure, optimizer):
-        evaluations = 0
+        evaluations = self._closures[id(optimizer)] = [0]
 
         def evaluate():
-            nonlocal evaluations
-            evaluations += 1
-            if evaluations > 1:
+            evaluations[0] += 1
+            if evaluations[0] > 1:
                 self._reevaluating += 1
                 try:
                     return closure()
@@ -568,6 +576,10 @@ class Watcher:
             notes.append(f"--opt-level {level} changed nothing in the forward pass: the script entered no autocast "
                          f"region (watch sets the dtype of the script's own regions), so it computed in FP32, not "
                          f"{dtype}.{scalers}")
+        if self.closures_never_called:
+            notes.append(f"{self.closures_never_called} optimizer step(s) were given a closure they never called: "
+                         "watch records a step's gradients once its closure has run the step's forward and backward, "
+                         "so those steps are not recorded.")
         if self.config.shadow_every:
             notes.extend(self._shadow_notes())
         if not self.steps:
