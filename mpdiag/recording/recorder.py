@@ -462,15 +462,7 @@ class Recorder:
         self.stopped_recording = (f"mpdiag stopped recording at step {self._step}: {exc}. The training itself went "
                                   "on; the steps committed before were kept.")
         print(f"mpdiag: {self.stopped_recording}", file=sys.stderr)
-        self._closed = True
-        self._stop_timer()
-        for hook in self._hooks:
-            hook.remove()
-        self._step_grads.remove()
-        self._dist.close()
-        for part in (self._tracer, self._fp8):
-            if part is not None:
-                part.remove()
+        self._unhook()
         try:
             self._writer.call(lambda w: w.end_run(self.run_id, "failed", error=self.stopped_recording))
         except Exception:  # noqa: BLE001 - the store may refuse this too (a full disk): stderr has said it
@@ -654,19 +646,22 @@ class Recorder:
         with self._lock:
             self._end_locked(status, error, note, known)
 
-    def _end_locked(self, status: str, error: str | None, note: str | None, known: bool) -> None:
-        if self._closed:
-            return
+    def _unhook(self) -> None:
+        """Closed: the timer, the step and gradient hooks, the rank watch, the tracer and the FP8 capture removed."""
         self._closed = True
         self._stop_timer()
         for hook in self._hooks:
             hook.remove()
         self._step_grads.remove()
         self._dist.close()
-        if self._tracer is not None:
-            self._tracer.remove()
-        if self._fp8 is not None:
-            self._fp8.remove()
+        for part in (self._tracer, self._fp8):
+            if part is not None:
+                part.remove()
+
+    def _end_locked(self, status: str, error: str | None, note: str | None, known: bool) -> None:
+        if self._closed:
+            return
+        self._unhook()
         self._close_previous_row(known=known)
         self._settle_owners()
         if self._unread_steps:
