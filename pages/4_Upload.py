@@ -71,8 +71,9 @@ def checked(store, subject: str, action, key: str, spinner: str, check, not_chec
 
 
 def model_script(store) -> None:
-    st.caption("A model script defines build(device) returning model, optimizer, batches and loss_fn (see the "
-               "README); mpdiag trains it at any opt level, O2 and O3 included.")
+    st.caption("A model script defines build(device), returning a dict with the model, a function making its "
+               "optimizer from the parameters, a function giving step N's batch, and loss_fn(model, batch); mpdiag "
+               "trains it at any opt level, O2 and O3 included.")
     upload = st.file_uploader("Model script (.py)", type=["py"], key="upload")
     if upload is not None:
         take_upload(lambda: actions.store_upload(store, upload.name, upload.getvalue())[1], "uploaded_sha", "script")

@@ -50,7 +50,8 @@ def reruns_table(store, run: pd.Series, findings) -> None:
         return
     st.subheader("Reruns of this run")
     st.dataframe(outcomes, hide_index=True, width="stretch",
-                 column_config={"vs FP32": st.column_config.NumberColumn(format="percent")})
+                 column_config={"vs FP32": st.column_config.NumberColumn(
+                     format="%+.3f %%", help="final loss minus the FP32 reference's, in % of the reference")})
 
 
 def shadow_section(store, run_id: int, final: bool) -> None:
@@ -124,7 +125,9 @@ def findings_view(store, run: pd.Series, final: bool) -> None:
     if not final:
         st.info("The run is still going: these findings cover the steps recorded so far.")
     if not findings:
-        st.success(f"No findings for {plain(ui.run_label(run))}: none of the rules in the README fired.")
+        st.success(f"No findings for {plain(ui.run_label(run))}: none of mpdiag's checks (gradient underflow and "
+                   "overflow, loss-scale collapse and skipped steps, divergence from FP32, optimizer-step and FP8 "
+                   "checks) found a problem.")
     for i, finding in enumerate(findings):
         finding_card(store, run, final, i, finding)
     reruns_table(store, run, findings)

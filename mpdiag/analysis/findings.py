@@ -88,7 +88,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     k = recommended_scale(hist)
     if k is not None:
         fix = {"loss_scale": "dynamic", "init_scale": float(2**k)}
-        advice = (f"Scale the loss: dynamic scaling from 2^{k}; by the recorded histograms it keeps the share below "
+        advice = (f"Use dynamic loss scaling from 2^{k}: by the recorded histograms it keeps the share below "
                   f"{LOW_RANGE_TARGET:.1%} without overflow.")
     else:
         advice = "No single loss scale fits these gradients in FP16; use --opt-level bf16 (FP32's range)."
@@ -103,8 +103,9 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     return Finding(
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
-        evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow ({int(totals['fp16_underflow_at_scale'].sum())}) "
-                  f"or subnormal ({int(totals['fp16_subnormal_at_scale'].sum())}) at the scale used; "
+        evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow "
+                  f"({int(totals['fp16_underflow_at_scale'].sum()):,} values) or subnormal "
+                  f"({int(totals['fp16_subnormal_at_scale'].sum()):,} values) at the scale used; "
                   f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
         recommendation=advice,
         tensors=tensors,
@@ -477,7 +478,7 @@ def evidence_link(finding: Finding, run_id: int) -> str:
 def rerun_outcomes(store: Store, run_id: int, findings: list[Finding]) -> pd.DataFrame:
     """The reruns of a run (its mixed-precision children), one row each: run id, status, final loss; for a
     finished rerun, per finding of the parent whether its rule is "gone" or "still there", and its final loss
-    against its FP32 reference ("vs FP32": relative difference). Empty when the run was never rerun."""
+    against its FP32 reference ("vs FP32": relative difference in percent). Empty when the run was never rerun."""
     runs = store.runs()
     if runs.empty:
         return pd.DataFrame()
@@ -494,6 +495,6 @@ def rerun_outcomes(store: Store, run_id: int, findings: list[Finding]) -> pd.Dat
             if ref is not None:
                 ref_loss = float(runs.loc[runs["run_id"] == ref, "final_loss"].iloc[0])
                 row["FP32 final loss"] = ref_loss
-                row["vs FP32"] = (child["final_loss"] - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
+                row["vs FP32"] = 100 * (child["final_loss"] - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
         rows.append(row)
     return pd.DataFrame(rows)
