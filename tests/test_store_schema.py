@@ -40,6 +40,8 @@ def _stamp(path):
         return conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
 
 
+#: the steps columns schema version 9 added (recorded at every step since)
+NEW_STEP_COLUMNS = ["lr", "grad_norm", "wall_time_s"]
 #: the representability columns schema versions 1 and 2 stored (FP16 and BF16 only)
 COLUMN_ERA = [c for c in REPRESENTABILITY_COLUMNS if c.startswith(("fp16", "bf16"))]
 
@@ -70,7 +72,9 @@ def test_old_store_migrates_in_place_and_reads_back_identical_data(tmp_path, ver
         rows = old_rows[old_rows["run_id"] == run_id].reset_index(drop=True)
         steps = store.steps(run_id)
         expected_steps = old_steps[old_steps["run_id"] == run_id].reset_index(drop=True)
-        pd.testing.assert_frame_equal(steps, expected_steps[steps.columns].astype(steps.dtypes.to_dict()))
+        kept = [c for c in steps.columns if c in expected_steps]  # lr, grad_norm, wall_time_s came at version 9
+        pd.testing.assert_frame_equal(steps[kept], expected_steps[kept].astype(steps[kept].dtypes.to_dict()))
+        assert steps[["lr", "grad_norm", "wall_time_s"]].isna().all().all()
         stats = store.tensor_stats(run_id)
         for col in ["zeros", "nan", "posinf", "neginf", "absmax", "min_nonzero", "l2", *COLUMN_ERA]:
             assert stats[col].tolist() == rows[col].tolist(), col
@@ -249,14 +253,17 @@ def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes
     path = tmp_path / "v7.db"
     shutil.copy(original, path)
     store = Store(path)
-    assert _stamp(path) == str(SCHEMA_VERSION) == "8"
+    assert _stamp(path) == str(SCHEMA_VERSION)
     after = _tables(path)
-    assert set(after) - set(before) == {"run_tags"} and after["run_tags"].empty
+    assert "run_tags" in set(after) - set(before) and after["run_tags"].empty
     for table, old in before.items():
         new = after[table]
         if table == "runs":
             assert new["user_note"].isna().all()
             new = new.drop(columns="user_note")
+        elif table == "steps":  # version 9's columns, NULL for the steps recorded before
+            assert new[NEW_STEP_COLUMNS].isna().all().all()
+            new = new.drop(columns=NEW_STEP_COLUMNS)
         elif table == "meta":
             continue
         pd.testing.assert_frame_equal(new, old, check_dtype=False, obj=table)
@@ -269,3 +276,42 @@ def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes
         writer.set_user_note(1, "first try\nlr 1e-3")
     run = Store(path).run(1)
     assert (run["name"], run["tags"], run["user_note"]) == ("renamed", ["baseline", "fp16"], "first try\nlr 1e-3")
+
+
+def test_schema_8_store_migrates_to_9_keeping_every_row_and_gains_per_step_lr_norm_and_wall_time(tmp_path):
+    """Schema 9 adds steps.lr, steps.grad_norm and steps.wall_time_s in place (ALTER TABLE ADD COLUMN on the
+    WITHOUT ROWID steps table); every row of every table of a real schema-8 file (tests/data/make_store_v8.py,
+    written by the schema-8 code) reads back as it was, the new columns read NULL / NaN for its steps, and the
+    migrated store takes steps with the new columns, which Store.steps returns exactly."""
+    original = DATA / "store_v8.db"
+    assert _stamp(original) == "8"
+    before = _tables(original)
+    path = tmp_path / "v8.db"
+    shutil.copy(original, path)
+    store = Store(path)
+    assert _stamp(path) == str(SCHEMA_VERSION)
+    after = _tables(path)
+    for table, old in before.items():
+        new = after[table]
+        if table == "steps":
+            assert list(new.columns) == [*old.columns, *NEW_STEP_COLUMNS]  # appended, where the DDL has them
+            assert new[NEW_STEP_COLUMNS].isna().all().all() and len(new) == 9
+            new = new.drop(columns=NEW_STEP_COLUMNS)
+        elif table == "meta":
+            continue
+        pd.testing.assert_frame_equal(new, old, check_dtype=False, obj=table)
+    steps = store.steps(1)
+    assert steps["loss"].tolist() == [2.5, 2.0, 1.5] and steps[NEW_STEP_COLUMNS].isna().all().all()
+    runs = store.runs().sort_values("run_id")
+    assert runs["tags"].tolist()[0] == ["baseline", "fp16"] and runs["user_note"].tolist()[0] == "first try"
+    rows = [StepRow(0, 1.0, 8.0, 0, 0, 8.0, 0.1, 10, 1, 1e-3, 0.25, 0.5),
+            StepRow(1, float("nan"), 8.0, 1, 0, 4.0, 0.1, 10, 0, 9e-4, float("inf"), 1.0),
+            StepRow(2, 0.5, 4.0, 1, 0, 2.0, 0.1, 10, 0, 8e-4, float("nan"), 1.5),
+            StepRow(3, 0.5, 2.0, 0, 1, 2.0, 0.1, 10, 0)]  # a row without them (an older writer's rows) reads NaN
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = writer.create_run(name="after migration")
+        writer.write_batch(run_id, rows, [])
+    steps = Store(path).steps(run_id)
+    assert steps["lr"].tolist()[:3] == [1e-3, 9e-4, 8e-4] and steps["wall_time_s"].tolist()[:3] == [0.5, 1.0, 1.5]
+    assert steps["grad_norm"].tolist()[:2] == [0.25, float("inf")] and np.isnan(steps["grad_norm"].iloc[2])
+    assert steps.iloc[3][NEW_STEP_COLUMNS].isna().all()

@@ -243,12 +243,19 @@ class Store:
     def steps(self, run_id: int, since_step: int = -1) -> pd.DataFrame:
         """Per-step records of a run (steps after ``since_step``), loss NaN restored from NULL.
         ``skipped`` is 1 when the optimizer step did not run, 0 when it ran, NaN when unknown (the run stopped
-        inside that step); ``growth_tracker`` is NaN for runs without a scaler."""
+        inside that step); ``growth_tracker`` is NaN for runs without a scaler.
+
+        Recorded at every step since schema 9 (NaN in the rows of runs recorded before, whose ``wall_time_s`` is
+        NaN too): ``lr``, the learning rate of the step (NaN when the Recorder knew no optimizer); ``grad_norm``,
+        the L2 norm of all the step's gradients, unscaled, before clipping (what ``clip_grad_norm_`` returns),
+        +-inf as itself and NaN for a NaN norm; ``wall_time_s``, seconds from the Recorder's start to the end of
+        the step."""
         df = self._query(
             f"SELECT {', '.join(STEP_COLUMNS)} FROM steps WHERE run_id = ? AND step > ? ORDER BY step",
             (int(run_id), int(since_step)),
         )
-        for col in ("loss", "loss_scale", "skipped", "growth_tracker", "scale_after"):
+        for col in ("loss", "loss_scale", "skipped", "growth_tracker", "scale_after", "lr", "grad_norm",
+                    "wall_time_s"):
             df[col] = df[col].astype(float)
         return df
 

@@ -30,7 +30,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 6: hist_totals, each tensor's exponent histogram summed over its logged steps (runs recorded before have none).
 # 7: bundles, training code uploaded in the app (a script and the files it imports) that watched runs repeat.
 # 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
-SCHEMA_VERSION = 8
+# 9: steps.lr, steps.grad_norm, steps.wall_time_s: recorded at every step (rows of runs recorded before read NULL).
+SCHEMA_VERSION = 9
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
@@ -51,6 +52,7 @@ SPECIAL_COUNT_COLUMNS = ["zeros", "nan", "posinf", "neginf"]
 TENSOR_STAT_COLUMNS = ["numel", *SPECIAL_COUNT_COLUMNS, "absmax", "min_nonzero", "l2"]
 STEP_COLUMNS = [
     "step", "loss", "loss_scale", "skipped", "growth_tracker", "scale_after", "step_time_s", "peak_mem_bytes",
+    "lr", "grad_norm", "wall_time_s",
 ]
 #: Counts summed per (run, tensor) over all logged steps, as :meth:`Store.tensor_totals` reports them.
 TOTAL_COLUMNS = [*SPECIAL_COUNT_COLUMNS, *REPRESENTABILITY_COLUMNS]
@@ -103,6 +105,7 @@ _STATEMENTS = [
     run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL,
     loss REAL, loss_scale REAL, skipped INTEGER, growth_tracker INTEGER, scale_after REAL,
     step_time_s REAL, peak_mem_bytes INTEGER, logged INTEGER NOT NULL DEFAULT 0,
+    lr REAL, grad_norm REAL, wall_time_s REAL,
     PRIMARY KEY (run_id, step)) WITHOUT ROWID""",
     _TENSOR_STEPS_DDL,
     _TENSOR_STEPS_INDEX_DDL,
@@ -334,7 +337,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
         if version != SCHEMA_VERSION:
             for statement in _STATEMENTS:  # every table that is missing, as the current version has it
                 conn.execute(statement)
-            _add_missing_run_columns(conn)
+            for table in ("runs", "steps"):
+                _add_missing_columns(conn, table)
             if version is not None and version < 3:
                 _move_representability_to_long_table(conn)
             if version is not None and version < 6:
@@ -346,16 +350,17 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
         raise
 
 
-def _add_missing_run_columns(conn: sqlite3.Connection) -> None:
-    """Older stores lack run columns added since (summary, update_format): add them, empty."""
-    runs_ddl = next(s for s in _STATEMENTS if "TABLE IF NOT EXISTS runs" in s)
+def _add_missing_columns(conn: sqlite3.Connection, table: str) -> None:
+    """Older stores lack columns added since to ``table`` (runs: summary, update_format, ...; steps: lr, grad_norm,
+    wall_time_s at version 9): add them, empty (NULL), at the end, where the current DDL has them too."""
+    ddl = next(s for s in _STATEMENTS if f"TABLE IF NOT EXISTS {table} (" in s)
     with closing(sqlite3.connect(":memory:")) as scratch:
-        scratch.execute(runs_ddl)
-        wanted = [(r[1], r[2]) for r in scratch.execute("PRAGMA table_info(runs)")]
-    have = {r[1] for r in conn.execute("PRAGMA table_info(runs)")}
+        scratch.execute(ddl)
+        wanted = [(r[1], r[2]) for r in scratch.execute(f"PRAGMA table_info({table})")]
+    have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
     for name, kind in wanted:
         if name not in have:
-            conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
 
 def _sum_histograms_into_totals(conn: sqlite3.Connection, chunk: int = 50_000) -> None:

@@ -105,6 +105,12 @@ class StepRow(NamedTuple):
     step_time_s: float
     peak_mem_bytes: int
     logged: int  # 1 when tensor statistics were recorded at this step
+    #: the learning rate the step used (the first optimizer's param_groups[0]["lr"]); None: no optimizer known
+    lr: float | None = None
+    #: the L2 norm of all the step's gradients, unscaled, before clipping (clip_grad_norm_'s value); NaN/inf kept
+    #: as such (SQLite stores NaN as NULL); None: not recorded
+    grad_norm: float | None = None
+    wall_time_s: float | None = None  # seconds from the Recorder's start to the step's end (its record() call)
 
 
 class Representability(NamedTuple):
@@ -402,7 +408,8 @@ class StoreWriter:
         special, per_format = _sum_counts(tensor_rows)
         kinds = Representability._fields
         with self._conn:
-            self._conn.executemany(f"INSERT INTO steps VALUES ({', '.join('?' * (len(StepRow._fields) + 1))})",
+            self._conn.executemany(f"INSERT INTO steps (run_id, {', '.join(StepRow._fields)}) "
+                                   f"VALUES ({', '.join('?' * (len(StepRow._fields) + 1))})",
                                    [(run_id, *row) for row in step_rows])
             self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
                                    [(run_id, *row[:-1]) for row in tensor_rows])
