@@ -22,6 +22,7 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import select_runs
+from mpdiag.recording.console import tee_console
 from mpdiag.recording.distributed import RankContext
 from mpdiag.sandbox.check import check_script
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
@@ -200,9 +201,13 @@ def report(store: Store, run_id: int) -> int:
 def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -> int:
     print(f"mpdiag: running {script.filename} at {config.opt_level} into {store.path}", flush=True)
     progress = _progress(config.steps)
+    with tee_console() as console:  # what the run prints, kept with it (and shown on the terminal as ever)
+        if not pair:
+            run_id = train(script, config, store.path, progress=progress, console=console)
+        else:
+            mixed_id, fp32_id = train_pair(script, config, store.path, progress=progress, console=console)
     if not pair:
-        return report(store, train(script, config, store.path, progress=progress))
-    mixed_id, fp32_id = train_pair(script, config, store.path, progress=progress)
+        return report(store, run_id)
     code = max(report(store, mixed_id), report(store, fp32_id))
     comparison = loss_comparison(store.steps(fp32_id), store.steps(mixed_id))
     step = first_divergence(comparison)
@@ -309,7 +314,8 @@ def _watch_and_report(config: WatchConfig, store: Store) -> int:
     here = os.getcwd()
     os.chdir(config.cwd)  # the script's relative paths are relative to where it was started
     try:
-        run_id, code = watch(config, store.path)
+        with tee_console() as console:  # the script's output, kept with the run and shown here unchanged
+            run_id, code = watch(config, store.path, console=console)
     finally:
         os.chdir(here)
     run = store.run(run_id)

@@ -228,10 +228,12 @@ class _ChannelReader:
 
 def run_task(task: str, payload: dict, limits: Limits, files: dict[str, bytes] | None = None,
              log_path: Path | None = None, on_call: OnCall | None = None,
-             on_start: Callable[[int], None] | None = None) -> TaskResult:
+             on_start: Callable[[int], None] | None = None,
+             on_output: Callable[[bytes], None] | None = None) -> TaskResult:
     """Run ``task`` (a key of TASKS) in a supervised child whose working directory is a fresh scratch
     directory holding ``files`` (by relative path); removes the directory when the child ends. Never raises for what the child
-    does. ``payload`` travels in argv (it must not hold the store's path)."""
+    does. ``payload`` travels in argv (it must not hold the store's path); ``on_output`` gets the child's output as it
+    arrives (see :func:`~mpdiag.sandbox.supervisor.supervise`)."""
     if task not in TASKS:
         raise ValueError(f"unknown child task {task!r}")
     work = scratch_dir(task)
@@ -251,7 +253,7 @@ def run_task(task: str, payload: dict, limits: Limits, files: dict[str, bytes] |
 
         try:
             outcome = supervise(command, limits, work, log_path=log_path, env=child_env(), on_start=started,
-                                pass_fds=(write_fd,), refusal=lambda: reader.refused)
+                                pass_fds=(write_fd,), refusal=lambda: reader.refused, on_output=on_output)
         except BaseException:
             _close_quietly(write_fd)
             raise

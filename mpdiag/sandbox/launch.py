@@ -15,7 +15,9 @@ environment, where a child could read it). That supervising process:
    child gets the script source (or the uploaded files), the configuration and the run ids only; its
    Recorder's writes arrive as calls, applied by :class:`RunOwner` after checking the method is allowed, the
    run is one this process created, and leaving what the plan fixed (a watched run's command) as planned;
-4. marks any of its runs the child left open ``failed``, with why (a limit, a crash, ``os._exit``).
+4. marks any of its runs the child left open ``failed``, with why (a limit, a crash, ``os._exit``);
+5. keeps the child's console output with its runs (bounded, refreshed every few seconds while it runs, final at
+   the end), read from the child's pipe and written by this process: the child cannot write it.
 
 This module must not let a child name the store or write a run it was not given.
 """
@@ -460,27 +462,37 @@ def supervise_job(job: dict) -> None:
     status.write_text(json.dumps({"run_ids": run_ids, "store_key": key}))
     with run_slot(int(job["max_runs"])):
         from mpdiag.recording.background import BackgroundWriter  # only now: waiting costs no heavy imports
+        from mpdiag.recording.console import OutputKeeper
+        from mpdiag.store.console import ConsoleCapture
 
         # heartbeat=False: the child's heartbeat is the one that tells whether the run is alive
         writer = BackgroundWriter(store_path, heartbeat=False)
+        output = None
         try:
             owner = RunOwner(writer, run_ids, planned["parent_run_id"], planned["fixed"])
             files = {path: base64.b64decode(data) for path, data in planned["files"].items()}
+            console = ConsoleCapture()
+            output = OutputKeeper(writer, run_ids, console)  # this process writes it, from the child's pipe
             try:
                 result = run_task(planned["task"], {**planned["payload"], "run_ids": run_ids}, Limits.for_runs(),
-                                  files=files, log_path=record / LOG_FILE, on_call=owner.apply)
+                                  files=files, log_path=record / LOG_FILE, on_call=owner.apply, on_output=console.add)
             except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
                 message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
                 owner.close_unfinished(store_path, message)
                 status.write_text(json.dumps({"run_ids": run_ids, "store_key": key, "message": message}))
                 raise
+            output.finish()  # before the status file says the job ended: its page then finds the final output
             owner.close_unfinished(store_path, _error_of(result))
             if result.outcome.left_running:
                 owner.note_leftovers(store_path, result.outcome.left_running)
             status.write_text(json.dumps({"run_ids": run_ids, "store_key": key,
                                           "message": _ending(store_path, run_ids, result)}))
         finally:
-            writer.close()
+            try:
+                if output is not None:
+                    output.finish()
+            finally:
+                writer.close()
 
 
 def run_in_child(payload: dict, channel) -> dict:

@@ -223,11 +223,14 @@ class RunProcesses:
 
 def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_path: Path | None = None,
               env: dict | None = None, on_start: Callable[[int], None] | None = None, pass_fds: tuple[int, ...] = (),
-              refusal: Callable[[], str | None] | None = None) -> Outcome:
+              refusal: Callable[[], str | None] | None = None,
+              on_output: Callable[[bytes], None] | None = None) -> Outcome:
     """Run ``command`` under ``limits`` in ``cwd``; returns when it ends or is stopped at a limit.
 
     ``pass_fds`` are inherited by the child (its verdict channel); ``on_start(pid)`` runs once it started;
-    ``refusal()``, polled while it runs, returns why the parent wants it stopped (or None to let it run)."""
+    ``refusal()``, polled while it runs, returns why the parent wants it stopped (or None to let it run);
+    ``on_output(chunk)`` is given every chunk of the child's output (stdout and stderr, as it arrives), on the
+    thread reading it."""
     log = BoundedLog(log_path, limits.log_bytes)
     start = time.monotonic()
     _become_subreaper()
@@ -240,8 +243,13 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     )
     if on_start is not None:
         on_start(proc.pid)
-    reader = threading.Thread(target=lambda: [log.add(c) for c in iter(lambda: proc.stdout.read1(65536), b"")],
-                              daemon=True)
+    def read() -> None:
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            log.add(chunk)
+            if on_output is not None:
+                on_output(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     processes = RunProcesses(psutil.Process(proc.pid), token)
     reason, refused, disk_checked = "exited", None, start

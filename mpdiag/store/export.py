@@ -32,7 +32,18 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "fp8": store.fp8(run_id),
         "fp8_histograms": store.fp8_histograms(run_id),
         "probes": store.probes(run_id),
+        "console_output": _console_output(store, run_id),
     }
+
+
+def _console_output(store: Store, run_id: int) -> pd.DataFrame:
+    """The run's kept console output as one row (text, bytes_total, updated_at); no row when none was kept."""
+    kept = store.run_output(run_id)
+    columns = ["text", "bytes_total", "updated_at"]
+    if kept is None:
+        return pd.DataFrame({"text": pd.Series(dtype=str), "bytes_total": pd.Series(dtype="int64"),
+                             "updated_at": pd.Series(dtype="datetime64[ns, UTC]")})
+    return pd.DataFrame([kept], columns=columns)
 
 
 def export_run(store: Store, run_id: int, out: Path) -> list[Path]:

@@ -203,6 +203,18 @@ class Store:
             raise StoreError(f"No run {run_id} in {self.path}. `python -m mpdiag runs` lists the runs.")
         return match.iloc[0]
 
+    def run_output(self, run_id: int) -> dict | None:
+        """The console output kept with a run (mpdiag started or watched its process): ``text`` (bounded: the
+        first and last part, with a line saying how many bytes were cut between them), ``bytes_total`` (all it
+        printed) and ``updated_at`` (UTC; refreshed every few seconds while the run goes). None when none was kept:
+        a run recorded by a user's own Recorder loop, or one recorded before mpdiag kept output."""
+        df = self._query("SELECT text, bytes_total, updated_at FROM run_output WHERE run_id = ?", (int(run_id),))
+        if df.empty:
+            return None
+        row = df.iloc[0]
+        return {"text": str(row["text"]), "bytes_total": int(row["bytes_total"]),
+                "updated_at": pd.to_datetime(float(row["updated_at"]), unit="s", utc=True)}
+
     def scripts(self) -> pd.DataFrame:
         """Stored scripts, newest first: sha256, filename, added_at (UTC), runs (how many runs used it)."""
         return self._uploads(

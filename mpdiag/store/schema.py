@@ -31,7 +31,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 7: bundles, training code uploaded in the app (a script and the files it imports) that watched runs repeat.
 # 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
 # 9: steps.lr, steps.grad_norm, steps.wall_time_s: recorded at every step (rows of runs recorded before read NULL).
-SCHEMA_VERSION = 9
+# 10: run_output, the console output of a run mpdiag started or watched (bounded: mpdiag.store.console).
+SCHEMA_VERSION = 10
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
@@ -97,6 +98,11 @@ _STATEMENTS = [
     # a person's labels of a run (mpdiag runs tag, the Runs page): one row per (run, tag)
     """CREATE TABLE IF NOT EXISTS run_tags (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tag TEXT NOT NULL, PRIMARY KEY (run_id, tag)) WITHOUT ROWID""",
+    # what the run's process printed (stdout and stderr as printed), bounded as mpdiag.store.console keeps it;
+    # bytes_total: all it printed, kept or cut. Written by whoever started or watched the process, never a child.
+    """CREATE TABLE IF NOT EXISTS run_output (
+    run_id INTEGER PRIMARY KEY REFERENCES runs(run_id), text TEXT NOT NULL, bytes_total INTEGER NOT NULL,
+    updated_at REAL NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS tensors (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), tensor_id INTEGER NOT NULL, name TEXT NOT NULL,
     shape TEXT NOT NULL, numel INTEGER NOT NULL, param_dtype TEXT NOT NULL, grad_dtype TEXT,

@@ -305,6 +305,14 @@ class StoreWriter:
         if int(run_id) in self._open_runs:
             self._open_runs.remove(int(run_id))
 
+    def set_run_output(self, run_id: int, text: str, bytes_total: int) -> None:
+        """Keep ``text`` as the run's console output (replacing what was kept; :class:`mpdiag.store.console.
+        ConsoleCapture` bounds it), ``bytes_total`` the bytes printed in all. Only the process that started or
+        watched the run calls this: a supervised child has no way to (it is not among its allowed calls)."""
+        with self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO run_output VALUES (?, ?, ?, ?)",
+                               (int(run_id), str(text), int(bytes_total), time.time()))
+
     # -- what a person says about a run: one method per action, each one transaction -------------------------
     def _existing(self, run_id: int) -> tuple:
         row = self._conn.execute("SELECT status, pid, host, process_started_at FROM runs WHERE run_id = ?",

@@ -24,6 +24,7 @@ import torch
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
@@ -131,7 +132,7 @@ def _raise_stop(signum, frame):
 
 def train(
     script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
-    run_id: int | None = None,
+    run_id: int | None = None, console=None,
 ) -> int:
     """Run ``script`` under ``config``, record it into the store and return the run id.
 
@@ -139,6 +140,8 @@ def train(
     the run is recorded as ``failed`` with the message (read it from ``Store.run(run_id)['error']``).
     With ``config.nproc`` above 1 this launches the ranks (:mod:`mpdiag.training.distributed`), which run
     this function again with the ``run_id`` the launch created; rank 0 records, the others write nothing.
+    ``console``: a :class:`~mpdiag.store.console.ConsoleCapture` of this process's output (``mpdiag run`` tees
+    it), kept with the run: refreshed while it trains, final when it ends (not for a run of several processes).
     """
     config.validate()
     device = resolve_device(config.device)
@@ -147,12 +150,13 @@ def train(
         return distributed.launch(script, config, store_path, _run_fields(script, config, device, None, policy))
     job = distributed.RankJob.join(config.parallel, device) if config.nproc > 1 else None
     writer = BackgroundWriter(store_path) if job is None or job.is_writer else DiscardingWriter()
-    recorder = None
+    recorder = output = None
     on_main_thread = threading.current_thread() is threading.main_thread()
     try:
         if run_id is None:
             sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
             run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha, policy)))
+            output = None if console is None else OutputKeeper(writer, [run_id], console)
         previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
         try:
             seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
@@ -188,6 +192,8 @@ def train(
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+        if output is not None:
+            output.finish()
         return run_id
     finally:
         writer.close()  # a rank's process group is left as it is: see mpdiag.training.rank
@@ -272,13 +278,15 @@ def _add_mean(total: list | None, grads: list, k: int) -> list:
 
 
 def train_pair(
-    script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None
+    script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
+    console=None,
 ) -> tuple[int, int]:
     """Run ``config`` and an O0 twin (same seed, hence same initial weights and batches) and link them.
-    Returns (mixed run id, FP32 run id)."""
+    Returns (mixed run id, FP32 run id). ``console`` (see :func:`train`): the twin's kept output is the
+    command's, so it starts with the first run's."""
     twin = config.fp32_twin(name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
-    mixed_id = train(script, config, store_path, progress)
-    fp32_id = train(script, twin, store_path, progress)
+    mixed_id = train(script, config, store_path, progress, console=console)
+    fp32_id = train(script, twin, store_path, progress, console=console)
     with StoreWriter(store_path) as writer:
         writer.update_run(mixed_id, pair_run_id=fp32_id)
         writer.update_run(fp32_id, pair_run_id=mixed_id)

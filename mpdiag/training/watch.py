@@ -46,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
+from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
@@ -620,11 +621,13 @@ def _exit_code(code) -> int:
 class WatchSession:
     """One watched run: its store writer, run row and the interception, from construction to :meth:`end`.
     ``watch`` wraps a script in one; the framework callbacks (:mod:`mpdiag.integrations`) wrap a training call
-    in one, handing over the ``optimizers`` made before it started. One at a time in a process."""
+    in one, handing over the ``optimizers`` made before it started. One at a time in a process. ``console``: a
+    capture of this process's output (``mpdiag watch`` in a terminal tees it), kept with the run."""
 
     active: WatchSession | None = None
 
-    def __init__(self, config: WatchConfig, store: str | os.PathLike | Callable[[], object], optimizers=()):
+    def __init__(self, config: WatchConfig, store: str | os.PathLike | Callable[[], object], optimizers=(),
+                 console=None):
         config.validate()
         if WatchSession.active is not None:
             raise RuntimeError("mpdiag is already watching this process: one watched run at a time")
@@ -641,6 +644,7 @@ class WatchSession:
             self.watcher = Watcher(config, self.writer, self.run_id)
             self.watcher._optimizers.extend(weakref.ref(opt) for opt in optimizers)
             self.watcher.install()
+            self.output = None if console is None else OutputKeeper(self.writer, [self.run_id], console)
         except BaseException:
             self.writer.close()
             raise
@@ -658,6 +662,8 @@ class WatchSession:
                 if self.watcher.recorder is not None:
                     device = str(self.watcher.recorder.device)
                     self.writer.submit(lambda w: w.update_run(self.run_id, device=device))
+                if self.output is not None:
+                    self.output.finish()
             finally:
                 self.writer.close()
         except StoreWriteFailed as exc:  # the script has run; what could not be stored is said, not raised
@@ -666,13 +672,15 @@ class WatchSession:
                 print(f"mpdiag: the run could not be stored in full: {exc}", file=sys.stderr)
 
 
-def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object]) -> tuple[int, int]:
+def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], console=None) -> tuple[int, int]:
     """Run the script under ``config``, record it as one run into ``store`` (a store path, or a callable
     returning a writer-like sink, as a supervised child's forwarder is) and return (run id, the script's exit
-    code); the run id is None on a torchrun rank other than 0, which records nothing.
+    code); the run id is None on a torchrun rank other than 0, which records nothing. ``console``: a
+    :class:`~mpdiag.store.console.ConsoleCapture` of this process's output, kept with the run (refreshed while it
+    runs); never given in a supervised child, whose supervisor keeps its output.
 
     Raises ConfigError before anything runs or is stored when an option is refused."""
-    session = WatchSession(config, store)
+    session = WatchSession(config, store, console=console)
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
     try:
