@@ -251,6 +251,16 @@ class RankContext:
         combined = combine_packed(np.stack([g.cpu().numpy() for g in gathered]), local)
         return PendingStats(lambda _: combined)
 
+    def global_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """FSDP2: the L2 norm of the full gradients from this rank's shards' norm ``local`` (their squares summed
+        over the ranks by one all_reduce of one value, no gradient values; every rank calls it at every step).
+        Otherwise ``local`` itself: DDP's gradients are the same on every rank, and rank 0's alone are recorded."""
+        if self.parallel != "fsdp":
+            return local
+        squared = (local.double() ** 2).reshape(1).to(_collective_device(self.backend))
+        dist.all_reduce(squared)
+        return squared.sqrt()[0].to(local.device)
+
     def exchange_loss(self, step: int, loss: torch.Tensor | float) -> torch.Tensor | float:
         """Every rank's local loss and local inf/NaN count for ``step`` to rank 0 (one small all_gather,
         without waiting for the device); returns the mean of the ranks' losses, the job's loss."""

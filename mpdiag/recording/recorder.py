@@ -107,12 +107,14 @@ class GradientRead:
 
     step: the step it was read for; present: the recorded tensors' indices read; pending: their statistics on
     their way to the host (None: the step is not logged, or no gradient was this step's); unscale_by: what the
-    gradients were divided by to unscale them."""
+    gradients were divided by to unscale them; norm: the global L2 norm of the step's gradients, unscaled, as a
+    0-dim device tensor (read at every step, logged or not; None where this process records no statistics)."""
 
     step: int
     present: tuple[int, ...] = ()
     pending: PendingStats | None = None
     unscale_by: float | torch.Tensor = 1.0
+    norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -155,7 +157,8 @@ class Recorder:
             ``is_enabled()``), or None when the loss is not scaled.
         optimizer: the optimizer whose ``step`` marks a completed step. When None, any optimizer holding
             one of ``model``'s parameters counts.
-        every: record tensor statistics every ``every`` steps (scalars are recorded every step).
+        every: record tensor statistics every ``every`` steps (scalars are recorded every step: the loss, the
+            scale, whether the step was skipped, its time, and the three below).
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
             settings, stored with the run.
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
@@ -175,6 +178,25 @@ class Recorder:
             (``config["optimizer_step_nonfinite"]``, finding ``optimizer-step-nonfinite``). Costs a pass over
             the parameters, their gradients and optimizer state, and one synchronisation, before and after each
             logged optimizer step, until the first finding.
+
+    At every step, logged or not, the step row also holds:
+
+    * ``lr``: the learning rate of the step, ``param_groups[0]["lr"]`` of the first optimizer given (the first
+      of several: ``watch`` and Lightning pass every optimizer the script made, and the first is the model's
+      main one by convention; a GAN's second optimizer's rate is not recorded), read at ``record``, that is
+      before the optimizer step and before a scheduler stepped after it: the rate that step uses. With no
+      optimizer given, the first optimizer seen stepping over ``model``'s parameters (read in its step
+      pre-hook for the step where it is first seen); NaN/NULL while none is known.
+    * ``grad_norm``: the global L2 norm over the step's gradients as ``record`` (or :meth:`read_gradients`)
+      reads them - every recorded parameter's gradient that is this step's - divided by the loss scale when they
+      are still scaled: the value ``torch.nn.utils.clip_grad_norm_`` returns when called on them then, so call
+      ``record`` before clipping for the norm before clipping (``watch`` reads them at the clip call). One
+      ``torch._foreach_norm`` over the gradients (in float32 for FP16/BF16 gradients, whose per-tensor norm
+      could overflow), no synchronisation; under FSDP2 the shards' squared norms are summed across ranks. A
+      non-finite norm (an overflowed step) is stored as such: inf, or NULL for NaN; 0.0 when no gradient was
+      this step's (what ``clip_grad_norm_`` returns for none).
+    * ``wall_time_s``: seconds from the Recorder's creation to the step's ``record`` call (the step's end, as
+      ``step_time_s`` counts steps from one ``record`` to the next).
 
     mpdiag's runner builds its Recorder with :meth:`attached` instead (a run row made beforehand, a shared
     writer, FP32 master weights as the update targets).
@@ -265,7 +287,9 @@ class Recorder:
         self._tensor_rows_buf: list[tuple] = []
         self._update_rows: list[tuple] = []
         self._last_flush = time.monotonic()
-        self._last_record = time.perf_counter()
+        self._last_record = self._started = time.perf_counter()
+        #: the optimizer whose param_groups[0]["lr"] is recorded: the first given, else the first seen stepping
+        self._lr_optimizer = self._optimizers[0] if self._optimizers else None
         self._closed = False
         #: held while rows move (record, flush, close): the writer's thread also flushes, on a timer
         self._lock = threading.RLock()
@@ -336,6 +360,8 @@ class Recorder:
         def before(opt, args, kwargs):
             if ours(opt):
                 self._step_grads.asked_to_step(opt)
+                if self._lr_optimizer is None:
+                    self._first_seen_optimizer(opt)
                 self._before_optimizer_step(opt)
 
         def after(opt, args, kwargs):
@@ -349,6 +375,26 @@ class Recorder:
             return [hook for opt in self._optimizers
                     for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after))]
         return [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+
+    def _first_seen_optimizer(self, opt) -> None:
+        """No optimizer was given: the first seen stepping over the model's parameters gives the learning rate,
+        from the step it is seen in (whose row is still open)."""
+        self._lr_optimizer = opt
+        with self._lock:
+            if self._unread_steps and self._unread_steps[-1][0] is not None:
+                self._unread_steps[-1][0][9] = self._learning_rate()
+
+    def _learning_rate(self) -> float | torch.Tensor:
+        """``param_groups[0]["lr"]`` of the recorded optimizer now (a tensor learning rate kept as a tensor, read
+        when the row is written); NaN when no optimizer is known."""
+        groups = getattr(self._lr_optimizer, "param_groups", None)
+        lr = groups[0].get("lr") if groups else None
+        if torch.is_tensor(lr):
+            return lr.detach().clone()
+        try:
+            return math.nan if lr is None else float(lr)
+        except (TypeError, ValueError):
+            return math.nan
 
     def _before_optimizer_step(self, opt) -> None:
         if self._update_step is not None:
@@ -396,8 +442,9 @@ class Recorder:
         self._close_previous_row(known=True)
         self._settle_owners()
         step = self._step
-        scale, state = self._scaler_state(self._dist.exchange_loss(step, loss))
+        scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
         read = gradients if gradients is not None else self._read_tensors(step, scale)
+        state = self._with_norm(values, read.norm)
         logged = read.pending is not None
         if logged:
             self._unread_stats.append(_UnreadStats(step, read))
@@ -414,7 +461,8 @@ class Recorder:
                 self._unread_fp8.append(self._fp8.start(step, scale))
             else:
                 self._fp8.skip()
-        row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), int(logged)]
+        row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), int(logged),
+               self._learning_rate(), None, now - self._started]
         self._unread_steps.append((row, state))
         self._read_arrived(wait=False)
         self._last_record = now
@@ -425,8 +473,20 @@ class Recorder:
 
     def _scaler_state(self, loss: torch.Tensor | float | None) -> tuple[float | torch.Tensor, DeviceReadback]:
         """The scale now (what the gradients were computed at) as the statistics take it, and a readback of
-        [loss, scale, growth tracker]. GradScaler's own scale and tracker tensors are read without a
-        synchronisation where they live on a GPU; other scalers through ``state_dict()``."""
+        [loss, scale, growth tracker, NaN] (no gradient norm)."""
+        scale, values = self._scaler_values(loss)
+        return scale, self._with_norm(values, None)
+
+    @staticmethod
+    def _with_norm(values: torch.Tensor, norm: torch.Tensor | None) -> DeviceReadback:
+        """The readback of a step: [loss, scale, growth tracker] and the gradient norm (NaN: none read)."""
+        norm_t = torch.full((1,), math.nan, dtype=torch.float64) if norm is None else norm.reshape(1).double()
+        return DeviceReadback(torch.cat([values, norm_t.to(values.device)]))
+
+    def _scaler_values(self, loss: torch.Tensor | float | None) -> tuple[float | torch.Tensor, torch.Tensor]:
+        """The scale now (what the gradients were computed at) as the statistics take it, and the values
+        [loss, scale, growth tracker] on the loss's device. GradScaler's own scale and tracker tensors are read
+        without a synchronisation where they live on a GPU; other scalers through ``state_dict()``."""
         loss_t = loss.detach().reshape(1).double() if torch.is_tensor(loss) else \
             torch.tensor([math.nan if loss is None else float(loss)], dtype=torch.float64)
         on_device = getattr(self.scaler, "_scale", None)
@@ -439,7 +499,7 @@ class Recorder:
             state = self.scaler.state_dict()
             scale = float(state["scale"])
             tail = torch.tensor([scale, state.get("_growth_tracker", 0)], dtype=torch.float64)
-        return scale, DeviceReadback(torch.cat([loss_t, tail.to(loss_t.device)]))
+        return scale, torch.cat([loss_t, tail.to(loss_t.device)])
 
     def read_gradients(self) -> GradientRead:
         """Start the statistics of this step's gradients as they are now, for ``record(loss, gradients=...)``:
@@ -474,22 +534,38 @@ class Recorder:
                 pass
 
     def _read_tensors(self, step: int, scale: float | torch.Tensor) -> GradientRead:
-        """Start the statistics of every gradient that is this step's, on the steps whose tensors are logged."""
-        present = self._step_grads.fresh() if step % self.every == 0 else ()
-        if not present or not self._dist.computes_stats:
+        """The global norm of every gradient that is this step's, at every step; and the start of their
+        statistics, on the steps whose tensors are logged."""
+        if not self._dist.computes_stats:
             return GradientRead(step)
-        grads = [self._dist.local(self._params[i][1].grad) for i in present]
+        fresh = self._step_grads.fresh()
+        grads = [self._dist.local(self._params[i][1].grad) for i in fresh]
+        unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
+        unscale_by = 1.0 if unscaled else scale
+        norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by
+        if not fresh or step % self.every != 0:
+            return GradientRead(step, norm=norm)
+        present = fresh
         computer = self._computers.get(present)
         if computer is None:
             computer = self._computers[present] = GradStatsComputer([g.numel() for g in grads], self.device)
-        unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
             return GradientRead(step)
         unseen = [i for i in present if i not in self._grad_dtype_known]
         if unseen:
             self._note_grad_dtypes(unseen)
-        return GradientRead(step, present, pending, 1.0 if unscaled else scale)
+        return GradientRead(step, present, pending, unscale_by, norm)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm over ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms by one
+        ``torch._foreach_norm``, then the norm of those), in float32 at least; a 0-dim tensor, not read back."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        low = any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
+        first = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
 
     def _settle_owners(self) -> None:
         """The open step ends: its rows keep the tensors held by the optimizers that stepped in it."""
@@ -560,9 +636,11 @@ class Recorder:
         steps = self._unread_steps
         while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready())):
             (row, state), (_, after) = steps.popleft(), steps[0]
-            loss, scale, _ = state.numpy()
-            _, scale_after, tracker = after.numpy()
+            loss, scale, _, norm = state.numpy()
+            _, scale_after, tracker, _ = after.numpy()
             row[1], row[2] = float(loss), float(scale)
+            row[9] = float(row[9])  # a tensor learning rate is read here, a step later
+            row[10] = float(norm)
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
             self._step_rows.append(StepRow(*row))

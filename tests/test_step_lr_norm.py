@@ -1,0 +1,236 @@
+"""The per-step learning rate, global gradient norm and wall time (schema 9) against ground truth: what the
+training loop itself saw at each step - its optimizer's learning rate (and its scheduler's ``get_last_lr()``)
+and the value ``torch.nn.utils.clip_grad_norm_`` returned - never mpdiag's own computation; for `mpdiag run`,
+the analytic gradient and the schedule's formula; for `mpdiag watch`, the loop's own clip call."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mpdiag import Recorder, Store
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
+from mpdiag.training.watch import WatchConfig, watch
+
+STEPS = 12
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 6, generator=generator), torch.randn(32, 3, generator=generator)) for _ in range(STEPS)]
+
+
+def _assert_same(stored, seen, rel=0.0):
+    """Stored values equal the loop's, non-finite ones included (inf as inf, NaN as NaN)."""
+    stored, seen = np.asarray(stored, dtype=float), np.asarray(seen, dtype=float)
+    assert stored.shape == seen.shape
+    assert (np.isnan(stored) == np.isnan(seen)).all(), (stored, seen)
+    assert (np.isinf(stored) == np.isinf(seen)).all(), (stored, seen)
+    finite = np.isfinite(seen)
+    np.testing.assert_array_equal(stored[~finite & ~np.isnan(seen)], seen[~finite & ~np.isnan(seen)])  # same sign
+    if rel == 0.0:
+        np.testing.assert_array_equal(stored[finite], seen[finite])
+    else:
+        np.testing.assert_allclose(stored[finite], seen[finite], rtol=rel, atol=0)
+
+
+def test_fp32_loop_with_one_cycle_schedule_and_clipping_every_step(store_path, arrival):
+    """A plain FP32 loop: OneCycleLR stepped per step, gradients clipped to 0.5 after record(); the store holds
+    the loop's learning rate and clip_grad_norm_'s return value at every step, bit for bit (whether the values
+    reach the host at once or only at close), and a wall time that grows with the steps and stays inside the
+    loop's own elapsed time."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=STEPS)
+    recorder = Recorder(model, store=store_path, optimizer=optimizer, every=3)
+    lrs, scheduled, norms = [], [], []
+    started = time.perf_counter()
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        recorder.record(loss)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduled.append(scheduler.get_last_lr()[0])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        optimizer.step()
+        scheduler.step()
+    elapsed = time.perf_counter() - started
+    recorder.close()
+    steps = Store(store_path).steps(recorder.run_id)
+    assert steps["step"].tolist() == list(range(STEPS))
+    assert steps["lr"].tolist() == lrs == scheduled
+    assert len(set(lrs)) == STEPS  # the schedule moved at every step, so an off-by-one step would show
+    assert steps["grad_norm"].tolist() == norms
+    assert any(n > 0.5 for n in norms)  # clipping changed gradients: the stored norm is the one before it
+    wall = steps["wall_time_s"].to_numpy()
+    assert (wall > 0).all() and (np.diff(wall) > 0).all() and wall[-1] <= elapsed + 1.0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # a skipped step 0
+@pytest.mark.parametrize("unscale_before_record", [True, False], ids=["unscaled-first", "scaled-at-record"])
+def test_fp16_autocast_gradscaler_loop_every_2_with_skipped_steps(store_path, unscale_before_record):
+    """FP16 autocast on the CPU with GradScaler, a LambdaLR schedule and --every 2, the loop unscaling before
+    clipping. The initial scale 2**24 overflows the first steps' FP16 gradients: clip_grad_norm_ returns inf or
+    NaN there and GradScaler skips them; the store has the same non-finite norms and the same learning rates at
+    every step, logged or not. Recorded with the gradients already unscaled, the norm is clip's exactly; recorded
+    while they are still scaled (record before unscale_), it is the scaled norm divided by the scale: within 1e-6."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3)
+    recorder = Recorder(model, store=store_path, scaler=scaler, optimizer=optimizer, every=2)
+    lrs, norms, skipped = [], [], []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if unscale_before_record:
+            scaler.unscale_(optimizer)
+            recorder.record(loss)
+        else:
+            recorder.record(loss)
+            scaler.unscale_(optimizer)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(int(scaler.get_scale() < scale))
+        scheduler.step()
+    recorder.close()
+    store = Store(store_path)
+    steps = store.steps(recorder.run_id)
+    assert store.logged_steps(recorder.run_id) == list(range(0, STEPS, 2))
+    assert steps["skipped"].astype(int).tolist() == skipped and 0 < sum(skipped) < STEPS
+    assert steps["lr"].tolist() == lrs
+    _assert_same(steps["grad_norm"], norms, rel=0.0 if unscale_before_record else 1e-6)
+    assert not all(math.isfinite(n) for n in norms)  # the skipped steps' norms are stored, non-finite
+    assert steps["wall_time_s"].notna().all()
+
+
+def test_no_optimizer_given_takes_the_first_seen_and_a_loop_without_one_has_no_rate(store_path):
+    """Recorder(model) without optimizer=: the learning rate comes from the first optimizer seen stepping over
+    the model's parameters, from step 0 on. A loop that updates the weights by hand has no learning rate (NaN)
+    but still its gradient norm."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    recorder = Recorder(model, store=store_path, every=4)
+    lrs, norms = [], []
+    for x, y in _batches()[:6]:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        recorder.record(1.0)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item())
+        optimizer.step()
+        scheduler.step()
+    recorder.close()
+    steps = Store(store_path).steps(recorder.run_id)
+    assert steps["lr"].tolist() == lrs == [0.05, 0.05, 0.025, 0.025, 0.0125, 0.0125]
+    assert steps["grad_norm"].tolist() == norms
+
+    by_hand = _model()
+    recorder = Recorder(by_hand, store=store_path)
+    norms = []
+    for x, y in _batches()[:3]:
+        by_hand.zero_grad()
+        torch.nn.functional.mse_loss(by_hand(x), y).backward()
+        recorder.record(1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(by_hand.parameters(), math.inf).item())
+        with torch.no_grad():
+            for p in by_hand.parameters():
+                p -= 0.1 * p.grad
+    recorder.close()
+    steps = Store(store_path).steps(recorder.run_id)
+    assert steps["lr"].isna().all() and steps["grad_norm"].tolist() == norms
+
+
+# dL/dw = C exactly, whatever w is, so every step's gradient norm is ||C||; the schedule halves the rate each step
+SCHEDULED_SCRIPT = """
+import torch
+
+C = torch.tensor([0.0, 2.0**-30, 0.5, -1.0, 1000.0, 70000.0, -(2.0**20)])
+
+
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(len(C)))
+
+    def forward(self):
+        return (self.w * C.to(self.w.device)).sum()
+
+
+def build(device):
+    return {
+        "model": Linear(),
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.25),
+        "scheduler": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step),
+        "clip_grad_norm": 1.0,
+        "batches": lambda step: None,
+        "loss_fn": lambda model, batch: model(),
+    }
+"""
+C = torch.tensor([0.0, 2.0**-30, 0.5, -1.0, 1000.0, 70000.0, -(2.0**20)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_mpdiag_run_records_the_schedule_and_the_analytic_norm_before_its_clip(write_script, store_path, opt_level):
+    """`mpdiag run`'s runner (its Recorder attached, --every 2, clip_grad_norm 1.0 and a per-step scheduler):
+    every step's learning rate is the schedule's formula 0.25 * 0.5**step and every step's norm is ||C|| (the
+    analytic gradient, unscaled at O1 where the loss scale is 2**16), not the clipped 1.0."""
+    script = ModelScript.from_path(write_script(SCHEDULED_SCRIPT))
+    run_id = train(script, RunConfig(opt_level=opt_level, steps=5, every=2, device="cpu"), store_path)
+    store = Store(store_path)
+    assert store.run(run_id)["status"] == "finished"
+    steps = store.steps(run_id)
+    assert steps["lr"].tolist() == [0.25 * 0.5**s for s in range(5)]
+    assert steps["grad_norm"].to_numpy() == pytest.approx([float(torch.linalg.vector_norm(C))] * 5, rel=1e-6)
+    assert store.logged_steps(run_id) == [0, 2, 4]
+
+
+WATCHED_SCRIPT = """
+import json, sys
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=8)
+seen = []
+for step in range(8):
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    lr = optimizer.param_groups[0]["lr"]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+    seen.append([lr, norm])
+    optimizer.step()
+    scheduler.step()
+json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+
+def test_watch_records_the_scripts_own_rate_and_clip_norm(write_script, store_path, tmp_path):
+    """`mpdiag watch` over an unmodified loop that clips every step: the stored rate and norm are what the
+    script's own optimizer held and its own clip_grad_norm_ call returned (written by the script itself)."""
+    script = write_script(WATCHED_SCRIPT, "loop.py")
+    out = tmp_path / "seen.json"
+    run_id, code = watch(WatchConfig(target=str(script), args=(str(out),), every=3), store_path)
+    assert code == 0
+    seen = json.loads(out.read_text())
+    steps = Store(store_path).steps(run_id)
+    assert steps["lr"].tolist() == [lr for lr, _ in seen]
+    assert steps["grad_norm"].tolist() == pytest.approx([norm for _, norm in seen], rel=1e-6)
