@@ -66,6 +66,9 @@ def test_user_loop_records_one_run_with_the_full_gradients_statistics(tmp_path, 
         assert np.array_equal(rows["min_nonzero"].to_numpy(), truth.min_nonzero, equal_nan=True)
         np.testing.assert_allclose(rows["l2"].to_numpy(), truth.l2, rtol=1e-6)
         assert steps.loc[step, "loss_scale"] == record["scale"]
+        # the global gradient norm of the full gradients (FSDP2: of every rank's shards), unscaled
+        full_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+        assert steps.loc[step, "grad_norm"] == pytest.approx(float(full_norm) / record["scale"], rel=1e-6)
         mine = ranks[ranks["step"] == step]
         assert mine["rank"].tolist() == [0, 1]
         assert mine.loc[mine["rank"] == 0, "loss"].item() == pytest.approx(record["loss"], rel=1e-12)

@@ -186,6 +186,10 @@ def test_hugging_face_trainer_unmodified(store_path, tmp_path, bf16, shadow_ever
         assert entry["grad_norm"] > 0.05
         rows = stats[stats["step"] == step]
         assert math.sqrt((rows["l2"] ** 2).sum()) == pytest.approx(entry["grad_norm"], rel=2e-6), step
+    # the per-step columns against the Trainer's own log: the norm its clip returned that step (before clipping)
+    # and the learning rate that step used (this transformers logs the rate from before its scheduler.step())
+    assert steps["grad_norm"].tolist() == pytest.approx([entry["grad_norm"] for entry in log], rel=2e-6)
+    assert steps["lr"].tolist() == [entry["learning_rate"] for entry in log] == [1e-3, 7.5e-4, 5e-4, 2.5e-4]
     if shadow_every:
         shadow = store.shadow_stats(run_id)
         assert sorted(set(shadow["step"])) == [1, 2, 3] and "loss head" not in (run["note"] or "")
