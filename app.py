@@ -139,6 +139,20 @@ def _write(action) -> None:
     st.rerun()
 
 
+def output_panel(store, runs: pd.DataFrame) -> None:
+    """The console output kept with the chosen run (the newest by default), live while that run goes."""
+    labels = {int(r["run_id"]): ui.run_label(r) for _, r in runs.iterrows()}
+    if st.session_state.get("output_run") not in labels:
+        st.session_state["output_run"] = next(iter(labels))
+    run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="output_run")
+    run = runs.set_index("run_id").loc[run_id].copy()
+    run["run_id"] = run_id
+    if run["status"] in LIVE_STATUSES:
+        st.fragment(lambda: ui.console_output(store, store.run(run_id)), run_every=ui.LIVE_REFRESH_S)()
+    else:
+        ui.console_output(store, run)
+
+
 def new_run_form(store) -> None:
     scripts = {f"bundled: {name}": (name, str(path), actions.script_sha256(path))
                for name, path in bundled_scripts().items()}
@@ -213,5 +227,7 @@ with right, st.expander("Rerun with other settings", expanded=False):
 if not runs.empty:
     with st.expander("Rename, tag, note or delete a run", expanded=False):
         manage_panel(store, runs)
+    with st.expander("Console output of a run", expanded=False):
+        output_panel(store, runs)
 st.caption("Deep links: `?run=3` on the Gradients or Loss scale page opens run 3; `?runs=3&runs=4` on Compare. "
            "A link only selects what is shown: nothing starts until you click for it here.")

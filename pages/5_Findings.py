@@ -135,6 +135,8 @@ def findings_view(store, run: pd.Series, final: bool) -> None:
     shadow_section(store, run_id, final)
     st.subheader("Optimizer updates against the weight format", anchor=EVIDENCE_SECTIONS["update-swamping"])
     updates_section(store, run, final)
+    with st.expander("Console output", expanded=False):  # what the run's process printed, as text
+        ui.console_output(store, run)
 
 
 ui.single_run_page("Findings", findings_view)

@@ -229,3 +229,53 @@ def test_a_run_started_from_the_app_keeps_its_childs_output_written_by_the_super
     assert kept["bytes_total"] == len(full.encode())
     assert f"[... mpdiag cut {len(full.encode()) - HEAD_BYTES - TAIL_BYTES:,} bytes of output here" in kept["text"]
     assert HOSTILE in kept["text"] and "last line from stdout" in kept["text"]
+
+
+# -- the pages -----------------------------------------------------------------------------------------------
+@pytest.fixture
+def shown_store(tmp_path):
+    """Run 1: a watched run whose kept output was cut and holds hostile text; run 2: a Recorder loop's run."""
+    from mpdiag.training.watch import WatchConfig
+
+    path = tmp_path / "runs.db"
+    full = "start\n" + HOSTILE + "\n" + "y" * (HEAD_BYTES + TAIL_BYTES) + "\n 10%\r 50%\r100%\nthe end\n"
+    capture = ConsoleCapture()
+    capture.add(full)
+    with StoreWriter(path) as writer:
+        watched = writer.create_run(name="watched", opt_level="custom", config={"watch": WatchConfig(target="train.py", cwd=str(tmp_path)).settings()})
+        writer.set_run_output(watched, *capture.snapshot())
+        writer.end_run(watched, "finished")
+        own = writer.create_run(name="own loop", opt_level="O1")
+        writer.end_run(own, "finished")
+    return path, full
+
+
+def _codes(at) -> list[str]:
+    return [c.value for c in at.code]
+
+
+def test_the_findings_and_runs_pages_show_the_kept_output_as_text_with_its_cut_line(shown_store, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    path, full = shown_store
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    cut = f"[... mpdiag cut {len(full) - HEAD_BYTES - TAIL_BYTES:,} bytes of output here"
+    for page, select in (("pages/5_Findings.py", None), ("app.py", "output_run")):
+        at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+        at.query_params["run"] = "1"
+        at.run()
+        if select:
+            at.selectbox(key=select).set_value(1).run()
+        assert not at.exception, [e.value for e in at.exception]
+        code = next(c for c in _codes(at) if cut in c)
+        # the ANSI escape written out, never acted on; the progress bar's last state; the HTML and Markdown as typed
+        assert "<img src=x onerror=alert(1)> **bold** [link](http://evil) \\x1b[31mred\\x1b[0m" in code
+        assert code.endswith("100%\nthe end")
+        assert any("Console output" in e.label for e in at.expander)
+        at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+        at.query_params["run"] = "2"
+        at.run()
+        if select:
+            at.selectbox(key=select).set_value(2).run()
+        assert any("Recorded by your own Recorder loop: mpdiag did not start this process, so it has no console "
+                   "output." in c.value for c in at.caption), page

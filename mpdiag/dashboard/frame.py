@@ -21,11 +21,11 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
-from mpdiag.analysis.run_choice import likely_run
+from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_progress, stall_text
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
-from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain
+from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
 from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
 from mpdiag.store.schema import older_version
@@ -172,6 +172,38 @@ def explain_run_state(run: pd.Series, store: Store | None = None) -> None:
     if tags or (isinstance(note, str) and note):
         st.caption(plain("  ·  ".join(([f"Tags: {', '.join(tags)}"] if tags else [])
                                      + ([f"Note: {note}"] if isinstance(note, str) and note else []))))
+
+
+def no_output_reason(run: pd.Series) -> str:
+    """Why a run has no console output kept with it, in one sentence."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    if not config.get("run") and not config.get("watch"):
+        return ("Recorded by your own Recorder loop: mpdiag did not start this process, so it has no console "
+                "output.")
+    if run["status"] == "queued":
+        return "No console output yet: the run is queued and its process has not started."
+    if run["status"] in LIVE_STATUSES:
+        return "No console output yet: the run has printed nothing so far, or it is about to be kept (every few seconds)."
+    return ("No console output was kept: the run was recorded before mpdiag kept console output, or by a process that "
+            "ended before its output could be written (e.g. torchrun's other ranks, or a run of several processes).")
+
+
+def console_output(store: Store, run: pd.Series) -> None:
+    """The console output kept with a run (what its process printed, stdout and stderr as printed), as text in
+    ``st.code``, with how much was kept; a run without any says why."""
+    kept = store.run_output(int(run["run_id"]))
+    if kept is None:
+        st.caption(no_output_reason(run))
+        return
+    if not kept["text"]:
+        st.caption("The run's process printed nothing.")
+        return
+    shown = len(kept["text"].encode("utf-8", "replace"))
+    cut = "" if shown >= kept["bytes_total"] else " (the middle cut, as the line in it says)"
+    st.caption(f"What the run's process printed: {kept['bytes_total']:,} bytes in all{cut}; kept "
+               f"{kept['updated_at']:%Y-%m-%d %H:%M:%S} UTC"
+               + (", refreshed every few seconds while the run goes." if run["status"] in LIVE_STATUSES else "."))
+    st.code(terminal_text(kept["text"]), language=None, height=420 if kept["text"].count("\n") > 25 else "content")
 
 
 def choose_run(store: Store) -> tuple[pd.Series, bool] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import string
+import unicodedata
 from urllib.parse import urlsplit
 
 #: Every ASCII punctuation character is escapable in CommonMark; Streamlit adds directives on top (``:red[…]``,
@@ -30,6 +31,18 @@ def plain(text: object) -> str:
     emphasis, maths, colour or icon can be built from it. Line breaks are kept as hard breaks."""
     escaped = _PUNCTUATION.sub(r"\\\1", str(text))
     return escaped.replace("\r\n", "\n").replace("\n", "  \n")
+
+
+def terminal_text(text: str) -> str:
+    """A process's console output as ``st.code`` should show it: each line as a terminal leaves it after carriage
+    returns (a progress bar's last state, not every redraw), and every other control or invisible formatting
+    character (an ANSI escape's ESC, a bidi override) written out as ``\\xNN`` / ``\\uNNNN``, never acted on."""
+    lines = []
+    for line in str(text).replace("\r\n", "\n").split("\n"):
+        line = line.rstrip("\r").rsplit("\r", 1)[-1]
+        lines.append("".join(ch.encode("unicode_escape").decode() if ch != "\t" and unicodedata.category(ch) in
+                             ("Cc", "Cf", "Zl", "Zp") else ch for ch in line))
+    return "\n".join(lines)
 
 
 def allowed_hosts() -> tuple[str, ...]:

@@ -202,3 +202,28 @@ def test_renaming_tagging_and_noting_a_run_on_the_runs_page_builds_no_markup(evi
     assert any("evil" in s and "is now named" in s for s in said) and any("control characters" in s for s in said)
     bad = {s: built_markup(s) for s in said if built_markup(s)}
     assert not bad, bad
+
+
+def test_console_output_reaches_the_pages_as_text_only(evil_store, tmp_path, monkeypatch):
+    """A run's console output (what its script printed: payloads, an ANSI colour, a bidi override) is shown in
+    st.code on the Findings page and the Runs page, never in an element that renders Markdown; the escape
+    characters are written out, not sent."""
+    path = tmp_path / "runs.db"
+    path.write_bytes(evil_store.read_bytes())
+    printed = EVIL + "\n\x1b[31mred\x1b[0m \u202eevil\n"
+    with StoreWriter(path) as writer:
+        writer.set_run_output(1, printed, len(printed.encode()))
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    for page in ("pages/5_Findings.py", "app.py"):
+        at = AppTest.from_file(str(ROOT / page), default_timeout=120)
+        at.query_params["run"] = "1"
+        at.run()
+        if page == "app.py":
+            at.selectbox(key="output_run").set_value(1).run()
+        assert not at.exception, [e.value for e in at.exception]
+        codes = [c.value for c in at.code if "onerror" in c.value and "\\x1b[31mred" in c.value]
+        assert codes and "\x1b" not in codes[0] and "\\u202eevil" in codes[0] and "```" in codes[0]
+        said = markdown_strings(at)
+        assert not any("\\x1b[31mred" in s or "\x1b[31mred" in s for s in said)  # the output is in no Markdown
+        bad = {s: built_markup(s) for s in said if built_markup(s)}
+        assert not bad, bad
