@@ -47,7 +47,7 @@ def runs_panel(store) -> None:
                 st.progress(fraction, text=text)
             steps = reads.live_steps(store, int(run["run_id"]))
             if nonfinite_losses(steps) < len(steps):
-                st.altair_chart(charts.live_loss(steps), width="stretch")
+                ui.show_chart(charts.live_loss(steps), f"live_loss_{int(run['run_id'])}", width="stretch")
             else:
                 st.caption("No finite loss recorded yet." if len(steps) else "No step recorded yet.")
     version = reads.findings_version(store, runs)

@@ -61,7 +61,7 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     clicked = None
     if len(cells):
         drawn, extent, off = summaries.heatmap_view(cells, lines)
-        clicked = st.altair_chart(charts.exponent_heatmap(cells, drawn, (logged[0], logged[-1] + 1),
+        clicked = ui.show_chart(charts.exponent_heatmap(cells, drawn, (logged[0], logged[-1] + 1),
                                                           f"{tensor}: |{what}| per step (click a column to see its "
                                                           "step below)", extent),
                                   width="stretch", on_select="rerun", selection_mode=charts.PICKED_STEP, key="heatmap")
@@ -89,7 +89,7 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
     specials = {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}
     if np.isfinite(own):
         bars = summaries.step_histogram(hist, specials, LOW_PRECISION[fmt], own)
-        st.altair_chart(charts.step_histogram(bars, f"step {step:,}, loss scale {summaries.scale_text(scale)}"),
+        ui.show_chart(charts.step_histogram(bars, f"step {step:,}, loss scale {summaries.scale_text(scale)}"),
                         width="stretch")
     else:
         st.info(f"At step {step:,} the loss scale was 0: S·g is 0 everywhere, so there is no exponent to histogram "

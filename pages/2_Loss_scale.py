@@ -32,7 +32,7 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
-    st.altair_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
+    ui.show_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
     for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]):
         st.caption(plain(note))
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
@@ -51,7 +51,7 @@ def ranks_view(store, run: pd.Series, steps: pd.DataFrame, final: bool) -> None:
     if finding is not None:
         st.warning(plain(f"{finding.title}. {finding.evidence}"))
     first = int(ranks.loc[ranks["nonfinite"].fillna(0) > 0, "step"].min()) if finding is not None else None
-    st.altair_chart(charts.rank_panel(ranks, first), width="stretch")
+    ui.show_chart(charts.rank_panel(ranks, first), width="stretch")
     if ranks["nonfinite"].isna().all():
         st.caption("Local inf/NaN counts are recorded under DDP only; this run's ranks have losses alone.")
     st.caption("The run's loss above is the mean of the ranks' local losses.")

@@ -58,7 +58,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
         first = min((s for s in firsts if s is not None), default=None)
         panels.append(charts.loss_difference(pd.concat(diffs), first, labels, DIVERGENCE_RTOL))
     panels.append(charts.runs_overlay(everything, "loss_scale", "loss scale", labels, log=True))
-    st.altair_chart(charts.stacked_over_steps(*panels), width="stretch")
+    ui.show_chart(charts.stacked_over_steps(*panels), width="stretch")
     st.caption("Drag or scroll on any of these panels to pan or zoom the steps of them all.")
     st.markdown("  \n".join(notes))
 
@@ -68,7 +68,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     timed = everything[(everything["step"] > 0) & np.isfinite(everything["step_time_s"].astype(float))]
     outliers = step_time_outliers(timed)
     if len(timed[~outliers]):
-        left.altair_chart(charts.runs_overlay(timed[~outliers], "step_time_s", "step time (s), from step 1", labels),
+        ui.show_chart_in(left, charts.runs_overlay(timed[~outliers], "step_time_s", "step time (s), from step 1", labels),
                           width="stretch")
     else:
         left.caption("Step time: no step after the warm-up step 0 was recorded, so there is nothing to chart.")
@@ -85,7 +85,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                      f"the medians): {listed}{more}.")
     memory = everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20)
     if np.isfinite(memory["peak_mem_mb"].astype(float)).any():
-        right.altair_chart(charts.runs_overlay(memory, "peak_mem_mb", "peak memory so far (MiB)", labels),
+        ui.show_chart_in(right, charts.runs_overlay(memory, "peak_mem_mb", "peak memory so far (MiB)", labels),
                            width="stretch")
     else:
         right.caption("Peak memory: none of these runs recorded it.")
@@ -123,7 +123,7 @@ def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:
     under = worst_by_total(pd.concat(parts, ignore_index=True))
     if len(under):
         drawn = [p for p in (FLUSHED_PART, COUNTED_PART) if p in set(under["part"])]
-        st.altair_chart(charts.runs_bars(under, "tensor", "share", "FP16 underflow, share of all values", labels,
+        ui.show_chart(charts.runs_bars(under, "tensor", "share", "FP16 underflow, share of all values", labels,
                                          parts=drawn), width="stretch")
         st.caption(f"Solid ({FLUSHED_PART}): the values an FP16 run's backward pass had already made zero when "
                    "they were recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches). "
@@ -137,7 +137,7 @@ def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:
         st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
     over = worst_by_total(pd.concat(overflow, ignore_index=True))
     if len(over):
-        st.altair_chart(charts.runs_bars(over, "tensor", "share", "FP16 overflow at the loss scale, share of all "
+        ui.show_chart(charts.runs_bars(over, "tensor", "share", "FP16 overflow at the loss scale, share of all "
                                          "values", labels), width="stretch")
     else:
         st.caption("FP16 overflow: no recorded gradient value of these runs, at its run's loss scale, is above "

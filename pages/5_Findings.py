@@ -69,7 +69,7 @@ def shadow_section(store, run_id: int, final: bool) -> None:
     top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
     drawable = shadow[shadow["tensor"].isin(top) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
     if len(drawable):
-        st.altair_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
+        ui.show_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
     elif top and (shadow.loc[shadow["tensor"].isin(top), "rel_error"] == 0).all():
         st.caption("Every gradient equals its FP32 shadow exactly (error 0 at every shadow step, as in a run "
                    "computed in FP32), so there is no error to chart on a log axis.")
@@ -86,7 +86,7 @@ def updates_section(store, run: pd.Series, final: bool) -> None:
                    "this run has no such record.")
         return
     per_tensor, per_step = update_shares(updates)
-    st.altair_chart(charts.update_share_lines(per_step, run["update_format"]), width="stretch")
+    ui.show_chart(charts.update_share_lines(per_step, run["update_format"]), width="stretch")
     st.dataframe(per_tensor, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="percent")
                                 for c in ("below_resolution_share", "unchanged_share")})

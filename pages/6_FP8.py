@@ -62,7 +62,7 @@ def fp8_view(store, run: pd.Series, final: bool) -> None:
     recipe = c1.radio("Recipe", recipes, horizontal=True, key="recipe", bind="query-params")
     role = c2.radio("Role", list(ROLES), horizontal=True, key="role", bind="query-params", help=ROLE_HELP)
     cells = fp8_summaries.lost_cells(records, recipe, role)
-    st.altair_chart(charts.fp8_lost_heatmap(cells, f"share of {role} values lost (underflow + overflow), "
+    ui.show_chart(charts.fp8_lost_heatmap(cells, f"share of {role} values lost (underflow + overflow), "
                                                    f"{recipe} scaling; grey: nothing lost"), width="stretch")
 
     table = fp8_summaries.layer_table(records)
@@ -72,7 +72,7 @@ def fp8_view(store, run: pd.Series, final: bool) -> None:
     over = series[series["overflow"] > 0]
     st.caption(plain(f"{layer} {role}, {recipe} scaling: {len(over)} of {len(series)} recorded steps overflow"
                      + (f" (first at step {int(over['step'].iloc[0])})" if len(over) else "") + "."))
-    st.altair_chart(charts.fp8_amax_panel(series, f"amax of {layer}'s {role} against what the {recipe} scale lets "
+    ui.show_chart(charts.fp8_amax_panel(series, f"amax of {layer}'s {role} against what the {recipe} scale lets "
                                                   "through (▲ values overflowed)"), width="stretch")
     st.subheader("Layers, worst first")
     st.dataframe(table.style.format({"worst lost share": "{:.3%}"}), hide_index=True, width="stretch")
@@ -105,7 +105,7 @@ def whatif_view(records: pd.DataFrame, histograms: pd.DataFrame, layer: str, rol
     if recorded_lost is not None:
         said += f" These are the recorded settings: the recorded count is exactly {recorded_lost}."
     st.caption(plain(said))
-    st.altair_chart(charts.fp8_whatif_lines(df, "values lost per recorded step (band: lower to upper bound)"),
+    ui.show_chart(charts.fp8_whatif_lines(df, "values lost per recorded step (band: lower to upper bound)"),
                     width="stretch")
 
 

@@ -41,7 +41,7 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
                      + (located or "Every forward output and gradient stayed finite.")))
     order = module_trace.module_order(modules)
     cells, width = module_trace.merge_steps(module_trace.magnitude_cells(modules))
-    st.altair_chart(charts.module_heatmap(cells, order, width), width="stretch")
+    ui.show_chart(charts.module_heatmap(cells, order, width), width="stretch")
 
     first = module_trace.first_nonfinite_modules(modules)
     default = next(iter(first.values()))["module"] if first else order[0]
@@ -49,7 +49,7 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
                           bind="query-params")
     magnitudes = module_trace.magnitude_cells(modules)
     if module_trace.drawable_magnitudes(magnitudes, module):
-        st.altair_chart(charts.module_lines(magnitudes, module), width="stretch")
+        ui.show_chart(charts.module_lines(magnitudes, module), width="stretch")
     else:
         st.caption(plain(f"{module}: no finite, non-zero output or gradient at any traced step (every value was "
                          "inf/NaN or 0), so there is nothing to draw on a log axis."))

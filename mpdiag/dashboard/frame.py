@@ -24,6 +24,7 @@ from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_progress, stall_text
 from mpdiag.dashboard import actions
+from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
 from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
