@@ -1,4 +1,5 @@
-"""Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss beneath.
+"""Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss, learning rate and global
+gradient norm beneath.
 
 Reads widgets, calls mpdiag.analysis.summaries and the chart layer, renders; no store queries, no torch.
 """
@@ -33,9 +34,11 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
     ui.show_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
-    for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]):
+    for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps):
         st.caption(plain(note))
-    st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded.")
+    st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded. "
+               "The learning rate and the gradient norm (of all gradients, unscaled, before any clipping: what "
+               "clip_grad_norm_ returns) are recorded at every step, logged or not.")
     if int(run["world_size"]) > 1:
         ranks_view(store, run, steps, final)
 

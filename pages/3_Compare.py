@@ -14,6 +14,7 @@ from mpdiag.analysis.compare import (
     DIVERGENCE_RTOL,
     FLUSHED_PART,
     STEP_TIME_OUTLIER,
+    X_AXES,
     config_table,
     cost_table,
     default_selection,
@@ -21,6 +22,7 @@ from mpdiag.analysis.compare import (
     fp16_underflow_parts,
     loss_comparison,
     reference_run,
+    smoothed,
     step_time_outliers,
     worst_by_total,
 )
@@ -29,9 +31,28 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 
 
+def curve_controls() -> tuple[float, bool, str]:
+    """TensorBoard's controls over the curves: smoothing weight, log y for the loss, the x axis."""
+    left, middle, right = st.columns([2, 1, 2])
+    weight = left.slider("Smoothing", min_value=0.0, max_value=0.99, value=0.0, step=0.01, key="smoothing",
+                         help="TensorBoard's debiased exponential moving average of the loss and the gradient norm "
+                              "(0: none). The raw curve stays drawn, faint, behind the smoothed one.")
+    log_loss = middle.toggle("Log loss axis", value=False, key="loss_log")
+    x_label = right.radio("x axis", list(X_AXES), horizontal=True, key="x_axis",
+                          help="Wall time: seconds since each run's recording started, at the end of each step.")
+    return weight, log_loss, X_AXES[x_label]
+
+
+def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:
+    """One run's steps with the loss and gradient norm smoothed (before thinning: the average sees every step)."""
+    return smoothed(smoothed(df, "loss", weight), "grad_norm", weight) if weight > 0 else df
+
+
 def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     labels = [ui.run_label(r) for _, r in chosen.iterrows()]
-    steps = {lab: summaries.thin_steps(reads.steps(store, int(r["run_id"]), reads.is_final(r))).assign(run=lab)
+    weight, log_loss, x = curve_controls()
+    steps = {lab: summaries.thin_steps(with_smoothing(
+                 reads.steps(store, int(r["run_id"]), reads.is_final(r)).assign(run=lab), weight))
              for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True)}
     everything = pd.concat(steps.values(), ignore_index=True)
 
@@ -52,14 +73,47 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                  f"first differs by more than {DIVERGENCE_RTOL:.0%} (or turns non-finite) at step {step}")
         notes.append(f"**{plain(lab)}** versus its FP32 reference {plain(ui.run_label(ref))}: {where}.")
         diffs.append(comparison)
-    # loss, its difference to FP32 and the loss scale on one step axis: zooming one zooms all
-    panels = [charts.runs_overlay(everything, "loss", "loss", labels)]
-    if diffs:
+    # loss, its difference to FP32, the loss scale, the learning rate and the gradient norm on one x axis:
+    # zooming one zooms all
+    curves, said = everything, []
+    if x == "wall_time_s":
+        untimed = [lab for lab in labels if steps[lab]["wall_time_s"].isna().all()]
+        curves = everything[everything["wall_time_s"].notna()]
+        if untimed:
+            said.append("Not on the wall-time axis (recorded before mpdiag kept a wall time per step): "
+                        + "; ".join(plain(lab) for lab in untimed) + ".")
+    if curves.empty:
+        st.info("None of these runs recorded a wall time per step: choose the step axis.")
+        return
+    smooth = weight > 0
+    panels = [charts.runs_overlay(curves, "loss", "loss", labels, log=log_loss, log_base=10, x=x, smooth=smooth)]
+    if diffs and x == "step":
         first = min((s for s in firsts if s is not None), default=None)
         panels.append(charts.loss_difference(pd.concat(diffs), first, labels, DIVERGENCE_RTOL))
-    panels.append(charts.runs_overlay(everything, "loss_scale", "loss scale", labels, log=True))
+    elif diffs:
+        said.append("The difference to the FP32 reference is drawn over steps only: choose the step axis to see it.")
+    panels.append(charts.runs_overlay(curves, "loss_scale", "loss scale", labels, log=True, x=x))
+    with_lr = curves.groupby("run")["lr"].transform(lambda v: np.isfinite(v.astype(float)).any())
+    if with_lr.any():
+        panels.append(charts.runs_overlay(curves[with_lr], "lr", "learning rate", labels, height=180, x=x))
+    normed = curves[summaries.recorded_norms(curves)]
+    if len(normed) and (normed["grad_norm"].astype(float) != 0).any():
+        panels.append(charts.runs_overlay(normed, "grad_norm", "gradient norm (unscaled, before clipping)", labels,
+                                          log=True, log_base=10, height=200, x=x, smooth=smooth))
+    shown = [lab for lab in labels if lab in set(curves["run"])]
+    missing_lr = [lab for lab in shown if not with_lr[curves["run"] == lab].any()]
+    missing_norm = [lab for lab in shown if lab not in set(normed["run"])]
+    if missing_lr:
+        said.append("No learning rate recorded (a run recorded before mpdiag kept it, or without a known optimizer): "
+                    + "; ".join(plain(lab) for lab in missing_lr) + ".")
+    if missing_norm:
+        said.append("No gradient norm recorded (a run recorded before mpdiag kept it): "
+                    + "; ".join(plain(lab) for lab in missing_norm) + ".")
     ui.show_chart(charts.stacked_over_steps(*panels), width="stretch")
-    st.caption("Drag or scroll on any of these panels to pan or zoom the steps of them all.")
+    st.caption("Drag or scroll on any of these panels to pan or zoom the steps of them all."
+               + (f" Smoothing {weight:.2f}: the faint lines are the recorded values." if smooth else ""))
+    for sentence in said:
+        st.caption(sentence)
     st.markdown("  \n".join(notes))
 
     left, right = st.columns(2)

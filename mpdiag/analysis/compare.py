@@ -73,6 +73,41 @@ def default_selection(runs: pd.DataFrame) -> list[int]:
     return runs["run_id"].head(2).astype(int).tolist()
 
 
+#: the Compare page's x axes: the step, or the wall time since the run's Recorder started (Store.steps' wall_time_s)
+X_AXES = {"step": "step", "wall time (s)": "wall_time_s"}
+
+
+def ema_debiased(values, weight: float) -> np.ndarray:
+    """TensorBoard's scalar smoothing: an exponential moving average with weight ``weight`` (0: none; 0.99:
+    heavy), debiased so it does not start at 0 (divided by 1 - weight**n after n points). A non-finite value
+    is passed through as itself and left out of the average (as TensorBoard does), and a series whose values are
+    all equal is returned as it is."""
+    v = np.asarray(values, dtype=float)
+    out = v.copy()
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    if v.size == 0 or weight == 0.0 or (v == v[0]).all():
+        return out
+    last, n = 0.0, 0
+    for i, x in enumerate(v):
+        if not math.isfinite(x):
+            continue
+        last = last * weight + (1.0 - weight) * x
+        n += 1
+        out[i] = last / (1.0 - weight**n)
+    return out
+
+
+def smoothed(df: pd.DataFrame, y: str, weight: float) -> pd.DataFrame:
+    """``df`` (rows of one or more runs, column ``run``, in step order within each) with ``{y}_smoothed``: each
+    run's :func:`ema_debiased` of ``y``."""
+    out = df.copy()
+    out[f"{y}_smoothed"] = np.nan
+    for _, rows in df.groupby("run", sort=False):
+        out.loc[rows.index, f"{y}_smoothed"] = ema_debiased(rows[y].to_numpy(dtype=float), weight)
+    return out
+
+
 def distinct_digits(values, least: int = 4, most: int = 17) -> int:
     """The fewest significant digits (at least ``least``) at which the different finite ``values`` are all
     written differently: final losses are never rounded into being the same."""

@@ -265,7 +265,41 @@ def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
         return steps
     stride = math.ceil(len(steps) / max_points)
     keep = (np.arange(len(steps)) % stride == 0) | (steps["skipped"] == 1).to_numpy() | ~np.isfinite(steps["loss"].to_numpy())
+    if "grad_norm" in steps:  # a non-finite gradient norm is a red rule: never thinned away
+        keep |= recorded_norms(steps).to_numpy() & ~np.isfinite(steps["grad_norm"].to_numpy(dtype=float))
     return steps[keep]
+
+
+def recorded_norms(steps: pd.DataFrame) -> pd.Series:
+    """Which steps have a gradient norm recorded (those of runs recorded since schema 9, which also have a wall
+    time): there, NaN is a NaN norm (SQLite stores NaN as NULL); in the rows of older runs it is no record."""
+    return steps["wall_time_s"].notna() if "wall_time_s" in steps else pd.Series(False, index=steps.index)
+
+
+def lr_norm_notes(steps: pd.DataFrame) -> list[str]:
+    """Why the learning-rate or gradient-norm panel (charts.loss_scale_panel) is missing, and what its red rules
+    are, as sentences. ``steps``: Store.steps."""
+    recorded = recorded_norms(steps)
+    if not recorded.any():
+        return ["No learning-rate or gradient-norm panel: this run was recorded before mpdiag kept them at every "
+                "step (store schema 9); record it again to see them."]
+    notes = []
+    if steps["lr"].isna().all():
+        notes.append("No learning-rate panel: the recording knew no optimizer (none was given to the Recorder and "
+                     "none from torch.optim stepped over the model's parameters, e.g. weights updated by hand).")
+    norm = steps.loc[recorded, "grad_norm"].astype(float)
+    bad = steps.loc[recorded & ~np.isfinite(steps["grad_norm"].astype(float)), "step"]
+    if len(bad):
+        notes.append(f"The gradient norm was inf or NaN at {len(bad):,} of {len(norm):,} steps (first at step "
+                     f"{int(bad.iloc[0]):,}): the red rules on its panel. Such steps overflowed; GradScaler skips them.")
+    zero = steps.loc[recorded & (steps["grad_norm"].astype(float) == 0), "step"]
+    if len(zero) == len(norm):
+        notes.append("No gradient-norm panel: the gradient norm was 0 at every step (no gradient, or all zero), "
+                     "and a log axis has no 0.")
+    elif len(zero):
+        notes.append(f"The gradient norm was 0 at {len(zero):,} steps (first at step {int(zero.iloc[0]):,}; no "
+                     "gradient, or all zero): grey rules, a log axis has no 0.")
+    return notes
 
 
 def format_lines(formats: tuple[str, ...] = ("fp16",)) -> pd.DataFrame:

@@ -47,6 +47,13 @@ def _unfit(chart):
 
 #: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...)
 STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+#: Compare's other x axis: seconds from each run's start (Store.steps' wall_time_s), relative
+WALL_X = alt.X("wall_time_s:Q", title="wall time since the run started (s)", axis=alt.Axis(format="~g"))
+
+
+def x_axis(x: str) -> alt.X:
+    """The x encoding of a chart over ``x``: "step" or "wall_time_s"."""
+    return {"step": STEP_X, "wall_time_s": WALL_X}[x]
 
 
 def _power_of_two_axis(title: str, values=None) -> alt.Axis:
@@ -191,7 +198,44 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
     bad = (~np.isfinite(steps["loss"].astype(float))).any()
     panels.append(loss.properties(height=200, title="loss" + (" (red rules: NaN/inf loss)" if bad else "")))
+    panels += [p for p in (learning_rate_panel(steps), grad_norm_panel(steps)) if p is not None]
     return stacked_over_steps(*panels)
+
+
+def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
+    """The learning rate of every step (Store.steps' ``lr``), or None when no step has one (a run recorded before
+    schema 9, or without a known optimizer: the page says so, :func:`mpdiag.analysis.summaries.lr_norm_notes`)."""
+    if not np.isfinite(steps["lr"].astype(float)).any():
+        return None
+    return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after").encode(
+        x=STEP_X, y=alt.Y("lr:Q", title="learning rate", axis=alt.Axis(format="~g")),
+        tooltip=["step:Q", alt.Tooltip("lr:Q", format=".6g", title="learning rate")],
+    ).properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
+
+
+def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
+    """The global gradient norm of every step (unscaled, before clipping) on a log axis; steps where it was inf
+    or NaN are red rules, where it was 0 grey ones (a log axis has no 0); None when it was not recorded (a run
+    recorded before schema 9) or was 0 at every step (the page says so)."""
+    recorded = steps[steps["wall_time_s"].notna()] if "wall_time_s" in steps else steps.iloc[:0]
+    norm = recorded["grad_norm"].astype(float)
+    if recorded.empty or (norm == 0).all():
+        return None
+    layers = []
+    if drawable_on_log(norm).any():
+        layers.append(alt.Chart(_blanked(recorded, "grad_norm", log=True)).mark_line(color="#9467bd").encode(
+            x=STEP_X, y=alt.Y("grad_norm:Q", title="gradient norm", scale=alt.Scale(type="log")),
+            tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")]))
+    said = []
+    for label, rows, colour in (("red rules: inf/NaN", ~np.isfinite(norm), "#d62728"),
+                                ("grey rules: 0", norm == 0, "#7f7f7f")):
+        if rows.any():  # an empty layer would give Vega an infinite extent
+            bad = recorded[rows].assign(value=lambda d: d["grad_norm"].astype(str))
+            layers.append(alt.Chart(bad).mark_rule(color=colour, opacity=0.5, strokeWidth=2).encode(
+                x=STEP_X, tooltip=["step:Q", alt.Tooltip("value:N", title="gradient norm")]))
+            said.append(label)
+    title = "global gradient norm (unscaled, before clipping" + (f"; {'; '.join(said)}" if said else "") + ")"
+    return alt.layer(*layers).properties(height=180, title=title)
 
 
 def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcatChart:
@@ -236,11 +280,11 @@ def _blanked(df: pd.DataFrame, y: str, log: bool = False) -> pd.DataFrame:
     return df.assign(**{y: df[y].astype(float).where(~_undrawable(df[y], log))})
 
 
-def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = False) -> alt.LayerChart:
+def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = False, x: str = "step") -> alt.LayerChart:
     """``chart`` (drawn from :func:`_blanked` data) with faint vertical rules at steps where ``y`` is NaN or
     inf (or, with ``log``, zero or negative), which a line chart would silently drop; without the layer when
     there are none (an empty layer makes Vega warn of an infinite extent in the browser console), and the
-    rules alone when no value is drawable."""
+    rules alone when no value is drawable. ``x``: the x field ("step", or "wall_time_s")."""
     bad_rows = _undrawable(df[y], log)
     bad = df[bad_rows].assign(value=lambda d: d[y].astype(str))
     if bad.empty:
@@ -248,28 +292,40 @@ def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = F
     rules = (
         alt.Chart(bad)
         .mark_rule(opacity=0.35, strokeWidth=2)
-        .encode(x=STEP_X, color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
+        .encode(x=x_axis(x), color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
     )
     return alt.layer(chart, rules) if not bad_rows.all() else alt.layer(rules)
 
 
 def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False,
-                 height: int = 240) -> alt.LayerChart:
-    """One line per run (column ``run``) of ``y`` over ``step``, in the runs' fixed colours; NaN/inf values
-    (and on a ``log`` axis zero ones: a collapsed loss scale) appear as faint vertical rules in the run's
-    colour. The legend is above the plot, so a chart in a narrow column keeps its width for the data."""
-    scale = alt.Scale(type="log", base=2) if log else alt.Scale(zero=False)
+                 height: int = 240, x: str = "step", smooth: bool = False, log_base: int = 2) -> alt.LayerChart:
+    """One line per run (column ``run``) of ``y`` over ``x`` ("step", or "wall_time_s": seconds since the run
+    started), in the runs' fixed colours; NaN/inf values (and on a ``log`` axis zero ones: a collapsed loss
+    scale) appear as faint vertical rules in the run's colour. The legend is above the plot, so a chart in a
+    narrow column keeps its width for the data.
+
+    ``log``: a log axis, base ``log_base`` (2: the loss scale, labelled 2^k and drawn as steps; 10: a loss or a
+    gradient norm). ``smooth``: ``df`` also holds ``{y}_smoothed`` (compare.smoothed): the smoothed line is drawn
+    over the raw one, which is drawn faint behind it, as TensorBoard does."""
+    scale = alt.Scale(type="log", base=log_base) if log else alt.Scale(zero=False)
+    axis = _power_of_two_axis(title, df[y]) if log and log_base == 2 else alt.Axis(title=title, format="~g")
     colour = _run_colour(domain, orient="top")
-    line = (
-        alt.Chart(_blanked(df, y, log))
-        .mark_line(interpolate="step-after" if log else "linear")
-        .encode(x=STEP_X, y=alt.Y(f"{y}:Q", scale=scale, axis=_power_of_two_axis(title, df[y]) if log else
-                                           alt.Axis(title=title)), color=colour,
-                tooltip=["run:N", "step:Q", f"{y}:Q"])
-    )
+    x_enc = x_axis(x)
+    tooltip = ["run:N", "step:Q", *(["wall_time_s:Q"] if x == "wall_time_s" else []), alt.Tooltip(f"{y}:Q", format=".6g")]
+    data = _blanked(df, y, log)
+    if smooth:
+        data = data.assign(**{f"{y}_smoothed": data[f"{y}_smoothed"].astype(float).where(
+            ~_undrawable(df[f"{y}_smoothed"], log))})
+    line = alt.Chart(data).mark_line(interpolate="step-after" if log and log_base == 2 else "linear",
+                                     opacity=0.25 if smooth else 1.0).encode(
+        x=x_enc, y=alt.Y(f"{y}:Q", scale=scale, axis=axis), color=colour, tooltip=tooltip)
+    if smooth:
+        line = alt.layer(line, alt.Chart(data).mark_line().encode(
+            x=x_enc, y=alt.Y(f"{y}_smoothed:Q", scale=scale, axis=axis), color=colour,
+            tooltip=[*tooltip, alt.Tooltip(f"{y}_smoothed:Q", format=".6g", title=f"{y} smoothed")]))
     if _undrawable(df[y], log).any():
         title = f"{title} (faint rules: NaN/inf{' or 0, below any log axis' if log else ''})"
-    return _fit(_with_nonfinite_rules(line, df, y, colour, log).properties(height=height, title=title))
+    return _fit(_with_nonfinite_rules(line, df, y, colour, log, x=x).properties(height=height, title=title))
 
 
 def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str],
