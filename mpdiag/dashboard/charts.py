@@ -307,6 +307,8 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     ``log``: a log axis, base ``log_base`` (2: the loss scale, labelled 2^k and drawn as steps; 10: a loss or a
     gradient norm). ``smooth``: ``df`` also holds ``{y}_smoothed`` (compare.smoothed): the smoothed line is drawn
     over the raw one, which is drawn faint behind it, as TensorBoard does."""
+    # only the columns drawn travel to the browser (a chart ships its data; a steps frame has a dozen columns)
+    df = df[[c for c in dict.fromkeys(["run", "step", x, y, *([f"{y}_smoothed"] if smooth else [])]) if c in df]]
     scale = alt.Scale(type="log", base=log_base) if log else alt.Scale(zero=False)
     axis = _power_of_two_axis(title, df[y]) if log and log_base == 2 else alt.Axis(title=title, format="~g")
     colour = _run_colour(domain, orient="top")
