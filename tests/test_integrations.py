@@ -59,6 +59,12 @@ def test_lightning_callback_records_what_watch_records(store_path, tmp_path, mon
     for step, norms in enumerate(truth["norms"]):
         rows = stats[stats["step"] == step].set_index("tensor")["l2"]
         assert [rows[name] for name in truth["names"]] == pytest.approx(norms, rel=1e-6)
+    # the per-step global norm and learning rate: Lightning's gradients as its hook saw them (before its clip) and
+    # the script's StepLR (1e-2, halved every 2 steps, stepped every optimizer step)
+    steps = store.steps(callback_run)
+    global_norms = [sum(n**2 for n in norms if n is not None) ** 0.5 for norms in truth["norms"]]
+    assert steps["grad_norm"].tolist() == pytest.approx(global_norms, rel=1e-6)
+    assert steps["lr"].tolist() == [1e-2 * 0.5 ** (step // 2) for step in steps["step"]]
 
 
 def test_lightning_callback_under_watch_stands_aside(store_path, tmp_path):
@@ -83,3 +89,8 @@ def test_hugging_face_callback_records_what_watch_records(store_path, tmp_path, 
     stats = store.tensor_stats(callback_run)
     norms = stats.groupby("step")["l2"].apply(lambda l2: float((l2 ** 2).sum() ** 0.5)).tolist()
     assert norms == pytest.approx(logged, rel=1e-5)
+    # the per-step global norm (before Accelerate's clip) and learning rate against the Trainer's own log
+    log = [entry for entry in json.loads((out / "log_history.json").read_text()) if "grad_norm" in entry]
+    steps = store.steps(callback_run)
+    assert steps["grad_norm"].tolist() == pytest.approx(logged, rel=1e-5)
+    assert steps["lr"].tolist() == [entry["learning_rate"] for entry in log]
