@@ -276,3 +276,45 @@ def test_a_full_disk_stops_recording_once_and_lets_training_finish(tmp_path, mon
     assert run["status"] == "failed" and run["error"].startswith("mpdiag stopped recording at step ")
     assert len(Store(tmp_path / "runs.db").steps(rec.run_id)) >= 1  # what was committed before is kept
     assert (len(opt._optimizer_step_pre_hooks), len(_global_optimizer_pre_hooks)) == hooks_before
+
+
+def test_a_write_that_fails_on_the_timer_flush_stops_recording_without_hanging(tmp_path, monkeypatch, capsys):
+    """The disk is full and the training thread is then stuck inside a step, so the writer's own timer flush is
+    the first to meet the error: recording stops on the writer's thread (it used to wait there on itself
+    forever, and the training thread's close() with it) and the training goes on."""
+    import threading
+
+    _disk_fills_after(monkeypatch, batches=0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt)
+    rec.flush_interval_s = 2.0  # record() itself does not flush within the test's first steps
+    steps_trained, stopped_while_stuck = [], []
+
+    def training():
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 3)).sum()
+            loss.backward()
+            rec.record(loss)
+            opt.step()
+            if step == 1:  # step 0's row, complete now, is written: that fails on the writer's thread, and the
+                rec.flush()  # error waits for the next write
+                time.sleep(0.5)
+            if step == 2:  # stuck inside the next step: only the timer flushes (step 1's row) now
+                deadline = time.monotonic() + 30
+                while rec.stopped_recording is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                stopped_while_stuck.append(rec.stopped_recording is not None)
+            steps_trained.append(step)
+        rec.close()
+
+    thread = threading.Thread(target=training, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the training thread hung after the failed write"
+    assert steps_trained == [0, 1, 2, 3] and stopped_while_stuck == [True]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpdiag:")]
+    assert len(said) == 1 and "database or disk is full" in said[0]
+    assert Store(tmp_path / "runs.db").run(rec.run_id)["status"] == "failed"

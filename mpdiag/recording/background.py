@@ -10,8 +10,9 @@ that writes that store. While a run this writer created is open, the thread send
 heartbeat_at=now)`` every HEARTBEAT_S until the run's first step rows are committed; from then on the heartbeat is
 the commit of step rows itself (the store's ``write_batch``), so a training loop that hangs reads as stalled while
 this thread lives on. Periodic work registered with :meth:`BackgroundWriter.every` (the Recorder's flush of rows
-that arrived, so steps reach the store while the training thread is stuck) runs on this thread. This module must
-not decide what a run records; it only carries the calls.
+that arrived, so steps reach the store while the training thread is stuck) runs on this thread; what it calls on
+the writer (:meth:`call`, :meth:`close`: the Recorder stopping on a failed write) runs there at once, since queued
+it would wait on itself. This module must not decide what a run records; it only carries the calls.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class BackgroundWriter:
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._periodic: dict[int, tuple[float, Callable[[], None]]] = {}  # id -> (interval, fn)
+        self._runs: _OpenRuns | None = None  # the sink as jobs see it, once this thread opened it
+        self._ended = False  # the thread has left its loop: nothing queued now would ever run
+        self._queue_lock = threading.Lock()  # a job is queued before the loop ends, or refused after
         self._last_run: dict[int, float] = {}
         ready: Future = Future()
         self._thread = threading.Thread(target=self._loop, args=(ready,), name="mpdiag-writer", daemon=True)
@@ -94,8 +98,8 @@ class BackgroundWriter:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             ready.set_exception(exc)
             return
+        runs = self._runs = _OpenRuns(sink)
         ready.set_result(None)
-        runs = _OpenRuns(sink)
         last_beat = time.monotonic()
         try:
             while True:
@@ -121,6 +125,22 @@ class BackgroundWriter:
                         self._error = self._error or exc
         finally:
             sink.close()
+            self._answer_queued_after_end()
+
+    def _answer_queued_after_end(self) -> None:
+        """Nothing waits forever on a writer that ended: a close queued after the one that ended it is answered,
+        a job is refused."""
+        with self._queue_lock:
+            self._ended = True
+        while True:
+            try:
+                job, future = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                future.set_result(None)
+            else:
+                future.set_exception(StoreWriteFailed("the writer had already closed"))
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> Callable[[], None]:
         """Run ``fn()`` on this writer's thread about every ``interval_s`` until the returned function is called;
@@ -149,19 +169,35 @@ class BackgroundWriter:
     def submit(self, job: Callable[[Any], Any]) -> Future:
         """Queue a job; returns its future. Raises the error of an earlier failed job, if any."""
         self._raise_pending()
+        return self._queue(job)
+
+    def _queue(self, job: Callable[[Any], Any] | None) -> Future:
         future: Future = Future()
-        self._jobs.put((job, future))
+        with self._queue_lock:
+            if not self._ended:
+                self._jobs.put((job, future))
+                return future
+        if job is None:
+            future.set_result(None)
+        else:
+            future.set_exception(StoreWriteFailed("the writer had already closed"))
         return future
 
+    def _on_own_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def call(self, job: Callable[[Any], Any]) -> Any:
-        """Run a job and wait for its result."""
+        """Run a job and wait for its result; on this writer's own thread (from periodic work), run it now."""
+        if self._on_own_thread():
+            return job(self._runs)
         return self.submit(job).result()
 
     def close(self) -> None:
-        """Finish every queued job, then close the sink. Raises a job's error, if one failed."""
-        if self._thread.is_alive():
-            done: Future = Future()
-            self._jobs.put((None, done))
-            done.result()
-            self._thread.join()
+        """Finish every queued job, then close the sink. Raises a job's error, if one failed. From periodic work
+        on this writer's own thread: the thread ends after the jobs queued so far, and nothing is raised here."""
+        if self._on_own_thread():
+            self._queue(None)
+            return
+        self._queue(None).result()
+        self._thread.join()
         self._raise_pending()

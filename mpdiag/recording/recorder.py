@@ -91,6 +91,8 @@ def _never_ends_training(method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         if self.stopped_recording is not None:
+            if method.__name__ in ("close", "fail"):
+                self._wait_for_stopped_writer()
             return None
         try:
             return method(self, *args, **kwargs)
@@ -531,6 +533,15 @@ class Recorder:
             try:
                 self._writer.close()
             except Exception:  # noqa: BLE001 - as above
+                pass
+
+    def _wait_for_stopped_writer(self) -> None:
+        """Recording stopped on the writer's own thread (its timer flush met the failed write), which could only
+        queue its ending: the training thread's close waits here until the run's error is written."""
+        if self._owns_writer:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the failure was said once already
                 pass
 
     def _read_tensors(self, step: int, scale: float | torch.Tensor) -> GradientRead:
