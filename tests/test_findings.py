@@ -10,11 +10,11 @@ import pytest
 from conftest import EXAMPLES, run_cli
 
 from mpdiag import Store
-from mpdiag.analysis.findings import LOW_RANGE_TARGET, diagnose, recommended_scale, scale_collapse
+from mpdiag.analysis.findings import LOW_RANGE_SHARE, LOW_RANGE_TARGET, diagnose, recommended_scale, scale_collapse
 from mpdiag.analysis.summaries import whatif_shares
 from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
 from mpdiag.sandbox.probe import run_probe
-from mpdiag.training.runner import RunConfig, rerun, train
+from mpdiag.training.runner import RunConfig, rerun, train, train_pair
 from mpdiag.training.script import ModelScript
 
 GALLERY = sorted(p.stem for p in EXAMPLES.glob("gallery_*.py"))
@@ -80,6 +80,37 @@ def test_recommended_scale_prefers_2_16_and_backs_off_from_overflow():
     assert shares["overflow"][1] == 0 and shares["underflow"][1] + shares["subnormal"][1] <= LOW_RANGE_TARGET
     hist[-40 - EXP_MIN] = 1000  # far too wide for FP16 at any scale that does not overflow
     assert recommended_scale(hist) is None
+
+
+def test_recommended_scale_goes_above_2_16_when_the_gradients_need_it():
+    """Gradients that need more than GradScaler's 2^16 get the scale that fits them, not "use bf16": the run at
+    2^16 would show the same finding, and a run at 2^20 would not."""
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-34 - EXP_MIN] = 100  # 2^-34 * 2^16 = 2^-18, subnormal in FP16; * 2^20 = 2^-14, FP16's min normal
+    hist[-8 - EXP_MIN] = 1  # the largest: [2^-8, 2^-7) * 2^22 fits; * 2^23 is FP16's top bin (>= 65520 overflows)
+    assert recommended_scale(hist) == 20
+    assert whatif_shares(hist, 16)["subnormal"][0] > LOW_RANGE_SHARE  # 2^16 itself would keep the finding
+    # an FP16 run's own histogram misses what it flushed (all below what it recorded): the most headroom
+    assert recommended_scale(hist, complete=False) == 22
+    assert recommended_scale(hist, ceiling=16) is None  # scale collapse never recommends above 2^16
+
+
+def test_underflow_advice_is_consistent_across_runs_of_one_script(tmp_path):
+    """Issue 27 item 6, as a class: the same model at a static scale of 1 with its FP32 twin, and dynamic from 2^8
+    without one, are each told a scale (never "no single loss scale fits" when one does); the rerun at that
+    scale, the ground truth, no longer shows the finding."""
+    store_path = tmp_path / "runs.db"
+    script = ModelScript.from_path(EXAMPLES / "gallery_underflow.py")
+    failing, _twin = train_pair(script, RunConfig(opt_level="O1", steps=30, device="cpu").with_options(loss_scale=1.0),
+                                store_path)
+    low_start = train(script, RunConfig(opt_level="O1", steps=30, device="cpu").with_options(init_scale=2.0**8),
+                      store_path)
+    for run_id, basis in ((failing, "by the FP32 twin's gradient histograms"),
+                          (low_start, "by this run's recorded histograms")):
+        finding = {f.rule: f for f in diagnosed(store_path, run_id)}["gradient-underflow"]
+        assert finding.fix["loss_scale"] == "dynamic" and basis in finding.recommendation, finding.recommendation
+        child = rerun(store_path, run_id, **finding.fix)
+        assert "gradient-underflow" not in {f.rule for f in diagnosed(store_path, child)}
 
 
 def test_scale_collapse_thresholds():

@@ -37,6 +37,10 @@ from mpdiag.training.config import rerunnable_by_watch, watch_fix
 LOW_RANGE_SHARE = 0.02
 #: a recommended scale must bring that share (upper bound) below this, with no overflow at all
 LOW_RANGE_TARGET = 0.001
+#: GradScaler's default initial scale, recommended whenever it meets LOW_RANGE_TARGET, and the largest scale
+#: ever recommended (2^40: an FP32 loss times it stays far below FP32's max)
+GRADSCALER_DEFAULT_LOG2 = 16
+MAX_RECOMMENDED_LOG2 = 40
 #: skipped steps above this share of all steps, or this many in a row, or a scale below 1: scale collapse
 SKIP_SHARE = 0.05
 CONSECUTIVE_SKIPS = 5
@@ -56,25 +60,52 @@ def _share(part: float, whole: float) -> float:
     return float(part / whole) if whole else 0.0
 
 
-def recommended_scale(hist: np.ndarray) -> int | None:
-    """log2 of the initial dynamic scale to recommend from a run's summed histogram of unscaled gradients:
-    GradScaler's standard 2^16 when that cannot overflow, else the largest power of two that cannot; None
-    when even that leaves more than LOW_RANGE_TARGET of the values underflow or subnormal (upper bounds).
-    Values that already vanished are not in the histogram, so more headroom than the visible minimum is
-    preferred: dynamic scaling backs off by itself if it overflows later."""
-    safe = [k for k in range(0, 25) if whatif_shares(hist, k)["overflow"][1] == 0]  # a prefix: 0 .. k_max
+def recommended_scale(hist: np.ndarray, complete: bool = True, ceiling: int = MAX_RECOMMENDED_LOG2) -> int | None:
+    """log2 of the initial dynamic scale to recommend from a summed histogram of unscaled gradients, among the
+    powers of two up to ``ceiling`` at which no recorded value can overflow FP16 (upper bounds).
+
+    ``complete``: the histogram misses nothing (an FP32 run's, e.g. the twin's): GradScaler's standard 2^16 when
+    it brings the share of values underflowing or subnormal below LOW_RANGE_TARGET; else the smallest power of
+    two that does. Not complete (an FP16 run's own: the values it flushed to zero are missing, all of them below
+    the recorded ones): the largest power of two that cannot overflow, the most room for what is missing.
+    Either way, when no scale meets the target, the one leaving the smallest share if that share is at most
+    LOW_RANGE_SHARE (a rerun at it would not show the finding again); None when none does: the gradients are
+    wider than FP16 holds. Dynamic scaling backs off by itself if the recommended scale overflows later."""
+    safe = [k for k in range(0, ceiling + 1) if whatif_shares(hist, k)["overflow"][1] == 0]  # a prefix: 0 .. k_max
     if not safe:
         return None
-    k = min(16, max(safe))
-    shares = whatif_shares(hist, k)
-    return k if shares["underflow"][1] + shares["subnormal"][1] <= LOW_RANGE_TARGET else None
+
+    def low(k: int) -> float:
+        shares = whatif_shares(hist, k)
+        return shares["underflow"][1] + shares["subnormal"][1]
+
+    best = max(safe)  # the share only falls as the scale grows, up to the first that overflows
+    if not complete:
+        return best if low(best) <= LOW_RANGE_SHARE else None
+    if GRADSCALER_DEFAULT_LOG2 in safe and low(GRADSCALER_DEFAULT_LOG2) <= LOW_RANGE_TARGET:
+        return GRADSCALER_DEFAULT_LOG2
+    meeting = [k for k in safe if low(k) <= LOW_RANGE_TARGET]
+    if meeting:  # below 2^16 only when 2^16 itself would overflow: then the most headroom that fits
+        return min(meeting) if min(meeting) > GRADSCALER_DEFAULT_LOG2 else max(meeting)
+    return best if low(best) <= LOW_RANGE_SHARE else None
+
+
+def scale_basis(twin_hist: np.ndarray | None) -> str:
+    """What a recommended scale was computed from, said in the advice, so two runs of one script that get
+    different advice say why."""
+    if twin_hist is not None:
+        return "by the FP32 twin's gradient histograms (nothing flushed)"
+    return ("by this run's recorded histograms, the most headroom that cannot overflow (the values FP16 flushed "
+            "to zero are missing from them; a --pair run's FP32 twin measures them)")
 
 
 def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
-              shadow_steps: int = 0) -> Finding | None:
+              shadow_steps: int = 0, twin_hist: np.ndarray | None = None) -> Finding | None:
     """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use. The values
     FP16 flushed to zero are exact zeros in the record; their share is estimated against the FP32 twin
-    (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it."""
+    (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it. The
+    recommended scale is read from the twin's summed histogram (``twin_hist``) when there is one: the run's own
+    lacks the flushed values, and a scale chosen from it can leave the rerun with the same finding."""
     if run["opt_level"] not in FP16_LEVELS or totals.empty:
         return None
     values = nonzero_finite(totals)
@@ -85,13 +116,18 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     worst = totals.loc[(per_tensor > LOW_RANGE_SHARE) & big, "tensor"].tolist()
     if overall <= LOW_RANGE_SHARE and not worst:
         return None
-    k = recommended_scale(hist)
+    basis = scale_basis(twin_hist)
+    k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is not None:
         fix = {"loss_scale": "dynamic", "init_scale": float(2**k)}
-        advice = (f"Use dynamic loss scaling from 2^{k}: by the recorded histograms it keeps the share below "
-                  f"{LOW_RANGE_TARGET:.1%} without overflow.")
+        kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
+        advice = (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
+                  f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of the values underflowing or subnormal, "
+                  "with no overflow.")
     else:
-        advice = "No single loss scale fits these gradients in FP16; use --opt-level bf16 (FP32's range)."
+        advice = (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
+                  f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
+                  "(FP32's range).")
         fix = {"opt_level": "bf16"}
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
@@ -194,7 +230,7 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
                            "Or keep the overflowing op in FP32 (torch.amp.custom_fwd(cast_inputs=torch.float32)).",
             fix={"opt_level": "bf16"}, page=page, focus=focus,
         )
-    k = recommended_scale(hist)
+    k = recommended_scale(hist, ceiling=GRADSCALER_DEFAULT_LOG2)  # lower, never above GradScaler's default
     return Finding(
         rule="scale-collapse", severity="warning",
         title="Gradients overflow FP16 at the loss scale: steps are skipped",
@@ -408,8 +444,9 @@ def diagnose(store: Store, run_id: int) -> list[Finding]:
     # gradients that ignore the scale look like underflow too; the cause is reported instead
     shadow = store.shadow_stats(run_id)
     twin = fp32_twin(run)
-    underflow = None if ignored else low_range(run, totals, hist, None if twin is None else store.tensor_totals(twin),
-                                               int(shadow["step"].nunique()))
+    underflow = None if ignored else low_range(
+        run, totals, hist, None if twin is None else store.tensor_totals(twin), int(shadow["step"].nunique()),
+        None if twin is None else store.histogram_totals(twin)[1].sum(axis=0))
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
