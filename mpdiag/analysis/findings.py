@@ -355,7 +355,8 @@ def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | No
         return None
     level = run["opt_level"]
     if underflow is not None:
-        advice, fix = "These gradients underflow: " + underflow.recommendation, underflow.fix
+        advice = "These gradients underflow: " + underflow.recommendation[0].lower() + underflow.recommendation[1:]
+        fix = underflow.fix
     elif level in ("O2", "O3", "bf16-pure", "bf16"):
         advice = ("Run the model under autocast FP16 with FP32 weights, which keeps precision-sensitive ops in FP32: "
                   "--opt-level O1" + (" (FP16 has 3 more mantissa bits than BF16)." if level.startswith("bf16") else "."))
