@@ -211,4 +211,4 @@ if len(selected) < 2:
     st.stop()
 chosen = runs.set_index("run_id").loc[selected].reset_index()
 live = not chosen["status"].isin(reads.FINAL_STATUSES).all()
-st.fragment(compare_view, run_every=ui.LIVE_REFRESH_S if live else None)(store, chosen, runs)
+st.fragment(compare_view, run_every=ui.COMPARE_REFRESH_S if live else None)(store, chosen, runs)

@@ -43,6 +43,8 @@ from mpdiag.training.config import (
 )
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
+#: Compare redraws up to four runs' eight panels (~1 s on 2 cores): refreshed every second it would never rest
+COMPARE_REFRESH_S = 3.0
 
 
 def configured_store() -> Path:
