@@ -169,6 +169,10 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         page.goto(f"{fresh.url}/Loss_scale?run=2")
         settle(page, "O0 does not scale the loss")
         no_exception(page)
+        # the sidebar names the home page as its title does ("Runs"), not after its file (app.py: "app")
+        home = page.locator("[data-testid='stSidebarNavItems'] > li:first-child [data-testid='stSidebarNavLink'] p")
+        assert home.evaluate("p => [getComputedStyle(p).fontSize, getComputedStyle(p, '::after').content]") == \
+            ["0px", '"Runs"']
         assert page.get_by_role("combobox", name="Run").input_value() == "#2 · mlp_digits.py (FP32 twin) · O0"
         shot(page, "08_deep_link_loss_scale_run2")
         page.goto(f"{fresh.url}/Compare?runs=1&runs=2")

@@ -64,10 +64,20 @@ def request_host() -> str | None:
     return st.context.headers.get("host")
 
 
+#: Streamlit names the home page after its file (app.py: "app") and renaming needs st.navigation, which this app
+#: does not use (pages/ is discovered): the sidebar's first entry is shown as "Runs", the home page's title
+HOME_LABEL_CSS = """<style>
+[data-testid="stSidebarNavItems"] > li:first-child [data-testid="stSidebarNavLink"] p { font-size: 0; }
+[data-testid="stSidebarNavItems"] > li:first-child [data-testid="stSidebarNavLink"] p::after {
+  content: "Runs"; font-size: 0.875rem; }
+</style>"""
+
+
 def frame(title: str) -> Store | None:
     """Page config, the Host check, title and the sidebar store picker. Returns the store, or None after
     explaining why it cannot be opened (missing file, not SQLite, not an mpdiag store)."""
     st.set_page_config(page_title=f"mpdiag · {title}", page_icon="🧮", layout="wide")
+    st.html(HOME_LABEL_CSS)
     if not host_allowed(request_host()):
         st.error("This dashboard is not served under this host name. It answers on this machine's loopback "
                  f"address, or on the names listed in {ALLOWED_HOSTS_ENV} where the server runs.")
