@@ -98,6 +98,29 @@ def test_accelerate_accumulation_whatever_the_clipping(store_path, tmp_path, mix
     assert_steps_are_the_frameworks(store, run_id, truth)
 
 
+@pytest.mark.parametrize("args", [(), ("--accumulate", "2", "--clip", "0.5"), ("--clip-mode", "value", "--clip", "0.05")],
+                         ids=["no-clip", "accumulate2-clip-norm", "clip-value"])
+def test_timm_native_scaler_cosine_scheduler_and_accumulation(store_path, tmp_path, args):
+    """timm's own NativeScaler, dispatch_clip_grad and CosineLRScheduler in train.py's loop, FP16 autocast: each
+    optimizer step with the loss timm back-propagated, the gradients as timm's clip received them (unscaled), the
+    learning rate the step used, GradScaler's scale and its skipped steps (one overflows at 2^16)."""
+    store, run_id, truth = watched_truth(store_path, tmp_path, "timm_loop.py", *args)
+    run, steps, stats = store.run(run_id), store.steps(run_id), store.tensor_stats(run_id)
+    assert run["status"] == "finished" and not run["note"], run["note"]
+    assert store.tensors(run_id)["name"].tolist() == truth["names"]
+    assert steps["loss"].tolist() == pytest.approx(truth["loss"], rel=1e-6)
+    assert steps["lr"].tolist() == truth["lr"]
+    assert steps["loss_scale"].tolist() == truth["scale"]
+    assert (steps["skipped"] == 1).tolist() == truth["skipped"]
+    for step, norms in enumerate(truth["norms"]):
+        rows = stats[stats["step"] == step].set_index("tensor")["l2"]
+        recorded = [rows[name] for name in truth["names"]]
+        if all(map(math.isfinite, norms)):
+            assert recorded == pytest.approx(norms, rel=1e-6), f"step {step}"
+        else:  # an overflowing step: the same tensors non-finite
+            assert [math.isfinite(v) for v in recorded] == [math.isfinite(v) for v in norms], f"step {step}"
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_torch_compile_runs_and_keeps_the_models_own_names(store_path, tmp_path, backend):
     store, run_id, truth = watched_truth(store_path, tmp_path, "compiled_loop.py", "--backend", backend)
