@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero
+from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
+from mpdiag.numerics.formats import EXP_MIN
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
 #: one of the two is non-finite.
@@ -221,3 +222,97 @@ def config_table(chosen: pd.DataFrame, labels: list[str], only_differences: bool
     settings on which the runs disagree."""
     config = chosen.set_index(pd.Index(labels))[CONFIG_FIELDS].T.astype(str)
     return config[config.nunique(axis=1) > 1] if only_differences else config
+
+
+# -- gradient histograms of the compared runs, overlaid ----------------------------------------------------------
+
+def histogram_tensors(totals: list[pd.DataFrame]) -> list[str]:
+    """The tensor names the overlaid histograms offer: every tensor any run recorded (``totals``: each run's
+    Store.tensor_totals, in the runs' order), those of the first run with statistics first, worst FP16 underflow
+    of its unscaled gradient first (:func:`~mpdiag.analysis.summaries.tensor_ranking`), then the other runs' own
+    tensors in their order."""
+    names: list[str] = []
+    recorded = [t for t in totals if len(t)]
+    if recorded:
+        names += tensor_ranking(recorded[0], "fp16")["tensor"].tolist()
+    for t in recorded[1:]:
+        names += [n for n in t["tensor"] if n not in set(names)]
+    return names
+
+
+def histogram_steps(logged: list[list[int]]) -> tuple[list[int], int | None]:
+    """(the steps the step slider offers: those any run logged, in order; the default: the last step every run
+    with statistics logged, else the last offered, None when no run logged any). ``logged``: each run's
+    Store.logged_steps."""
+    recorded = [set(steps) for steps in logged if steps]
+    offered = sorted(set().union(*recorded)) if recorded else []
+    common = set.intersection(*recorded) if recorded else set()
+    return offered, (max(common) if common else offered[-1] if offered else None)
+
+
+#: why a run has no line in the overlaid histograms (the ``missing`` column of :func:`overlaid_histograms`)
+NO_TENSOR = "did not record this tensor"
+NO_STEP = "did not log this step"
+NO_VALUES = "held no finite non-zero value of it"
+
+
+def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame, np.ndarray]],
+                        tensor: str, step: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One tensor's exponent histogram of its unscaled gradient g in each run, at one logged ``step`` or summed
+    over every logged step (``step`` None), as shares of that run's finite non-zero values of the tensor, so runs
+    with different numbers of logged steps compare.
+
+    ``records``: per run label, (Store.tensor_totals, Store.tensor_stats of every tensor at ``step`` (None when
+    summing), and the tensor's Store.histogram_matrix over every logged step: index and counts).
+
+    Returns (bins, runs). ``bins``, tidy, one row per drawn run and exponent e: run, log2 (e: the bin holds
+    2^e <= |g| < 2^(e+1)), count (exact), share (count / the run's finite non-zero values); every run spans the
+    same bins, one empty bin below the lowest occupied bin of any run to one above the highest, empty ones at 0,
+    so its step-line starts and ends at 0. ``runs``, one row per run in ``records``' order: run, numel (values of
+    the tensor over the steps taken), finite_nonzero, zeros, zero_share (of numel: an FP16 run's values flushed to
+    zero in its backward pass are exact zeros in its record, in no bin), nonfinite (NaN and inf), missing (why the
+    run has no line: NO_TENSOR, NO_STEP, NO_VALUES; None when drawn)."""
+    rows, per_bin = [], {}
+    for label, (totals, at_step, index, counts) in records.items():
+        row = {"run": label, "numel": 0, "finite_nonzero": 0, "zeros": 0, "zero_share": np.nan, "nonfinite": 0,
+               "missing": None}
+        rows.append(row)
+        if tensor not in set(totals["tensor"]):
+            row["missing"] = NO_TENSOR
+            continue
+        if step is None:
+            stats = totals[totals["tensor"] == tensor]
+            hist = counts.sum(axis=0) if len(counts) else None
+        else:
+            stats = at_step[at_step["tensor"] == tensor] if at_step is not None else at_step
+            picked = np.flatnonzero(index["step"].to_numpy() == step)
+            hist = counts[picked[0]] if len(picked) else None
+        if stats is None or stats.empty or hist is None:
+            row["missing"] = NO_STEP
+            continue
+        s = stats.iloc[0]
+        nonzero = int(hist.sum())
+        row.update(numel=int(s["numel"]), finite_nonzero=nonzero, zeros=int(s["zeros"]),
+                   zero_share=int(s["zeros"]) / int(s["numel"]) if int(s["numel"]) else np.nan,
+                   nonfinite=int(s["nan"] + s["posinf"] + s["neginf"]))
+        if nonzero == 0:
+            row["missing"] = NO_VALUES
+            continue
+        per_bin[label] = hist
+    runs = pd.DataFrame(rows, columns=["run", "numel", "finite_nonzero", "zeros", "zero_share", "nonfinite",
+                                       "missing"])
+    runs["missing"] = pd.Series([r["missing"] for r in rows], dtype=object)  # None where drawn, never NaN
+    if not per_bin:
+        return pd.DataFrame({"run": pd.Series(dtype=str), "log2": pd.Series(dtype=int),
+                             "count": pd.Series(dtype="int64"), "share": pd.Series(dtype=float)}), runs
+    occupied = np.flatnonzero(np.any(np.stack(list(per_bin.values())) > 0, axis=0))
+    n_bins = next(iter(per_bin.values())).shape[0]
+    span = np.arange(occupied[0] - 1, occupied[-1] + 2)  # an empty bin each side (may lie past the stored bins)
+    inside = (span >= 0) & (span < n_bins)
+    frames = []
+    for label, hist in per_bin.items():
+        count = np.zeros(len(span), dtype=np.int64)
+        count[inside] = hist[span[inside]]
+        frames.append(pd.DataFrame({"run": label, "log2": span + EXP_MIN, "count": count,
+                                    "share": count / int(hist.sum())}))
+    return pd.concat(frames, ignore_index=True), runs

@@ -74,16 +74,17 @@ def _power_of_two_axis(title: str, values=None) -> alt.Axis:
 LIMIT_DASHES = {"min subnormal": [2, 2], "min normal": [6, 3], "max": [12, 3]}
 
 
-def _limit_rules(lines: pd.DataFrame) -> alt.Chart:
+def _limit_rules(lines: pd.DataFrame, along: str = "y") -> alt.Chart:
     """Rules at each format limit (``summaries.format_lines``), coloured by format and dashed by kind, named in
-    a legend beside the plot ("fp16 min normal 2^-14"), not on it, where the data would cover the name."""
+    a legend beside the plot ("fp16 min normal 2^-14"), not on it, where the data would cover the name.
+    ``along``: the channel whose axis is log2 |value| ("y": horizontal rules; "x": vertical ones)."""
     names = list(lines["limit"])
     colours = [LIMIT_COLOURS[f] for f in lines["format"]]
     dashes = [LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]]
     legend = alt.Legend(title="format limits", labelLimit=260, symbolType="stroke", symbolStrokeWidth=2,
                         symbolSize=300)
     return alt.Chart(lines).mark_rule(strokeWidth=1.5).encode(
-        y="log2:Q", tooltip=["limit:N"],
+        **{along: "log2:Q"}, tooltip=["limit:N"],
         color=alt.Color("limit:N", scale=alt.Scale(domain=names, range=colours), legend=None),
         strokeDash=alt.StrokeDash("limit:N", scale=alt.Scale(domain=names, range=dashes), legend=legend))
 
@@ -140,6 +141,28 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
         )
         .properties(title=title, height=260, autosize=_FIT_WIDTH)
     )
+
+
+def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], title: str = "") -> alt.LayerChart:
+    """Exponent histograms of several runs overlaid (``compare.overlaid_histograms``' bins): x log2 |g| (bin e
+    holds 2^e to 2^(e+1)), y the share of the run's finite non-zero values, one step-line per run in its fixed
+    colour over a faint area; the format limits (``summaries.format_lines``) as dashed rules named in a legend.
+    The x axis spans the bins and the limits, a binade of room each side."""
+    lo = min([*bins["log2"], *lines["log2"]]) - 1
+    hi = max([*(bins["log2"] + 1), *lines["log2"]]) + 1
+    x = alt.X("log2:Q", title="log2 |g|, unscaled (bin e: 2^e <= |g| < 2^(e+1))",
+              scale=alt.Scale(domain=[math.floor(lo), math.ceil(hi)], nice=False, zero=False),
+              axis=alt.Axis(format="d", tickMinStep=1))
+    colour = _run_colour(domain, orient="top")
+    tooltip = ["run:N", alt.Tooltip("log2:Q", title="bin 2^e, e"), alt.Tooltip("count:Q", format=",d", title="values (exact)"),
+               alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero")]
+    base = alt.Chart(bins).encode(x=x, y=alt.Y("share:Q", title="share of finite non-zero values", stack=None,
+                                               axis=alt.Axis(format="%")), color=colour, tooltip=tooltip)
+    runs = alt.layer(base.mark_area(interpolate="step-after", opacity=0.12),  # overlaid, not stacked
+                     base.mark_line(interpolate="step-after", strokeWidth=2))
+    layers = [runs, *([_limit_rules(lines, along="x")] if len(lines) else [])]
+    return _fit(alt.layer(*layers).resolve_scale(color="independent")
+                .properties(height=280, width="container", title=title))
 
 
 def stacked_over_steps(*panels) -> alt.VConcatChart:
