@@ -13,6 +13,9 @@ from mpdiag.analysis.compare import (
     COUNTED_PART,
     DIVERGENCE_RTOL,
     FLUSHED_PART,
+    NO_STEP,
+    NO_TENSOR,
+    NO_VALUES,
     STEP_TIME_OUTLIER,
     X_AXES,
     config_table,
@@ -20,7 +23,10 @@ from mpdiag.analysis.compare import (
     default_selection,
     first_divergence,
     fp16_underflow_parts,
+    histogram_steps,
+    histogram_tensors,
     loss_comparison,
+    overlaid_histograms,
     reference_run,
     smoothed,
     step_time_outliers,
@@ -148,6 +154,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                "peak on a GPU and the process's peak RSS on a CPU; model state is the bytes allocated for weights, "
                "gradients, master weights and optimizer state.")
     fp16_shares(store, chosen, labels)
+    histograms_overlaid(store, chosen, labels)
 
     st.subheader("Configuration")
     only_diff = st.checkbox("Only settings that differ", value=True, key="only_diff")
@@ -196,6 +203,59 @@ def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:
     else:
         st.caption("FP16 overflow: no recorded gradient value of these runs, at its run's loss scale, is above "
                    "FP16's largest value 65,504, so there is nothing to chart.")
+
+
+def histograms_overlaid(store, chosen: pd.DataFrame, labels: list[str]) -> None:
+    """One tensor's exponent histogram of the unscaled gradient in each run, at one step or summed, overlaid in
+    the runs' colours with FP16's limits; each run's zero share beside it, and the runs without a line named."""
+    st.subheader("Gradient histograms, overlaid")
+    rows = [(lab, int(r["run_id"]), reads.is_final(r)) for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True)]
+    totals = {lab: reads.tensor_totals(store, run_id, final) for lab, run_id, final in rows}
+    logged = {lab: reads.logged_steps(store, run_id, final) for lab, run_id, final in rows}
+    tensors = histogram_tensors(list(totals.values()))
+    offered, common = histogram_steps(list(logged.values()))
+    if not tensors or not offered:
+        st.caption("None of these runs recorded gradient statistics (yet), so there is no histogram to overlay.")
+        return
+    if st.session_state.get("hist_tensor") not in tensors:
+        st.session_state["hist_tensor"] = tensors[0]
+    if st.session_state.get("hist_step") not in offered:
+        st.session_state["hist_step"] = common
+    left, right = st.columns([3, 1])
+    tensor = left.selectbox("Tensor (worst FP16 underflow of the first run first; type to search)", tensors,
+                            key="hist_tensor")
+    summed = right.toggle("All logged steps (summed)", key="hist_summed")
+    step = None if summed else st.select_slider(
+        "Step (steps any of these runs logged)", offered, key="hist_step",
+        help=f"The last step all of them logged is {common:,}.") if len(offered) > 1 else offered[0]
+    records = {lab: (totals[lab], None if step is None else reads.tensors_at_step(store, run_id, step, final),
+                     *reads.tensor_histograms(store, run_id, tensor, final)) for lab, run_id, final in rows}
+    bins, per_run = overlaid_histograms(records, tensor, step)
+    when = "all logged steps, summed" if step is None else f"step {step:,}"
+    if len(bins):
+        ui.show_chart(charts.runs_histograms(bins, summaries.format_lines(("fp16",)), labels,
+                                             f"{tensor}: unscaled gradient, {when}"), width="stretch")
+    for why, sentence in ((NO_TENSOR, f"No line: these runs did not record the tensor {tensor}"),
+                          (NO_STEP, "No line: these runs did not log " + ("any step of it" if step is None else
+                                                                           f"step {step:,}")),
+                          (NO_VALUES, f"No line: every value of {tensor} at {when} was zero, NaN or inf in")):
+        missing = per_run.loc[per_run["missing"] == why, "run"].tolist()
+        if missing:
+            st.caption(plain(f"{sentence}: " + "; ".join(missing) + "."))
+    drawn = per_run[per_run["missing"] != NO_TENSOR]
+    drawn = drawn[drawn["missing"] != NO_STEP]
+    if len(drawn):
+        st.dataframe(pd.DataFrame({
+            "run": drawn["run"], "values": drawn["numel"], "finite non-zero (the 100 %)": drawn["finite_nonzero"],
+            "zeros": drawn["zero_share"], "NaN / inf": drawn["nonfinite"]}),
+            hide_index=True, width="stretch",
+            column_config={"zeros": st.column_config.NumberColumn("zeros (share of values)", format="percent"),
+                           **{c: st.column_config.NumberColumn(format="localized")
+                              for c in ("values", "finite non-zero (the 100 %)", "NaN / inf")}})
+        st.caption("Shares are of each run's finite non-zero values of this tensor, so runs logged at different "
+                   "steps compare. A run computed in FP16 records the values its backward pass flushed to zero as "
+                   "exact zeros, which no bin holds: its histogram can look healthy while its zero share, beside "
+                   "its FP32 twin's, says what it lost.")
 
 
 store = ui.frame("Compare")
