@@ -115,7 +115,8 @@ def test_heatmap_spec_draws_fp16_limits_on_a_log_colour_scale():
 
 def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
     steps = pd.DataFrame({"step": [0, 1, 2], "loss": [1.0, np.inf, 0.5], "loss_scale": [8.0, 8.0, 4.0],
-                          "scale_after": [8.0, 4.0, 4.0], "skipped": [0.0, 1.0, 0.0], "growth_tracker": [1, 0, 1]})
+                          "scale_after": [8.0, 4.0, 4.0], "skipped": [0.0, 1.0, 0.0], "growth_tracker": [1, 0, 1],
+                          "lr": [0.1] * 3, "grad_norm": [1.0, np.inf, 2.0]})  # Store.steps' columns
     spec = charts.loss_scale_panel(steps).to_dict()
     scale_layer = spec["vconcat"][0]["layer"]
     assert scale_layer[0]["encoding"]["y"]["scale"] == {"type": "log", "base": 2}
@@ -173,9 +174,9 @@ def test_a_scale_of_zero_is_a_rule_and_a_missing_tracker_no_panel():
 
     steps = pd.DataFrame({"step": [0, 1, 2], "loss": [1.0, np.nan, np.nan], "loss_scale": [2.0**-140, 0.0, 0.0],
                           "scale_after": [0.0, 0.0, 0.0], "skipped": [1.0, 1.0, 1.0],
-                          "growth_tracker": [np.nan] * 3})
+                          "growth_tracker": [np.nan] * 3, "lr": [np.nan] * 3, "grad_norm": [np.nan] * 3})
     spec = charts.loss_scale_panel(steps).to_dict()
-    assert len(spec["vconcat"]) == 2  # scale and loss; no growth-tracker panel of nothing
+    assert len(spec["vconcat"]) == 2  # scale and loss; no growth-tracker, learning-rate or norm panel of nothing
     data = spec["datasets"]
     scale_layers = spec["vconcat"][0]["layer"]
     assert [r["loss_scale"] for r in data[scale_layers[0]["data"]["name"]]] == [2.0**-140]
