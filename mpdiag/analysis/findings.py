@@ -134,6 +134,9 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         flushed = flushed_text(None, shadow_steps)
     else:
         per = flushed_to_zero(totals, twin_totals)
+        # a tensor whose values all vanished has none left to count above: the twin shows it lost the most
+        lost = [t for t in per.sort_values(ascending=False).index if per[t] > LOW_RANGE_SHARE]
+        tensors = list(dict.fromkeys(lost + tensors))[:5]
         flushed = (f"{overall_flushed(totals, per):.2%} of all gradient values {FLUSHED_LABEL}, estimated against "
                    "the FP32 twin (" + ", ".join(f"{t}: {per.get(t, np.nan):.2%}" for t in tensors) + ").")
     return Finding(
