@@ -24,6 +24,7 @@ from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
+from mpdiag.training.config import fix_text
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
 
@@ -49,9 +50,9 @@ def reruns_table(store, run: pd.Series, findings) -> None:
     if outcomes.empty:
         return
     st.subheader("Reruns of this run")
-    st.dataframe(outcomes, hide_index=True, width="stretch",
-                 column_config={"vs FP32": st.column_config.NumberColumn(
-                     format="%+.3f %%", help="final loss minus the FP32 reference's, in % of the reference")})
+    losses = {c: st.column_config.NumberColumn(format="%.4e") for c in ("final loss", "FP32 final loss")}
+    st.dataframe(outcomes, hide_index=True, width="stretch", column_config={**losses, "vs FP32": st.column_config.NumberColumn(
+        format="%+.3f %%", help="final loss minus the FP32 reference's, in % of the reference")})
 
 
 def shadow_section(store, run_id: int, final: bool) -> None:
@@ -108,12 +109,12 @@ def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
             cols[1].caption(plain(blocked))
         elif finding.fix and final:
             options = fix_options(store.runs(), run_id, finding)
-            fix_text = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in finding.fix.items())
+            described = fix_text(finding.fix)
             action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",
                                      run["script_path"] or run["name"], run["script_sha256"], options)
             with cols[1]:
-                if actions.confirmed(f"Rerun with this fix ({fix_text})", f"fix_{run_id}_{i}", action):
-                    actions.start_rerun(store, run_id, options, f"the fix of {finding.rule} on #{run_id} ({fix_text})")
+                if actions.confirmed(f"Rerun with this fix ({described})", f"fix_{run_id}_{i}", action):
+                    actions.start_rerun(store, run_id, options, f"the fix of {finding.rule} on #{run_id} ({described})")
                     st.rerun()  # the whole page: its top says what started, with its progress and links
 
 

@@ -24,7 +24,7 @@ def test_lost_share_threshold_is_strict_and_any_overflow_counts():
     at_threshold = records([row(0, underflow=int(LOST_SHARE * 1000))])
     assert lost_values(at_threshold) == []
     above = lost_values(records([row(0, underflow=11), row(1, underflow=3)]))
-    assert len(above) == 1 and "step 0" in above[0].evidence and "11 of 1000" in above[0].evidence
+    assert len(above) == 1 and "step 0" in above[0].evidence and "11 of 1,000" in above[0].evidence
     assert above[0].fix == {"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "current"}
     one_overflow = lost_values(records([row(3, role="input", overflow=1)]))
     assert len(one_overflow) == 1 and one_overflow[0].tensors == ["fc:input"]

@@ -166,7 +166,9 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
     table = at.dataframe[0].value.set_index("run")
     assert table.loc[2, "final loss"] == "NaN"  # the activation-overflow run's loss was NaN to the end
     assert table.loc[2, "skipped"] == "5 of 5" and table.loc[1, "skipped"] == "0 of 3"
-    assert (table["ranks"] == 1).all()  # one process each
+    assert (table["ranks"] == "1").all()  # one process each
+    assert table.loc[4, "related"] == "FP32 twin of #3" and table.loc[3, "related"] == "its FP32 twin: #4"
+    assert table.loc[1, "related"] == ""  # nothing, not "None"
     assert table.loc[3, "static scale"] == "1" and table.loc[4, "static scale"] == ""  # blank, not "None"
     assert all(re.fullmatch(r"NaN|-?[0-9.]+(e[-+][0-9]+)?", v) and len(v.replace("-", "").replace(".", "")) <= 9
                for v in table["final loss"])

@@ -142,10 +142,10 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     return Finding(
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
-        evidence=(f"{overall:.2%} of finite non-zero gradient values were FP16 underflow "
-                  f"({int(totals['fp16_underflow_at_scale'].sum()):,} values) or subnormal "
-                  f"({int(totals['fp16_subnormal_at_scale'].sum()):,} values) at the scale used; "
-                  f"exact zeros: {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
+        evidence=(f"At the scale used, {overall:.2%} of the recorded finite non-zero gradient values are subnormal in "
+                  f"FP16 ({int(totals['fp16_subnormal_at_scale'].sum()):,} values) or would underflow "
+                  f"({int(totals['fp16_underflow_at_scale'].sum()):,}); values FP16 already flushed are exact zeros "
+                  f"in the record, {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
         recommendation=advice,
         tensors=tensors,
         fix=fix,

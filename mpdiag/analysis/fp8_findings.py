@@ -58,7 +58,9 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
         if recipe == "delayed" and current.empty:
             fix = _fix(fp8_recipe="current")
             advice = ("Use current scaling (the scale from this step's own amax)"
-                      + ("; with both recipes recorded, current scaling loses nothing here." if recorded_current else "."))
+                      + (f"; with both recipes recorded, current scaling stays under this finding's threshold here "
+                         f"(at most {LOST_SHARE:.0%} underflow and no overflow at every recorded step)."
+                         if recorded_current else "."))
         else:
             fix = _fix(fp8_recipe=recipe, fp8_bf16_modules=module)  # one recipe: a recording may hold both
             advice = f"Keep {module} in BF16: its {role} does not fit {worst['fmt']} even at its own amax's scale."
@@ -69,8 +71,8 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
                       f"recorded steps lose more than {LOST_SHARE:.0%} of the values to underflow, or any to "
                       f"overflow, in {worst['fmt']} (the layer table's \"steps the finding counts\"); "
                       f"worst at step {int(worst['step'])}: "
-                      f"{int(worst['underflow'])} of {int(worst['numel'])} underflow ({worst['share']:.2%}), "
-                      f"{int(worst['overflow'])} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
+                      f"{int(worst['underflow']):,} of {int(worst['numel']):,} underflow ({worst['share']:.2%}), "
+                      f"{int(worst['overflow']):,} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
             recommendation=advice, tensors=[f"{module}:{role}"], fix=fix,
             focus={"layer": module, "role": role, "recipe": recipe}))
     return findings

@@ -515,13 +515,25 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"].map(_scale_text),
         "static scale": runs["loss_scale"].map(_scale_text),
-        "step ms (median)": runs["median_step_time_s"] * 1e3,
+        "step ms (median)": (runs["median_step_time_s"] * 1e3).map(lambda v: f"{v:,.1f}" if pd.notna(v) else ""),
         "device": runs["device"],
-        "ranks": runs["world_size"],
-        "parent": runs["parent_run_id"],
-        "FP32 twin": runs["pair_run_id"],
-        "started": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
+        "ranks": runs["world_size"].map(lambda v: f"{int(v)}" if pd.notna(v) else ""),
+        "related": [related_runs(run) for _, run in runs.iterrows()],
+        "started (UTC)": runs["started_at"].dt.tz_convert(None).dt.strftime("%Y-%m-%d %H:%M:%S"),
     })
+
+
+def related_runs(run: pd.Series) -> str:
+    """How a run relates to others, in words: an FP32 twin is the twin *of* its mixed-precision run (both carry
+    each other's id as pair_run_id), a run with a twin names it, a rerun names its parent."""
+    said = []
+    twin = run.get("pair_run_id")
+    if pd.notna(twin):
+        said.append(f"FP32 twin of #{int(twin)}" if run["opt_level"] == "O0" else f"its FP32 twin: #{int(twin)}")
+    parent = run.get("parent_run_id")
+    if pd.notna(parent):
+        said.append(f"rerun of #{int(parent)}")
+    return "; ".join(said)
 
 
 #: how the runs table renders its link columns (st.column_config.LinkColumn display text per column)

@@ -355,6 +355,18 @@ _CHANGE_WORDS = {
 }
 
 
+def fix_text(fix: Mapping[str, Any]) -> str:
+    """A finding's fix (run options) in words, as a rerun's name says them: "bf16", "dynamic scaling, initial
+    scale 2^23", "FP8 statistics"; an option without words as "name value"."""
+    parts = [f"level {fix['opt_level']}"] if fix.get("opt_level") else []
+    for name, value in fix.items():
+        if name == "opt_level":
+            continue
+        words = _CHANGE_WORDS.get(name)
+        parts.append(words(value) if words else f"{name.replace('_', ' ')} {value}")
+    return ", ".join(parts)
+
+
 def _power_text(value: Any) -> str:
     """2^16 for a power of two (as loss scales are written), else the value."""
     try:
