@@ -211,16 +211,103 @@ def worst_by_total(shares: pd.DataFrame, value: str = "share", n: int = 12) -> p
     return shares[shares["tensor"].isin(worst)]
 
 
-#: run settings the Compare page lays side by side
+#: run settings the Compare page lays side by side: columns of Store.runs, then (CONFIG_EXTRAS) settings kept only
+#: in the run's ``config`` (its "run" or "watch" part), then the runs it is linked to (LINK_FIELDS)
 CONFIG_FIELDS = ["opt_level", "scaling", "init_scale", "loss_scale", "growth_factor", "backoff_factor",
                  "growth_interval", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
-                 "torch_version", "script_sha256", "batch_size", "params", "status"]
+                 "torch_version", "script_sha256", "batch_size", "params", "update_format", "world_size", "backend",
+                 "status"]
+CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer"]
+#: a run's links to other runs, by the name its row has in the table
+LINK_FIELDS = {"parent_run_id": "rerun of", "pair_run_id": "paired with (--pair twin)"}
+#: settings that are loss scales: a power of two is written 2^k
+SCALE_FIELDS = {"init_scale", "loss_scale", "min_scale", "max_scale"}
+#: settings that are counts: whole numbers with thousands separators
+COUNT_FIELDS = {"growth_interval", "seed", "steps", "every", "batch_size", "params", "world_size", "shadow_every"}
+#: how the table writes a setting a run does not have (missing is a value: a setting only some runs have differs)
+MISSING = "—"
+
+
+def _missing(value) -> bool:
+    if value is None or isinstance(value, (dict, list)):
+        return value is None
+    try:
+        return bool(pd.isna(value)) or (isinstance(value, str) and value.strip() in ("", "None", "nan", "<NA>"))
+    except (TypeError, ValueError):
+        return False
+
+
+def scale_text(value: float) -> str:
+    """A loss scale: 2^k when it is a power of two (with its digits when k >= 4: 2^23 (8,388,608)), else its
+    number; small powers of two (2^-3 to 2^3) as their number, "1" not "2^0"."""
+    value = float(value)
+    if value > 0 and math.isfinite(value):
+        mantissa, exponent = math.frexp(value)
+        if mantissa == 0.5:
+            k = exponent - 1
+            if -3 <= k <= 3:
+                return f"{value:g}"
+            return f"2^{k} ({value:,.0f})" if k >= 4 else f"2^{k}"
+    return number_text(value, 6)
+
+
+def setting_text(field: str, value) -> str:
+    """One setting of one run as the Configuration table writes it: MISSING when the run has none (never "nan" or
+    "None"), a scale as 2^k, a count with separators, a run link as #id, yes/no for a switch."""
+    if _missing(value):
+        return MISSING
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if field in LINK_FIELDS:
+        return f"#{int(value)}"
+    if isinstance(value, str):
+        return value
+    if field in SCALE_FIELDS:
+        return scale_text(value)
+    if field in COUNT_FIELDS and float(value) == int(value):
+        text = f"{int(value):,}"
+        return f"{text} (off)" if field == "shadow_every" and int(value) == 0 else text
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return f"{float(value):,.10g}" if abs(float(value)) >= 1e4 else f"{float(value):.10g}"
+    return str(value)
+
+
+def _config_extra(config, field: str):
+    """A setting kept only in a run's ``config`` (the launcher's "run" part, or a watched run's "watch" part)."""
+    if not isinstance(config, dict):
+        return None
+    if field == "optimizer":
+        return (config.get("optimizer") or {}).get("class")
+    for part in ("run", "watch"):
+        if isinstance(config.get(part), dict) and field in config[part]:
+            return config[part][field]
+    return None
 
 
 def config_table(chosen: pd.DataFrame, labels: list[str], only_differences: bool) -> pd.DataFrame:
-    """Settings (rows, as text) by run (columns named by ``labels``); with ``only_differences`` only the
-    settings on which the runs disagree."""
-    config = chosen.set_index(pd.Index(labels))[CONFIG_FIELDS].T.astype(str)
+    """Settings (rows, as text: :func:`setting_text`) by run (columns named by ``labels``); with
+    ``only_differences`` only the settings on which the runs disagree, a setting one run has and another lacks
+    (MISSING) included. Rows: CONFIG_FIELDS the store has, CONFIG_EXTRAS some run's config holds, and the
+    runs' links (LINK_FIELDS): "paired with" is also set on the twin whose pair among ``chosen`` names it."""
+    rows: dict[str, list[str]] = {}
+    for field in CONFIG_FIELDS:
+        if field in chosen:
+            rows[field] = [setting_text(field, v) for v in chosen[field]]
+    if "config" in chosen:
+        for field in CONFIG_EXTRAS:
+            values = [_config_extra(c, field) for c in chosen["config"]]
+            if any(not _missing(v) for v in values):
+                rows[field] = [setting_text(field, v) for v in values]
+    ids = chosen["run_id"].astype(int).tolist() if "run_id" in chosen else []
+    if "parent_run_id" in chosen:
+        rows[LINK_FIELDS["parent_run_id"]] = [setting_text("parent_run_id", v) for v in chosen["parent_run_id"]]
+    if "pair_run_id" in chosen and ids:
+        pairs = [None if _missing(v) else int(v) for v in chosen["pair_run_id"]]
+        # the twin's own row names no pair (only the run launched with --pair does): name it from that run
+        named_by = {p: run for run, p in zip(ids, pairs, strict=True) if p is not None}
+        rows[LINK_FIELDS["pair_run_id"]] = [setting_text("pair_run_id", p if p is not None else named_by.get(run))
+                                            for run, p in zip(ids, pairs, strict=True)]
+    config = pd.DataFrame.from_dict(rows, orient="index", columns=pd.Index(labels))
     return config[config.nunique(axis=1) > 1] if only_differences else config
 
 
