@@ -98,10 +98,20 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
         panels.append(charts.loss_difference(pd.concat(diffs), first, labels, DIVERGENCE_RTOL))
     elif diffs:
         said.append("The difference to the FP32 reference is drawn over steps only: choose the step axis to see it.")
-    panels.append(charts.runs_overlay(curves, "loss_scale", "loss scale", labels, log=True, x=x))
+    # a run without loss scaling (O0, bf16: no GradScaler) has scale 1 at every step: drawn, its line at 2^0 would
+    # cover a static scale of 1 and read as a scale it never had; it is named instead
+    unscaled = [lab for lab, scaling in zip(labels, chosen["scaling"], strict=True) if scaling == "none"]
+    scaled = curves[~curves["run"].isin(unscaled)]
+    if len(scaled):
+        panels.append(charts.runs_overlay(scaled, "loss_scale", "loss scale", labels, log=True, x=x))
+    unscaled_shown = [lab for lab in unscaled if lab in set(curves["run"])]
+    if unscaled_shown:
+        said.append("Not in the loss-scale panel (no loss scaling: no GradScaler, the loss is used as it is): "
+                    + "; ".join(plain(lab) for lab in unscaled_shown) + ".")
     with_lr = curves.groupby("run")["lr"].transform(lambda v: np.isfinite(v.astype(float)).any())
     if with_lr.any():
-        panels.append(charts.runs_overlay(curves[with_lr], "lr", "learning rate", labels, height=180, x=x))
+        panels.append(charts.runs_overlay(curves[with_lr], "lr", "learning rate", labels, height=180, x=x,
+                                          zero=True))
     normed = curves[summaries.recorded_norms(curves)]
     if len(normed) and (normed["grad_norm"].astype(float) != 0).any():
         panels.append(charts.runs_overlay(normed, "grad_norm", "gradient norm (unscaled, before clipping)", labels,
@@ -122,33 +132,34 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
         st.caption(sentence)
     st.markdown("  \n".join(notes))
 
-    left, right = st.columns(2)
+    # one above the other, each the page's width: side by side each was too narrow for its legend and buttons
+    costs = st.container()
     # step 0 holds the warm-up (allocation, kernel selection, compilation): drawn apart, out of the medians;
     # a later step far above its run's median (a stall) is listed, not drawn: the axis would be scaled to it
     timed = everything[(everything["step"] > 0) & np.isfinite(everything["step_time_s"].astype(float))]
     outliers = step_time_outliers(timed)
     if len(timed[~outliers]):
-        ui.show_chart_in(left, charts.runs_overlay(timed[~outliers], "step_time_s", "step time (s), from step 1", labels),
+        ui.show_chart_in(costs, charts.runs_overlay(timed[~outliers], "step_time_s", "step time (s), from step 1", labels),
                           width="stretch")
     else:
-        left.caption("Step time: no step after the warm-up step 0 was recorded, so there is nothing to chart.")
+        costs.caption("Step time: no step after the warm-up step 0 was recorded, so there is nothing to chart.")
     warmups = everything[everything["step"] == 0]
     if len(warmups):
-        left.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
+        costs.caption("Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
             f"{plain(run)} {seconds:,.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"], strict=True)))
     if outliers.any():
         far = timed[outliers]
         listed = "; ".join(f"{plain(run)} step {int(step):,} {seconds:,.3g} s" for run, step, seconds in
                            zip(far["run"].head(5), far["step"].head(5), far["step_time_s"].head(5), strict=True))
         more = f"; and {len(far) - 5:,} more" if len(far) > 5 else ""
-        left.caption(f"Not in the chart (over {STEP_TIME_OUTLIER:g}× their run's 90th percentile step time; in "
+        costs.caption(f"Not in the chart (over {STEP_TIME_OUTLIER:g}× their run's 90th percentile step time; in "
                      f"the medians): {listed}{more}.")
     memory = everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20)
     if np.isfinite(memory["peak_mem_mb"].astype(float)).any():
-        ui.show_chart_in(right, charts.runs_overlay(memory, "peak_mem_mb", "peak memory so far (MiB)", labels),
-                           width="stretch")
+        ui.show_chart_in(costs, charts.runs_overlay(memory, "peak_mem_mb", "peak memory so far (MiB)", labels,
+                                                   zero=True), width="stretch")
     else:
-        right.caption("Peak memory: none of these runs recorded it.")
+        costs.caption("Peak memory: none of these runs recorded it.")
     st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")
     st.caption("Median step time is over the steps after the warm-up step 0. Peak memory is the CUDA allocator's "
                "peak on a GPU and the process's peak RSS on a CPU; model state is the bytes allocated for weights, "

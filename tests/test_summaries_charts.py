@@ -119,7 +119,11 @@ def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
                           "lr": [0.1] * 3, "grad_norm": [1.0, np.inf, 2.0]})  # Store.steps' columns
     spec = charts.loss_scale_panel(steps).to_dict()
     scale_layer = spec["vconcat"][0]["layer"]
-    assert scale_layer[0]["encoding"]["y"]["scale"] == {"type": "log", "base": 2}
+    scale = scale_layer[0]["encoding"]["y"]["scale"]
+    # log2, padded by a binade each side: the scale 8 at step 0 and its marker lie inside the plot, not on its edge
+    assert (scale["type"], scale["base"], scale["domain"], scale["nice"]) == ("log", 2, [2.0, 16.0], False)
+    ticks = scale_layer[0]["encoding"]["y"]["axis"]["values"]
+    assert ticks == [2.0, 4.0, 8.0, 16.0]
     skipped_rows = spec["datasets"][scale_layer[1]["data"]["name"]]
     assert [r["step"] for r in skipped_rows] == [1]
 

@@ -48,7 +48,7 @@ def _unfit(chart):
 #: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...)
 STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
 #: Compare's other x axis: seconds from each run's start (Store.steps' wall_time_s), relative
-WALL_X = alt.X("wall_time_s:Q", title="wall time since the run started (s)", axis=alt.Axis(format="~g"))
+WALL_X = alt.X("wall_time_s:Q", title="wall time since the run started (s)", axis=alt.Axis(format=",.12~g"))
 
 
 def x_axis(x: str) -> alt.X:
@@ -56,17 +56,59 @@ def x_axis(x: str) -> alt.X:
     return {"step": STEP_X, "wall_time_s": WALL_X}[x]
 
 
+def _log2_bounds(values) -> tuple[int, int] | None:
+    """(lowest, highest) whole k of a log2 axis over ``values`` (finite, above 0): one binade beyond the data each
+    side, so the largest and smallest values (a line, a marker on it) lie inside the plot, not on its border."""
+    v = np.asarray([] if values is None else values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if not v.size:
+        return None
+    return math.floor(math.log2(v.min())) - 1, math.ceil(math.log2(v.max())) + 1
+
+
+def log2_scale(values) -> alt.Scale:
+    """A log2 scale over ``values`` whose domain is padded by one binade each side (:func:`_log2_bounds`)."""
+    bounds = _log2_bounds(values)
+    if bounds is None:
+        return alt.Scale(type="log", base=2)
+    return alt.Scale(type="log", base=2, domain=[2.0**bounds[0], 2.0**bounds[1]], nice=False)
+
+
 def _power_of_two_axis(title: str, values=None) -> alt.Axis:
-    """A log2 axis labelled 2^k, ticked only at whole powers of two spanning ``values`` (the data it shows, with
-    any rule drawn on it), at most about eight of them: Vega's own log ticks fall between powers of two, and
-    rounded to 2^k they read 2^16, 2^16, 2^15."""
+    """A log2 axis labelled 2^k, ticked only at whole powers of two inside :func:`log2_scale`'s domain over
+    ``values`` (the data it shows, with any rule drawn on it), at most about eight of them: Vega's own log ticks
+    fall between powers of two, and rounded to 2^k they read 2^16, 2^16, 2^15."""
     axis = dict(title=title, labelExpr="'2^' + round(log(datum.value) / log(2))")
+    bounds = _log2_bounds(values)
+    if bounds is not None:
+        lo, hi = bounds
+        stride = max(1, math.ceil((hi - lo) / 8))
+        start = lo + (-lo) % stride  # a multiple of the stride, so 2^0 is a tick whenever it is inside
+        axis["values"] = [2.0**k for k in range(start, hi + 1, stride)]
+    return alt.Axis(**axis)
+
+
+#: how a linear axis writes its numbers: plain, with thousands separators, no SI prefix and no exponent for a
+#: value like 400 or 6,553.6 (Vega rounds "~g" to the tick step's precision, so 6,000 read "6e+3")
+PLAIN_FORMAT = ",.12~g"
+#: a log10 axis's labels: plain (0.01 ... 1,000) when every tick is, else all as 1e-5, 1e0, 1e3 (d3's ".0e")
+_PLAIN_POWERS = "format(datum.value, ',~g')"
+_EXPONENT_POWERS = "replace(format(datum.value, '.0e'), 'e+', 'e')"
+
+
+def _power_of_ten_axis(title: str, values=None) -> alt.Axis:
+    """A log10 axis ticked only at whole powers of ten spanning ``values`` (at most about eight, every second or
+    third decade beyond), labelled 0.01 ... 1,000 when all ticks lie there, else 1e-5 ... 1e3 alike: Vega's own
+    log ticks crowd in 0.0004, 0.0002, 0.00005 between them."""
+    axis = dict(title=title, labelExpr=_EXPONENT_POWERS)
     v = np.asarray([] if values is None else values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
     if v.size:
-        lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
+        lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
         stride = max(1, math.ceil((hi - lo) / 8))
-        axis["values"] = [2.0**k for k in range(lo - lo % stride, hi + stride, stride)]
+        axis["values"] = [10.0**k for k in range(lo - lo % stride, hi + stride, stride) if k <= hi]
+        if -2 <= lo and hi <= 3:
+            axis["labelExpr"] = _PLAIN_POWERS
     return alt.Axis(**axis)
 
 
@@ -195,7 +237,8 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
         on_log = steps[positive]
         layers = [alt.Chart(on_log).mark_line(interpolate="step-after").encode(
             x=STEP_X,
-            y=alt.Y("loss_scale:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("loss scale", on_log["loss_scale"])),
+            y=alt.Y("loss_scale:Q", scale=log2_scale(on_log["loss_scale"]),
+                    axis=_power_of_two_axis("loss scale", on_log["loss_scale"])),
             tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g", title="loss scale"),
                      alt.Tooltip("scale_after:Q", format=".10g", title="scale after update()"), "skipped:Q"],
         )]
@@ -230,8 +273,13 @@ def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
     schema 9, or without a known optimizer: the page says so, :func:`mpdiag.analysis.summaries.lr_norm_notes`)."""
     if not np.isfinite(steps["lr"].astype(float)).any():
         return None
+    lr = steps["lr"].astype(float)
+    top = float(lr[np.isfinite(lr)].max())
+    # from 0 to a tenth above the highest rate, rounded up to a tick: a constant rate is not drawn on the border
+    scale = alt.Scale(domainMin=min(0.0, float(lr[np.isfinite(lr)].min())), domainMax=top * 1.1 if top > 0 else 1.0,
+                      nice=True)
     return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after").encode(
-        x=STEP_X, y=alt.Y("lr:Q", title="learning rate", axis=alt.Axis(format="~g")),
+        x=STEP_X, y=alt.Y("lr:Q", title="learning rate", scale=scale, axis=alt.Axis(format=PLAIN_FORMAT)),
         tooltip=["step:Q", alt.Tooltip("lr:Q", format=".6g", title="learning rate")],
     ).properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
 
@@ -247,7 +295,8 @@ def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
     layers = []
     if drawable_on_log(norm).any():
         layers.append(alt.Chart(_blanked(recorded, "grad_norm", log=True)).mark_line(color="#9467bd").encode(
-            x=STEP_X, y=alt.Y("grad_norm:Q", title="gradient norm", scale=alt.Scale(type="log")),
+            x=STEP_X, y=alt.Y("grad_norm:Q", scale=alt.Scale(type="log"),
+                              axis=_power_of_ten_axis("gradient norm", norm[drawable_on_log(norm)])),
             tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")]))
     said = []
     for label, rows, colour in (("red rules: inf/NaN", ~np.isfinite(norm), "#d62728"),
@@ -287,7 +336,7 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
 
 def _run_colour(domain: list[str], orient: str = "right") -> alt.Color:
     return alt.Color("run:N", scale=alt.Scale(domain=domain, range=RUN_COLOURS[: len(domain)]),
-                     legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=320, orient=orient,
+                     legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=1200, orient=orient,
                                        direction="vertical"))
 
 
@@ -321,7 +370,8 @@ def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = F
 
 
 def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False,
-                 height: int = 240, x: str = "step", smooth: bool = False, log_base: int = 2) -> alt.LayerChart:
+                 height: int = 240, x: str = "step", smooth: bool = False, log_base: int = 2,
+                 zero: bool = False) -> alt.LayerChart:
     """One line per run (column ``run``) of ``y`` over ``x`` ("step", or "wall_time_s": seconds since the run
     started), in the runs' fixed colours; NaN/inf values (and on a ``log`` axis zero ones: a collapsed loss
     scale) appear as faint vertical rules in the run's colour. The legend is above the plot, so a chart in a
@@ -329,11 +379,18 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
 
     ``log``: a log axis, base ``log_base`` (2: the loss scale, labelled 2^k and drawn as steps; 10: a loss or a
     gradient norm). ``smooth``: ``df`` also holds ``{y}_smoothed`` (compare.smoothed): the smoothed line is drawn
-    over the raw one, which is drawn faint behind it, as TensorBoard does."""
+    over the raw one, which is drawn faint behind it, as TensorBoard does. Axes: a log2 one padded by a binade
+    each side and ticked 2^k, a log10 one ticked at powers of ten, a linear one in plain numbers (from 0 with
+    ``zero``: a peak memory, whose differences would otherwise look large)."""
     # only the columns drawn travel to the browser (a chart ships its data; a steps frame has a dozen columns)
     df = df[[c for c in dict.fromkeys(["run", "step", x, y, *([f"{y}_smoothed"] if smooth else [])]) if c in df]]
-    scale = alt.Scale(type="log", base=log_base) if log else alt.Scale(zero=False)
-    axis = _power_of_two_axis(title, df[y]) if log and log_base == 2 else alt.Axis(title=title, format="~g")
+    drawn = df[y] if not smooth else pd.concat([df[y], df[f"{y}_smoothed"]])
+    if log and log_base == 2:
+        scale, axis = log2_scale(drawn), _power_of_two_axis(title, drawn)
+    elif log:
+        scale, axis = alt.Scale(type="log", base=log_base), _power_of_ten_axis(title, drawn)
+    else:
+        scale, axis = alt.Scale(zero=zero), alt.Axis(title=title, format=PLAIN_FORMAT)
     colour = _run_colour(domain, orient="top")
     x_enc = x_axis(x)
     tooltip = ["run:N", "step:Q", *(["wall_time_s:Q"] if x == "wall_time_s" else []), alt.Tooltip(f"{y}:Q", format=".6g")]
@@ -360,8 +417,8 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
     line = (
         alt.Chart(_blanked(df.assign(rel_pct=df["rel_diff"] * 100), "rel_pct"))
         .mark_line()
-        .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format="~g")),
-                color=_run_colour(domain),
+        .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format=PLAIN_FORMAT)),
+                color=_run_colour(domain, orient="top"),
                 tooltip=["run:N", "step:Q", alt.Tooltip("rel_diff:Q", format=".4~%", title="difference")])
     )
     if divergence_step is None:  # no empty rule layer: Vega warns of an infinite extent in the browser console
@@ -458,7 +515,7 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
         x=STEP_X,
-        y=alt.Y("value:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("|x|", long["value"])), color=colour,
+        y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("|x|", long["value"])), color=colour,
         tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
     over = alt.Chart(series[series["overflow"] > 0]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
@@ -528,7 +585,8 @@ def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
     colour = alt.Color("pass:N", legend=alt.Legend(title=None, orient="top", labelLimit=400))
     drawn = one[np.isfinite(one["absmax"]) & (one["absmax"] > 0)]  # the page says so where none is
     lines = alt.Chart(drawn).mark_line(point=True).encode(
-        x=STEP_X, y=alt.Y("absmax:Q", scale=alt.Scale(type="log", base=2), axis=_power_of_two_axis("largest |value|", [*drawn["absmax"], FP16.max_finite])),
+        x=STEP_X, y=alt.Y("absmax:Q", scale=log2_scale([*drawn["absmax"], FP16.max_finite]),
+                          axis=_power_of_two_axis("largest |value|", [*drawn["absmax"], FP16.max_finite])),
         color=colour, tooltip=["step:Q", "pass:N", alt.Tooltip("absmax:Q", format=".6g")])
     limit = alt.Chart(pd.DataFrame({"absmax": [FP16.max_finite], "label": [f"fp16 max {FP16.max_finite:g}"]}))
     rule = limit.mark_rule(strokeDash=[6, 3], color=LIMIT_COLOURS["fp16"]).encode(y="absmax:Q")
