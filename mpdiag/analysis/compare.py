@@ -248,7 +248,7 @@ def scale_text(value: float) -> str:
             if -3 <= k <= 3:
                 return f"{value:g}"
             return f"2^{k} ({value:,.0f})" if k >= 4 else f"2^{k}"
-    return number_text(value, 6)
+    return f"{value:,.10g}"
 
 
 def setting_text(field: str, value) -> str:

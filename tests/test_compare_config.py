@@ -1,0 +1,154 @@
+"""Compare's configuration table and its loss-scale, learning-rate, step-time and peak-memory charts, against a store
+laid out as the Quick start leaves it: a static-scale O1 run (loss scale 1) launched with --pair, its FP32 twin (O0,
+no GradScaler) and a rerun of the first with the finding's fix (dynamic scaling from 2^23). The first-time-user
+review found the table hid the fix (a setting only some runs have counted as no difference) and the twin's line at
+2^0 hid the static scale of 1."""
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from chart_check import page_chart_problems
+from conftest import ROOT
+from streamlit.testing.v1 import AppTest
+
+from mpdiag import Store
+from mpdiag.analysis.compare import MISSING, config_table, scale_text, setting_text
+from mpdiag.store import StepRow, StoreWriter
+
+TIMEOUT = 60
+STEPS = 12
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """1: O1, static scale 1, paired with 2; 2: its FP32 twin (O0); 3: a rerun of 1, dynamic from 2^23. Run 1's
+    peak memory is 12 MiB under the others' 602 MiB; every run's rate 6553.6 (on the top border before)."""
+    path = tmp_path_factory.mktemp("compare_config") / "runs.db"
+    common = dict(seed=0, steps=STEPS, every=1, device="cpu", torch_version="2.x", batch_size=64, params=9610)
+    with StoreWriter(path, finish_runs=True) as writer:
+        sha = writer.add_script("quick.py", "print('quick start')\n")
+        runs = [
+            writer.create_run(name="quick.py", script_sha256=sha, opt_level="O1", scaling="static", loss_scale=1.0,
+                              config={"run": {"shadow_every": 10, "loss_scale": 1.0}}, **common),
+            writer.create_run(name="quick.py (FP32 twin)", script_sha256=sha, opt_level="O0", scaling="none",
+                              config={"run": {"shadow_every": 10}}, **common),
+            writer.create_run(name="quick.py fixed", script_sha256=sha, opt_level="O1", scaling="dynamic",
+                              init_scale=2.0**23, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                              parent_run_id=1, config={"run": {"shadow_every": 0}}, **common),
+        ]
+        assert runs == [1, 2, 3]
+        writer._conn.execute("UPDATE runs SET pair_run_id = 2 WHERE run_id = 1")  # as --pair links them
+        writer._conn.commit()
+        for run, scale, memory in ((1, 1.0, 590 * MIB), (2, 1.0, 602 * MIB), (3, 2.0**23, 602 * MIB)):
+            writer.write_batch(run, [StepRow(s, 1.0 - 0.01 * s * run, scale, 0, 0 if run == 3 else None, scale,
+                                             0.05 + 0.001 * s, memory, 0, 6553.6, 1e-5 * (1 + s) * run, 0.1 * s)
+                                     for s in range(STEPS)], [])
+    return path
+
+
+def chosen(path) -> pd.DataFrame:
+    return Store(path).runs().set_index("run_id").loc[[1, 2, 3]].reset_index()
+
+
+def test_a_setting_only_some_runs_have_is_a_difference(store):
+    table = config_table(chosen(store), ["#1", "#2", "#3"], only_differences=True)
+    assert table.loc["init_scale"].tolist() == [MISSING, MISSING, "2^23 (8,388,608)"]  # the fix itself
+    assert table.loc["loss_scale"].tolist() == ["1", MISSING, MISSING]  # the static scale that failed
+    assert table.loc["scaling"].tolist() == ["static", "none", "dynamic"]
+    assert table.loc["growth_interval"].tolist() == [MISSING, MISSING, "2,000"]
+    assert table.loc["shadow_every"].tolist() == ["10", "10", "0 (off)"]
+    assert table.loc["rerun of"].tolist() == [MISSING, MISSING, "#1"]
+    assert table.loc["paired with (--pair twin)"].tolist() == ["#2", "#1", MISSING]  # the twin names its run too
+    for same in ("seed", "steps", "batch_size", "params", "device", "status"):
+        assert same not in table.index
+    everything = config_table(chosen(store), ["#1", "#2", "#3"], only_differences=False)
+    assert everything.loc["params"].tolist() == ["9,610"] * 3 and everything.loc["seed"].tolist() == ["0"] * 3
+    text = " ".join(everything.to_numpy().ravel())
+    assert "nan" not in text.lower() and "None" not in text and "<NA>" not in text
+
+
+def test_settings_are_written_readably():
+    assert scale_text(2.0**16) == "2^16 (65,536)" and scale_text(2.0**-20) == "2^-20" and scale_text(1.0) == "1"
+    assert scale_text(0.5) == "0.5" and scale_text(1000.0) == "1,000"
+    assert setting_text("init_scale", float("nan")) == MISSING and setting_text("gpu_name", None) == MISSING
+    assert setting_text("pair_run_id", pd.NA) == MISSING and setting_text("pair_run_id", 7) == "#7"
+    assert setting_text("backoff_factor", 0.5) == "0.5" and setting_text("trace_modules", True) == "yes"
+
+
+def _page(path, monkeypatch):
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    at = AppTest.from_file(str(ROOT / "pages" / "3_Compare.py"), default_timeout=TIMEOUT)
+    at.query_params["runs"] = ["1", "2", "3"]
+    return at.run()
+
+
+def _views(node, title="", data=None):
+    """Every leaf view with its panel's title and its data (inherited from the layer that holds it)."""
+    title, data = node.get("title", title), node.get("data", data)
+    if "mark" in node:
+        yield {**node, "data": data}, title if isinstance(title, str) else (title or {}).get("text", "")
+    for key in ("layer", "vconcat", "hconcat"):
+        for child in node.get(key, []):
+            yield from _views(child, title, data)
+
+
+def _charts(at):
+    """(spec, {dataset name: frame}) of every chart on the page."""
+    for chart in at.get("vega_lite_chart"):
+        named = {d.name: pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets}
+        yield json.loads(chart.proto.spec), named
+
+
+def _view(at, title_start):
+    for spec, named in _charts(at):
+        for view, title in _views(spec):
+            if title.startswith(title_start) and view["mark"]["type"] == "line":
+                return view, named[view["data"]["name"]]
+    raise AssertionError(f"no {title_start!r} line")
+
+
+def test_the_page_draws_only_scaled_runs_on_a_padded_log2_axis_and_names_the_twin(store, monkeypatch):
+    at = _page(store, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not page_chart_problems(at)
+    view, data = _view(at, "loss scale")
+    assert sorted(data["run"].str[:2].unique()) == ["#1", "#3"]  # the O0 twin has no scale: not drawn at 2^0
+    scale = view["encoding"]["y"]["scale"]
+    assert scale["domain"] == [2.0**-1, 2.0**24] and scale["nice"] is False  # 2^23 and 2^0 a binade inside
+    ticks = view["encoding"]["y"]["axis"]["values"]
+    assert 1.0 in ticks and max(ticks) >= 2.0**23 and all(2.0**-1 <= t <= 2.0**24 for t in ticks)
+    captions = " ".join(c.value for c in at.caption).replace("\\", "")
+    assert "Not in the loss-scale panel (no loss scaling" in captions
+    assert "#2" in captions.split("Not in the loss-scale panel")[1].split(".")[0]
+    # the shown configuration: the fix and the failing static scale are there
+    table = next(d.value for d in at.dataframe if "init_scale" in d.value.index)
+    assert table.loc["init_scale"].tolist()[-1] == "2^23 (8,388,608)" and table.loc["loss_scale"].tolist()[0] == "1"
+
+
+def test_axes_are_plain_numbers_powers_of_ten_and_memory_from_zero(store, monkeypatch):
+    at = _page(store, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    diff, _ = _view(at, "difference to the FP32")
+    assert diff["encoding"]["y"]["axis"]["format"] == ",.12~g"  # 400, not 4e+2
+    lr, _ = _view(at, "learning rate")
+    assert lr["encoding"]["y"]["scale"].get("zero") is True and lr["encoding"]["y"]["axis"]["format"] == ",.12~g"
+    norm, data = _view(at, "gradient norm")
+    ticks = norm["encoding"]["y"]["axis"]["values"]
+    assert ticks == [1e-5, 1e-4, 1e-3]  # powers of ten spanning 1e-5 .. 3.6e-4, nothing between
+    assert "'.0e'" in norm["encoding"]["y"]["axis"]["labelExpr"]
+    memory, data = _view(at, "peak memory")
+    assert memory["encoding"]["y"]["scale"]["zero"] is True
+    assert sorted(data["peak_mem_mb"].unique()) == [590.0, 602.0]
+    # step time and peak memory each take the page's width, one above the other, legends not cut short
+    step_time, _ = _view(at, "step time")
+    assert step_time["encoding"]["color"]["legend"]["labelLimit"] >= 1000
+    def inside(node):
+        for child in getattr(node, "children", {}).values():
+            yield child.type
+            yield from inside(child)
+
+    assert not any("arrow_vega_lite_chart" in set(inside(column)) or "vega_lite_chart" in set(inside(column))
+                   for column in at.columns)  # no chart in a column: side by side each was under 400 px
