@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.run_choice import LIVE_STATUSES, script_name, select_runs
+from mpdiag.analysis.run_choice import LIVE_STATUSES, script_names, select_runs
 from mpdiag.analysis.summaries import RUN_LINKS, nonfinite_losses, run_progress, runs_table
 from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
@@ -78,7 +78,7 @@ def filtered_runs(runs: pd.DataFrame) -> pd.DataFrame:
     statuses = cols[1].multiselect("Status", sorted(runs["status"].unique()), key="filter_status", placeholder="all")
     levels = cols[2].multiselect("Level", sorted(runs["opt_level"].dropna().unique()), key="filter_opt level",
                                  placeholder="all")
-    scripts = cols[3].multiselect("Script", sorted(set(runs["script_path"].map(script_name)) - {""}),
+    scripts = cols[3].multiselect("Script", sorted(set(script_names(runs)) - {""}),
                                   key="filter_script", placeholder="all")
     shown = select_runs(runs, tags=tags, statuses=statuses, scripts=scripts)
     return shown[shown["opt_level"].isin(levels)] if levels else shown

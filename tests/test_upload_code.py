@@ -131,6 +131,8 @@ def test_uploaded_code_runs_unmodified_and_records_what_the_loop_computed(tmp_pa
     assert settings["argv"] == ["launch.py", str(log_path), "--steps", "6", "--accumulate", "2"]
     assert settings["cwd"] is None and settings["bundle"] == Store(store).bundles()["sha256"].iloc[0]
     assert run["script_path"] is None  # the child's temporary copy is not a path anyone can open
+    home = app("app.py", store, monkeypatch)  # the runs table names the entry point it ran (item 9)
+    assert home.dataframe[0].value.set_index("run").loc[int(run["run_id"]), "script"] == "launch.py (uploaded)"
     said = texts(at.run())
     assert "launch.py" in said and "finished" in said  # the page says what it started and how it ended
 

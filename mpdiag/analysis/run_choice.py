@@ -45,15 +45,31 @@ def likely_run(runs: pd.DataFrame, has_findings: Callable[[int], bool]) -> int |
     return int(newest["run_id"])
 
 
-def script_name(path: object) -> str:
-    """The file name of a run's script as the runs table shows it ("" when the run has none)."""
-    return Path(path).name if isinstance(path, str) and path else ""
+def script_name(run: pd.Series) -> str:
+    """The script a run ran, as the runs table shows and filters it (a Store.runs row): its file name; for a
+    watched module ``-m name``; for training code uploaded in the app, its entry point with "(uploaded)";
+    "" for a run that names none (a user's own Recorder loop)."""
+    path = run.get("script_path")
+    if isinstance(path, str) and path:
+        return Path(path).name
+    config = run.get("config")
+    watched = config.get("watch") if isinstance(config, dict) else None
+    argv = watched.get("argv") if isinstance(watched, dict) else None
+    if not argv:
+        return ""
+    entry = f"-m {argv[1]}" if argv[0] == "-m" and len(argv) > 1 else Path(str(argv[0])).name
+    return f"{entry} (uploaded)" if watched.get("bundle") else entry
+
+
+def script_names(runs: pd.DataFrame) -> pd.Series:
+    """:func:`script_name` of every row of ``runs`` (Store.runs), on its index."""
+    return pd.Series([script_name(run) for _, run in runs.iterrows()], index=runs.index, dtype=object)
 
 
 def select_runs(runs: pd.DataFrame, tags: Iterable[str] = (), statuses: Iterable[str] = (),
                 scripts: Iterable[str] = ()) -> pd.DataFrame:
     """The rows of ``runs`` (Store.runs) that carry any of ``tags``, have any of ``statuses`` (as the store
-    reports them: crashed and stalled included) and ran any of ``scripts`` (file names, as :func:`script_name`
+    reports them: crashed and stalled included) and ran any of ``scripts`` (as :func:`script_name`
     gives them). An empty filter keeps every run."""
     tags, statuses, scripts = set(tags), set(statuses), set(scripts)
     keep = pd.Series(True, index=runs.index)
@@ -62,5 +78,5 @@ def select_runs(runs: pd.DataFrame, tags: Iterable[str] = (), statuses: Iterable
     if statuses:
         keep &= runs["status"].isin(statuses)
     if scripts:
-        keep &= runs["script_path"].map(script_name).isin(scripts)
+        keep &= script_names(runs).isin(scripts)
     return runs[keep]

@@ -6,11 +6,11 @@ Everything here takes and returns pandas / numpy objects and never touches SQLit
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from mpdiag.analysis.run_choice import script_names
 from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
 
 #: Largest number of marks one chart sends to the browser.
@@ -511,7 +511,7 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "final loss": runs["final_loss"].map(significant),
         "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
         "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
-        "script": runs["script_path"].map(lambda p: Path(p).name if isinstance(p, str) else ""),
+        "script": script_names(runs).to_numpy(),
         "scaling": runs["scaling"],
         "init scale": runs["init_scale"].map(_scale_text),
         "static scale": runs["loss_scale"].map(_scale_text),
