@@ -261,7 +261,7 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     runs = _wait_for_runs(store, 3)  # the rerun and its FP32 twin (no FP32 reference existed)
     assert set(runs["opt_level"]) == {"O1", "bf16", "O0"}
     said = texts(at.run())  # feedback where the click was: the page says what started, how far, and links it
-    assert "You started the fix of scale-collapse on #1 (opt-level bf16): #2" in said
+    assert "You started the fix of scale-collapse on #1 (level bf16): #2" in said
     assert "finished, step 6 of 6." in said and "[Gradients](/Gradients?run=2)" in said
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     table = at.dataframe[0].value
