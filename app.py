@@ -17,6 +17,7 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
 from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunTextRefused, StoreError
+from mpdiag.store.console import OUTPUT_REFRESH_S
 from mpdiag.training.config import UNSET
 
 FIRST_EXAMPLE = "mlp_digits.py"
@@ -148,7 +149,8 @@ def output_panel(store, runs: pd.DataFrame) -> None:
     run = runs.set_index("run_id").loc[run_id].copy()
     run["run_id"] = run_id
     if run["status"] in LIVE_STATUSES:
-        st.fragment(lambda: ui.console_output(store, store.run(run_id)), run_every=ui.LIVE_REFRESH_S)()
+        # the kept output changes every OUTPUT_REFRESH_S: re-reading it more often redraws the same text
+        st.fragment(lambda: ui.console_output(store, store.run(run_id)), run_every=OUTPUT_REFRESH_S)()
     else:
         ui.console_output(store, run)
 

@@ -14,10 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from mpdiag.store.console import ConsoleCapture
-
-#: how often the kept output of a running run is refreshed in the store (a stalled run shows its latest lines)
-OUTPUT_REFRESH_S = 3.0
+from mpdiag.store.console import OUTPUT_REFRESH_S, ConsoleCapture
 
 
 class _TeeStream:

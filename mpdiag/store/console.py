@@ -24,6 +24,11 @@ def cut_line(cut_bytes: int) -> str:
             f"last {TAIL_BYTES // KiB} KiB ...]")
 
 
+#: how often the kept output of a running run is refreshed in the store (a stalled run shows its latest lines);
+#: the pages re-read it no more often
+OUTPUT_REFRESH_S = 3.0
+
+
 class ConsoleCapture:
     """Output as it arrives (``add``), kept as head + tail; :meth:`snapshot` is what the store holds."""
 
