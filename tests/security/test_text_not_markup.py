@@ -18,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from streamlit.testing.v1 import AppTest
 
 from mpdiag.dashboard.actions import store_code
+from mpdiag.dashboard.frame import HOME_LABEL_CSS
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.store import Store, StoreWriter
 from mpdiag.training.runner import RunConfig, train
@@ -113,7 +114,8 @@ def markdown_strings(at) -> list[str]:
             as_dict = MessageToDict(proto)
             if node.type == "radio":  # radio options render Markdown, unlike selectbox/multiselect options
                 as_dict["labels"] = as_dict.pop("options", [])
-            if node.type not in TEXT_ELEMENTS:
+            constant = as_dict.get("body") == HOME_LABEL_CSS  # the app's own stylesheet, built from no input
+            if node.type not in TEXT_ELEMENTS and not constant:
                 strings(as_dict)
             types.add(node.type)
         for child in getattr(node, "children", {}).values():
