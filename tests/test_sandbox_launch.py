@@ -146,7 +146,9 @@ def test_a_run_that_hangs_reads_stalled_with_its_last_line_of_output(tmp_path, m
     while time.time() < deadline:
         ids = proc.run_ids()
         run = Store(store_path).run(ids[0]) if ids else None
-        if run is not None and run["status"] == "stalled":
+        # STALL_S is 2 s here, shorter than the child's start (imports before its first heartbeat): wait for the
+        # state this is about, stalled after its steps were committed
+        if run is not None and run["status"] == "stalled" and run["steps_done"] >= 2:
             break
         time.sleep(0.3)
     assert run is not None and run["status"] == "stalled" and run["steps_done"] == 2
