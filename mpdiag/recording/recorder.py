@@ -575,8 +575,11 @@ class Recorder:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         low = any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
-        first = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
+        try:  # one device: no per-tensor copy (it cost as much as the norms themselves at 500 tensors)
+            stacked = torch.stack(norms)
+        except RuntimeError:  # gradients on several devices (a model split across GPUs): gathered on the first
+            stacked = torch.stack([n.to(norms[0].device) for n in norms])
+        return torch.linalg.vector_norm(stacked, 2)
 
     def _settle_owners(self) -> None:
         """The open step ends: its rows keep the tensors held by the optimizers that stepped in it."""
