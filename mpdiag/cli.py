@@ -176,9 +176,9 @@ def _options(args: argparse.Namespace) -> dict:
 def _progress(total: int):
     every = max(1, total // 20)
 
-    def show(step: int, loss: float) -> None:
+    def show(run_id: int, step: int, loss: float) -> None:
         if step % every == 0 or step == total - 1:
-            print(f"step {step:>6}/{total}  loss {loss:.6g}", flush=True)
+            print(f"run {run_id}  step {step:>6}/{total}  loss {loss:.6g}", flush=True)
 
     return show
 
@@ -374,6 +374,17 @@ def _confirm_delete(label: str, run: pd.Series) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+def _number(fmt: str):
+    """A column formatter: ``fmt`` for a number, blank for a value the run does not have (no NaN on the terminal)."""
+    return lambda v: "" if v is None or (not isinstance(v, (str, list)) and pd.isna(v)) else format(v, fmt)
+
+
+# Losses in significant digits (0.000064 read as 6.4e-05), scales and ids as whole numbers; blank where absent
+# (an O0 run has no initial scale, a run without a twin no pair).
+_RUNS_FORMATTERS = {"final_loss": _number(".6g"), "init_scale": _number(".6g"), "steps_done": _number(",.0f"),
+                    "skipped_steps": _number(",.0f"), "parent_run_id": _number(".0f"), "pair_run_id": _number(".0f")}
+
+
 def _list_runs(args: argparse.Namespace) -> int:
     runs = Store(args.store).runs()
     if runs.empty:
@@ -389,7 +400,8 @@ def _list_runs(args: argparse.Namespace) -> int:
     cols = ["run_id", "name", "tags", "opt_level", "scaling", "init_scale", "device", "status", "steps_done",
             "skipped_steps", "final_loss", "parent_run_id", "pair_run_id", "note"]
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
-        print(table[cols].to_string(index=False))
+        shown = table[cols].astype(object).apply(lambda col: col.map(_RUNS_FORMATTERS.get(col.name, _number(""))))
+        print(shown.to_string(index=False))
     return 0
 
 

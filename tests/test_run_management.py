@@ -379,6 +379,12 @@ def test_cli_runs_rename_tag_untag_note_list_and_filter(three_runs, capsys):
     lines = out.splitlines()
     assert code == 0 and len(lines) == 4 and "baseline fp16" in lines[3] and "fp16,shared" in lines[3]
     assert "the reference" in lines[2]
+    assert not any(word in out for word in ("NaN", "nan", "<NA>", "None"))  # an O0 twin has no scale: blank
+    with sqlite3.connect(three_runs) as conn:
+        for run_id, final_loss in conn.execute("SELECT run_id, loss FROM steps s WHERE step = "
+                                               "(SELECT MAX(step) FROM steps WHERE run_id = s.run_id)"):
+            row = next(line for line in lines[1:] if line.split()[0] == str(run_id))
+            assert format(final_loss, ".6g") in row.split()  # significant digits, not 0.000064
     out = cli("runs", "--tag", "fp16", "--tag", "t3", *store, capsys=capsys)[1]
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["3", "1"]
     out = cli("runs", "list", "--status", "finished", "--script", "tiny.py", *store, capsys=capsys)[1]

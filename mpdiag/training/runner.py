@@ -34,7 +34,7 @@ from mpdiag.training.config import ConfigError, RunConfig, rerun_name
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 
-ProgressFn = Callable[[int, float], None]
+ProgressFn = Callable[[int, int, float], None]  # (run id, step, loss): a --pair command prints two runs
 
 
 class RunStopped(Exception):
@@ -265,7 +265,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
                 scheduler.step()
         if progress is not None and recorder.last_loss_step not in (None, reported):
             reported = recorder.last_loss_step  # on a GPU the loss arrives a step late: no extra sync
-            progress(reported, recorder.last_loss)
+            progress(run_id, reported, recorder.last_loss)
     return None
 
 
