@@ -55,10 +55,13 @@ def runs_panel(store) -> None:
     severities = {int(run["run_id"]): reads.finding_severities(store, run, version) for _, run in runs.iterrows()}
     shown = filtered_runs(runs)
     table = runs_table(shown, [severities[int(r)] for r in shown["run_id"]])
-    table.insert(4, "tags", shown["tags"].map(", ".join).to_numpy())  # after the health badge
+    table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())
     table["note"] = shown["user_note"].map(note_preview).to_numpy()
     st.dataframe(table, hide_index=True, width="stretch", column_config={
-        column: st.column_config.LinkColumn(text, display_text=text) for column, text in RUN_LINKS.items()})
+        "run": st.column_config.NumberColumn(width=40, pinned=True),
+        "name": st.column_config.TextColumn(width=190, pinned=True, help="Rename it below; hover for a long name"),
+        **{column: st.column_config.LinkColumn(text, display_text=text, width=80)
+           for column, text in RUN_LINKS.items()}})
     for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
         ui.explain_run_state(run)
 

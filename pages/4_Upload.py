@@ -105,7 +105,8 @@ def training_code(store) -> None:
     st.caption("Your training script as it is, with the files it imports (several files, or one .zip of its "
                "folder), run unmodified as `python SCRIPT ARGS` from the folder's root and recorded by mpdiag watch: "
                "one step per optimizer step, the gradients before clipping, the GradScaler's own scale and skips.")
-    uploads = st.file_uploader(f"Training code (up to {MAX_BUNDLE_BYTES // 2**20} MiB unpacked)",
+    uploads = st.file_uploader(f"Training code: its files, or one .zip of its folder ({MAX_BUNDLE_BYTES // 2**20} MB "
+                               "at most, all files together once unpacked)",
                                accept_multiple_files=True, key="code_upload")
     if uploads:
         take_upload(lambda: actions.store_code(store, [(f.name, f.getvalue()) for f in uploads])[1],

@@ -139,6 +139,137 @@ def flushed_text(share: float | None, shadow_steps: int = 0) -> str:
             f"record it with --pair (an FP32 twin on the same weights and batches).{shadow}")
 
 
+def gradient_ranking(totals: pd.DataFrame, fmt: str, at_scale: bool, flushed_by_fp16: bool,
+                     twin_totals: pd.DataFrame | None) -> tuple[pd.DataFrame, str]:
+    """The Gradients page's ranking of tensors (worst first) and a sentence saying what it ranks by.
+
+    The recorded ``fmt`` underflow share (:func:`tensor_ranking`) sees only the values the record still holds: an
+    FP16 run (``flushed_by_fp16``: its gradients were computed in FP16 and the format is fp16) has already
+    flushed the values that underflowed to exact zeros, so every tensor can read 0% and nothing ranks. Such a run
+    is ranked by the share of its values flushed to zero against its FP32 twin (``twin_totals``, Store.tensor_totals
+    of the twin: :func:`flushed_to_zero`, the zeros beyond the twin's), then by the recorded underflow and overflow;
+    without a twin by its zero share (flushed and genuine zeros together: the record cannot tell them apart).
+    Adds a column ``flushed_share`` (NaN where not known)."""
+    ranking = tensor_ranking(totals, fmt, at_scale)
+    if twin_totals is not None:
+        flushed = flushed_to_zero(totals, twin_totals)
+        ranking["flushed_share"] = ranking["tensor"].map(flushed).astype(float)
+    else:
+        ranking["flushed_share"] = np.nan
+    recorded = f"{fmt} underflow, then overflow, of the recorded finite non-zero values"
+    if not flushed_by_fp16:
+        return ranking, f"Ranked by {recorded}."
+    if twin_totals is not None:
+        keys, said = ["flushed_share", "underflow_share", "overflow_share"], (
+            "Ranked by the share of all values flushed to zero before recording, estimated against the FP32 twin "
+            f"(the zeros beyond the twin's: values non-zero in FP32 that FP16 lost), then by {recorded}: the "
+            "values FP16 flushed are exact zeros in this record, so its own underflow share cannot see them.")
+    else:
+        keys, said = ["zero_share", "underflow_share", "overflow_share"], (
+            f"Ranked by the share of values recorded as exact zeros, then by {recorded}: the values FP16 flushed "
+            "are exact zeros in this record, so its underflow share cannot see them, and without an FP32 twin "
+            "(--pair) the zeros FP16 made cannot be told from genuine ones.")
+    ranking = ranking.sort_values(keys, ascending=False, na_position="last", kind="stable").reset_index(drop=True)
+    return ranking, said
+
+
+def blank_steps(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame, stats: pd.DataFrame | None = None,
+                at_scale: bool = False) -> pd.DataFrame:
+    """The logged steps at which one tensor has nothing to place on the gradient heatmap's exponent axis, and
+    why: columns step, reason ("all zero", "all NaN or inf", "zero, NaN or inf", "loss scale 0" in the S·g view,
+    where the scale was 0 or not finite) and skipped (GradScaler skipped that step's update). ``index``/``counts``:
+    the tensor's Store.histogram_matrix; ``steps``: Store.steps; ``stats``: its Store.tensor_stats over steps
+    (zeros, nan, posinf, neginf, numel per step), to tell all-zero from non-finite (without it the reason is
+    "zero, NaN or inf")."""
+    empty = pd.DataFrame({"step": pd.Series(dtype=int), "reason": pd.Series(dtype=str),
+                          "skipped": pd.Series(dtype=bool)})
+    if len(index) == 0:
+        return empty
+    step_values = index["step"].to_numpy()
+    none = np.asarray(counts).sum(axis=1) == 0
+    by_step = steps.set_index("step") if len(steps) else None
+    reason = np.where(none, "zero, NaN or inf", "")
+    if stats is not None and len(stats):
+        s = stats.set_index("step").reindex(step_values)
+        nonfinite = (s["nan"] + s["posinf"] + s["neginf"]).to_numpy()
+        zeros, numel = s["zeros"].to_numpy(), s["numel"].to_numpy()
+        reason = np.where(none & (zeros == numel), "all zero", reason)
+        reason = np.where(none & (nonfinite == numel), "all NaN or inf", reason)
+    if at_scale and by_step is not None:
+        scale = by_step["loss_scale"].reindex(step_values).astype(float).to_numpy()
+        bad = ~np.isfinite(scale) | (scale == 0)
+        reason = np.where(bad & ~none, "loss scale 0", reason)
+        none = none | bad
+    skipped = (by_step["skipped"].reindex(step_values).fillna(0).to_numpy() == 1 if by_step is not None
+               and "skipped" in by_step else np.zeros(len(step_values), dtype=bool))
+    return pd.DataFrame({"step": step_values[none].astype(int), "reason": reason[none],
+                         "skipped": skipped[none].astype(bool)})
+
+
+def _step_list(values, most: int = 8) -> str:
+    """Steps as "3, 5-7 and 9" (runs of consecutive steps joined), the first ``most`` runs then "and N more"."""
+    values = sorted(int(v) for v in values)
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    words = [f"{a:,}" if a == b else f"{a:,}–{b:,}" for a, b in runs]
+    if len(words) > most:
+        return ", ".join(words[:most]) + f" and {len(runs) - most:,} more runs of steps"
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def blank_steps_text(blank: pd.DataFrame, logged: int) -> str:
+    """The sentence under the gradient heatmap naming its blank columns (:func:`blank_steps`) and why they are
+    blank; "" when there are none. ``logged``: the number of logged steps."""
+    if blank.empty:
+        return ""
+    what = {"all zero": "the gradient was all zero", "all NaN or inf": "every value was NaN or inf",
+            "zero, NaN or inf": "every value was 0, NaN or inf",
+            "loss scale 0": "the loss scale was 0 (S·g holds no finite non-zero value)"}
+    parts = []
+    for reason, group in blank.groupby("reason", sort=False):
+        skipped = group.loc[group["skipped"], "step"]
+        note = ("" if skipped.empty else " (all skipped steps: GradScaler skipped their update)"
+                if len(skipped) == len(group) else f" (skipped steps among them: {_step_list(skipped)})")
+        parts.append(f"{what[reason]} at step{'s' if len(group) > 1 else ''} {_step_list(group['step'])}{note}")
+    return (f"Blank columns ({len(blank):,} of {logged:,} logged steps): nothing to place on the exponent axis, "
+            + "; ".join(parts) + ".")
+
+
+def histogram_grid(index: pd.DataFrame, counts: np.ndarray, order: list[str], fmt: str = "fp16",
+                   log2_scale: float = 0.0, limit: int | None = None) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """Every tensor's exponent histogram at one step, for small multiples: (bars, drawn, empty).
+
+    ``index``/``counts``: Store.histogram_matrix at one step (one row per tensor); ``order``: the tensors worst
+    first (the page's ranking); ``log2_scale``: the shift of the view (0 for g, log2 of the step's loss scale for
+    S·g); ``limit``: draw at most this many of them (None: all). ``bars``: one row per non-empty bin of each
+    drawn tensor, as :func:`step_histogram` labels it (tensor, log2_lo, log2_hi, count, share of the tensor's
+    finite non-zero values, region in ``fmt``); ``drawn``: the tensors drawn, worst first; ``empty``: those
+    (within the limit) with no finite non-zero value at that step, so nothing to draw."""
+    rows = dict(zip(index["tensor"], np.asarray(counts), strict=True)) if len(index) else {}
+    ranked = [t for t in order if t in rows] + [t for t in index["tensor"] if t not in set(order)]
+    chosen = ranked if limit is None else ranked[:limit]
+    parts, drawn, empty = [], [], []
+    if math.isfinite(log2_scale):
+        for name in chosen:
+            hist = rows[name]
+            if hist.sum() == 0:
+                empty.append(name)
+                continue
+            bars = step_histogram(hist, {}, LOW_PRECISION[fmt], log2_scale)
+            bars = bars.astype({"count": np.int64, "log2_lo": float})
+            parts.append(bars.assign(tensor=name, log2_hi=bars["log2_lo"] + 1, share=bars["count"] / hist.sum()))
+            drawn.append(name)
+    else:
+        empty = list(chosen)
+    columns = ["tensor", "log2_lo", "log2_hi", "count", "share", "region"]
+    bars = pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+    return bars, drawn, empty
+
+
 def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
     """One tensor's shares over all logged steps (a :func:`tensor_ranking` row) as plain text: underflow,
     subnormal and overflow of its finite non-zero values, or, when it had none, what its values were instead
@@ -495,8 +626,8 @@ def run_progress(run: pd.Series) -> tuple[float | None, str]:
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
     """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
     ``severities``: per run, its findings' severities), links to the run's Findings, Gradients and Loss scale
-    pages (relative URLs with ``run=ID``), its outcome, then its settings: what triage needs comes first, so it
-    is on screen without scrolling sideways."""
+    pages (relative URLs with ``run=ID``), then its settings: what triage needs comes first, so it is on screen
+    at 1,280 px without scrolling sideways (the page pins the run and its name when the rest scrolls)."""
     done = runs["steps_done"].fillna(0).astype(int)
     ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
@@ -505,11 +636,11 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "status": runs["status"],
         "health": [health(s, status) for s, status in zip(severities, runs["status"], strict=True)],
         "opt level": runs["opt_level"],
+        "final loss": runs["final_loss"].map(significant),
+        "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
         "findings": "/Findings?run=" + ids,
         "gradients": "/Gradients?run=" + ids,
         "loss scale": "/Loss_scale?run=" + ids,
-        "final loss": runs["final_loss"].map(significant),
-        "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],
         "skipped": runs["skipped_steps"].fillna(0).astype(int).astype(str) + " of " + done.astype(str),
         "script": script_names(runs).to_numpy(),
         "scaling": runs["scaling"],

@@ -271,7 +271,22 @@ def launched_panel(store: Store) -> None:
     started = actions.launched()
     if started:
         live = any(proc.is_alive() for proc, _ in started)
-        st.fragment(lambda: launched_runs(store, store.runs()), run_every=LIVE_REFRESH_S if live else None)()
+        st.fragment(lambda: _launched_live(store), run_every=LIVE_REFRESH_S if live else None)()
+
+
+_LAUNCHED_SEEN = "launched_seen"  # session key: what the launched panel last saw of this session's processes
+
+
+def _launched_live(store: Store) -> None:
+    """The panel's refresh; when a started process records its run or ends, the page around it (an upload's
+    run count, the run picker, the charts of a finished run) is stale, so the whole page is read again, once
+    per such change."""
+    launched_runs(store, store.runs())
+    seen = tuple((tuple(proc.run_ids()), proc.is_alive()) for proc, _ in actions.launched())
+    changed = st.session_state.get(_LAUNCHED_SEEN, seen) != seen
+    st.session_state[_LAUNCHED_SEEN] = seen
+    if changed:
+        st.rerun(scope="app")
 
 
 def single_run_page(title: str, view) -> None:
