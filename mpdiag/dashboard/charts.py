@@ -96,15 +96,35 @@ _PLAIN_POWERS = "format(datum.value, ',~g')"
 _EXPONENT_POWERS = "replace(format(datum.value, '.0e'), 'e+', 'e')"
 
 
-def _power_of_ten_axis(title: str, values=None) -> alt.Axis:
-    """A log10 axis ticked only at whole powers of ten spanning ``values`` (at most about eight, every second or
-    third decade beyond), labelled 0.01 ... 1,000 when all ticks lie there, else 1e-5 ... 1e3 alike: Vega's own
-    log ticks crowd in 0.0004, 0.0002, 0.00005 between them."""
-    axis = dict(title=title, labelExpr=_EXPONENT_POWERS)
+def _log10_bounds(values) -> tuple[int, int] | None:
+    """(lowest, highest) whole k of a log10 axis over ``values`` (finite, above 0): the decades around the data,
+    one further where the smallest or largest value is itself a power of ten, so no value (a spike, the last
+    point of a falling loss) lies on the plot's border."""
     v = np.asarray([] if values is None else values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
-    if v.size:
-        lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
+    if not v.size:
+        return None
+    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
+    return lo - (10.0**lo >= v.min()), hi + (10.0**hi <= v.max())
+
+
+def log10_scale(values) -> alt.Scale:
+    """A log10 scale over ``values`` whose domain is the decades around them (:func:`_log10_bounds`), not
+    Vega's default, which ends exactly at the extreme values."""
+    bounds = _log10_bounds(values)
+    if bounds is None:
+        return alt.Scale(type="log")
+    return alt.Scale(type="log", domain=[10.0**bounds[0], 10.0**bounds[1]], nice=False)
+
+
+def _power_of_ten_axis(title: str, values=None) -> alt.Axis:
+    """A log10 axis ticked only at whole powers of ten inside :func:`log10_scale`'s domain over ``values`` (at
+    most about eight, every second or third decade beyond), labelled 0.01 ... 1,000 when all ticks lie there,
+    else 1e-5 ... 1e3 alike: Vega's own log ticks crowd in 0.0004, 0.0002, 0.00005 between them."""
+    axis = dict(title=title, labelExpr=_EXPONENT_POWERS)
+    bounds = _log10_bounds(values)
+    if bounds is not None:
+        lo, hi = bounds
         stride = max(1, math.ceil((hi - lo) / 8))
         axis["values"] = [10.0**k for k in range(lo - lo % stride, hi + stride, stride) if k <= hi]
         if -2 <= lo and hi <= 3:
@@ -295,8 +315,8 @@ def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
     layers = []
     if drawable_on_log(norm).any():
         layers.append(alt.Chart(_blanked(recorded, "grad_norm", log=True)).mark_line(color="#9467bd").encode(
-            x=STEP_X, y=alt.Y("grad_norm:Q", scale=alt.Scale(type="log"),
-                              axis=_power_of_ten_axis("gradient norm", norm[drawable_on_log(norm)])),
+            x=STEP_X, y=alt.Y("grad_norm:Q", scale=log10_scale(norm),
+                              axis=_power_of_ten_axis("gradient norm", norm)),
             tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")]))
     said = []
     for label, rows, colour in (("red rules: inf/NaN", ~np.isfinite(norm), "#d62728"),
@@ -388,7 +408,7 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     if log and log_base == 2:
         scale, axis = log2_scale(drawn), _power_of_two_axis(title, drawn)
     elif log:
-        scale, axis = alt.Scale(type="log", base=log_base), _power_of_ten_axis(title, drawn)
+        scale, axis = log10_scale(drawn), _power_of_ten_axis(title, drawn)
     else:
         scale, axis = alt.Scale(zero=zero), alt.Axis(title=title, format=PLAIN_FORMAT)
     colour = _run_colour(domain, orient="top")
@@ -458,15 +478,22 @@ def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: floa
     """Relative gradient error against the FP32 shadow over steps (log axis) for ``tensors``, with the
     finding's threshold as a dashed rule. ``shadow``: Store.shadow_stats; non-finite errors are left out."""
     df = shadow[shadow["tensor"].isin(tensors) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
+    drawn = pd.concat([df["rel_error"], pd.Series([threshold])])  # the axis spans the threshold's rule too
+    y = dict(scale=log10_scale(drawn), axis=_power_of_ten_axis("||g - g_fp32|| / ||g_fp32||", drawn))
     line = (
         alt.Chart(df)
         .mark_line(point=True)
-        .encode(x=STEP_X, y=alt.Y("rel_error:Q", title="||g - g_fp32|| / ||g_fp32||", scale=alt.Scale(type="log")),
-                color=alt.Color("tensor:N", sort=tensors), tooltip=["tensor:N", "step:Q", "rel_error:Q", "cosine:Q"])
+        .encode(x=STEP_X, y=alt.Y("rel_error:Q", **y),
+                color=alt.Color("tensor:N", sort=tensors, legend=alt.Legend(orient="top", labelLimit=280)),
+                tooltip=["tensor:N", "step:Q", alt.Tooltip("rel_error:Q", format=".4g", title="relative error"),
+                         alt.Tooltip("cosine:Q", format=".6f")])
     )
-    rule = alt.Chart(pd.DataFrame({"threshold": [threshold]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
-        y="threshold:Q", tooltip=["threshold:Q"])
-    return _fit(alt.layer(line, rule).properties(height=240, title="gradient error against the FP32 shadow"))
+    said = pd.DataFrame({"threshold": [threshold], "label": [f"finding's threshold: {threshold:g}"]})
+    rule = alt.Chart(said).mark_rule(color="black", strokeDash=[4, 4]).encode(
+        y=alt.Y("threshold:Q", **y), tooltip=["label:N"])
+    label = alt.Chart(said).mark_text(align="left", baseline="bottom", dx=4, dy=-3, fontSize=11).encode(
+        x=alt.value(0), y=alt.Y("threshold:Q", **y), text="label:N")
+    return _fit(alt.layer(line, rule, label).properties(height=240, title="gradient error against the FP32 shadow"))
 
 
 def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
