@@ -128,6 +128,34 @@ def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
     assert [r["step"] for r in skipped_rows] == [1]
 
 
+def test_log10_axes_end_a_decade_beyond_the_data_and_tick_only_inside():
+    """A loss or gradient-norm axis on log10: its largest and smallest values lie inside the plot, not on its
+    border (Vega's default domain ends exactly at them), and a value that is itself a power of ten gets a
+    decade beyond it."""
+    losses = pd.DataFrame({"step": [0, 1, 2, 0], "loss": [5.0, 0.3, 1e-3, 2.0], "run": ["a", "a", "a", "b"]})
+    y = charts.runs_overlay(losses, "loss", "loss", ["a", "b"], log=True, log_base=10).to_dict()["layer"][0][
+        "encoding"]["y"]
+    assert y["scale"] == {"type": "log", "domain": [1e-4, 10.0], "nice": False}
+    assert y["axis"]["values"] == [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
+    steps = pd.DataFrame({"step": [0, 1, 2], "grad_norm": [0.02, 0.7, 0.0], "wall_time_s": [0.0, 0.1, 0.2]})
+    spec = charts.grad_norm_panel(steps).to_dict()
+    norm_y = spec["layer"][0]["encoding"]["y"]
+    assert norm_y["scale"]["domain"] == [1e-2, 1.0]  # 0.02 and 0.7 both inside; the 0 is a grey rule
+    assert min(norm_y["scale"]["domain"]) < 0.02 and 0.7 < max(norm_y["scale"]["domain"])
+
+
+def test_shadow_error_chart_labels_its_threshold_and_spans_it():
+    shadow = pd.DataFrame({"step": [0, 10, 20], "tensor": ["w"] * 3, "rel_error": [0.01, 0.05, 0.5],
+                           "cosine": [1.0, 0.99, 0.9]})
+    spec = charts.shadow_error_lines(shadow, ["w"], 0.2).to_dict()
+    line, rule, label = spec["layer"]
+    lo, hi = line["encoding"]["y"]["scale"]["domain"]
+    assert lo < 0.01 and 0.5 < hi and line["encoding"]["y"]["scale"] == rule["encoding"]["y"]["scale"]
+    assert spec["datasets"][label["data"]["name"]][0]["label"] == "finding's threshold: 0.2"
+    only_small = charts.shadow_error_lines(shadow.assign(rel_error=[1e-4, 2e-4, 3e-4]), ["w"], 0.2).to_dict()
+    assert only_small["layer"][0]["encoding"]["y"]["scale"]["domain"][1] >= 0.2  # the rule is on the plot
+
+
 def test_run_colours_are_fixed_by_selection_order():
     df = pd.DataFrame({"step": [0, 0], "loss": [1.0, 2.0], "run": ["b", "a"]})
     spec = charts.runs_overlay(df, "loss", "loss", ["a", "b"]).to_dict()
