@@ -35,18 +35,20 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
     if modules.empty:
         not_traced(run, run_id)
         return
-    ui.findings_shown_here(store, run_id, "Modules")
+    shown = ui.findings_shown_here(store, run_id, "Modules")
     located = module_trace.first_nonfinite(modules).strip()
-    st.caption(plain(f"{modules['module'].nunique()} modules traced over {modules['step'].nunique()} steps. "
-                     + (located or "Every forward output and gradient stayed finite.")))
+    where = "" if located and located in shown else (located or "Every forward output and gradient stayed finite.")
+    st.caption(plain(f"{modules['module'].nunique():,} modules traced over {modules['step'].nunique():,} steps. "
+                     + where))
     order = module_trace.module_order(modules)
     cells, width = module_trace.merge_steps(module_trace.magnitude_cells(modules))
     ui.show_chart(charts.module_heatmap(cells, order, width), width="stretch")
 
     first = module_trace.first_nonfinite_modules(modules)
     default = next(iter(first.values()))["module"] if first else order[0]
+    types = dict(zip(modules["module"], modules["type"]))
     module = st.selectbox("Module (forward order; type to search)", order, index=order.index(default), key="module",
-                          bind="query-params")
+                          format_func=lambda name: f"{name} ({types[name]})", bind="query-params")
     magnitudes = module_trace.magnitude_cells(modules)
     if module_trace.drawable_magnitudes(magnitudes, module):
         ui.show_chart(charts.module_lines(magnitudes, module), width="stretch")

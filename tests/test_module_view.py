@@ -83,12 +83,17 @@ def test_the_overflow_finding_opens_the_modules_page_on_the_module_it_names(stor
     assert not at.exception, [e.value for e in at.exception]
     said = texts(at)
     assert finding.evidence in said  # what Findings says is said where it links
+    located = module_trace.first_nonfinite(Store(store_path).module_stats(run_id)).strip()
+    assert located and said.count(located) == 1  # said by the finding, not again in the caption
+    stats = Store(store_path).module_stats(run_id)
     assert at.selectbox(key="module").value == "0"
     frames = chart_frames(at)
     heat = next(f for f in frames if "pass" in f and "first" in f and f["module"].nunique() == 3)
     first = heat[heat["first"]]
     assert set(first["module"]) == {"0"} and set(first["step"]) == {0}
-    assert set(heat["module"]) == set(Store(store_path).module_stats(run_id)["module"])
+    assert set(heat["module"]) == set(stats["module"])
+    # a Sequential's children are named 0, 1, 2: each row says its type too
+    assert set(heat["row"]) == {f"{m} ({t})" for m, t in zip(stats["module"], stats["type"])}
     spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
     assert "first inf/NaN" in json.dumps(spec)
     untraced = app("pages/7_Modules.py", store_path, monkeypatch, run=str(plain_run))

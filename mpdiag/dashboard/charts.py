@@ -576,13 +576,17 @@ def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt
     finite value passed FP16's max, red where it was inf/NaN; the pass's first non-finite module circled."""
     tooltip = ["module:N", "type:N", alt.Tooltip("step:Q", title="step" if width == 1 else f"first of {width} steps"),
                alt.Tooltip("absmax:Q", format=".6g", title="largest |value|"), "state:N"]
+    # rows read "name (Type)": a Sequential's children are named 0, 1, 2, which say nothing alone
+    cells = cells.assign(row=cells["module"] + " (" + cells["type"] + ")")
+    rows = dict(zip(cells["module"], cells["row"]))
     panels = []
     for label in dict.fromkeys(cells["pass"]):
         one = cells[cells["pass"] == label]
         base = alt.Chart(one).encode(
             x=alt.X("step:O", title="step" if width == 1 else f"step (columns of {width}, the worst of each)",
                     axis=alt.Axis(labelOverlap=True)),
-            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelOverlap=False, labelLimit=240)),
+            y=alt.Y("row:N", sort=[rows[m] for m in order if m in rows], title=None,
+                    axis=alt.Axis(labelOverlap=False, labelLimit=240)),
             tooltip=tooltip)
         # no finite cell (every value inf/NaN): no colour scale of log2 |value|, whose empty layer would give
         # Vega an infinite extent

@@ -232,13 +232,16 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     return run, is_final(run)
 
 
-def findings_shown_here(store: Store, run_id: int, page: str) -> None:
+def findings_shown_here(store: Store, run_id: int, page: str) -> str:
     """The run's findings whose evidence link opens ``page``, said at its top as Findings says them, so what
-    a link promises is on the page it opens."""
+    a link promises is on the page it opens. Returns what was said, so the page does not say it twice."""
+    said = []
     for finding in diagnose(store, run_id):
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
-            say(plain(f"{finding.title}. {finding.evidence}"))
+            said.append(f"{finding.title}. {finding.evidence}")
+            say(plain(said[-1]))
+    return "\n".join(said)
 
 
 def launched_runs(store: Store, runs: pd.DataFrame) -> None:
