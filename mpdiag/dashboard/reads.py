@@ -129,6 +129,26 @@ def tensor_at_step(store: Store, run_id: int, tensor: str, step: int, final: boo
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
+def _tensor_over_steps(key: tuple, run_id: int, tensor: str) -> pd.DataFrame:
+    return Store(key[0], create=False).tensor_stats(run_id, tensor)
+
+
+def tensor_over_steps(store: Store, run_id: int, tensor: str, final: bool) -> pd.DataFrame:
+    """One tensor's statistics rows at every logged step (Store.tensor_stats): cached when final; for a live run,
+    only the steps logged since this session's previous read are read."""
+    if final:
+        return _tensor_over_steps(_key(store), int(run_id), tensor)
+    key = f"stats:{store.path}:{run_id}:{tensor}"
+    cached = st.session_state.get(key)
+    since = int(cached["step"].max()) if cached is not None and len(cached) else -1
+    fresh = store.tensor_stats(int(run_id), tensor, since_step=since)
+    stats = fresh if cached is None or not len(cached) else pd.concat([cached, fresh], ignore_index=True) \
+        if len(fresh) else cached
+    st.session_state[key] = stats
+    return stats
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
 def _tensors_at_step(key: tuple, run_id: int, step: int) -> pd.DataFrame:
     return Store(key[0], create=False).tensor_stats(run_id, step=step)
 
