@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.finding import Finding
-from mpdiag.analysis.fp8_summaries import LOST_SHARE, past_threshold
+from mpdiag.analysis.fp8_summaries import LOST_SHARE, fmt_label, number, overflows, past_threshold, percent, step_counts
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
 from mpdiag.training.config import ConfigError, RunConfig
 
@@ -50,6 +50,7 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
         return []
     rows = records.assign(share=records["underflow"] / records["numel"].where(records["numel"] > 0))
     bad = rows[past_threshold(records)]
+    counts = step_counts(records)
     findings = []
     for (module, role, recipe), hit in bad.groupby(["module", "role", "recipe"], sort=False):
         worst = hit.loc[hit["share"].idxmax()] if hit["overflow"].sum() == 0 else hit.loc[hit["overflow"].idxmax()]
@@ -59,7 +60,7 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
             fix = _fix(fp8_recipe="current")
             advice = ("Use current scaling (the scale from this step's own amax)"
                       + (f"; with both recipes recorded, current scaling stays under this finding's threshold here "
-                         f"(at most {LOST_SHARE:.0%} underflow and no overflow at every recorded step)."
+                         f"(at most {100 * LOST_SHARE:g} % underflow and no overflow at every recorded step)."
                          if recorded_current else "."))
         else:
             fix = _fix(fp8_recipe=recipe, fp8_bf16_modules=module)  # one recipe: a recording may hold both
@@ -67,45 +68,75 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
         findings.append(Finding(
             rule="fp8-lost-values", severity="warning", page="FP8",
             title=f"FP8 ({recipe} scaling) loses values of {module}'s {role}",
-            evidence=(f"{len(hit):,} of {int(((records['module'] == module) & (records['role'] == role) & (records['recipe'] == recipe)).sum()):,} "
-                      f"recorded steps lose more than {LOST_SHARE:.0%} of the values to underflow, or any to "
-                      f"overflow, in {worst['fmt']} (the layer table's \"steps the finding counts\"); "
-                      f"worst at step {int(worst['step'])}: "
-                      f"{int(worst['underflow']):,} of {int(worst['numel']):,} underflow ({worst['share']:.2%}), "
-                      f"{int(worst['overflow']):,} overflow, at scale {worst['scale']:.6g} (amax {worst['amax']:.6g})."),
+            evidence=(f"{_of_steps(counts.loc[(module, role, recipe), 'flagged'], counts.loc[(module, role, recipe), 'steps'], 'lose')} "
+                      f"more than {100 * LOST_SHARE:g} % of the values to underflow, or any to overflow, in {fmt_label(worst['fmt'])} (the layer "
+                      f"table's \"flagged\" steps); worst at step {int(worst['step']):,}: "
+                      f"{int(worst['underflow']):,} of {int(worst['numel']):,} underflow ({percent(worst['share'])}), "
+                      f"{int(worst['overflow']):,} overflow, at scale {number(worst['scale'])} "
+                      f"(amax {number(worst['amax'])})."),
             recommendation=advice, tensors=[f"{module}:{role}"], fix=fix,
             focus={"layer": module, "role": role, "recipe": recipe}))
     return findings
 
 
+def _of_steps(n: int, of: int, verb: str) -> str:
+    """"9 of 60 recorded steps overflow", "1 of 60 recorded steps overflows"."""
+    return f"{int(n):,} of {int(of):,} recorded steps {verb}{'s' if n == 1 else ''}"
+
+
+def _step_list(steps, most: int = 8) -> str:
+    shown = ", ".join(f"{int(s):,}" for s in steps[:most])
+    return shown + (f" and {len(steps) - most:,} more" if len(steps) > most else "")
+
+
 def amax_jumps(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
-    """Per module and role: recorded steps whose amax exceeds what the delayed recipe's scale (from the
-    history before that step, under ``settings``) lets through without overflow; the step and the ratio of
-    the amax to the history's largest. The fix: current scaling; the margin that would have absorbed every
-    jump is in the advice."""
-    if records.empty:
+    """Per module and role: the recorded steps whose delayed-scaling cast overflowed (:func:`overflows` on the
+    recorded delayed rows: the amax chart's markers, counted the same way), with the worst jump first: the
+    step whose amax is the largest multiple of the delayed history's largest (``settings.history`` recorded
+    steps before it, :func:`delayed_reference`), and how many values it lost; then the other overflowing
+    steps, the small rises past the format's headroom (E4M3 keeps 464 / 448 = 3.6 % above the history's
+    largest). The fix: current scaling; the margin that would have absorbed every jump is in the advice."""
+    delayed = records[records["recipe"] == "delayed"] if len(records) else records
+    if delayed.empty:
         return []
     findings = []
-    series = records.drop_duplicates(["step", "module", "role"]).sort_values("step")
-    for (module, role), one in series.groupby(["module", "role"], sort=False):
+    for (module, role), one in delayed.sort_values("step", kind="stable").groupby(["module", "role"], sort=False):
+        over = overflows(one).to_numpy()
+        if not over.any():
+            continue
         fmt = FP8_FORMATS[one["fmt"].iloc[0]]
         amax = one["amax"].to_numpy(np.float32)
         reference = delayed_reference(amax, settings.history)
-        scale = scale_from_reference(reference, fmt, settings.margin, settings.pow2)
-        scaled = amax * scale  # fp32, as the cast sees the largest value
-        jumped = np.flatnonzero(np.array([fmt.overflows(float(v)) for v in scaled], dtype=bool) & np.isfinite(amax))
-        if not jumped.size:
-            continue
-        ratios = amax[jumped].astype(np.float64) / reference[jumped]
-        worst = int(np.argmax(ratios))
-        margin = _absorbing_margin(amax[jumped], reference[jumped], fmt, settings)
+        jumped = np.flatnonzero(over)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = amax[jumped].astype(np.float64) / reference[jumped]
+        rankable = np.where(np.isfinite(ratios), ratios, -np.inf)
+        worst = int(np.argmax(rankable))  # the largest finite jump (a non-finite amax only where all are)
         steps = one["step"].to_numpy()[jumped]
+        lost = one["overflow"].to_numpy()[jumped]
+        numel = one["numel"].to_numpy()[jumped]
+        others = np.delete(np.arange(len(jumped)), worst)
+        finite_others = others[np.isfinite(ratios[others])]
+        margin = _absorbing_margin(amax[jumped], reference[jumped], fmt, settings)
+        said = (f"Its amax jumps, worst at step {int(steps[worst]):,}: {number(amax[jumped][worst])}, "
+                f"{ratios[worst]:.4g} times the largest of the delayed history before it (up to "
+                f"{settings.history:,} recorded steps), and {int(lost[worst]):,} of {int(numel[worst]):,} values "
+                f"overflowed {fmt_label(fmt.name)}. In all, {_of_steps(len(jumped), len(one), 'overflow')} "
+                "(the amax chart's ▲, the layer table's \"overflowing\" steps)")
+        if len(others):
+            rise = (f"at most {ratios[finite_others].max():.4g} times the history's largest"
+                    if len(finite_others) else "at non-finite amaxes")
+            said += (f": the other {len(others):,} (step{'' if len(others) == 1 else 's'} "
+                     f"{_step_list(steps[others])}) {'is a small rise' if len(others) == 1 else 'are small rises'} "
+                     f"to a new largest amax, {rise}, past the "
+                     f"{100 * (fmt.overflow_threshold / fmt.max_finite - 1):.1f} % headroom {fmt_label(fmt.name)} "
+                     f"keeps above it ({number(fmt.max_finite)} to {number(fmt.overflow_threshold)}), losing "
+                     f"{int(lost[others].sum()):,} value{'' if lost[others].sum() == 1 else 's'} in all")
+        said += "."
         findings.append(Finding(
             rule="fp8-amax-jump", severity="warning", page="FP8",
             title=f"An amax jump of {module}'s {role} overflows the delayed FP8 scale",
-            evidence=(f"At {len(jumped)} recorded step(s) (first {int(steps[0])}) the amax exceeded what the "
-                      f"history of {settings.history} steps allows in {fmt.name}; worst at step {int(steps[worst])}: "
-                      f"{float(amax[jumped][worst]):.6g}, {ratios[worst]:.4g} times the history's largest."),
+            evidence=said,
             recommendation=("Use current scaling" + (f", or a margin of {margin} (--fp8-margin)" if margin is not None else "")
                             + " so the jump does not saturate."),
             tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current"),
@@ -114,7 +145,10 @@ def amax_jumps(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
 
 
 def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp8Settings) -> int | None:
-    """The smallest margin under which none of these amaxes overflows their delayed scale, if any <= MAX_MARGIN."""
+    """The smallest margin under which none of these (finite) amaxes overflows their delayed scale, if any
+    <= MAX_MARGIN."""
+    finite = np.isfinite(amax) & np.isfinite(reference)
+    amax, reference = amax[finite], reference[finite]
     for margin in range(settings.margin, MAX_MARGIN + 1):
         scale = scale_from_reference(reference, fmt, margin, settings.pow2)
         if not any(fmt.overflows(float(v)) for v in amax * scale):

@@ -20,55 +20,129 @@ from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, recipe_scales,
 LOST_SHARE = 0.01
 
 
+def overflows(records: pd.DataFrame) -> pd.Series:
+    """Which records (one tensor at one recorded step) overflow: the cast at that step's scale put at least one
+    value past the format's largest. The one test of "a step that overflows": the amax-jump finding, the amax
+    chart's markers and caption and the layer table's "overflowing" all count with it."""
+    return records["overflow"] > 0
+
+
+def loses_any(records: pd.DataFrame) -> pd.Series:
+    """Which records lose any value (at least one underflows to 0 or overflows): the heatmap's coloured
+    cells and the layer table's "losing"."""
+    return (records["underflow"] + records["overflow"]) > 0
+
+
 def past_threshold(records: pd.DataFrame) -> pd.Series:
-    """Which records (one tensor at one recorded step) the fp8-lost-values finding counts: more than
-    LOST_SHARE of the values underflow, or any value overflows."""
+    """Which records the fp8-lost-values finding counts: more than LOST_SHARE of the values underflow, or
+    any value overflows (the layer table's "flagged" steps)."""
     share = records["underflow"] / records["numel"].where(records["numel"] > 0)
-    return (share > LOST_SHARE) | (records["overflow"] > 0)
+    return (share > LOST_SHARE) | overflows(records)
+
+
+#: the layer table's columns, short enough that the table fits a 1,280 px window, and what each counts (the
+#: page shows these as the columns' help); the step counts are the tests above, counted by :func:`step_counts`
+TABLE_COLUMNS = {
+    "layer": "The Linear module",
+    "role": "input and weight are cast to E4M3; grad_output (the output gradient) to E5M2, or E4M3 if chosen",
+    "recipe": "delayed: the scale from the amax history; current: from the tensor's own amax",
+    "worst lost": "The largest share of the tensor's values lost (underflow + overflow) at one recorded step",
+    "at step": "The recorded step of that worst share",
+    "steps": "Recorded steps",
+    "overflowing": "Recorded steps where at least one value overflows (the amax chart's markers; the amax-jump "
+                      "finding's count)",
+    "flagged": f"Recorded steps where more than {100 * LOST_SHARE:g} % of the values underflow or any value "
+                     "overflows (the lost-values finding's count)",
+    "losing": "Recorded steps where at least one value underflows or overflows (the heatmap's coloured "
+                    "cells): includes steps losing a single value",
+    "underflow": "Values that underflow to 0, summed over the recorded steps",
+    "overflow": "Values that overflow, summed over the recorded steps",
+    "subnormal": "Values that land in the format's subnormal range (fewer significant bits), summed over the "
+                 "recorded steps",
+}
+#: the step counts, each with the one test that defines it
+STEP_TESTS = {"overflowing": overflows, "flagged": past_threshold, "losing": loses_any}
+
+
+def step_counts(records: pd.DataFrame) -> pd.DataFrame:
+    """Per layer, role and recipe (the index: module, role, recipe): "steps" (recorded steps) and the steps
+    each of :data:`STEP_TESTS` counts. Every number of steps on the FP8 page comes from here."""
+    tests = {name: test(records) for name, test in STEP_TESTS.items()} if len(records) else {}
+    flags = records[["module", "role", "recipe", "step"]].assign(**tests)
+    grouped = flags.groupby(["module", "role", "recipe"], sort=False)
+    counts = grouped.agg(steps=("step", "nunique"), **{name: (name, "sum") for name in STEP_TESTS})
+    return counts.astype(int)
 
 
 def with_lost(records: pd.DataFrame) -> pd.DataFrame:
-    """The records with ``lost`` (underflow + overflow: values the cast loses) and ``lost_share`` (of numel)."""
+    """The records with ``lost`` (underflow + overflow: values the cast loses), ``lost_share`` (of numel)
+    and ``losing`` (:func:`loses_any`)."""
     lost = records["underflow"] + records["overflow"]
-    return records.assign(lost=lost, lost_share=lost / records["numel"].where(records["numel"] > 0))
+    return records.assign(lost=lost, lost_share=lost / records["numel"].where(records["numel"] > 0),
+                          losing=loses_any(records))
 
 
 def lost_cells(records: pd.DataFrame, recipe: str, role: str, max_columns: int = 200) -> pd.DataFrame:
     """One row per layer and recorded step for ``recipe`` and ``role`` (the FP8 page's heatmap): module,
-    step, lost, lost_share, underflow, overflow, amax. Past ``max_columns`` recorded steps, consecutive
-    steps share a column (``step`` its first): the worst share and amax, the summed counts, so a single lost
-    value still colours its column."""
+    step, lost, lost_share, losing, underflow, overflow, amax. Past ``max_columns`` recorded steps, consecutive
+    steps share a column (``step`` its first): the worst share and amax, the summed counts, losing where any
+    of them loses, so a single lost value still colours its column."""
     rows = with_lost(records[(records["recipe"] == recipe) & (records["role"] == role)])
-    rows = rows[["module", "step", "lost", "lost_share", "underflow", "overflow", "amax"]]
+    rows = rows[["module", "step", "lost", "lost_share", "losing", "underflow", "overflow", "amax"]]
     steps = np.sort(rows["step"].unique())
     if len(steps) <= max_columns:
         return rows.reset_index(drop=True)
     width = -(-len(steps) // max_columns)
     column = pd.Series(steps[np.arange(len(steps)) // width * width], index=steps)
     grouped = rows.assign(step=rows["step"].map(column)).groupby(["module", "step"], sort=False)
-    return grouped.agg(lost=("lost", "sum"), lost_share=("lost_share", "max"), underflow=("underflow", "sum"),
-                       overflow=("overflow", "sum"), amax=("amax", "max")).reset_index()
+    return grouped.agg(lost=("lost", "sum"), lost_share=("lost_share", "max"), losing=("losing", "any"),
+                       underflow=("underflow", "sum"), overflow=("overflow", "sum"), amax=("amax", "max")).reset_index()
+
+
+def number(x: float) -> str:
+    """A value for the FP8 page's text: 6 significant digits, thousands separators from 1,000 on (an exponent
+    only past 1e15 or below 1e-4)."""
+    x = float(x)
+    if not np.isfinite(x) or abs(x) < 1e3 or abs(x) >= 1e15:
+        return f"{x:.6g}"
+    text = f"{x:,.{max(0, 5 - int(np.floor(np.log10(abs(x)))))}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def percent(share: float) -> str:
+    """A share as a percentage: 2 decimals from 1 % (67.99 %), 2 significant digits below (0.012 %), so a
+    non-zero share never reads 0.00 %; "0 %" for none."""
+    pct = 100 * float(share)
+    if not np.isfinite(pct):
+        return "n/a"
+    if pct == 0:
+        return "0 %"
+    return f"{pct:,.2f} %" if pct >= 1 else f"{pct:.2g} %"
+
+
+def fmt_label(fmt_name: str) -> str:
+    """``fp8_e4m3`` -> ``E4M3``."""
+    return fmt_name.removeprefix("fp8_").upper()
 
 
 def layer_table(records: pd.DataFrame) -> pd.DataFrame:
-    """Per layer, role and recipe: the worst recorded step's lost share and counts, the recorded steps, those
-    that lost any value and those past the fp8-lost-values finding's threshold (:func:`past_threshold`, the
-    count the finding states), and the totals; sorted worst first (largest worst share, then most overflow)."""
+    """Per layer, role and recipe, the columns of :data:`TABLE_COLUMNS`: the worst recorded step's lost share,
+    the step counts of :func:`step_counts` and the summed value counts; sorted worst first (largest worst
+    share, then most overflow)."""
     if records.empty:
-        return pd.DataFrame(columns=["module", "role", "recipe", "fmt", "worst lost share", "worst step",
-                                     "recorded steps", "steps losing any value", "steps the finding counts",
-                                     "underflow", "overflow", "subnormal"])
-    rows = with_lost(records).assign(past=past_threshold(records))
+        return pd.DataFrame(columns=list(TABLE_COLUMNS))
+    counts = step_counts(records)
+    rows = with_lost(records)
     out = []
     for (module, role, recipe), one in rows.groupby(["module", "role", "recipe"], sort=False):
         worst = one.loc[one["lost_share"].fillna(0).idxmax()]
-        out.append({"module": module, "role": role, "recipe": recipe, "fmt": one["fmt"].iloc[0],
-                    "worst lost share": float(worst["lost_share"]), "worst step": int(worst["step"]),
-                    "recorded steps": int(one["step"].nunique()), "steps losing any value": int((one["lost"] > 0).sum()),
-                    "steps the finding counts": int(one["past"].sum()), "underflow": int(one["underflow"].sum()),
-                    "overflow": int(one["overflow"].sum()), "subnormal": int(one["subnormal"].sum())})
-    table = pd.DataFrame(out)
-    return table.sort_values(["worst lost share", "overflow"], ascending=False, kind="stable").reset_index(drop=True)
+        out.append({"layer": module, "role": role, "recipe": recipe,
+                    "worst lost": float(worst["lost_share"]), "at step": int(worst["step"]),
+                    **counts.loc[(module, role, recipe)].to_dict(),
+                    "underflow": int(one["underflow"].sum()), "overflow": int(one["overflow"].sum()),
+                    "subnormal": int(one["subnormal"].sum())})
+    table = pd.DataFrame(out, columns=list(TABLE_COLUMNS))
+    return table.sort_values(["worst lost", "overflow"], ascending=False, kind="stable").reset_index(drop=True)
 
 
 def overflow_limit(scale: np.ndarray, fmt_name: str) -> np.ndarray:
@@ -79,11 +153,12 @@ def overflow_limit(scale: np.ndarray, fmt_name: str) -> np.ndarray:
 
 def amax_series(records: pd.DataFrame, module: str, role: str, recipe: str) -> pd.DataFrame:
     """One tensor's recorded steps under ``recipe``: step, amax, scale, limit (:func:`overflow_limit`),
-    underflow, overflow."""
+    underflow, overflow, and ``overflows`` (:func:`overflows`: the chart's markers and its caption's count)."""
     one = records[(records["module"] == module) & (records["role"] == role) & (records["recipe"] == recipe)]
     one = one.sort_values("step")
     limit = overflow_limit(one["scale"].to_numpy(), one["fmt"].iloc[0]) if len(one) else np.array([])
-    return one[["step", "amax", "scale", "underflow", "overflow"]].assign(limit=limit).reset_index(drop=True)
+    return one[["step", "amax", "scale", "underflow", "overflow"]].assign(
+        limit=limit, overflows=overflows(one)).reset_index(drop=True)
 
 
 def histogram_rows(histograms: pd.DataFrame, module: str, role: str, steps: np.ndarray) -> np.ndarray:
