@@ -12,6 +12,7 @@ import streamlit as st
 
 from mpdiag.analysis import fp8_summaries
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
+from mpdiag.analysis.fp8_summaries import TABLE_COLUMNS, fmt_label, percent
 from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -46,36 +47,44 @@ def fp8_view(store, run: pd.Series, final: bool) -> None:
         not_recorded(run, run_id, settings is not None)
         return
     recipes_said = "current and delayed scaling" if settings.recipe == "both" else f"{settings.recipe} scaling"
-    st.caption(f"Recorded recipe: {recipes_said}, history {settings.history}, margin {settings.margin}, "
-               f"output gradients in {settings.role_format('grad_output').name}"
-               f"{', power-of-two scales' if settings.pow2 else ''}; {records['step'].nunique()} recorded steps, "
-               f"{records['module'].nunique()} Linear modules.")
+    modules = records["module"].nunique()
+    st.caption(f"Recorded recipe: {recipes_said}, history {settings.history:,}, margin {settings.margin}, "
+               f"output gradients in {fmt_label(settings.role_format('grad_output').name)}"
+               f"{', power-of-two scales' if settings.pow2 else ''}; {records['step'].nunique():,} recorded steps, "
+               f"{modules:,} Linear module{'' if modules == 1 else 's'}.")
     findings = fp8_findings(records, settings)
     for f in findings:
         st.warning(plain(f"{f.title}. {f.evidence} {f.recommendation}"))
     if not findings:
-        st.success("No Linear loses values under this recipe: no underflow above "
-                   "1 % of a tensor and no overflow at any recorded step.")
+        st.success(f"No Linear loses values under this recipe: no underflow above "
+                   f"{100 * fp8_summaries.LOST_SHARE:g} % of a tensor and no overflow at any recorded step.")
 
     c1, c2 = st.columns(2)
     recipes = [r for r in ("delayed", "current") if r in set(records["recipe"])]
     recipe = c1.radio("Recipe", recipes, horizontal=True, key="recipe", bind="query-params")
     role = c2.radio("Role", list(ROLES), horizontal=True, key="role", bind="query-params", help=ROLE_HELP)
     cells = fp8_summaries.lost_cells(records, recipe, role)
-    ui.show_chart(charts.fp8_lost_heatmap(cells, f"share of {role} values lost (underflow + overflow), "
-                                                   f"{recipe} scaling; grey: nothing lost"), width="stretch")
+    ui.show_chart(charts.fp8_lost_heatmap(cells, f"share of {role} values lost, {recipe} scaling (grey: "
+                                                   "none; coloured: the table's \"losing\" steps)"), width="stretch")
 
     table = fp8_summaries.layer_table(records)
-    layer = st.selectbox("Layer (worst first; type to search)", list(dict.fromkeys(table["module"])), key="layer",
+    layer = st.selectbox("Layer (worst first; type to search)", list(dict.fromkeys(table["layer"])), key="layer",
                          bind="query-params")
     series = fp8_summaries.amax_series(records, layer, role, recipe)
-    over = series[series["overflow"] > 0]
-    st.caption(plain(f"{layer} {role}, {recipe} scaling: {len(over)} of {len(series)} recorded steps overflow"
-                     + (f" (first at step {int(over['step'].iloc[0])})" if len(over) else "") + "."))
+    over = series[series["overflows"]]
+    said = f"{layer} {role}, {recipe} scaling: {len(over):,} of {len(series):,} recorded steps overflow{'s' if len(over) == 1 else ''}"
+    if len(over):
+        most = over.loc[over["overflow"].idxmax()]
+        said += f" (first at step {int(over['step'].iloc[0]):,}"
+        said += (f"; the most values at step {int(most['step']):,}: {int(most['overflow']):,})" if len(over) > 1
+                 else f": {int(most['overflow']):,} value{'' if most['overflow'] == 1 else 's'})")
+    st.caption(plain(said + ", the layer table's \"overflowing\" steps."))
     ui.show_chart(charts.fp8_amax_panel(series, f"amax of {layer}'s {role} against what the {recipe} scale lets "
                                                   "through (▲ values overflowed)"), width="stretch")
     st.subheader("Layers, worst first")
-    st.dataframe(table.style.format({"worst lost share": "{:.3%}"}), hide_index=True, width="stretch")
+    counts = [c for c in table.columns if c not in ("layer", "role", "recipe", "worst lost")]
+    st.dataframe(table.style.format({"worst lost": percent, **{c: "{:,}" for c in counts}}), hide_index=True,
+                 width="stretch", column_config={c: st.column_config.Column(help=h) for c, h in TABLE_COLUMNS.items()})
     whatif_view(records, histograms, layer, role, settings)
 
 
@@ -97,16 +106,22 @@ def whatif_view(records: pd.DataFrame, histograms: pd.DataFrame, layer: str, rol
     df = fp8_summaries.whatif(records, histograms, layer, role, recipe, settings)
     low = int((df["underflow low"] + df["overflow low"]).sum())
     high = int((df["underflow high"] + df["overflow high"]).sum())
-    counted = f"{low}" if low == high else f"between {low} and {high}"
-    said = (f"{layer} {role} in {settings.role_format(role).name}, {recipe} scaling: {counted} values lost over the "
+    counted = f"{low:,}" if low == high else f"between {low:,} and {high:,}"
+    said = (f"{layer} {role} in {fmt_label(settings.role_format(role).name)}, {recipe} scaling: {counted} "
+            f"value{'' if high == 1 else 's'} lost over the "
             "recorded steps. Computed from the stored exponent histograms and amax series: the scales are exact; a "
             "binade that a format edge cuts (E4M3's overflow at 464 lies inside [256, 512)) gives a range, not a count.")
     recorded_lost = fp8_summaries.recorded_counts(records, layer, role, recipe, settings, recorded)
     if recorded_lost is not None:
-        said += f" These are the recorded settings: the recorded count is exactly {recorded_lost}."
+        said += f" These are the recorded settings: the recorded count is exactly {recorded_lost:,}."
     st.caption(plain(said))
+    if df.empty:
+        st.info("No recorded steps of this layer and role: nothing to draw.")
+        return
+    if high == 0:
+        st.caption("No value is lost at any recorded step under these settings: the line lies on 0.")
     ui.show_chart(charts.fp8_whatif_lines(df, "values lost per recorded step (band: lower to upper bound)"),
-                    width="stretch")
+                  width="stretch")
 
 
 ui.single_run_page("FP8", fp8_view)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qsl, urlsplit
 
+import numpy as np
+import pandas as pd
 import pytest
+from chart_check import chart_problems
 from conftest import EXAMPLES
-from test_app import app, texts
+from test_app import app, shown, texts
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose, evidence_link
@@ -81,7 +85,9 @@ def test_whatif_controls_change_the_counts_and_the_recorded_settings_give_the_re
     at = page(fp8_store, monkeypatch, run="1", layer="head", role="input", recipe="delayed")
     rows = Store(fp8_store).fp8(1)
     rows = rows[(rows["module"] == "head") & (rows["role"] == "input") & (rows["recipe"] == "delayed")]
-    assert f"the recorded count is exactly {int((rows['underflow'] + rows['overflow']).sum())}" in texts(at)
+    assert f"the recorded count is exactly {int((rows['underflow'] + rows['overflow']).sum()):,}" in texts(at)
+    (whatif,) = [c for c in at.get("vega_lite_chart") if "values lost per recorded step" in c.proto.spec]
+    assert not chart_problems(whatif.proto)  # at least 150 px tall, rows with finite positions
     before = [c.value for c in at.caption]
     at.number_input(key="whatif_margin").set_value(9).run()  # 2^9 > the jump's ratio: underflow instead
     said = texts(at)
@@ -114,26 +120,113 @@ def test_a_runs_data_downloads_from_any_run_page_after_a_click(fp8_store, monkey
     assert len(steps) == len(store.steps(1)) and len(fp8) == len(store.fp8(1))
 
 
-def test_the_banner_and_the_layer_table_count_the_same_steps_as_the_store(fp8_store, monkeypatch):
-    """Issue 27: each fp8-lost-values banner's "N of M recorded steps" equals the layer table's count for the
-    same layer, role and recipe, and both equal the steps counted from the store's FP8 rows."""
+def head_input_truth(steps: int) -> pd.DataFrame:
+    """Run 1 of ``fp8_store`` retraced here: the head Linear's input at each step, cast by torch at the delayed
+    scale computed here (448 / the largest earlier amax, in fp32; its own at step 0). Per step: amax, numel,
+    underflow (torch's cast gives 0), overflow (past 464, the midpoint from 448 to 480: torch's E4M3 cast
+    saturates, so it cannot show overflow itself)."""
+    import torch
+
+    from mpdiag.examples import EXAMPLES_DIR
+    from mpdiag.training.policies import make_policy
+    from mpdiag.training.runner import seed_everything
+    from mpdiag.training.script import build_model
+
+    seed_everything(RunConfig().seed)
+    cpu = torch.device("cpu")
+    built = build_model(ModelScript.from_path(EXAMPLES_DIR / "fp8_amax_jump.py"), cpu)
+    policy = make_policy(RunConfig(opt_level="bf16"), cpu)
+    model, optimizer = policy.prepare(built.model, built.make_optimizer)
+    seen = []
+    model.head.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().float().clone()))
+    batches = built.batches()
+    for _ in range(steps):
+        batch = next(batches)
+        policy.zero_grad(optimizer)
+        with policy.autocast():
+            loss = built.loss_fn(model, batch)
+        policy.backward(loss)
+        policy.step(optimizer)
+    rows, amaxes = [], []
+    for step, x in enumerate(seen):
+        amaxes.append(float(x.abs().max()))
+        scale = np.float32(448.0) / np.float32(max(amaxes[:-1]) if step else amaxes[-1])
+        y = x * torch.tensor(scale)
+        rows.append({"step": step, "amax": amaxes[-1], "numel": x.numel(),
+                     "underflow": int(((y.to(torch.float8_e4m3fn).float() == 0) & (x != 0)).sum()),
+                     "overflow": int((y.abs() > 464.0).sum())})
+    return pd.DataFrame(rows)
+
+
+def test_every_count_of_steps_on_the_page_is_torchs_casts_and_each_is_named_once(fp8_store, monkeypatch):
+    """Issue 27: on the FP8 demo (head's input jumps 256x at JUMP), for head / input / delayed, torch's casts give
+    three different counts of steps: overflowing, past the lost-values threshold, losing any value (a single
+    underflow at an early step). Each is shown under its own name and equals torch's, wherever it is shown: the
+    amax-jump finding and the amax chart (caption and markers) the first, the lost-values finding the second,
+    the heatmap the third, the table all three; the jump finding names the jump at JUMP first."""
     import re
 
-    import numpy as np
+    from chart_check import _filtered, datasets, page_chart_problems
+
+    from mpdiag.examples.fp8_amax_jump import JUMP
+
+    rows = Store(fp8_store).fp8(1)
+    recorded = rows[(rows["module"] == "head") & (rows["role"] == "input") & (rows["recipe"] == "delayed")]
+    truth = head_input_truth(JUMP + 4)
+    assert recorded["amax"].tolist() == truth["amax"].tolist()  # the same tensors as the recording's
+    over = truth.loc[truth["overflow"] > 0, "step"].tolist()
+    losing = truth.loc[truth["underflow"] + truth["overflow"] > 0, "step"].tolist()
+    past = truth.loc[(truth["underflow"] / truth["numel"] > 0.01) | (truth["overflow"] > 0), "step"].tolist()
+    steps = len(truth)
+    # the demo tells them apart: small rises overflow before the jump, and one value underflows at another step
+    assert over[0] < JUMP and JUMP in over and len(losing) > len(over)
+
+    at = page(fp8_store, monkeypatch, run="1", layer="head", role="input", recipe="delayed")
+    said = texts(at)
+    (jump,) = [shown(w.value) for w in at.warning if "amax jump of head's input" in shown(w.value)]
+    others = [s for s in over if s != JUMP]
+    assert (f"Its amax jumps, worst at step {JUMP}: {truth.loc[JUMP, 'amax']:g}, "
+            f"{truth.loc[JUMP, 'amax'] / truth.loc[:JUMP - 1, 'amax'].max():.4g} times the largest") in jump
+    assert (f"{truth.loc[JUMP, 'overflow']:,} of {truth.loc[JUMP, 'numel']:,} values overflowed E4M3. In all, "
+            f"{len(over)} of {steps} recorded steps overflow (the amax chart's ▲, the layer table's \"overflowing\" "
+            f"steps): the other {len(others)} "
+            f"(steps {', '.join(map(str, others))}) are small rises") in jump
+    assert f"losing {int(truth.loc[others, 'overflow'].sum())} value" in jump
+    (lost,) = [shown(w.value) for w in at.warning if "(delayed scaling) loses values of head's input" in shown(w.value)]
+    assert lost.startswith(f"FP8 (delayed scaling) loses values of head's input. {len(past)} of {steps} recorded "
+                           "steps lose more than 1 % of the values")
+    assert "(the layer table's \"flagged\" steps)" in lost
+    assert (f"head input, delayed scaling: {len(over)} of {steps} recorded steps overflow (first at step {over[0]}; "
+            f"the most values at step {JUMP}: {truth.loc[JUMP, 'overflow']:,}), the layer table's \"overflowing\" steps.") in said
+
+    table = at.dataframe[0].value.set_index(["layer", "role", "recipe"])
+    assert table.loc[("head", "input", "delayed"), ["steps", "overflowing", "flagged", "losing"]
+                     ].tolist() == [steps, len(over), len(past), len(losing)]
+    charts = {c.proto.spec: c.proto for c in at.get("vega_lite_chart")}
+    (amax,) = [p for spec, p in charts.items() if "amax of head's input" in spec]
+    (markers,) = [v for v in json.loads(amax.spec)["layer"] if v["mark"].get("shape") == "triangle-up"]
+    assert datasets(amax)[markers["data"]["name"]]["step"].tolist() == over
+    (heatmap,) = [p for spec, p in charts.items() if "share of input values lost" in spec]
+    (coloured,) = [v for v in json.loads(heatmap.spec)["layer"] if v.get("transform") == [{"filter": "!datum.lossless"}]]
+    cells = _filtered(datasets(heatmap)[json.loads(heatmap.spec)["data"]["name"]], coloured["transform"])
+    assert sorted(cells.loc[cells["module"] == "head", "step"]) == losing
+    assert not page_chart_problems(at)
+    # every number from 1,000 up has its thousands separators
+    assert not re.findall(r"(?<![\d.,^])\d{4,}(?!\d)", said), re.findall(r".{30}(?<![\d.,^])\d{4,}(?!\d).{10}", said)
+    for role in ("weight", "grad_output"):  # no overflow, nothing lost: still charts with data, or a sentence
+        at.radio(key="role").set_value(role).run()
+        assert not at.exception and not page_chart_problems(at), page_chart_problems(at)
+        assert f"head {role}, delayed scaling: 0 of {steps} recorded steps overflow, the layer table's" in texts(at)
+
+
+def test_the_layer_table_names_fit_and_say_what_they_count(fp8_store, monkeypatch):
+    """The table's columns are short (the whole table fits a 1,280 px window; checked in Chromium by hand) and
+    each has a help text; no "None" or "nan"."""
+    from mpdiag.analysis.fp8_summaries import TABLE_COLUMNS
 
     at = page(fp8_store, monkeypatch, run="1")
-    table = at.dataframe[0].value.set_index(["module", "role", "recipe"])
-    rows = Store(fp8_store).fp8(1)
-    banners = [w.value.replace("\\", "") for w in at.warning if "loses values of" in w.value]
-    assert banners
-    for banner in banners:
-        recipe, module, role = re.search(r"FP8 \((\w+) scaling\) loses values of (.+)'s (\w+)\.", banner).groups()
-        counted, recorded = (int(n.replace(",", "")) for n in re.search(r"([\d,]+) of ([\d,]+) recorded steps", banner).groups())
-        one = rows[(rows["module"] == module) & (rows["role"] == role) & (rows["recipe"] == recipe)]
-        truth = int(((one["underflow"] / one["numel"] > 0.01) | (one["overflow"] > 0)).sum())
-        assert counted == truth == table.loc[(module, role, recipe), "steps the finding counts"]
-        assert recorded == len(one) == table.loc[(module, role, recipe), "recorded steps"]
-        assert table.loc[(module, role, recipe), "steps losing any value"] == int(
-            (one["underflow"] + one["overflow"] > 0).sum())
-    assert not any(v in ("None", "nan") for v in table.astype(str).to_numpy().ravel() if isinstance(v, str))
-    assert np.isfinite(table["recorded steps"].astype(float)).all()
+    table = at.dataframe[0].value
+    assert list(table.columns) == list(TABLE_COLUMNS) and max(len(c) for c in table.columns) <= 11
+    config = json.loads(at.dataframe[0].proto.columns)
+    assert {name: config.get(name, {}).get("help") for name in TABLE_COLUMNS} == TABLE_COLUMNS
+    assert not any(v in ("None", "nan") for v in table.astype(str).to_numpy().ravel())
