@@ -1,7 +1,7 @@
 """Findings: what is wrong with a recorded run, where, and what to change. Pure functions over Store data.
 
 Every rule below reads only what the run recorded (exact counts, GradScaler's state, losses, the histograms)
-and states its threshold as a constant; the README lists them. A finding carries its evidence in numbers,
+and states its threshold as a constant; docs/findings.md lists them. A finding carries its evidence in numbers,
 the tensors involved, a recommendation, and ``fix``: run options for a rerun that should remove it.
 """
 

@@ -2,7 +2,7 @@
 
 The fused loss below returns the analytic gradient of the mean squared error, assuming it is the last op
 and so grad_output is 1. Under loss scaling grad_output is S, so every gradient upstream of it is S times
-too small after unscaling, and training silently stalls (README, Background: custom autograd functions; the fix is to multiply by
+too small after unscaling, and training silently stalls (docs/background.md: custom autograd functions; the fix is to multiply by
 grad_output and to decorate with torch.amp.custom_fwd/custom_bwd).
 
 Failing: ``--opt-level O1`` (dynamic scale 2^16). Fixed: ``--opt-level bf16`` (no loss scaling).

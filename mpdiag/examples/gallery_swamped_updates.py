@@ -3,7 +3,7 @@
 Fine-tuning with plain SGD at a small learning rate: each step changes a weight by lr·g, about 10^-6 here,
 while an FP16 weight of magnitude 0.05 can only move in steps of about 2^-11·0.05 ≈ 2.4·10^-5. Adding the
 update rounds back to the same FP16 number, so the weights never change and the model does not learn.
-This is the paper's "weight update" argument for FP32 master weights (README, Background: weight-update swamping). O2 keeps an
+This is the paper's "weight update" argument for FP32 master weights (docs/background.md: weight-update swamping). O2 keeps an
 FP32 master copy that accumulates the small updates, and the FP16 weights follow it.
 
 Failing: ``--opt-level O3``. Fixed: ``--opt-level O2``.

@@ -2,7 +2,7 @@
 
 Adding an update u to a weight w stored in a format with m mantissa bits rounds w + u back to w when
 |u| is below half a unit in the last place, i.e. (within a factor of two, depending on where |w| lies in its
-binade) when |u| < 2^-(m+1)·|w|: 2^-11 for FP16, 2^-8 for BF16 (README, Background, "weight-update
+binade) when |u| < 2^-(m+1)·|w|: 2^-11 for FP16, 2^-8 for BF16 (docs/background.md, "weight-update
 swamping"). FP32 master weights keep such updates; weights updated in FP16 or BF16 directly lose them.
 
 :class:`UpdateTracker` snapshots the tensors an optimizer updates just before its ``step`` and compares

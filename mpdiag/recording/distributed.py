@@ -8,7 +8,7 @@ Must not: gather gradient values, issue a collective at a point where ranks can 
 here runs inside ``Recorder.record``, which every rank calls once per step, in the same order), or write
 SQL (rows go through the Recorder's writer).
 
-Collectives per recorded step (see the README's design note): one ``all_gather`` of 2 float64 per rank (loss,
+Collectives per recorded step (see docs/distributed.md, design cost): one ``all_gather`` of 2 float64 per rank (loss,
 non-finite count); under FSDP2 one more ``all_gather`` of each rank's packed per-tensor statistics on the
 steps whose tensor statistics are logged. DDP needs none for statistics: after its all-reduce every rank
 holds the same gradients, so rank 0 computes them alone.

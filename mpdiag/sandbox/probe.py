@@ -1,7 +1,7 @@
 """Scale-linearity probe: does every gradient scale with the loss scale, as a correct graph's must?
 
 Gradients of a correct graph are linear in the loss, so after unscaling, the gradients computed at two loss
-scales agree. A custom autograd Function whose backward ignores grad_output (README, Background: custom autograd functions) breaks
+scales agree. A custom autograd Function whose backward ignores grad_output (docs/background.md: custom autograd functions) breaks
 that: the gradients upstream of it do not grow with S, so unscaled they are S times too small. The probe
 recomputes one batch's gradients at PROBE_SCALES under the run's own opt level, in a child process under the
 protocol of :mod:`mpdiag.sandbox.child` (it runs the run's stored script; its result comes back as the child's

@@ -10,7 +10,7 @@ training loop calls, per step::
     recorder.record(loss)
     policy.step(optimizer)         # unscale, skip on inf/NaN, update the scale
 
-The opt levels follow apex's table (README: Opt levels, and Background), built on native torch:
+The opt levels follow apex's table (docs/cli.md: Opt levels, and docs/background.md), built on native torch:
 
 ======== ============= ============== ==================== ============== ==================
 level    weights       per-op casting norm layers          master weights loss scale

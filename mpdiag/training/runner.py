@@ -90,7 +90,7 @@ def _nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy) -> dict:
     """Bytes actually allocated for weights, gradients (model and master), master weights and optimizer
-    state, and the parameter count Psi; compare with the 16*Psi account for Adam (README, Background: memory account)."""
+    state, and the parameter count Psi; compare with the 16*Psi account for Adam (docs/background.md: memory account)."""
     params = list(model.parameters())
     masters = policy.master_params()
     return {
