@@ -23,7 +23,6 @@ from mpdiag.training.config import UNSET
 FIRST_EXAMPLE = "mlp_digits.py"
 
 
-@st.fragment(run_every=ui.LIVE_REFRESH_S)
 def runs_panel(store) -> None:
     runs = store.runs()
     ui.launched_runs(store, runs)
@@ -153,7 +152,7 @@ def output_panel(store, runs: pd.DataFrame) -> None:
     run["run_id"] = run_id
     if run["status"] in LIVE_STATUSES:
         # the kept output changes every OUTPUT_REFRESH_S: re-reading it more often redraws the same text
-        st.fragment(lambda: ui.console_output(store, store.run(run_id)), run_every=OUTPUT_REFRESH_S)()
+        ui.live(lambda: ui.console_output(store, store.run(run_id)), OUTPUT_REFRESH_S)()
     else:
         ui.console_output(store, run)
 
@@ -215,24 +214,27 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
                    "page.")
 
 
+def home(store) -> None:
+    st.caption("Every recorded run. Open a run's gradients, loss scale or comparisons from the pages in the sidebar.")
+    ui.live(runs_panel, ui.LIVE_REFRESH_S)(store)
+    runs = store.runs()
+    left, right = st.columns(2)
+    with left, st.expander("Start a new run", expanded=runs.empty):
+        new_run_form(store)
+    with right, st.expander("Rerun with other settings", expanded=False):
+        if runs.empty:
+            st.caption("No runs to rerun yet.")
+        else:
+            rerun_form(store, runs)
+    if not runs.empty:
+        with st.expander("Rename, tag, note or delete a run", expanded=False):
+            manage_panel(store, runs)
+        with st.expander("Console output of a run", expanded=False):
+            output_panel(store, runs)
+    st.caption("Deep links: `?run=3` on the Gradients or Loss scale page opens run 3; `?runs=3&runs=4` on Compare. "
+               "A link only selects what is shown: nothing starts until you click for it here.")
+
+
 store = ui.frame("Runs")
-if store is None:
-    st.stop()
-st.caption("Every recorded run. Open a run's gradients, loss scale or comparisons from the pages in the sidebar.")
-runs_panel(store)
-runs = store.runs()
-left, right = st.columns(2)
-with left, st.expander("Start a new run", expanded=runs.empty):
-    new_run_form(store)
-with right, st.expander("Rerun with other settings", expanded=False):
-    if runs.empty:
-        st.caption("No runs to rerun yet.")
-    else:
-        rerun_form(store, runs)
-if not runs.empty:
-    with st.expander("Rename, tag, note or delete a run", expanded=False):
-        manage_panel(store, runs)
-    with st.expander("Console output of a run", expanded=False):
-        output_panel(store, runs)
-st.caption("Deep links: `?run=3` on the Gradients or Loss scale page opens run 3; `?runs=3&runs=4` on Compare. "
-           "A link only selects what is shown: nothing starts until you click for it here.")
+if store is not None:
+    ui.guarded(home)(store)

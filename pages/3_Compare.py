@@ -269,17 +269,21 @@ def histograms_overlaid(store, chosen: pd.DataFrame, labels: list[str]) -> None:
                    "its FP32 twin's, says what it lost.")
 
 
+def compare_page(store) -> None:
+    runs = store.runs()
+    if len(runs) < 2:
+        st.info("Comparing needs at least two runs. Start runs on the Runs page (tick 'Also run an FP32 twin').")
+        return
+    selected = ui.pick_runs(runs, default=default_selection(runs),
+                            label="Runs to compare (2 to 4, colours fixed by order)")
+    if len(selected) < 2:
+        st.info("Choose at least two runs.")
+        return
+    chosen = runs.set_index("run_id").loc[selected].reset_index()
+    live = not chosen["status"].isin(reads.FINAL_STATUSES).all()
+    ui.live(compare_view, ui.COMPARE_REFRESH_S if live else None)(store, chosen, runs)
+
+
 store = ui.frame("Compare")
-if store is None:
-    st.stop()
-runs = store.runs()
-if len(runs) < 2:
-    st.info("Comparing needs at least two runs. Start runs on the Runs page (tick 'Also run an FP32 twin').")
-    st.stop()
-selected = ui.pick_runs(runs, default=default_selection(runs), label="Runs to compare (2 to 4, colours fixed by order)")
-if len(selected) < 2:
-    st.info("Choose at least two runs.")
-    st.stop()
-chosen = runs.set_index("run_id").loc[selected].reset_index()
-live = not chosen["status"].isin(reads.FINAL_STATUSES).all()
-st.fragment(compare_view, run_every=ui.COMPARE_REFRESH_S if live else None)(store, chosen, runs)
+if store is not None:
+    ui.guarded(compare_page)(store)

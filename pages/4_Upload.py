@@ -157,19 +157,22 @@ def training_code(store) -> None:
             st.success(f"Started {plain(command)} at {plain(level)}: its progress and links to its pages follow.")
 
 
+def upload_page(store) -> None:
+    st.warning(
+        "**Uploading code means running it.** Checking or running it executes it as Python with your permissions "
+        "on the machine that serves this page, in a child process with time and memory limits, never inside the "
+        "server itself, and only when you click for it. Only upload code you trust."
+    )
+    # a link to a stored model script (?script=…, from the Runs page) opens that kind
+    kind = st.radio("What to upload", [TRAINING_CODE, MODEL_SCRIPT], index=1 if "script" in st.query_params else 0,
+                    horizontal=True, key="kind", bind="query-params")
+    if kind == MODEL_SCRIPT:
+        model_script(store)
+    else:
+        training_code(store)
+    ui.launched_panel(store)
+
+
 store = ui.frame("Upload code")
-if store is None:
-    st.stop()
-st.warning(
-    "**Uploading code means running it.** Checking or running it executes it as Python with your permissions "
-    "on the machine that serves this page, in a child process with time and memory limits, never inside the "
-    "server itself, and only when you click for it. Only upload code you trust."
-)
-# a link to a stored model script (?script=…, from the Runs page) opens that kind
-kind = st.radio("What to upload", [TRAINING_CODE, MODEL_SCRIPT], index=1 if "script" in st.query_params else 0,
-                horizontal=True, key="kind", bind="query-params")
-if kind == MODEL_SCRIPT:
-    model_script(store)
-else:
-    training_code(store)
-ui.launched_panel(store)
+if store is not None:
+    ui.guarded(upload_page)(store)

@@ -12,6 +12,7 @@ torch-free), run anything, or read SQL.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -73,6 +74,31 @@ HOME_LABEL_CSS = """<style>
 </style>"""
 
 
+_STORE_ERROR_SAID = "store_error_said"  # session key: the store error this page run has said (reset by frame)
+
+
+def guarded(render, fragment: bool = False):
+    """``render`` with a store that fails while it is read (damaged after it was opened, or locked for longer than
+    a read waits) said in mpdiag's one line, as the CLI says it, instead of a traceback: the rest of the page and
+    the server go on. Every page body and every live fragment runs through it (:func:`live`). A page says one
+    error once; a ``fragment`` says it in its own place on each of its re-runs (they redraw only themselves)."""
+    @functools.wraps(render)
+    def run(*args, **kwargs):
+        try:
+            return render(*args, **kwargs)
+        except StoreError as exc:
+            if fragment or st.session_state.get(_STORE_ERROR_SAID) != str(exc):
+                st.error(plain(exc))
+            st.session_state[_STORE_ERROR_SAID] = str(exc)
+            return None
+    return run
+
+
+def live(render, every: float | None):
+    """``render`` as a fragment re-run every ``every`` seconds (None: only with the page), :func:`guarded`."""
+    return st.fragment(guarded(render, fragment=True), run_every=every)
+
+
 def frame(title: str) -> Store | None:
     """Page config, the Host check, title and the sidebar store picker. Returns the store, or None after
     explaining why it cannot be opened (missing file, not SQLite, not an mpdiag store)."""
@@ -90,6 +116,7 @@ def frame(title: str) -> Store | None:
         st.caption("Runs start in child processes, only when you click for them; uploaded scripts never run "
                    "inside this server.")
     st.title(title)
+    st.session_state.pop(_STORE_ERROR_SAID, None)  # a new run of the page: nothing said yet
     try:
         # The configured store is created on first use so a fresh machine opens on something; another must exist.
         old = older_version(path) if path.exists() else None
@@ -273,8 +300,8 @@ def launched_panel(store: Store) -> None:
     when this session started nothing."""
     started = actions.launched()
     if started:
-        live = any(proc.is_alive() for proc, _ in started)
-        st.fragment(lambda: _launched_live(store), run_every=LIVE_REFRESH_S if live else None)()
+        going = any(proc.is_alive() for proc, _ in started)
+        live(lambda: _launched_live(store), LIVE_REFRESH_S if going else None)()
 
 
 _LAUNCHED_SEEN = "launched_seen"  # session key: what the launched panel last saw of this session's processes
@@ -296,15 +323,18 @@ def single_run_page(title: str, view) -> None:
     """The whole frame of a page about one run: store, run picker, then ``view(store, run, final)``, live
     (re-run every LIVE_REFRESH_S) while the run is still going."""
     store = frame(title)
-    if store is None:
-        return
+    if store is not None:
+        guarded(_single_run)(store, view)
+
+
+def _single_run(store: Store, view) -> None:
     chosen = choose_run(store)
     if chosen is None:
         return
     run, final = chosen
     launched_panel(store)
     download_section(store, run)
-    st.fragment(view, run_every=None if final else LIVE_REFRESH_S)(store, run, final)
+    live(view, None if final else LIVE_REFRESH_S)(store, run, final)
 
 
 def download_section(store: Store, run: pd.Series) -> None:

@@ -4,8 +4,15 @@ import sqlite3
 
 import pytest
 from conftest import ROOT, run_cli
+from streamlit.testing.v1 import AppTest
 
 from mpdiag.store import Store, StoreError, StoreWriter
+from mpdiag.training.config import RunConfig
+from mpdiag.training.runner import train
+from mpdiag.training.script import ModelScript
+
+PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
 
 
 def _unwritten(path, before: bytes) -> bool:
@@ -69,3 +76,38 @@ def test_cli_on_a_bad_store_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "bad.db is not an SQLite database" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def store_damaged_inside(tmp_path_factory):
+    """Two recorded runs whose middle third of pages is overwritten, the header and schema intact: the store
+    opens and lists its runs; a page meets the damage when it reads a run's rows."""
+    path = tmp_path_factory.mktemp("damaged") / "runs.db"
+    script = ModelScript.from_path(ROOT / "mpdiag" / "examples" / "gallery_underflow.py")
+    for level in ("O1", "O0"):
+        train(script, RunConfig(opt_level=level, steps=6, device="cpu"), path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    for offset in range(pages // 3 * page, 2 * pages // 3 * page, page):
+        data[offset : offset + page] = bytes([0xA5]) * page
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_page_on_a_store_damaged_inside_says_so_in_one_line_and_writes_nothing(name, store_damaged_inside,
+                                                                                       monkeypatch):
+    """The damage is met while the page reads (not when the store opens): mpdiag's one line, as the CLI says
+    it, not Streamlit's redacted traceback; said once on the page; the file untouched."""
+    monkeypatch.setenv("MPDIAG_STORE", str(store_damaged_inside))
+    before = store_damaged_inside.read_bytes()
+    at = AppTest.from_file(str(ROOT / name), default_timeout=120).run()
+    assert not at.exception, [e.value for e in at.exception]
+    damaged = [e.value for e in at.error if "is damaged" in e.value]
+    if name != "pages/4_Upload.py":  # Upload reads only the stored scripts' list, which the damage spares
+        assert len(damaged) == 1 and "mpdiag did not write to it" in damaged[0], [e.value for e in at.error]
+    assert len(damaged) <= 1
+    assert _unwritten(store_damaged_inside, before)
