@@ -1,6 +1,6 @@
 """`pip install .` in a fresh venv: `import mpdiag`, the `mpdiag` command, and `mpdiag dashboard` serving the app
 from where pip put it; `pip install -e .`; and the README's own install command followed by what a user then does in
-their own project's directory. The dependencies come from this environment through a .pth file (CI has no second
+their own project's directory (the watch example the README and docs/watch.md give). The dependencies come from this environment through a .pth file (CI has no second
 copy of torch to install, and what is checked here is mpdiag's own packaging)."""
 
 import os
@@ -50,9 +50,18 @@ def clean_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MPDIAG_STORE")}, **extra}
 
 
-def readme_section(heading: str) -> tuple[str, list[list[str]]]:
-    """README.md's ``## heading`` section: its prose before the first ```bash block, and that block's commands."""
-    section = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+def readme_section(heading: str, page: str = "README.md") -> tuple[str, list[list[str]]]:
+    """The ``#``/``##`` ``heading`` section of README.md (or of another markdown page, e.g. docs/watch.md): its
+    prose before the first ```bash block, and that block's commands."""
+    lines = (ROOT / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line in (f"# {heading}", f"## {heading}")) + 1
+    in_code, end = False, len(lines)
+    for i in range(start, len(lines)):  # up to the next heading of level 1 or 2 (a `# comment` in code is none)
+        in_code ^= lines[i].startswith("```")
+        if not in_code and lines[i].startswith(("# ", "## ")):
+            end = i
+            break
+    section = "\n".join(lines[start:end]) + "\n"
     prose, rest = section.split("```bash\n", 1)
     commands = [shlex.split(line, comments=True) for line in rest.split("```", 1)[0].splitlines()]
     return prose, [command for command in commands if command]
@@ -153,7 +162,8 @@ print(f"trained with lr {args.lr} and batch size {args.batch_size}")
 def test_readme_install_then_mpdiag_in_another_directory(tmp_path):
     """What a user does (issue 32): the Quick start's install command, as README.md writes it, in a fresh venv
     from the checkout; then, in their own project's directory outside the checkout, the watch section's commands
-    on their training script, `mpdiag diagnose` and `mpdiag dashboard` (same store, the checkout's app)."""
+    (README.md's, which docs/watch.md repeats) on their training script, `mpdiag diagnose` and `mpdiag dashboard`
+    (same store, the checkout's app)."""
     _, quick_start = readme_section("Quick start")
     first = quick_start[0]
     install = first[:first.index("&&")] if "&&" in first else first  # the first command's first part
@@ -163,6 +173,10 @@ def test_readme_install_then_mpdiag_in_another_directory(tmp_path):
     watch_line = next(c for c in watch_section if c[:4] == ["python", "-m", "mpdiag", "watch"])
     diagnose_line = next(c for c in watch_section if c[:4] == ["python", "-m", "mpdiag", "diagnose"])
     assert watch_line[4] == "train.py" and diagnose_line[4:] == ["1"], (watch_line, diagnose_line)
+    # the reference (docs/watch.md) says the same: the same install first, and the README's commands among its own
+    docs_prose, docs_section = readme_section("Diagnose your own training script", "docs/watch.md")
+    assert f"`{shlex.join(install)}`" in docs_prose
+    assert watch_line in docs_section and diagnose_line in docs_section, docs_section
 
     source = copy_checkout(tmp_path / "checkout")
     venv = tmp_path / "venv"

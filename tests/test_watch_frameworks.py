@@ -4,7 +4,8 @@ Every script in tests/scripts/frameworks/ writes its framework's own truth (Ligh
 hooks, the loop's own closure evaluation, Accelerate's gradients before its clip, a GAN's per-model gradients)
 to a JSON file; the run watch stored must hold exactly those: one step per optimizer step, the loss the
 framework back-propagated, per tensor the L2 norm of the gradient the optimizer stepped with (unscaled, before
-clipping), under the user's own parameter names. The README's conformance table cites these tests.
+clipping), under the user's own parameter names. docs/watch.md's conformance table cites these tests
+(tests/test_docs.py checks that every test it names exists).
 """
 
 import json
