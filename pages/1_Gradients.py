@@ -38,15 +38,16 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
                         ". This run was recorded before FP8 counts existed; rerun it to get them."))
     show_bf16 = c3.checkbox("Draw BF16 limits too", key="bf16_lines", value=False)
 
-    ranking = summaries.tensor_ranking(totals, fmt, at_scale)
-    # Plain names as options: the URL (?tensor=...) then stays valid while shares change during a run.
-    tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
-                          bind="query-params")
-    chosen = ranking[ranking["tensor"] == tensor].iloc[0]
-    # FP16 leaves the values it flushed as exact zeros, invisible to the exact counts: state that share beside them.
+    # FP16 leaves the values it flushed as exact zeros, invisible to the exact counts: state that share beside them,
+    # and rank such a run by it (against its FP32 twin) or, without a twin, by its zeros
     states_flushed = fmt == "fp16" and run["opt_level"] in summaries.FP16_LEVELS
     twin_id = summaries.fp32_twin(run)
     twin = reads.twin_totals(store, twin_id)
+    ranking, ranked_by = summaries.gradient_ranking(totals, fmt, at_scale, states_flushed, twin)
+    # Plain names as options: the URL (?tensor=...) then stays valid while shares change during a run.
+    tensor = st.selectbox("Tensor (worst first; type to search)", ranking["tensor"].tolist(), key="tensor",
+                          bind="query-params", help=ranked_by)
+    chosen = ranking[ranking["tensor"] == tensor].iloc[0]
     shadow_steps = int(reads.shadow_stats(store, run_id, final)["step"].nunique())
     flushed = None if twin is None else float(summaries.flushed_to_zero(totals, twin).get(tensor, np.nan))
     line = summaries.tensor_summary_line(chosen, fmt)
@@ -67,6 +68,10 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
                                   width="stretch", on_select="rerun", selection_mode=charts.PICKED_STEP, key="heatmap")
         if off:
             st.caption(plain("Not drawn, to keep the data readable: " + "; ".join(off) + "."))
+        blank = summaries.blank_steps(index, counts, steps, reads.tensor_over_steps(store, run_id, tensor, final),
+                                      at_scale=at_scale)
+        if len(blank):
+            st.caption(plain(summaries.blank_steps_text(blank, len(logged))))
     else:
         st.info(plain(f"{tensor}: no finite non-zero value of |{what}| at any logged step (every value was 0, "
                       f"NaN or inf{', or the loss scale was 0' if at_scale else ''}), so there is nothing to place "
@@ -140,11 +145,11 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
         "either way, so a range is shown where they matter."
     )
 
-    st.subheader(f"All tensors ranked by {fmt} underflow, then overflow ({what}, all logged steps)")
+    st.subheader(f"All tensors, worst first ({what}, all logged steps)")
     at_step_all = reads.tensors_at_step(store, run_id, step, final).set_index("tensor")
     h_index, h_counts = reads.histograms_at_step(store, run_id, step, final)
     hists = dict(zip(h_index["tensor"], h_counts, strict=True))
-    column = f"underflow at 2^{k}, step {step:,}"
+    whatif_column = f"{fmt} underflow at 2^{k}, step {step:,}"
 
     def underflow_at_k(name: str) -> str:
         if name not in at_step_all.index:
@@ -152,13 +157,88 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
         hist_t = hists.get(name, np.zeros(h_counts.shape[1] if len(h_counts) else 1, dtype=np.int64))
         return summaries.share_text(summaries.cast_shares(at_step_all.loc[name], hist_t, fmt, k, scale)["underflow"])
 
-    shares_as_text = {c: ranking[c].map(lambda v: "n/a" if pd.isna(v) else f"{v:.2%}")
-                      for c in ("underflow_share", "subnormal_share", "overflow_share", "zero_share")}
-    table = ranking.assign(**shares_as_text, **{column: ranking["tensor"].map(underflow_at_k)})
-    st.dataframe(table, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="localized") for c in ("numel", "nonfinite")})
-    st.caption("n/a: the tensor had no finite non-zero value (every value 0, NaN or inf).")
-    st.caption(f"Shares are of finite non-zero values. Exponent bins start at 2^{EXP_MIN}.")
+    show_flushed = states_flushed and twin is not None
+    table, config = ranking_table(ranking, fmt, what, show_flushed)
+    table[whatif_column] = ranking["tensor"].map(underflow_at_k)
+    config[whatif_column] = st.column_config.TextColumn(
+        whatif_column, help=f"Of its finite non-zero values at step {step:,}, the share that would underflow in {fmt} "
+                            f"were g multiplied by 2^{k} (the what-if above); a range where a bin straddles the edge.")
+    st.dataframe(table, hide_index=True, width="stretch", column_config=config)
+    st.caption(ranked_by + " Shares of finite non-zero values unless the column says otherwise; n/a: the tensor had "
+               f"no finite non-zero value (every value 0, NaN or inf). Exponent bins start at 2^{EXP_MIN}.")
+
+    histogram_grid(ranking, h_index, h_counts, fmt, at_scale, scale, step, what)
+
+
+def ranking_table(ranking: pd.DataFrame, fmt: str, what: str, show_flushed: bool) -> tuple[pd.DataFrame, dict]:
+    """The ranking (summaries.gradient_ranking) as the table shows it: shares as percentages (n/a where a tensor
+    had no finite non-zero value), counts with thousands separators, each column named with its unit and
+    explained in its help; the flushed share only where it is known (an FP16 run with an FP32 twin)."""
+    def percent(values: pd.Series) -> pd.Series:
+        return values.map(lambda v: "n/a" if pd.isna(v) else f"{v:.2%}")
+
+    columns = {
+        "tensor": ("tensor", None, "The parameter, as the model names it."),
+        **({"flushed_share": ("flushed to 0 vs FP32 twin (% of values)", percent,
+                              "Share of all values, over all logged steps: the zeros beyond the FP32 twin's, values non-zero in FP32 that "
+                              "FP16 flushed to zero before they were recorded.")} if show_flushed else {}),
+        "underflow_share": (f"{fmt} underflow (%)", percent,
+                            f"Share of the recorded finite non-zero values of {what} that are too small for {fmt} (become 0), "
+                            "exact counts over all logged steps."),
+        "subnormal_share": (f"{fmt} subnormal (%)", percent,
+                            f"Share of the recorded finite non-zero values of {what} kept only as {fmt} subnormals (fewer "
+                            "significant bits)."),
+        "overflow_share": (f"{fmt} overflow (%)", percent,
+                           f"Share of the recorded finite non-zero values of {what} too large for {fmt} (become inf)."),
+        "zero_share": ("zeros (% of values)", percent,
+                       "Exact zeros in the record, over all logged steps (in an FP16 run: genuine zeros and the "
+                       "values FP16 flushed)."),
+        "numel": ("values per step", None, "Number of elements of the gradient tensor."),
+        "nonfinite": ("NaN / inf (values)", None, "NaN, +inf and -inf values, summed over steps."),
+    }
+    table = pd.DataFrame({label: (ranking[c] if f is None else f(ranking[c])) for c, (label, f, _) in columns.items()})
+    config = {label: (st.column_config.NumberColumn(label, help=help_, format="%,d") if c in ("numel", "nonfinite")
+                      else st.column_config.TextColumn(label, help=help_)) for c, (label, _, help_) in columns.items()}
+    return table, config
+
+
+#: the small multiples draw this many tensors until "show all" is ticked
+GRID_FIRST = 12
+
+
+def histogram_grid(ranking: pd.DataFrame, h_index: pd.DataFrame, h_counts: np.ndarray,
+                   fmt: str, at_scale: bool, scale: float, step: int, what: str) -> None:
+    """Every tensor's exponent histogram at the chosen step as small multiples, worst first (the ranking's order),
+    the first GRID_FIRST unless all are asked for."""
+    st.subheader(f"Every tensor's exponent histogram at step {step:,} ({what})")
+    if len(h_index) == 0:
+        st.info(f"No tensor recorded an exponent histogram at step {step:,}, so there is nothing to draw.")
+        return
+    total = len(h_index)
+    everything = total <= GRID_FIRST or st.checkbox(f"Show all {total:,} tensors (the first {GRID_FIRST} are shown)",
+                                                    key="grid_all")
+    with np.errstate(divide="ignore"):
+        shift = (float(np.log2(scale)) if scale > 0 else -np.inf) if at_scale else 0.0
+    bars, drawn, empty = summaries.histogram_grid(h_index, h_counts, ranking["tensor"].tolist(), fmt, shift,
+                                                  limit=None if everything else GRID_FIRST)
+    shown = len(drawn) + len(empty)
+    said = (f"Step {step:,} (the step chosen above), {shown:,} of {total:,} tensors, worst first as in the table; "
+            f"bin e holds |{what}| from 2^e to 2^(e+1).")
+    if drawn:
+        lines, extent, off = summaries.heatmap_view(bars, summaries.format_lines((fmt,)))
+        ui.show_chart(charts.histogram_grid(bars, drawn, lines, extent,
+                                            f"share of each tensor's finite non-zero |{what}| per exponent bin, "
+                                            f"coloured by {fmt} region"), key="histogram_grid")
+        rules = {"min subnormal": "dotted", "min normal": "dashed", "max": "long-dashed"}
+        said += "".join(f" {rules[r.kind].capitalize()} rule: {r.limit}." for r in lines.itertuples())
+        if off:
+            said += " Not drawn, to keep the data readable: " + "; ".join(off) + "."
+    if empty:
+        why = "the loss scale was 0 (S·g holds no finite non-zero value)" if at_scale and not np.isfinite(shift) \
+            else "every value was 0, NaN or inf"
+        said += (f" Nothing to draw for {len(empty):,}: " + ", ".join(empty[:20])
+                 + (f" and {len(empty) - 20:,} more" if len(empty) > 20 else "") + f" ({why}).")
+    st.caption(plain(said))
 
 
 ui.single_run_page("Gradients", gradients_view)

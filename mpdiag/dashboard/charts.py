@@ -205,6 +205,50 @@ def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
     )
 
 
+#: the small multiples of every tensor's exponent histogram: columns per row and each panel's plot size (px), so
+#: that a row fits the page's main column at 1,280 px
+GRID_COLUMNS = 3
+GRID_WIDTH = 170
+GRID_HEIGHT = 150
+
+
+def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, log2_range: tuple[float, float],
+                   title: str = "") -> alt.ConcatChart:
+    """Small multiples: one exponent histogram per tensor (``summaries.histogram_grid``'s bars), in the order of
+    ``drawn`` (worst first), GRID_COLUMNS per row, each GRID_WIDTH x GRID_HEIGHT px. x: log2 |value| (bin e holds
+    2^e to 2^(e+1)) over ``log2_range``, the same for every panel (``summaries.heatmap_view``: the data and the
+    format limits near it); y: the share of the tensor's finite non-zero values (each panel its own scale, so a
+    small tensor stays readable). Bars are coloured by the region of the format they fall in, as the single-step
+    histogram colours them; the format's limits ``lines`` (``summaries.format_lines``, those near the data) are
+    rules in the format's colour, dotted at the min subnormal, dashed at the min normal, long-dashed at the max
+    (the page names them). Tensor names are panel titles (Vega draws them as text)."""
+    regions = {**{r: c for r, c in REGION_COLOURS.items() if r != "zero / non-finite"},
+               "subnormal (edge bin)": "#ffbb78", "normal (edge bin)": "#98df8a"}
+    colour = alt.Color("region:N", title=None, scale=alt.Scale(domain=list(regions), range=list(regions.values())),
+                       legend=alt.Legend(orient="top", labelLimit=200, columns=3))
+    x = alt.X("log2_lo:Q", title="log2 |value|", scale=alt.Scale(domain=list(log2_range), nice=False, zero=False),
+              axis=alt.Axis(format="d", tickMinStep=1))
+    rules = None
+    if len(lines):
+        names = list(lines["limit"])
+        rules = alt.Chart(lines).mark_rule(strokeWidth=1.5, color=LIMIT_COLOURS.get(lines["format"].iloc[0], "#000")) \
+            .encode(x="log2:Q", tooltip=["limit:N"], strokeDash=alt.StrokeDash("limit:N", legend=None, scale=alt.Scale(
+                domain=names, range=[LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]])))
+    panels = []
+    for name in drawn:
+        bar = alt.Chart(bars[bars["tensor"] == name]).mark_rect().encode(
+            x=x, x2="log2_hi:Q",
+            y=alt.Y("share:Q", title="share of values", axis=alt.Axis(format="%", tickCount=4)), y2=alt.datum(0),
+            color=colour,
+            tooltip=[alt.Tooltip("tensor:N"), alt.Tooltip("log2_lo:Q", title="bin 2^e, e"),
+                     alt.Tooltip("count:Q", format=",d", title="values (exact)"),
+                     alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero"), "region:N"])
+        panels.append(alt.layer(bar, *([rules] if rules is not None else [])).properties(
+            width=GRID_WIDTH, height=GRID_HEIGHT, title=alt.TitleParams(str(name), fontSize=12, limit=GRID_WIDTH + 40)))
+    return (alt.concat(*panels, columns=GRID_COLUMNS).resolve_scale(y="independent")
+            .properties(title=title, autosize=alt.AutoSizeParams(type="pad")))
+
+
 def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], title: str = "") -> alt.LayerChart:
     """Exponent histograms of several runs overlaid (``compare.overlaid_histograms``' bins): x log2 |g| (bin e
     holds 2^e to 2^(e+1)), y the share of the run's finite non-zero values, one step-line per run in its fixed
@@ -514,54 +558,64 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
     )
 
 
+#: the FP8 charts' step axis: STEP_X with thousands separators (step 1,000)
+_FP8_STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format=",d", tickMinStep=1))
+
+
 def fp8_lost_heatmap(cells: pd.DataFrame, title: str = "") -> alt.Chart:
     """FP8 page: layers (rows) by recorded steps (columns), coloured by the share of the tensor's values the
-    cast loses (underflow + overflow); cells losing nothing are grey, so a lost value is never hidden by a
-    colour scale's low end."""
-    data = cells.assign(lost_pct=cells["lost_share"] * 100, lossless=cells["lost"] == 0)
+    cast loses (underflow + overflow); cells losing nothing (``losing`` false: fp8_summaries.loses_any) are grey,
+    so a lost value is never hidden by a colour scale's low end."""
+    data = cells.assign(lost_pct=cells["lost_share"] * 100, lossless=~cells["losing"].astype(bool))
     base = alt.Chart(data).encode(
-        x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
+        x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True, format=",d", formatType="number")),
         y=alt.Y("module:N", title="Linear module", sort=None),
-        tooltip=["module:N", "step:Q", alt.Tooltip("lost_pct:Q", title="lost %", format=".3g"),
-                 alt.Tooltip("underflow:Q", format="d"), alt.Tooltip("overflow:Q", format="d"),
-                 alt.Tooltip("amax:Q", format=".6g")])
+        tooltip=["module:N", alt.Tooltip("step:Q", format=",d"), alt.Tooltip("lost_pct:Q", title="lost %", format=".3g"),
+                 alt.Tooltip("underflow:Q", format=",d"), alt.Tooltip("overflow:Q", format=",d"),
+                 alt.Tooltip("amax:Q", format=",.6~g")])
     lossless = base.transform_filter("datum.lossless").mark_rect(color="#e0e0e0")
     lost = base.transform_filter("!datum.lossless").mark_rect().encode(
         color=alt.Color("lost_pct:Q", title="lost %", scale=alt.Scale(type="log", scheme="orangered"),
                         legend=alt.Legend(format=".3g", orient="bottom")))
     rows = max(1, cells["module"].nunique())  # 24 px a layer, never under 160 px: one layer is still readable
-    return _fit(alt.layer(lossless, lost).properties(title=title, width="container", height=max(160, 24 * rows)))
+    drawn = [part for part, cells_in in ((lossless, data["lossless"]), (lost, ~data["lossless"])) if cells_in.any()]
+    return _fit(alt.layer(*drawn).properties(title=title, width="container", height=max(160, 24 * rows)))
 
 
 def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
     """One tensor's amax per recorded step against the largest |x| its recipe's scale lets through (the
-    format's overflow threshold / scale), log2 axis; steps where values overflow are red points on the amax."""
+    format's overflow threshold / scale), log2 axis; steps where values overflow (``overflows``:
+    fp8_summaries.overflows) are red points on the amax."""
     long = pd.concat([series.assign(line="amax", value=series["amax"]),
                       series.assign(line="limit of the scale", value=series["limit"])])
     colour = alt.Color("line:N", scale=alt.Scale(domain=["amax", "limit of the scale"], range=["#1f77b4", "#7f7f7f"]),
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
-        x=STEP_X,
+        x=_FP8_STEP_X,
         y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("|x|", long["value"])), color=colour,
-        tooltip=["step:Q", "line:N", alt.Tooltip("value:Q", format=".6g")])
-    over = alt.Chart(series[series["overflow"] > 0]).mark_point(
+        tooltip=[alt.Tooltip("step:Q", format=",d"), "line:N", alt.Tooltip("value:Q", format=",.6~g")])
+    over = alt.Chart(series[series["overflows"].astype(bool)]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
-        x=STEP_X, y="amax:Q", tooltip=["step:Q", alt.Tooltip("amax:Q", format=".6g"),
-                                         alt.Tooltip("limit:Q", format=".6g"), alt.Tooltip("overflow:Q", format="d")])
-    return _fit(alt.layer(lines, over).properties(title=title, width="container", height=260))
+        x=_FP8_STEP_X, y="amax:Q", tooltip=[alt.Tooltip("step:Q", format=",d"), alt.Tooltip("amax:Q", format=",.6~g"),
+                                         alt.Tooltip("limit:Q", format=",.6~g"), alt.Tooltip("overflow:Q", format=",d")])
+    drawn = [lines, over] if series["overflows"].any() else [lines]  # no empty marker layer
+    return _fit(alt.layer(*drawn).properties(title=title, width="container", height=260))
 
 
 def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
     """The what-if's lost values per recorded step: a band between the lower and upper bound of underflow +
-    overflow (a line where they agree)."""
+    overflow (a line where they agree). The y axis starts at 0 and reaches at least 1, so a run losing nothing
+    draws a visible line on 0 rather than a collapsed axis."""
     data = df.assign(low=df["underflow low"] + df["overflow low"], high=df["underflow high"] + df["overflow high"])
-    x = STEP_X
+    x = _FP8_STEP_X
+    top = max(1, int(data["high"].max())) if len(data) else 1
     band = alt.Chart(data).mark_area(opacity=0.3, color="#d62728").encode(
-        x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)"), y2="high:Q")
+        x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)", scale=alt.Scale(domain=[0, top], nice=True),
+                     axis=alt.Axis(format=",d", tickMinStep=1)), y2="high:Q")
     high = alt.Chart(data).mark_line(color="#d62728").encode(
-        x=x, y="high:Q", tooltip=["step:Q", alt.Tooltip("low:Q", format="d", title="at least"),
-                                  alt.Tooltip("high:Q", format="d", title="at most"),
-                                  alt.Tooltip("scale:Q", format=".6g")])
+        x=x, y="high:Q", tooltip=[alt.Tooltip("step:Q", format=",d"), alt.Tooltip("low:Q", format=",d", title="at least"),
+                                  alt.Tooltip("high:Q", format=",d", title="at most"),
+                                  alt.Tooltip("scale:Q", format=",.6~g")])
     return _fit(alt.layer(band, high).properties(title=title, width="container", height=200))
 
 

@@ -1,0 +1,255 @@
+"""The Gradients page (issue 27): its ranking of an FP16 run whose gradients FP16 already flushed, the table's
+names and units, the heatmap's blank columns explained, and every tensor's histogram as small multiples; each
+checked against the store's own rows (or against values cast with torch), never against the page's functions."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from chart_check import chart_problems, datasets
+from conftest import EXAMPLES, ROOT
+from streamlit.testing.v1 import AppTest
+
+from mpdiag.analysis import summaries
+from mpdiag.dashboard import charts
+from mpdiag.numerics.formats import EXP_MIN, FP16, N_EXP_BINS
+
+TIMEOUT = 60
+RAW_NAMES = {"underflow_share", "subnormal_share", "overflow_share", "zero_share", "flushed_share", "numel",
+             "nonfinite"}
+
+
+def record(store, *options):
+    subprocess.run([sys.executable, "-m", "mpdiag", "run", str(EXAMPLES / "gallery_underflow.py"), "--device", "cpu",
+                    "--store", str(store), "--opt-level", "O1", "--loss-scale", "1", *options],
+                   check=True, cwd=ROOT, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    """Run 1: the README's failing example (gallery_underflow at O1, static scale 1: FP16 flushes most of its
+    gradients to zero), with its FP32 twin, run 2 (--pair); run 3: the same without a twin, 3 steps."""
+    path = tmp_path_factory.mktemp("gradients") / "runs.db"
+    record(path, "--steps", "8", "--pair")
+    record(path, "--steps", "3")
+    return path
+
+
+def page(store, monkeypatch, **query):
+    monkeypatch.setenv("MPDIAG_STORE", str(store))
+    at = AppTest.from_file(str(ROOT / "pages" / "1_Gradients.py"), default_timeout=TIMEOUT)
+    for key, value in query.items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def ranking_table(at) -> pd.DataFrame:
+    return next(d.value for d in at.dataframe if "tensor" in d.value.columns)
+
+
+def captions(at) -> str:
+    return "\n".join(c.value.replace("\\", "") for c in at.caption)
+
+
+def test_an_fp16_run_with_a_twin_ranks_by_what_fp16_flushed(store_path, monkeypatch):
+    from mpdiag import Store
+
+    store = Store(store_path, create=False)
+    totals, twin = store.tensor_totals(1).set_index("tensor"), store.tensor_totals(2).set_index("tensor")
+    assert (totals["fp16_underflow"] == 0).all()  # the recorded underflow cannot rank: FP16 flushed those values
+    flushed = (totals["zeros"] / totals["numel"] - twin.loc[totals.index, "zeros"] / twin.loc[totals.index, "numel"]
+               ).clip(lower=0)
+    assert flushed.max() > 0.05 and flushed.nunique() > 1
+    at = page(store_path, monkeypatch, run="1")
+    table = ranking_table(at)
+    assert table["tensor"].tolist() == flushed.sort_values(ascending=False, kind="stable").index.tolist()
+    column = "flushed to 0 vs FP32 twin (% of values)"
+    assert table[column].tolist() == [f"{flushed[t]:.2%}" for t in table["tensor"]]
+    assert at.selectbox(key="tensor").value == table["tensor"].iloc[0]  # the worst tensor is shown first
+    assert "Ranked by the share of all values flushed to zero before recording, estimated against the FP32 twin" \
+        in captions(at)
+
+
+def test_without_a_twin_an_fp16_run_ranks_by_its_zeros_and_says_so(store_path, monkeypatch):
+    from mpdiag import Store
+
+    totals = Store(store_path, create=False).tensor_totals(3).set_index("tensor")
+    zeros = totals["zeros"] / totals["numel"]
+    assert zeros.nunique() > 1
+    at = page(store_path, monkeypatch, run="3")
+    table = ranking_table(at)
+    assert table["tensor"].tolist() == zeros.sort_values(ascending=False, kind="stable").index.tolist()
+    assert table["zeros (% of values)"].tolist() == [f"{zeros[t]:.2%}" for t in table["tensor"]]
+    assert "flushed to 0 vs FP32 twin (% of values)" not in table.columns  # not known without a twin
+    said = captions(at)
+    assert "Ranked by the share of values recorded as exact zeros" in said and "without an FP32 twin" in said
+
+
+def test_the_table_names_its_columns_with_units_and_separates_thousands(store_path, monkeypatch):
+    from mpdiag import Store
+
+    at = page(store_path, monkeypatch, run="2")  # the FP32 twin: ranked by the recorded underflow
+    element = next(d for d in at.dataframe if "tensor" in d.value.columns)
+    table = element.value
+    assert not RAW_NAMES & set(table.columns), table.columns
+    totals = Store(store_path, create=False).tensor_totals(2).set_index("tensor")
+    assert table.set_index("tensor")["values per step"].to_dict() == totals["numel_per_step"].to_dict()
+    assert 8192 in table["values per step"].tolist()
+    config = json.loads(element.proto.columns)
+    assert config["values per step"]["type_config"]["format"] == "%,d"  # 8192 reads 8,192
+    assert all(config[c].get("help") for c in table.columns)
+    for c in ("fp16 underflow (%)", "fp16 subnormal (%)", "zeros (% of values)"):
+        assert all(re.fullmatch(r"\d+\.\d\d%|n/a", v) for v in table[c]), table[c]
+    share = totals["fp16_underflow"] / (totals["numel"] - totals["zeros"] - totals["nan"] - totals["posinf"]
+                                        - totals["neginf"])
+    assert table.set_index("tensor")["fp16 underflow (%)"].to_dict() == {t: f"{v:.2%}" for t, v in share.items()}
+    assert "Ranked by fp16 underflow, then overflow" in captions(at)
+
+
+def expand(steps_text: str) -> set[int]:
+    out = set()
+    for part in re.split(r", | and ", steps_text):
+        a, _, b = part.partition("–")
+        out |= set(range(int(a.replace(",", "")), int((b or a).replace(",", "")) + 1))
+    return out
+
+
+def test_the_heatmap_names_its_blank_columns_from_the_data(store_path, monkeypatch):
+    from mpdiag import Store
+
+    stats = Store(store_path, create=False).tensor_stats(1)
+    per = {t: set(one.loc[one["zeros"] == one["numel"], "step"]) for t, one in stats.groupby("tensor")}
+    # a tensor whose gradient FP16 flushed entirely at some steps, but not at every one (a heatmap is drawn)
+    tensor = next(t for t, s in per.items() if s and len(s) < stats["step"].nunique())
+    at = page(store_path, monkeypatch, run="1", tensor=tensor)
+    line = next(c for c in captions(at).splitlines() if c.startswith("Blank columns"))
+    assert f"({len(per[tensor])} of {stats['step'].nunique()} logged steps)" in line
+    named = re.search(r"the gradient was all zero at steps? ([0-9,–and ]+)[.;(]", line).group(1).strip()
+    assert expand(named) == per[tensor]
+    clean = next(t for t, s in per.items() if not s)
+    assert not any(c.startswith("Blank columns") for c in captions(page(store_path, monkeypatch, run="1",
+                                                                        tensor=clean)).splitlines())
+
+
+def grid_chart(at):
+    return next(c for c in at.get("vega_lite_chart") if "concat" in json.loads(c.proto.spec))
+
+
+def test_every_tensors_histogram_as_small_multiples_matches_the_store(store_path, monkeypatch):
+    from mpdiag import Store
+
+    store = Store(store_path, create=False)
+    at = page(store_path, monkeypatch, run="1")
+    step = store.logged_steps(1)[-1]  # the default: the latest logged step
+    assert at.select_slider(key="step").value == step
+    element = grid_chart(at)
+    assert chart_problems(element.proto) == []  # non-empty, finite, at least 150 px each way
+    spec = json.loads(element.proto.spec)
+    named = {**{k: pd.DataFrame(v) for k, v in spec.get("datasets", {}).items()}, **datasets(element.proto)}
+    panels = spec["concat"]
+    titles = [p["title"]["text"] for p in panels]
+    order = ranking_table(at)["tensor"].tolist()
+    stats = store.tensor_stats(1, step=step).set_index("tensor")
+    finite = stats["numel"] - stats["zeros"] - stats["nan"] - stats["posinf"] - stats["neginf"]
+    assert titles == [t for t in order if finite[t] > 0]  # worst first; a tensor with nothing to draw is named
+    index, counts = store.histogram_matrix(1, step=step)
+    for panel, name in zip(panels, titles, strict=True):
+        assert panel["width"] >= 150 and panel["height"] >= 150
+        bars = named[panel["layer"][0]["data"]["name"]]
+        assert set(bars["tensor"]) == {name}
+        assert bars["count"].sum() == finite[name]
+        truth = counts[index["tensor"].tolist().index(name)]
+        assert dict(zip(bars["log2_lo"].astype(int), bars["count"], strict=True)) == {
+            int(b) + EXP_MIN: int(truth[b]) for b in np.flatnonzero(truth)}
+        # FP16's limits near the data are rules (max 65,504 is 30 binades away: named in the caption instead)
+        rules = named[panel["layer"][1]["data"]["name"]]
+        assert sorted(rules["log2"]) == [-24, -14]
+    assert "fp16 max 65,504 is" in captions(at) and "Dotted rule: fp16 min subnormal 2^-24" in captions(at)
+    empty = [t for t in order if finite[t] == 0]
+    if empty:
+        assert "Nothing to draw for" in captions(at)
+
+
+def test_the_small_multiples_say_so_when_no_tensor_has_a_value(monkeypatch, tmp_path):
+    path = tmp_path / "runs.db"
+    subprocess.run([sys.executable, "-m", "mpdiag", "run", str(EXAMPLES / "gallery_underflow.py"), "--device", "cpu",
+                    "--store", str(path), "--opt-level", "O1", "--loss-scale", repr(2.0**-83), "--steps", "2"],
+                   check=True, cwd=ROOT, capture_output=True)
+    at = page(path, monkeypatch, run="1")
+    assert not any("concat" in json.loads(c.proto.spec) for c in at.get("vega_lite_chart"))
+    assert "Nothing to draw for 4" in captions(at)  # every recorded gradient was zero: a sentence, no chart
+
+
+def cast_histogram(values: torch.Tensor) -> np.ndarray:
+    """Exponent histogram of the finite non-zero values (bin e: 2^e <= |x| < 2^(e+1)), from torch's frexp."""
+    nonzero = values[(values != 0) & values.isfinite()].double().abs()
+    exponent = torch.frexp(nonzero).exponent - 1
+    return np.bincount((exponent - EXP_MIN).numpy(), minlength=N_EXP_BINS).astype(np.int64)
+
+
+def test_the_histogram_grid_chart_draws_every_tensor_worst_first():
+    g = torch.Generator().manual_seed(0)
+    values = {f"layer{i}.weight": (torch.exp2(torch.randn(4000, generator=g) * 4 - 6 - 2 * i)).float()
+              for i in range(15)}
+    values["dead.bias"] = torch.zeros(10)
+    index = pd.DataFrame({"step": 0, "tensor": list(values)})
+    counts = np.stack([cast_histogram(v) for v in values.values()])
+    order = list(reversed(values))  # the page's ranking, worst first
+    bars, drawn, empty = summaries.histogram_grid(index, counts, order, "fp16", 0.0, limit=12)
+    assert drawn == [t for t in order[:12] if t != "dead.bias"] and empty == ["dead.bias"]
+    every, all_drawn, _ = summaries.histogram_grid(index, counts, order, "fp16", 0.0)
+    assert len(all_drawn) == 15
+    # the FP16 regions the bars are coloured by, against casting each bin's lower edge to FP16
+    for row in every.itertuples():
+        edge = torch.tensor(2.0**row.log2_lo, dtype=torch.float64)
+        top = torch.tensor(2.0**row.log2_hi * (1 - 2**-20), dtype=torch.float64)
+        low, high = edge.half().double(), top.half().double()
+        if high == 0:
+            assert row.region == "underflow"
+        elif torch.isinf(low):
+            assert row.region == "overflow"
+        elif high < 2.0**FP16.min_normal_exponent and low > 0:
+            assert row.region == "subnormal"
+    per = every.groupby("tensor")["count"].sum()
+    assert all(per[t] == int((values[t] != 0).sum()) for t in all_drawn)
+    assert every.groupby("tensor")["share"].sum().to_numpy() == pytest.approx(1.0)
+    lines = summaries.format_lines(("fp16",))
+    chart = charts.histogram_grid(bars, drawn, lines, (-40.0, 17.0), "t")
+    spec = chart.to_dict()
+    assert [p["title"]["text"] for p in spec["concat"]] == drawn
+    assert spec["columns"] == charts.GRID_COLUMNS
+    rules = pd.DataFrame(spec["datasets"][spec["concat"][0]["layer"][1]["data"]["name"]])
+    assert sorted(rules["log2"]) == pytest.approx([-24, -14, np.log2(65504)])  # FP16's range marked
+    for panel in spec["concat"]:
+        assert panel["width"] >= 150 and panel["height"] >= 150
+        data = pd.DataFrame(spec["datasets"][panel["layer"][0]["data"]["name"]])
+        assert len(data) and np.isfinite(data[["log2_lo", "log2_hi", "share", "count"]].to_numpy(float)).all()
+
+    class Proto:  # what AppTest hands the chart check: the spec with its datasets inline
+        spec = json.dumps(chart.to_dict())
+        datasets = []
+
+    assert chart_problems(Proto) == []
+
+
+def test_blank_steps_name_skipped_steps_and_a_zero_loss_scale():
+    counts = np.zeros((4, N_EXP_BINS), dtype=np.int64)
+    counts[0, 100] = counts[3, 100] = 5
+    index = pd.DataFrame({"step": [0, 1, 2, 3], "tensor": "w"})
+    steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [1.0, 1.0, 1.0, 0.0], "skipped": [0, 1, 1, 0]})
+    stats = pd.DataFrame({"step": [0, 1, 2, 3], "numel": 5, "zeros": [0, 5, 0, 0], "nan": [0, 0, 5, 0],
+                          "posinf": 0, "neginf": 0})
+    blank = summaries.blank_steps(index, counts, steps, stats)
+    assert blank["step"].tolist() == [1, 2] and blank["reason"].tolist() == ["all zero", "all NaN or inf"]
+    text = summaries.blank_steps_text(blank, 4)
+    assert "the gradient was all zero at step 1 (all skipped steps" in text and "NaN or inf at step 2" in text
+    scaled = summaries.blank_steps(index, counts, steps, stats, at_scale=True)
+    assert scaled["step"].tolist() == [1, 2, 3] and scaled["reason"].iloc[-1] == "loss scale 0"
+    assert summaries.blank_steps_text(blank.iloc[0:0], 4) == ""
