@@ -1,7 +1,8 @@
 """`pip install .` in a fresh venv: `import mpdiag`, the `mpdiag` command, and `mpdiag dashboard` serving the app
 from where pip put it; `pip install -e .`; and the README's own install command followed by what a user then does in
-their own project's directory (the watch example the README and docs/watch.md give). The dependencies come from this environment through a .pth file (CI has no second
-copy of torch to install, and what is checked here is mpdiag's own packaging)."""
+their own project's directory (the watch example the README and docs/watch.md give). The dependencies come from
+this environment through a .pth file (CI has no second copy of torch to install, and what is checked here is
+mpdiag's own packaging)."""
 
 import os
 import shlex
