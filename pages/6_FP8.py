@@ -82,7 +82,7 @@ def fp8_view(store, run: pd.Series, final: bool) -> None:
     ui.show_chart(charts.fp8_amax_panel(series, f"amax of {layer}'s {role} against what the {recipe} scale lets "
                                                   "through (▲ values overflowed)"), width="stretch")
     st.subheader("Layers, worst first")
-    counts = [c for c in table.columns if c not in ("layer", "role", "recipe", "worst lost")]
+    counts = [c for c in table.columns if c not in ("layer", "role", "recipe", "worst lost", "at step")]
     st.dataframe(table.style.format({"worst lost": percent, **{c: "{:,}" for c in counts}}), hide_index=True,
                  width="stretch", column_config={c: st.column_config.Column(help=h) for c, h in TABLE_COLUMNS.items()})
     whatif_view(records, histograms, layer, role, settings)

@@ -230,3 +230,7 @@ def test_the_layer_table_names_fit_and_say_what_they_count(fp8_store, monkeypatc
     config = json.loads(at.dataframe[0].proto.columns)
     assert {name: config.get(name, {}).get("help") for name in TABLE_COLUMNS} == TABLE_COLUMNS
     assert not any(v in ("None", "nan") for v in table.astype(str).to_numpy().ravel())
+    # a row that lost nothing has no worst step (blank, not "step 0"); a row that lost values names its step
+    nothing = table["losing"] == 0
+    assert nothing.any() and (table.loc[nothing, "at step"] == "").all()
+    assert (table.loc[~nothing, "at step"] != "").all()

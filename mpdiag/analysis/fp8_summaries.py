@@ -47,7 +47,7 @@ TABLE_COLUMNS = {
     "role": "input and weight are cast to E4M3; grad_output (the output gradient) to E5M2, or E4M3 if chosen",
     "recipe": "delayed: the scale from the amax history; current: from the tensor's own amax",
     "worst lost": "The largest share of the tensor's values lost (underflow + overflow) at one recorded step",
-    "at step": "The recorded step of that worst share",
+    "at step": "The recorded step of that worst share (blank where no recorded step lost a value)",
     "steps": "Recorded steps",
     "overflowing": "Recorded steps where at least one value overflows (the amax chart's markers; the amax-jump "
                       "finding's count)",
@@ -137,7 +137,9 @@ def layer_table(records: pd.DataFrame) -> pd.DataFrame:
     for (module, role, recipe), one in rows.groupby(["module", "role", "recipe"], sort=False):
         worst = one.loc[one["lost_share"].fillna(0).idxmax()]
         out.append({"layer": module, "role": role, "recipe": recipe,
-                    "worst lost": float(worst["lost_share"]), "at step": int(worst["step"]),
+                    "worst lost": float(worst["lost_share"]),
+                    # a row that loses nothing has no worst step: blank, not its first step
+                    "at step": f"{int(worst['step']):,}" if worst["lost_share"] > 0 else "",
                     **counts.loc[(module, role, recipe)].to_dict(),
                     "underflow": int(one["underflow"].sum()), "overflow": int(one["overflow"].sum()),
                     "subnormal": int(one["subnormal"].sum())})
