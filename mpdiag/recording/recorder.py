@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -52,7 +53,7 @@ from mpdiag.store import (
     StepRow,
     Store,
     TensorRow,
-    encode_hist,
+    encode_hists,
 )
 
 
@@ -674,16 +675,23 @@ class Recorder:
                                   for i, counts in enumerate(per_tensor)]
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
-        for k, i in enumerate(present):
-            if keep is not None and i not in keep:
-                continue  # another optimizer's parameter: its fresh gradient fed no step here
+        # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
+        kept = [k for k, i in enumerate(present) if keep is None or i in keep]
+        if not kept:
+            return
+        # column by column: one numpy -> Python conversion per column, not one per tensor and field (at 500
+        # tensors the per-value int()/float() calls cost more than computing the statistics)
+        at = np.asarray(kept)
+        columns = [stats.counts[c][at].tolist() for c in ("zeros", "nan", "posinf", "neginf")]
+        columns += [stats.absmax[at].tolist(), stats.min_nonzero[at].tolist(), stats.l2[at].tolist()]
+        formats = [(fmt, list(zip(*(stats.counts[f"{fmt}_{kind}"][at].tolist() for kind in REPRESENTABILITY_KINDS),
+                                  strict=True)))
+                   for fmt in LOW_PRECISION]
+        hists = encode_hists(stats.hist[at])
+        for j, k in enumerate(kept):
             self._tensor_rows_buf.append(TensorRow(
-                step, i, encode_hist(stats.hist[k]),
-                *(int(stats.counts[c][k]) for c in ("zeros", "nan", "posinf", "neginf")),
-                float(stats.absmax[k]), float(stats.min_nonzero[k]), float(stats.l2[k]),
-                representability={fmt: Representability(*(int(stats.counts[f"{fmt}_{kind}"][k])
-                                                          for kind in REPRESENTABILITY_KINDS))
-                                  for fmt in LOW_PRECISION},
+                step, present[k], hists[j], *(column[j] for column in columns),
+                representability={fmt: Representability(*counts[j]) for fmt, counts in formats},
             ))
 
     def _flush_on_timer(self) -> None:

@@ -19,6 +19,7 @@ from mpdiag.store.schema import (
     decode_hist,
     decode_hists,
     encode_hist,
+    encode_hists,
 )
 from mpdiag.store.writer import (
     MAX_NAME_CHARS,
@@ -40,5 +41,5 @@ __all__ = [
     "DEFAULT_STORE", "MAX_NAME_CHARS", "MAX_NOTE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS", "REPRESENTABILITY_COLUMNS",
     "REPRESENTABILITY_KINDS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "TOTAL_COLUMNS", "Representability",
     "RunBusy", "RunTextRefused", "StepRow", "Store", "StoreError", "StoreWriter", "TensorRow", "clean_name",
-    "clean_note", "clean_tag", "decode_hist", "decode_hists", "encode_hist",
+    "clean_note", "clean_tag", "decode_hist", "decode_hists", "encode_hist", "encode_hists",
 ]
