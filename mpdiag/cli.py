@@ -72,7 +72,8 @@ def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = Fals
     parent run's value, so only typed options are present in the parsed arguments."""
     spec = OPTIONS[name]
     applies = "" if spec.levels == ALL_LEVELS else f"; applies to {', '.join(spec.levels)}"
-    help_text = (spec.help + applies + ("" if inherit else f" (default {spec.default})")).replace("%", "%%")
+    said_default = not inherit and spec.default not in (None, False)  # no "(default None)": absent means unset
+    help_text = (spec.help + applies + (f" (default {spec.default})" if said_default else "")).replace("%", "%%")
     default = argparse.SUPPRESS if inherit else spec.default
     if spec.kind == "flag":
         parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=default,

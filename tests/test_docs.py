@@ -52,6 +52,30 @@ def test_docs_site_builds_strict(tmp_path):
         assert built.is_file(), page
 
 
+def test_the_cli_reference_is_generated_from_the_parser(tmp_path):
+    """docs/cli.md's reference of every command and flag is built from mpdiag's own parser (the options table's
+    flags included), so it names every flag `--help` names, with the same help."""
+    import argparse
+
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        from cli_reference import MARKER, cli_reference
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    from mpdiag.cli import build_parser
+    from mpdiag.training.config import OPTIONS, flag
+
+    assert MARKER in (DOCS / "cli.md").read_text()
+    text = cli_reference(build_parser())
+    for name, spec in OPTIONS.items():
+        if spec.no_flag is None:
+            assert f"`{flag(name)}`" in text, name
+            assert " ".join(spec.help.split()) in text, name
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert all(f"### `python -m mpdiag {name}`" in text for name in commands)
+    assert "(default None)" not in text and "(default False)" not in text
+
+
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; the reference belongs in docs/"

@@ -116,6 +116,9 @@ def test_installed_dashboard_serves_the_app_on_the_callers_store(installed, tmp_
     output = dashboard_output(installed / "bin" / "mpdiag", tmp_path, clean_env(), "--store", "my.db")
     assert f"store {tmp_path / 'my.db'}" in output  # resolved in the caller's directory, not the app's
     assert f"app {installed / 'share' / 'mpdiag'}" in output  # the files pip installed, not a checkout
+    # the reference the code's comments point to ships beside the app
+    assert {p.name for p in (installed / "share" / "mpdiag" / "docs").glob("*.md")} == \
+        {p.name for p in (ROOT / "docs").glob("*.md")}
 
 
 def test_editable_install_runs_the_checkout_it_points_at(tmp_path):
