@@ -76,6 +76,32 @@ def test_the_cli_reference_is_generated_from_the_parser(tmp_path):
     assert "(default None)" not in text and "(default False)" not in text
 
 
+def test_the_findings_thresholds_are_the_codes(tmp_path):
+    """docs/findings.md's thresholds table is generated from the constants the rules read; the rule table written
+    by hand states the same numbers."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        from findings_thresholds import MARKER, thresholds_table
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    from mpdiag.analysis import findings
+
+    page = (DOCS / "findings.md").read_text()
+    table = thresholds_table()
+    assert MARKER in page
+    for name in ("LOW_RANGE_SHARE", "LOW_RANGE_TARGET", "SKIP_SHARE", "CONSECUTIVE_SKIPS", "FP16_SPAN_BINS",
+                 "SWAMPED_SHARE", "GRADIENT_REL_ERROR", "MAX_RECOMMENDED_LOG2", "LOST_SHARE", "MAX_MARGIN"):
+        assert f"| `{name}` |" in table, name
+    rules = section(DOCS / "findings.md", "Findings: what is wrong, where, and what to change")
+    assert f"more than {findings.LOW_RANGE_SHARE:.0%}" in rules.replace(" %", "%")
+    assert f"below {findings.LOW_RANGE_TARGET:.1%}" in rules.replace(" %", "%")
+    assert f"more than {findings.SKIP_SHARE:.0%} of steps skipped, or {findings.CONSECUTIVE_SKIPS} in a row" in \
+        rules.replace(" %", "%")
+    assert f"65504: {findings.FP16_SPAN_BINS} bins" in rules
+    assert f"more than {findings.SWAMPED_SHARE:.0%} of the updates" in rules.replace(" %", "%")
+    assert f"above {findings.GRADIENT_REL_ERROR:g} against the FP32 shadow" in rules
+
+
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; the reference belongs in docs/"

@@ -17,6 +17,7 @@ from mpdiag.analysis.fp8_summaries import LOST_SHARE, fmt_label, number, overflo
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
 from mpdiag.training.config import ConfigError, RunConfig
 
+#: the largest --fp8-margin the amax-jump finding recommends (past it, only current scaling is advised)
 MAX_MARGIN = 64
 
 
