@@ -111,3 +111,33 @@ def test_every_page_on_a_store_damaged_inside_says_so_in_one_line_and_writes_not
         assert len(damaged) == 1 and "mpdiag did not write to it" in damaged[0], [e.value for e in at.error]
     assert len(damaged) <= 1
     assert _unwritten(store_damaged_inside, before)
+
+
+def _store_refused_at_opening(path, kind: str):
+    """A recorded store made unopenable: its second half cut off, or stamped with a schema version from the future."""
+    with StoreWriter(path, finish_runs=True) as writer:
+        writer.create_run(name="a run")
+        writer.add_script("big.py", "x = 1\n" * 20000)
+    if kind == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        conn.close()  # the last connection: its WAL is checkpointed now, not whenever it is collected
+
+
+@pytest.mark.parametrize("kind", ["truncated", "newer schema"])
+def test_every_page_on_a_store_it_cannot_open_says_why_in_one_line(kind, tmp_path, monkeypatch):
+    path = tmp_path / "runs.db"
+    _store_refused_at_opening(path, kind)
+    before = path.read_bytes()
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    expected = "newer than this mpdiag's version" if kind == "newer schema" else "is damaged"
+    for name in PAGES:
+        at = AppTest.from_file(str(ROOT / name), default_timeout=120).run()
+        assert not at.exception, (name, [e.value for e in at.exception])
+        said = [e.value for e in at.error]
+        assert len(said) == 1 and expected in said[0].replace("\\", ""), (name, said)
+    assert path.read_bytes() == before
