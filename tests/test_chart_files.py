@@ -85,7 +85,7 @@ def one_run(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("page, charts_drawn", [("pages/2_Loss_scale.py", 1), ("pages/1_Gradients.py", 2)])
+@pytest.mark.parametrize("page, charts_drawn", [("pages/2_Loss_scale.py", 1), ("pages/1_Gradients.py", 3)])
 def test_every_chart_on_a_page_has_png_and_svg_download_buttons(page, charts_drawn, one_run, monkeypatch):
     monkeypatch.setenv("MPDIAG_STORE", str(one_run))
     at = AppTest.from_file(str(ROOT / page), default_timeout=120)
