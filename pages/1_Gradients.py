@@ -159,7 +159,9 @@ def gradients_view(store, run: pd.Series, final: bool) -> None:
 
     show_flushed = states_flushed and twin is not None
     table, config = ranking_table(ranking, fmt, what, show_flushed)
-    table[whatif_column] = ranking["tensor"].map(underflow_at_k)
+    # beside the underflow over all steps it answers for one step: at 1,280 px a last column is off screen
+    table.insert(table.columns.get_loc(f"{fmt} underflow (%)") + 1, whatif_column,
+                 ranking["tensor"].map(underflow_at_k).to_numpy())
     config[whatif_column] = st.column_config.TextColumn(
         whatif_column, help=f"Of its finite non-zero values at step {step:,}, the share that would underflow in {fmt} "
                             f"were g multiplied by 2^{k} (the what-if above); a range where a bin straddles the edge.")
@@ -198,7 +200,8 @@ def ranking_table(ranking: pd.DataFrame, fmt: str, what: str, show_flushed: bool
     }
     table = pd.DataFrame({label: (ranking[c] if f is None else f(ranking[c])) for c, (label, f, _) in columns.items()})
     config = {label: (st.column_config.NumberColumn(label, help=help_, format="%,d") if c in ("numel", "nonfinite")
-                      else st.column_config.TextColumn(label, help=help_)) for c, (label, _, help_) in columns.items()}
+                      else st.column_config.TextColumn(label, help=help_, pinned=c == "tensor"))
+              for c, (label, _, help_) in columns.items()}
     return table, config
 
 

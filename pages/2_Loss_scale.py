@@ -33,6 +33,9 @@ def loss_scale_view(store, run: pd.Series, final: bool) -> None:
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
+        # a static scale has no growth to track: its recorded tracker is a flat line that says nothing, so the
+        # panel is left out and loss_scale_notes says why
+        steps = steps.assign(growth_tracker=float("nan"))
     ui.show_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
     for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps):
         st.caption(plain(note))

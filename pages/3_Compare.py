@@ -36,6 +36,12 @@ from mpdiag.dashboard import charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 
+#: the run column of Compare's tables: a run's whole label is as wide as the table at 1,280 px and pushed the
+#: numbers off screen; shortened (hover for the whole label; the "#N" starts it) and kept in view when scrolled
+RUN_COLUMN = st.column_config.TextColumn("run", width="medium", pinned=True, help="Hover a cell for the whole label.")
+#: the cost table's columns, what tells the runs apart first (at 1,280 px the last ones are scrolled off)
+COST_ORDER = ["run", "final loss", "skipped steps", "median step time", "throughput", "peak memory", "model state"]
+
 
 def curve_controls() -> tuple[float, bool, str]:
     """TensorBoard's controls over the curves: smoothing weight, log y for the loss, the x axis."""
@@ -160,7 +166,8 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                                                    zero=True), width="stretch")
     else:
         costs.caption("Peak memory: none of these runs recorded it.")
-    st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch")
+    st.dataframe(cost_table(chosen, labels), hide_index=True, width="stretch", column_config={"run": RUN_COLUMN},
+                 column_order=COST_ORDER)
     st.caption("Median step time is over the steps after the warm-up step 0. Peak memory is the CUDA allocator's "
                "peak on a GPU and the process's peak RSS on a CPU; model state is the bytes allocated for weights, "
                "gradients, master weights and optimizer state.")
@@ -197,11 +204,11 @@ def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:
         drawn = [p for p in (FLUSHED_PART, COUNTED_PART) if p in set(under["part"])]
         ui.show_chart(charts.runs_bars(under, "tensor", "share", "FP16 underflow, share of all values", labels,
                                          parts=drawn), width="stretch")
-        st.caption(f"Solid ({FLUSHED_PART}): the values an FP16 run's backward pass had already made zero when "
-                   "they were recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches). "
-                   f"Light ({COUNTED_PART}): the recorded gradient at its run's loss scale, cast to FP16 and "
-                   "counted; for a run computed in FP32 or BF16 (O0, bf16) that is what FP16 would lose, not a "
-                   "loss the run had.")
+        st.caption(f"Solid bars, “{FLUSHED_PART}”: the values an FP16 run's backward pass had already made zero "
+                   "when they were recorded, estimated as its zeros beyond its FP32 twin's (same weights and "
+                   f"batches). Light bars, “{COUNTED_PART}”: the recorded gradient at its run's loss scale, cast "
+                   "to FP16 and counted; for a run computed in FP32 or BF16 (O0, bf16) that is what FP16 would "
+                   "lose, not a loss the run had.")
     else:
         st.caption("FP16 underflow: no value of any tensor of these runs was flushed to zero or would underflow "
                    "FP16 at its run's loss scale, so there is nothing to chart.")
@@ -260,7 +267,8 @@ def histograms_overlaid(store, chosen: pd.DataFrame, labels: list[str]) -> None:
             "run": drawn["run"], "values": drawn["numel"], "finite non-zero (the 100 %)": drawn["finite_nonzero"],
             "zeros": drawn["zero_share"], "NaN / inf": drawn["nonfinite"]}),
             hide_index=True, width="stretch",
-            column_config={"zeros": st.column_config.NumberColumn("zeros (share of values)", format="percent"),
+            column_config={"run": RUN_COLUMN,
+                           "zeros": st.column_config.NumberColumn("zeros (share of values)", format="percent"),
                            **{c: st.column_config.NumberColumn(format="localized")
                               for c in ("values", "finite non-zero (the 100 %)", "NaN / inf")}})
         st.caption("Shares are of each run's finite non-zero values of this tensor, so runs logged at different "

@@ -51,8 +51,16 @@ def reruns_table(store, run: pd.Series, findings) -> None:
         return
     st.subheader("Reruns of this run")
     losses = {c: st.column_config.NumberColumn(format="%.4e") for c in ("final loss", "FP32 final loss")}
-    st.dataframe(outcomes, hide_index=True, width="stretch", column_config={**losses, "vs FP32": st.column_config.NumberColumn(
-        format="%+.3f %%", help="final loss minus the FP32 reference's, in % of the reference")})
+    # what the table is for first, each finding gone or still there and the loss against FP32: at 1,280 px a
+    # rerun's long name pushed them off screen; the name is shortened (hover for it) and the run kept in view
+    rules = [f.rule for f in findings if f.rule in outcomes.columns]
+    order = ["run", "name", *rules, "vs FP32", "final loss", "FP32 final loss", "opt level", "status"]
+    st.dataframe(outcomes, hide_index=True, width="stretch", column_order=[c for c in order if c in outcomes.columns],
+                 column_config={**losses, "run": st.column_config.NumberColumn(pinned=True),
+                                "name": st.column_config.TextColumn(width="medium", help="Hover for a long name."),
+                                "vs FP32": st.column_config.NumberColumn(
+                                    format="%+.3f %%",
+                                    help="final loss minus the FP32 reference's, in % of the reference")})
 
 
 def shadow_section(store, run_id: int, final: bool) -> None:
@@ -63,10 +71,22 @@ def shadow_section(store, run_id: int, final: bool) -> None:
                    "'FP32 shadow every') to rank tensors by the precision their gradients lose.")
         return
     ranking = shadow_ranking(shadow)
+    error = "‖g − g_fp32‖ / ‖g_fp32‖ at a shadow step: the gradient's error against FP32, relative to its size"
     st.dataframe(ranking.rename(columns={"meaningful": "reference not negligible"}), hide_index=True, width="stretch",
-                 column_config={"median_rel_error": st.column_config.NumberColumn(format="%.3g"),
-                                "max_rel_error": st.column_config.NumberColumn(format="%.3g"),
-                                "min_cosine": st.column_config.NumberColumn(format="%.5f")})
+                 column_config={
+                     "numel": st.column_config.NumberColumn("values", format="%,d", help="Elements of the tensor."),
+                     "steps": st.column_config.NumberColumn("shadow steps", format="%,d",
+                                                            help="Steps compared with an FP32 computation."),
+                     "median_rel_error": st.column_config.NumberColumn("median relative error", format="%.3g",
+                                                                       help=error + ", median over the shadow steps."),
+                     "max_rel_error": st.column_config.NumberColumn("largest relative error", format="%.3g",
+                                                                    help=error + ", largest over the shadow steps."),
+                     "min_cosine": st.column_config.NumberColumn(
+                         "lowest cosine", format="%.3f",
+                         help="Cosine similarity of g and g_fp32 (1: same direction), lowest over the shadow steps."),
+                     "reference not negligible": st.column_config.CheckboxColumn(
+                         help="The FP32 gradient is large enough for a relative error to mean something; only "
+                              "these tensors are charted and can raise the finding.")})
     top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
     drawable = shadow[shadow["tensor"].isin(top) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
     if len(drawable):

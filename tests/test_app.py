@@ -1,5 +1,6 @@
 """Every page under streamlit's AppTest: selections, controls, starting runs, and bad stores."""
 
+import json
 import math
 import re
 import subprocess
@@ -266,6 +267,13 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     table = at.dataframe[0].value
     assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table
+    # at 1,280 px what the table is for comes first: each finding's outcome and the loss against FP32, not
+    # behind a long rerun name (shortened, the run number pinned)
+    element = at.dataframe[0]
+    order, rules = list(element.proto.column_order), [c for c in table.columns if c.islower() and "-" in c]
+    assert "scale-collapse" in rules and order[:len(rules) + 3] == ["run", "name", *rules, "vs FP32"], order
+    config = json.loads(element.proto.columns)
+    assert config["run"]["pinned"] is True and config["name"]["width"] == "medium"
 
 
 def test_findings_page_shows_update_swamping_and_the_fp32_shadow_ranking(tmp_path, monkeypatch):
@@ -280,6 +288,13 @@ def test_findings_page_shows_update_swamping_and_the_fp32_shadow_ranking(tmp_pat
                                                     "Optimizer updates against the weight format"]
     shadow, updates = (d.value for d in at.dataframe[-2:])
     assert set(shadow["tensor"]) == set(Store(store).tensors(run_id)["name"]) and shadow["steps"].eq(3).all()
+    # the shadow table reads in words, counts with separators (its columns were named median_rel_error, 8192)
+    config = json.loads(at.dataframe[-2].proto.columns)
+    assert {config[c]["label"] for c in ("numel", "steps", "median_rel_error", "max_rel_error", "min_cosine")} == {
+        "values", "shadow steps", "median relative error", "largest relative error", "lowest cosine"}
+    assert config["numel"]["type_config"]["format"] == "%,d"
+    assert all(config[c].get("help") for c in ("numel", "steps", "median_rel_error", "max_rel_error", "min_cosine",
+                                               "reference not negligible"))
     assert updates["unchanged_share"].max() > 0.5
 
 

@@ -111,6 +111,11 @@ def test_the_table_names_its_columns_with_units_and_separates_thousands(store_pa
                                         - totals["neginf"])
     assert table.set_index("tensor")["fp16 underflow (%)"].to_dict() == {t: f"{v:.2%}" for t, v in share.items()}
     assert "Ranked by fp16 underflow, then overflow" in captions(at)
+    # at 1,280 px the last columns are scrolled off: the what-if's underflow at the slider's power sits beside the
+    # underflow over all steps, and the tensor column stays in view when the table scrolls sideways
+    columns = table.columns.tolist()
+    assert columns[:3] == ["tensor", "fp16 underflow (%)", "fp16 underflow at 2^0, step 7"], columns
+    assert config["tensor"].get("pinned") is True
 
 
 def expand(steps_text: str) -> set[int]:

@@ -151,6 +151,36 @@ def test_flushed_share_agrees_between_gradients_findings_and_compare(truth_store
     assert not (bars["run"].str.startswith("#4 ") & (bars["part"] == FLUSHED_PART)).any()  # FP32 flushes nothing
 
 
+def test_compare_keeps_what_tells_runs_apart_in_view_at_1280_px(truth_store, monkeypatch):
+    """The gallery's screenshots at 1,280 px (issue 27): the underflow bars' solid/light legend ran past the
+    chart's right edge beside the runs' legend, and the cost table's whole run labels pushed the final loss and
+    skipped steps off screen."""
+    compare = page("3_Compare.py", truth_store, monkeypatch, runs=["3", "4"])
+    assert not compare.exception, [e.value for e in compare.exception]
+    chart = next(json.loads(c.proto.spec) for c in compare.get("vega_lite_chart")
+                 if json.loads(c.proto.spec).get("title") == "FP16 underflow, share of all values")
+    assert chart["encoding"]["opacity"]["legend"]["orient"] == "bottom"
+    assert chart["encoding"]["color"]["legend"]["orient"] == "top"
+    cost = next(d for d in compare.dataframe if "median step time" in d.value.columns)
+    config = json.loads(cost.proto.columns)
+    assert config["run"]["pinned"] is True and config["run"]["width"] == "medium"
+    assert list(cost.proto.column_order)[:3] == ["run", "final loss", "skipped steps"]
+    histograms = next(d for d in compare.dataframe if "NaN / inf" in d.value.columns)
+    assert json.loads(histograms.proto.columns)["run"]["pinned"] is True
+
+
+def test_a_static_scale_draws_no_flat_growth_tracker(truth_store, monkeypatch):
+    """Run 3's scale is static: GradScaler's recorded tracker is a flat line that says nothing (issue 27's gallery
+    showed an empty-looking panel), so there is no panel and the page says why, as it does for O0."""
+    at = page("2_Loss_scale.py", truth_store, monkeypatch, run="3")
+    assert not at.exception, [e.value for e in at.exception]
+    specs = [c.proto.spec for c in at.get("vega_lite_chart")]
+    assert specs and not any("growth tracker" in s for s in specs)
+    assert "No growth-tracker panel: a static scale never grows or backs off." in said(at).replace("\\", "")
+    dynamic = page("2_Loss_scale.py", truth_store, monkeypatch, run="2")  # a dynamic scale keeps its panel
+    assert any("growth tracker" in c.proto.spec for c in dynamic.get("vega_lite_chart"))
+
+
 def test_without_a_twin_the_flushed_share_is_said_to_be_unknowable(truth_store, monkeypatch):
     at = page("1_Gradients.py", truth_store, monkeypatch, run="1")
     text = said(at)

@@ -497,8 +497,9 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
               parts: list[str] | None = None) -> alt.Chart:
     """Grouped bars: ``x`` categories (tensor names, labels slanted and kept whole up to 220 px), one bar per
     run in its colour, ``y`` a share (percent axis); with ``parts`` (the values of a ``part`` column) each run's
-    bar is stacked from its parts, the first solid, the next lighter, with a legend saying which is which.
-    Legends are above the plot, so it keeps the element's width."""
+    bar is stacked from its parts, the first solid, the next lighter, with a legend beneath the plot saying which
+    is which (above it, beside the runs' legend, its long labels ran past the chart's right edge). Legends are
+    above or below the plot, so it keeps the element's width."""
     encoding = dict(
         x=alt.X(f"{x}:N", title=None, axis=alt.Axis(labelAngle=-30, labelLimit=220, labelOverlap=False)),
         xOffset="run:N", y=alt.Y(f"{y}:Q", title=None, axis=alt.Axis(format="%")),
@@ -506,7 +507,7 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
         tooltip=["run:N", f"{x}:N", *(["part:N"] if parts else []), alt.Tooltip(f"{y}:Q", format=".3%")])
     if parts:
         encoding["opacity"] = alt.Opacity("part:O", sort=parts, scale=alt.Scale(domain=parts, range=[1.0, 0.4][: len(parts)]),
-                                          legend=alt.Legend(title=None, orient="top", direction="vertical",
+                                          legend=alt.Legend(title=None, orient="bottom", direction="vertical",
                                                             labelLimit=480))
         encoding["order"] = alt.Order("part_order:Q")
         df = df.assign(part_order=df["part"].map({p: i for i, p in enumerate(parts)}))
@@ -592,7 +593,8 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                        legend=alt.Legend(title=None, orient="top"))
     lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
         x=_FP8_STEP_X,
-        y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("|x|", long["value"])), color=colour,
+        y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("largest |value|", long["value"])),
+        color=colour,
         tooltip=[alt.Tooltip("step:Q", format=",d"), "line:N", alt.Tooltip("value:Q", format=",.6~g")])
     over = alt.Chart(series[series["overflows"].astype(bool)]).mark_point(
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
