@@ -338,7 +338,11 @@ def test_upload_training_code_as_files_check_it_and_run_it(browser, tmp_path):
             time.sleep(1)
         page.get_by_text("finished", exact=False).first.wait_for(timeout=60_000)  # the live panel of the run
         # once its run is recorded the whole page is read again: the stored code's run count is not left at 0
-        page.get_by_text("· 1 run(s)").first.wait_for(timeout=30_000)
+        stored = page.get_by_role("combobox", name="Stored code")
+        deadline = time.time() + 30
+        while not stored.input_value().endswith("· 1 run(s)") and time.time() < deadline:
+            page.wait_for_timeout(500)
+        assert stored.input_value().endswith("· 1 run(s)"), stored.input_value()
         page.wait_for_timeout(1500)
         no_exception(page)
         shot(page, "upload_code_ran")
