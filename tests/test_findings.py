@@ -3,6 +3,7 @@ rerun removes it; the healthy examples produce no warning; the rules' thresholds
 
 import importlib
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -109,6 +110,13 @@ def test_underflow_advice_is_consistent_across_runs_of_one_script(tmp_path):
                           (low_start, "by this run's recorded histograms")):
         finding = {f.rule: f for f in diagnosed(store_path, run_id)}["gradient-underflow"]
         assert finding.fix["loss_scale"] == "dynamic" and basis in finding.recommendation, finding.recommendation
+        totals = Store(store_path).tensor_totals(run_id)
+        said = {kind: int(totals[f"fp16_{kind}_at_scale"].sum()) for kind in ("subnormal", "underflow")}
+        named = {"subnormal": re.search(r"subnormal in FP16 \(([\d,]+) values\)", finding.evidence),
+                 "underflow": re.search(r"would underflow(?: in FP16)? \(([\d,]+)", finding.evidence)}
+        for kind, count in said.items():  # each part named with its exact count, or not at all: never "(0)"
+            assert (named[kind].group(1) if named[kind] else None) == (f"{count:,}" if count else None), \
+                (kind, count, finding.evidence)
         child = rerun(store_path, run_id, **finding.fix)
         assert "gradient-underflow" not in {f.rule for f in diagnosed(store_path, child)}
 

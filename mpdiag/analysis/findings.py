@@ -142,14 +142,25 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     return Finding(
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
-        evidence=(f"At the scale used, {overall:.2%} of the recorded finite non-zero gradient values are subnormal in "
-                  f"FP16 ({int(totals['fp16_subnormal_at_scale'].sum()):,} values) or would underflow "
-                  f"({int(totals['fp16_underflow_at_scale'].sum()):,}); values FP16 already flushed are exact zeros "
+        evidence=(f"At the scale used, {overall:.2%} of the recorded finite non-zero gradient values "
+                  f"{_low_range_parts(totals)}; values FP16 already flushed are exact zeros "
                   f"in the record, {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
         recommendation=advice,
         tensors=tensors,
         fix=fix,
     )
+
+
+def _low_range_parts(totals: pd.DataFrame) -> str:
+    """What the low-range share is made of, naming only the parts that hold values: 'are subnormal in FP16
+    (1,234 values) or would underflow (56)', 'are subnormal in FP16 (1,234 values)', 'would underflow in FP16
+    (56 values)'."""
+    subnormal, underflow = (int(totals[f"fp16_{kind}_at_scale"].sum()) for kind in ("subnormal", "underflow"))
+    if subnormal and underflow:
+        return f"are subnormal in FP16 ({subnormal:,} values) or would underflow ({underflow:,})"
+    if subnormal:
+        return f"are subnormal in FP16 ({subnormal:,} values)"
+    return f"would underflow in FP16 ({underflow:,} values)"
 
 
 #: where weights and optimizer state in a low-precision format break inside the step, the level that keeps
