@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -144,6 +145,19 @@ def test_log10_axes_end_a_decade_beyond_the_data_and_tick_only_inside():
     assert min(norm_y["scale"]["domain"]) < 0.02 and 0.7 < max(norm_y["scale"]["domain"])
 
 
+def test_a_linear_axis_of_tiny_values_reads_as_short_exponents():
+    """A loss of 8e-5 on a linear axis: ticks 0, 2e-5 ... 8e-5 as Vega draws them, not 0.00008 beside 0.00000;
+    an axis with ordinary values keeps plain numbers with separators."""
+    import vl_convert
+
+    tiny = pd.DataFrame({"step": [0, 1, 2], "loss": [8e-5, 4e-5, 1.5e-5], "run": ["a"] * 3})
+    svg = vl_convert.vegalite_to_svg(charts.runs_overlay(tiny, "loss", "loss", ["a"]).properties(width=300).to_dict())
+    labels = re.findall(r"<text[^>]*>([^<]+)</text>", svg)
+    assert "8e-5" in labels and "2e-5" in labels and not any(label.startswith("0.0000") for label in labels), labels
+    plain = charts.runs_overlay(tiny.assign(loss=[2500.0, 40.0, 3.5]), "loss", "loss", ["a"]).to_dict()
+    assert plain["layer"][0]["encoding"]["y"]["axis"]["format"] == charts.PLAIN_FORMAT
+
+
 def test_shadow_error_chart_labels_its_threshold_and_spans_it():
     shadow = pd.DataFrame({"step": [0, 10, 20], "tensor": ["w"] * 3, "rel_error": [0.01, 0.05, 0.5],
                            "cosine": [1.0, 0.99, 0.9]})
@@ -161,6 +175,9 @@ def test_run_colours_are_fixed_by_selection_order():
     spec = charts.runs_overlay(df, "loss", "loss", ["a", "b"]).to_dict()
     colour = spec["layer"][0]["encoding"]["color"]["scale"]
     assert colour["domain"] == ["a", "b"] and colour["range"] == charts.RUN_COLOURS[:2]
+    # and a dash each, so a run whose curve lies on another's (a fix on its FP32 twin) still shows
+    dash = spec["layer"][0]["encoding"]["strokeDash"]["scale"]
+    assert dash["domain"] == ["a", "b"] and dash["range"] == charts.RUN_DASHES[:2] and len(set(map(str, dash["range"]))) == 2
 
 
 def test_whatif_exponents_cover_every_scale_the_run_used_and_2_to_the_plus_minus_40():

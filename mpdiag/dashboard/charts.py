@@ -16,6 +16,8 @@ from mpdiag.numerics.formats import FP16
 
 #: Fixed colours for runs on the Compare page, by position of the run in the selection.
 RUN_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+#: and dashes: two runs whose curves coincide (a fix that brings the loss back to its FP32 twin's) both stay visible
+RUN_DASHES = [[1, 0], [7, 4], [2, 3], [10, 3, 2, 3]]
 REGION_COLOURS = {
     "underflow": "#d62728",
     "subnormal": "#ff7f0e",
@@ -91,6 +93,20 @@ def _power_of_two_axis(title: str, values=None) -> alt.Axis:
 #: how a linear axis writes its numbers: plain, with thousands separators, no SI prefix and no exponent for a
 #: value like 400 or 6,553.6 (Vega rounds "~g" to the tick step's precision, so 6,000 read "6e+3")
 PLAIN_FORMAT = ",.12~g"
+#: ... except on an axis whose values are all tiny (a loss of 8e-5, a learning rate of 3e-4): there every tick
+#: reads as a short exponent, 8e-5, 6e-5 ... 0, not 0.00008 beside 0.00000
+_SMALL_TICKS = "datum.value == 0 ? '0' : format(datum.value, '.2~e')"
+SMALL_BELOW = 1e-3
+
+
+def linear_axis(title: str, values) -> alt.Axis:
+    """A linear axis in :data:`PLAIN_FORMAT`, or in short exponents when every finite value is below
+    :data:`SMALL_BELOW` in magnitude (and one is not zero)."""
+    v = np.asarray(values, dtype=float)
+    v = np.abs(v[np.isfinite(v)])
+    if v.size and 0 < v.max() < SMALL_BELOW:
+        return alt.Axis(title=title, labelExpr=_SMALL_TICKS)
+    return alt.Axis(title=title, format=PLAIN_FORMAT)
 #: a log10 axis's labels: plain (0.01 ... 1,000) when every tick is, else all as 1e-5, 1e0, 1e3 (d3's ".0e")
 _PLAIN_POWERS = "format(datum.value, ',~g')"
 _EXPONENT_POWERS = "replace(format(datum.value, '.0e'), 'e+', 'e')"
@@ -343,7 +359,7 @@ def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
     scale = alt.Scale(domainMin=min(0.0, float(lr[np.isfinite(lr)].min())), domainMax=top * 1.1 if top > 0 else 1.0,
                       nice=True)
     return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after").encode(
-        x=STEP_X, y=alt.Y("lr:Q", title="learning rate", scale=scale, axis=alt.Axis(format=PLAIN_FORMAT)),
+        x=STEP_X, y=alt.Y("lr:Q", scale=scale, axis=linear_axis("learning rate", lr)),
         tooltip=["step:Q", alt.Tooltip("lr:Q", format=".6g", title="learning rate")],
     ).properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
 
@@ -404,6 +420,13 @@ def _run_colour(domain: list[str], orient: str = "right") -> alt.Color:
                                        direction="vertical"))
 
 
+def _run_dash(domain: list[str]) -> alt.StrokeDash:
+    """Each run's dash (the legend is the colour's: same field, same title, merged into one)."""
+    return alt.StrokeDash("run:N", scale=alt.Scale(domain=domain, range=RUN_DASHES[: len(domain)]),
+                          legend=alt.Legend(title="run", symbolOpacity=1, labelLimit=1200, orient="top",
+                                            direction="vertical"))
+
+
 def _undrawable(values: pd.Series, log: bool = False) -> np.ndarray:
     """Which values a line cannot draw: NaN and inf, and on a log axis zero and negative ones too."""
     v = values.astype(float).to_numpy()
@@ -454,7 +477,7 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     elif log:
         scale, axis = log10_scale(drawn), _power_of_ten_axis(title, drawn)
     else:
-        scale, axis = alt.Scale(zero=zero), alt.Axis(title=title, format=PLAIN_FORMAT)
+        scale, axis = alt.Scale(zero=zero), linear_axis(title, drawn)
     colour = _run_colour(domain, orient="top")
     x_enc = x_axis(x)
     tooltip = ["run:N", "step:Q", *(["wall_time_s:Q"] if x == "wall_time_s" else []), alt.Tooltip(f"{y}:Q", format=".6g")]
@@ -462,12 +485,13 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     if smooth:
         data = data.assign(**{f"{y}_smoothed": data[f"{y}_smoothed"].astype(float).where(
             ~_undrawable(df[f"{y}_smoothed"], log))})
+    dash = _run_dash(domain)
     line = alt.Chart(data).mark_line(interpolate="step-after" if log and log_base == 2 else "linear",
                                      opacity=0.25 if smooth else 1.0).encode(
-        x=x_enc, y=alt.Y(f"{y}:Q", scale=scale, axis=axis), color=colour, tooltip=tooltip)
+        x=x_enc, y=alt.Y(f"{y}:Q", scale=scale, axis=axis), color=colour, strokeDash=dash, tooltip=tooltip)
     if smooth:
         line = alt.layer(line, alt.Chart(data).mark_line().encode(
-            x=x_enc, y=alt.Y(f"{y}_smoothed:Q", scale=scale, axis=axis), color=colour,
+            x=x_enc, y=alt.Y(f"{y}_smoothed:Q", scale=scale, axis=axis), color=colour, strokeDash=dash,
             tooltip=[*tooltip, alt.Tooltip(f"{y}_smoothed:Q", format=".6g", title=f"{y} smoothed")]))
     if _undrawable(df[y], log).any():
         title = f"{title} (faint rules: NaN/inf{' or 0, below any log axis' if log else ''})"
