@@ -28,6 +28,7 @@ from mpdiag.analysis.compare import (
     loss_comparison,
     overlaid_histograms,
     reference_run,
+    setting_label,
     smoothed,
     step_time_outliers,
     worst_by_total,
@@ -176,7 +177,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
 
     st.subheader("Configuration")
     only_diff = st.checkbox("Only settings that differ", value=True, key="only_diff")
-    st.dataframe(config_table(chosen, labels, only_diff), width="stretch")
+    st.dataframe(config_table(chosen, labels, only_diff).rename(index=setting_label), width="stretch")
 
 
 def fp16_shares(store, chosen: pd.DataFrame, labels: list[str]) -> None:

@@ -46,7 +46,7 @@ def modules_view(store, run: pd.Series, final: bool) -> None:
 
     first = module_trace.first_nonfinite_modules(modules)
     default = next(iter(first.values()))["module"] if first else order[0]
-    types = dict(zip(modules["module"], modules["type"]))
+    types = dict(zip(modules["module"], modules["type"], strict=True))
     module = st.selectbox("Module (forward order; type to search)", order, index=order.index(default), key="module",
                           format_func=lambda name: f"{name} ({types[name]})", bind="query-params")
     magnitudes = module_trace.magnitude_cells(modules)

@@ -124,8 +124,9 @@ def test_the_page_draws_only_scaled_runs_on_a_padded_log2_axis_and_names_the_twi
     assert "Not in the loss-scale panel (no loss scaling" in captions
     assert "#2" in captions.split("Not in the loss-scale panel")[1].split(".")[0]
     # the shown configuration: the fix and the failing static scale are there
-    table = next(d.value for d in at.dataframe if "init_scale" in d.value.index)
-    assert table.loc["init_scale"].tolist()[-1] == "2^23 (8,388,608)" and table.loc["loss_scale"].tolist()[0] == "1"
+    table = next(d.value for d in at.dataframe if "init scale" in d.value.index)
+    assert table.loc["init scale"].tolist()[-1] == "2^23 (8,388,608)" and table.loc["loss scale"].tolist()[0] == "1"
+    assert not any("_" in name for name in table.index)  # settings in words, not field names
 
 
 def test_axes_are_plain_numbers_powers_of_ten_and_memory_from_zero(store, monkeypatch):

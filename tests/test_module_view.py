@@ -93,7 +93,7 @@ def test_the_overflow_finding_opens_the_modules_page_on_the_module_it_names(stor
     assert set(first["module"]) == {"0"} and set(first["step"]) == {0}
     assert set(heat["module"]) == set(stats["module"])
     # a Sequential's children are named 0, 1, 2: each row says its type too
-    assert set(heat["row"]) == {f"{m} ({t})" for m, t in zip(stats["module"], stats["type"])}
+    assert set(heat["row"]) == {f"{m} ({t})" for m, t in zip(stats["module"], stats["type"], strict=True)}
     spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
     assert "first inf/NaN" in json.dumps(spec)
     untraced = app("pages/7_Modules.py", store_path, monkeypatch, run=str(plain_run))

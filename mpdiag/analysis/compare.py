@@ -224,6 +224,17 @@ LINK_FIELDS = {"parent_run_id": "rerun of", "pair_run_id": "paired with (--pair 
 SCALE_FIELDS = {"init_scale", "loss_scale", "min_scale", "max_scale"}
 #: settings that are counts: whole numbers with thousands separators
 COUNT_FIELDS = {"growth_interval", "seed", "steps", "every", "batch_size", "params", "world_size", "shadow_every"}
+#: how the page names a setting (others: the field's name in words, "init_scale" -> "init scale")
+SETTING_LABELS = {"script_sha256": "script (sha256)", "gpu_name": "GPU", "params": "parameters",
+                  "world_size": "ranks", "update_format": "format of the updated weights", "every": "statistics every",
+                  "shadow_every": "FP32 shadow every", "torch_version": "torch"}
+
+
+def setting_label(field: str) -> str:
+    """A config table row's name as the page shows it."""
+    return SETTING_LABELS.get(field, field.replace("_", " "))
+
+
 #: how the table writes a setting a run does not have (missing is a value: a setting only some runs have differs)
 MISSING = "—"
 

@@ -658,7 +658,7 @@ def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt
                alt.Tooltip("absmax:Q", format=".6g", title="largest |value|"), "state:N"]
     # rows read "name (Type)": a Sequential's children are named 0, 1, 2, which say nothing alone
     cells = cells.assign(row=cells["module"] + " (" + cells["type"] + ")")
-    rows = dict(zip(cells["module"], cells["row"]))
+    rows = dict(zip(cells["module"], cells["row"], strict=True))
     panels = []
     for label in dict.fromkeys(cells["pass"]):
         one = cells[cells["pass"] == label]
