@@ -18,6 +18,7 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
 
+TABLE_ROWS_SHOWN = 30  # a model's Linear layers x roles x recipes: more scroll inside the table
 ROLE_HELP = ("input: the activation entering the Linear (E4M3); weight: its weight as that forward pass used it "
              "(E4M3); grad_output: the gradient flowing into its output, unscaled (E5M2, or E4M3 if chosen)")
 
@@ -83,8 +84,10 @@ def fp8_view(store, run: pd.Series, final: bool) -> None:
                                                   "through (▲ values overflowed)"), width="stretch")
     st.subheader("Layers, worst first")
     counts = [c for c in table.columns if c not in ("layer", "role", "recipe", "worst lost", "at step")]
+    # every row on the page up to TABLE_ROWS_SHOWN (Streamlit's own height shows ten and scrolls inside the page)
     st.dataframe(table.style.format({"worst lost": percent, **{c: "{:,}" for c in counts}}), hide_index=True,
-                 width="stretch", column_config={c: st.column_config.Column(help=h) for c, h in TABLE_COLUMNS.items()})
+                 width="stretch", height=ui.table_height(len(table), TABLE_ROWS_SHOWN),
+                 column_config={c: st.column_config.Column(help=h) for c, h in TABLE_COLUMNS.items()})
     whatif_view(records, histograms, layer, role, settings)
 
 

@@ -135,6 +135,15 @@ def frame(title: str) -> Store | None:
         return None
 
 
+#: st.dataframe's row and header heights (px) at the default row height
+ROW_PX, HEADER_PX = 35, 38
+
+
+def table_height(rows: int, most: int) -> int:
+    """A st.dataframe height that shows ``rows`` rows without an inner scrollbar, up to ``most`` of them."""
+    return HEADER_PX + ROW_PX * max(1, min(rows, most)) + 2
+
+
 def run_label(run: pd.Series) -> str:
     """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
     return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
