@@ -193,7 +193,13 @@ def test_compare_toggles_change_the_chart(store, monkeypatch):
     assert "type" not in _loss_views(at)[0]["encoding"]["y"].get("scale", {})
     at.toggle(key="loss_log").set_value(True).run()
     assert not at.exception and not page_chart_problems(at)
-    assert _loss_views(at)[0]["encoding"]["y"]["scale"] == {"type": "log", "base": 10}
+    scale = _loss_views(at)[0]["encoding"]["y"]["scale"]
+    losses = pd.concat([Store(store).steps(run)["loss"].astype(float) for run in (1, 2)])
+    drawn = losses[np.isfinite(losses) & (losses > 0)]
+    # log10, whole decades around the losses: none of them on the plot's border
+    assert scale["type"] == "log" and scale["nice"] is False
+    assert scale["domain"][0] < drawn.min() and drawn.max() < scale["domain"][1]
+    assert all(math.log10(d) == round(math.log10(d)) for d in scale["domain"])
     spec = json.loads(stacked(at).proto.spec)
     assert {v["encoding"]["x"]["field"] for v, _ in views(spec)} == {"step"}
     titles = [t for _, t in views(spec)]
