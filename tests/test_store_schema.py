@@ -6,6 +6,7 @@ Ground truth for migrated data is the old file itself, read with plain SQL befor
 import json
 import shutil
 import sqlite3
+import struct
 
 import numpy as np
 import pandas as pd
@@ -315,3 +316,21 @@ def test_schema_8_store_migrates_to_9_keeping_every_row_and_gains_per_step_lr_no
     assert steps["lr"].tolist()[:3] == [1e-3, 9e-4, 8e-4] and steps["wall_time_s"].tolist()[:3] == [0.5, 1.0, 1.5]
     assert steps["grad_norm"].tolist()[:2] == [0.25, float("inf")] and np.isnan(steps["grad_norm"].iloc[2])
     assert steps.iloc[3][NEW_STEP_COLUMNS].isna().all()
+
+
+def test_histograms_encoded_together_are_each_the_documented_packing():
+    """encode_hists (a step's tensors at once) gives, row by row, the format read back by decode_hists: int16
+    first non-empty bin, then int64 counts up to the last non-empty one; an empty row is the 2-byte header alone.
+    The expected bytes are packed here, by hand."""
+    from mpdiag.store import decode_hists, encode_hists
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 5, (40, 277)) * (rng.random((40, 277)) < 0.05)
+    rows[3] = 0
+    rows[7, 0], rows[8, -1] = 9, 4  # the first and the last bin
+    for row, blob in zip(rows, encode_hists(rows), strict=True):
+        bins = np.flatnonzero(row)
+        expected = (struct.pack("<h", 0) if not bins.size else
+                    struct.pack("<h", bins[0]) + struct.pack(f"<{bins[-1] - bins[0] + 1}q", *row[bins[0]:bins[-1] + 1]))
+        assert blob == expected and blob == encode_hist(row)
+    assert (decode_hists(encode_hists(rows)) == rows).all()

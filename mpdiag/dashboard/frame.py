@@ -78,8 +78,7 @@ _STORE_ERROR_SAID = "store_error_said"  # session key: the store error this page
 
 
 def guarded(render, fragment: bool = False):
-    """``render`` with a store that fails while it is read (damaged after it was opened, or locked for longer than
-    a read waits) said in mpdiag's one line, as the CLI says it, instead of a traceback: the rest of the page and
+    """``render`` with a store that fails while it is read (damaged after it was opened) said in mpdiag's one line, as the CLI says it, instead of a traceback: the rest of the page and
     the server go on. Every page body and every live fragment runs through it (:func:`live`). A page says one
     error once; a ``fragment`` says it in its own place on each of its re-runs (they redraw only themselves)."""
     @functools.wraps(render)
