@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import EXAMPLES, ROOT, run_cli
+from conftest import EXAMPLES, ROOT, imports_torch, run_cli
 
 from mpdiag import Store
 from mpdiag.store import StoreError, decode_hist, encode_hist
@@ -40,6 +40,21 @@ def test_run_runs_export(tmp_path, store_path):
     assert pd.read_csv(out / "run1_update_stats.csv").empty  # O1 keeps FP32 weights: no update check
     shadow = pd.read_parquet(out / "run1_shadow_stats.parquet")
     assert sorted(shadow["step"].unique()) == [0, 10] and set(shadow["tensor"]) == set(stats["tensor"])
+
+
+def test_the_commands_that_only_read_answer_without_importing_torch(tmp_path):
+    """``runs``, ``diagnose``, ``export`` and ``--help`` read the store or the parser: torch's import (3 s)
+    is left to the commands that train, so they answer at once."""
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
+
+    store = tmp_path / "runs.db"
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level="O1", steps=2, device="cpu"),
+                   store)
+    for argv in (["runs", "--store", str(store)], ["diagnose", str(run_id), "--no-probe", "--store", str(store)],
+                 ["export", str(run_id), "--out", str(tmp_path / "out"), "--store", str(store)]):
+        assert not imports_torch(f"from mpdiag.cli import main; assert main({argv!r}) == 0"), argv
+    assert not imports_torch("import mpdiag.cli")
 
 
 def test_device_cuda_without_gpu_is_a_clear_error(store_path):
