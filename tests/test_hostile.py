@@ -18,6 +18,7 @@ from mpdiag.sandbox.launch import launch, run_job
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
+pytestmark = pytest.mark.slow
 HOSTILE = sorted((Path(__file__).parent / "hostile").glob("*.py"))
 LIMITS = {"MPDIAG_CHECK_WALL_S": "20", "MPDIAG_RUN_WALL_S": "40", "MPDIAG_RUN_MEMORY_MB": "3000",
           "MPDIAG_LOG_BYTES": "200000"}
