@@ -32,6 +32,7 @@ from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
 from mpdiag.store.liveness import process_is_alive
 from mpdiag.store.schema import (
     DEFAULT_STORE,
+    FIRST_READ_WAIT_S,
     REPRESENTABILITY_KINDS,
     SCHEMA_VERSION,
     SPECIAL_COUNT_COLUMNS,
@@ -120,7 +121,7 @@ class Store:
         """Refuse what is not an mpdiag store of a known version; create or migrate what needs it."""
         try:
             self._immutable = needs_immutable(self.path)
-            with closing(self._connect()) as conn:
+            with closing(connect_read(self.path, self._immutable, wait_s=FIRST_READ_WAIT_S)) as conn:
                 version = stored_version(conn, self.path)
         except sqlite3.DatabaseError as exc:
             raise read_error(self.path, exc) from exc

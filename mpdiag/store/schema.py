@@ -13,6 +13,7 @@ open the same new or old file at once serialise on it and the later ones find th
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -219,23 +220,36 @@ def read_error(path: Path, exc: Exception) -> StoreError:
     if "malformed" in text or "corrupt" in text:
         return StoreError(f"{path} is damaged ({text}); mpdiag did not write to it. Restore it from a copy or "
                           "choose another store.")
+    if "locked" in text:
+        return StoreError(f"{path} is locked by another program ({text}); mpdiag did not read or write it. End "
+                          "that program's transaction (an sqlite3 shell, or a tool using exclusive locking), then "
+                          "reload.")
     return StoreError(f"Could not read {path}: {text}")
 
 
-def connect_read(path: Path, immutable: bool = False) -> sqlite3.Connection:
+#: How long a read waits for a lock (s). In WAL mode a reader waits only for a moment of a checkpoint or of
+#: recovery, or for another program holding the file under exclusive locking: the store's first read (opening
+#: it) waits FIRST_READ_WAIT_S, so a locked store is said in 2 s, not after every read's wait.
+READ_WAIT_S, FIRST_READ_WAIT_S = 10.0, 2.0
+
+
+def connect_read(path: Path, immutable: bool = False, wait_s: float = READ_WAIT_S) -> sqlite3.Connection:
     """A read-only connection. ``immutable`` opens a file that SQLite cannot share safely because its directory
     is not writable (no -shm can be made beside it): only correct while nobody writes the file."""
     uri = f"file:{quote(str(path))}?{'immutable=1' if immutable else 'mode=ro'}"
-    conn = sqlite3.connect(uri, uri=True, timeout=10)
-    conn.execute("PRAGMA busy_timeout=10000")
+    conn = sqlite3.connect(uri, uri=True, timeout=wait_s)
+    conn.execute(f"PRAGMA busy_timeout={int(wait_s * 1000)}")
     return conn
 
 
 def needs_immutable(path: Path) -> bool:
     """Whether ``path`` can only be read with ``immutable=1``: a WAL file in a directory this process cannot
-    write, with no -shm beside it, which a ``mode=ro`` connection cannot open."""
+    write, with no -shm beside it, which a ``mode=ro`` connection cannot open. A store in a folder this process
+    can write never is: reading it immutable would ignore another program's lock and its write-ahead log."""
+    if os.access(path.parent, os.W_OK):
+        return False
     try:
-        conn = connect_read(path)
+        conn = connect_read(path, wait_s=FIRST_READ_WAIT_S)
         try:
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
         finally:
@@ -270,7 +284,7 @@ def older_version(path: Path) -> int | None:
     """The schema version of the mpdiag store at ``path`` when opening it will migrate it (older than this
     mpdiag's), else None (current, newer, new, or not a store: opening it says what is wrong)."""
     try:
-        conn = connect_read(path, immutable=needs_immutable(path))
+        conn = connect_read(path, immutable=needs_immutable(path), wait_s=FIRST_READ_WAIT_S)
         try:
             version = stored_version(conn, path)
         finally:
@@ -291,7 +305,7 @@ def _check_integrity(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     try:
-        conn = connect_read(path, immutable=needs_immutable(path))
+        conn = connect_read(path, immutable=needs_immutable(path), wait_s=FIRST_READ_WAIT_S)
         try:
             problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
         finally:

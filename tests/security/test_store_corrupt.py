@@ -1,5 +1,7 @@
-"""A file that is not a healthy SQLite store gives one clear StoreError, and mpdiag never writes to it."""
+"""A file that is not a healthy SQLite store, or one another program holds locked, gives one clear StoreError,
+and mpdiag never writes to it."""
 
+import contextlib
 import sqlite3
 
 import pytest
@@ -141,3 +143,40 @@ def test_every_page_on_a_store_it_cannot_open_says_why_in_one_line(kind, tmp_pat
         said = [e.value for e in at.error]
         assert len(said) == 1 and expected in said[0].replace("\\", ""), (name, said)
     assert path.read_bytes() == before
+
+
+@contextlib.contextmanager
+def _held_locked(path):
+    """Another program holding the store in a write transaction under exclusive locking, as an sqlite3 shell
+    does after ``PRAGMA locking_mode=EXCLUSIVE; BEGIN EXCLUSIVE; UPDATE ...``."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    conn.execute("BEGIN EXCLUSIVE")
+    conn.execute("UPDATE runs SET name = name")
+    try:
+        yield
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+
+
+def test_every_page_and_the_cli_on_a_locked_store_say_so_in_one_line(tmp_path, monkeypatch):
+    """Each page says the store is locked in one line (it once waited out every read and then showed the main
+    file without its write-ahead log, which may lack the newest steps); the CLI too; nothing is written."""
+    path = tmp_path / "runs.db"
+    with StoreWriter(path, finish_runs=True) as writer:
+        writer.create_run(name="a run")
+    before = path.read_bytes()
+    monkeypatch.setenv("MPDIAG_STORE", str(path))
+    with _held_locked(path):
+        with pytest.raises(StoreError, match="is locked by another program"):
+            Store(path)
+        for name in PAGES:
+            at = AppTest.from_file(str(ROOT / name), default_timeout=120).run()
+            assert not at.exception, (name, [e.value for e in at.exception])
+            said = [e.value for e in at.error]
+            assert len(said) == 1 and "is locked by another program" in said[0], (name, said)
+        result = run_cli("runs", "--store", path, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "is locked by another program" in result.stderr
+    assert _unwritten(path, before)
