@@ -58,11 +58,3 @@ def imports_torch(code: str) -> bool:
                           capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1] == "True"
 
-
-HEAVY = {"slow", "browser", "distributed"}
-
-
-def pytest_collection_modifyitems(items):
-    """The heavy end-to-end tests first: pytest-xdist hands out whole files in collection order, so the long
-    files start at once on their own workers and the many short ones fill in beside them."""
-    items.sort(key=lambda item: not HEAVY & {mark.name for mark in item.iter_markers()})
