@@ -1,3 +1,4 @@
+import functools
 import os
 import subprocess
 import sys
@@ -11,6 +12,19 @@ EXAMPLES = ROOT / "mpdiag" / "examples"
 sys.path.insert(0, str(ROOT))
 
 from mpdiag.numerics.gradstats import DeviceReadback, PendingStats  # noqa: E402
+
+
+def _scan_components_once():
+    """Each AppTest run scans the metadata of every installed distribution for Streamlit components (0.65 s a
+    run here, minutes over the suite's AppTest runs); nothing is installed while the tests run, so the first
+    scan's answer stands (a copy each time: the caller may change its list)."""
+    from streamlit.components.v2 import manifest_scanner
+
+    first = functools.cache(manifest_scanner.scan_component_manifests)
+    manifest_scanner.scan_component_manifests = lambda *args, **kwargs: list(first(*args, **kwargs))
+
+
+_scan_components_once()
 
 
 @pytest.fixture
