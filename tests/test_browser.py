@@ -199,7 +199,7 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         fresh.stop()
 
 
-LIVE_STEPS = 40  # long enough to see the progress advance several times; short enough for a loaded 2-core machine
+LIVE_STEPS = 20  # at 40 the page showed 38 different steps here (it needs 3), a step taking 1.5 s
 
 
 def watch_live_progress(browser, store):
