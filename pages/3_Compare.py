@@ -79,7 +79,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
                              "with (start runs with 'Also run an FP32 twin').")
             continue
         ref = all_runs[all_runs["run_id"] == ref_id].iloc[0]
-        comparison = loss_comparison(reads.steps(store, ref_id, final=True), steps[lab]).assign(run=lab)
+        comparison = loss_comparison(reads.steps(store, ref_id, True), steps[lab]).assign(run=lab)
         step = first_divergence(comparison)
         firsts.append(step)
         where = (f"stays within {DIVERGENCE_RTOL:.0%}" if step is None else

@@ -1,14 +1,17 @@
 """Typed store reads for the pages: one function per thing a page shows, cached once the run is final.
 
 A run that is ``final`` (finished, failed, crashed) can no longer change, so its reads are cached by
-``st.cache_data`` under the store's path and file identity (a replaced store file is not served from the cache).
-Reads of a live run go to the store each time; :func:`live_steps` reads only the rows added since the session's
-previous call. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has
+``st.cache_data`` under the store's path and file identity (a replaced store file is not served from the cache):
+each read is written once, for the store, and :func:`cached_when_final` gives it its cache. Reads of a live run go
+to the store each time; the steps, a tensor's rows and its histograms read only the rows added since the
+session's previous call. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has
 it), no widgets.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,51 +39,6 @@ def _key(store: Store) -> tuple[str, tuple[int, int]]:
     return str(store.path), _identity(store.path)
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def _steps(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).steps(run_id)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _logged_steps(key: tuple, run_id: int) -> list[int]:
-    return Store(key[0], create=False).logged_steps(run_id)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _tensor_totals(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).tensor_totals(run_id)
-
-
-@st.cache_data(show_spinner=False, max_entries=128)
-def _tensor_at_step(key: tuple, run_id: int, tensor: str, step: int) -> pd.Series:
-    return Store(key[0], create=False).tensor_stats(run_id, tensor, step=step).iloc[0]
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _tensor_histograms(key: tuple, run_id: int, tensor: str) -> tuple[pd.DataFrame, np.ndarray]:
-    return Store(key[0], create=False).histogram_matrix(run_id, tensor)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _histograms_at_step(key: tuple, run_id: int, step: int) -> tuple[pd.DataFrame, np.ndarray]:
-    return Store(key[0], create=False).histogram_matrix(run_id, step=step)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _shadow_stats(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).shadow_stats(run_id)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _update_stats(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).update_stats(run_id)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def _rank_steps(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).rank_steps(run_id)
-
-
 @st.cache_data(show_spinner=False, max_entries=256)
 def _severities(key: tuple, run_id: int, version: tuple) -> list[str]:
     return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
@@ -101,86 +59,138 @@ def finding_severities(store: Store, run: pd.Series, version: tuple) -> list[str
     return [f.severity for f in diagnose(store, run_id)]
 
 
-def steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
+def cached_when_final(max_entries: int = 64, live: Callable | None = None):
+    """Decorator for a read ``read(store, run_id, *args)``: the pages call ``read(store, run_id, *args, final)``
+    and get it from ``st.cache_data`` when ``final``, else from ``live`` (default: the read itself). Streamlit
+    keys a cache by the function's qualified name and source, so each read's cached form gets the read's name
+    (nested functions of one source would share a cache: streamlit/streamlit#11157)."""
+    def wrap(read: Callable) -> Callable:
+        def from_store(key: tuple, run_id: int, *args):
+            return read(Store(key[0], create=False), run_id, *args)
+
+        from_store.__qualname__ = f"{read.__qualname__}.final"
+        cached = st.cache_data(show_spinner=False, max_entries=max_entries)(from_store)
+
+        @functools.wraps(read)
+        def serve(store: Store, run_id: int, *args_then_final):
+            *args, final = args_then_final
+            return cached(_key(store), int(run_id), *args) if final else (live or read)(store, int(run_id), *args)
+        return serve
+    return wrap
+
+
+def _since_last_read(store: Store, what: str, run_id: int, read_since: Callable, merge: Callable, *args):
+    """A live run's rows: those this session read before (session state) and the ones added since, read by
+    ``read_since(since_step)`` and joined by ``merge(before, new)``; None before means nothing read yet."""
+    key = f"{what}:{store.path}:{run_id}:{args}"
+    before = st.session_state.get(key)
+    index = None if before is None else before[0] if isinstance(before, tuple) else before
+    since = int(index["step"].max()) if index is not None and len(index) else -1
+    new = read_since(since)
+    rows = new if index is None or not len(index) else merge(before, new)
+    st.session_state[key] = rows
+    return rows
+
+
+def live_steps(store: Store, run_id: int) -> pd.DataFrame:
+    """The run's steps, reading only rows added since the previous call in this session."""
+    return _since_last_read(store, "steps", run_id, lambda since: store.steps(int(run_id), since_step=since),
+                            lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
+
+
+def _live_tensor_over_steps(store: Store, run_id: int, tensor: str) -> pd.DataFrame:
+    return _since_last_read(store, "stats", run_id, lambda since: store.tensor_stats(run_id, tensor, since_step=since),
+                            lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before,
+                            tensor)
+
+
+def _live_tensor_histograms(store: Store, run_id: int, tensor: str) -> tuple[pd.DataFrame, np.ndarray]:
+    def merge(before, new):
+        index = pd.concat([before[0], new[0]], ignore_index=True)
+        return index, np.concatenate([before[1], new[1]]) if len(new[1]) else before[1]
+
+    return _since_last_read(store, "hists", run_id,
+                            lambda since: store.histogram_matrix(run_id, tensor, since_step=since), merge, tensor)
+
+
+@cached_when_final(live=live_steps)
+def steps(store: Store, run_id: int) -> pd.DataFrame:
     """Every recorded step of the run (Store.steps): cached when final, else read incrementally."""
-    return _steps(_key(store), int(run_id)) if final else live_steps(store, run_id)
+    return store.steps(run_id)
 
 
-def rank_steps(store: Store, run_id: int, final: bool) -> pd.DataFrame:
-    """Per step and rank of a distributed run (Store.rank_steps): cached when final. Empty for one process."""
-    return _rank_steps(_key(store), int(run_id)) if final else store.rank_steps(run_id)
+@cached_when_final()
+def rank_steps(store: Store, run_id: int) -> pd.DataFrame:
+    """Per step and rank of a distributed run (Store.rank_steps). Empty for one process."""
+    return store.rank_steps(run_id)
 
 
-def logged_steps(store: Store, run_id: int, final: bool) -> list[int]:
+@cached_when_final()
+def logged_steps(store: Store, run_id: int) -> list[int]:
     """Steps at which tensor statistics were recorded."""
-    return _logged_steps(_key(store), int(run_id)) if final else store.logged_steps(int(run_id))
+    return store.logged_steps(run_id)
 
 
-def tensor_totals(store: Store, run_id: int, final: bool) -> pd.DataFrame:
+@cached_when_final()
+def tensor_totals(store: Store, run_id: int) -> pd.DataFrame:
     """Per tensor, counts summed over every logged step (Store.tensor_totals)."""
-    return _tensor_totals(_key(store), int(run_id)) if final else store.tensor_totals(int(run_id))
+    return store.tensor_totals(run_id)
 
 
-def tensor_at_step(store: Store, run_id: int, tensor: str, step: int, final: bool) -> pd.Series:
+@cached_when_final(max_entries=128)
+def tensor_at_step(store: Store, run_id: int, tensor: str, step: int) -> pd.Series:
     """One tensor's statistics row at one logged step."""
-    if final:
-        return _tensor_at_step(_key(store), int(run_id), tensor, int(step))
-    return store.tensor_stats(int(run_id), tensor, step=int(step)).iloc[0]
+    return store.tensor_stats(run_id, tensor, step=int(step)).iloc[0]
 
 
-@st.cache_data(max_entries=64, show_spinner=False)
-def _tensor_over_steps(key: tuple, run_id: int, tensor: str) -> pd.DataFrame:
-    return Store(key[0], create=False).tensor_stats(run_id, tensor)
+@cached_when_final(live=_live_tensor_over_steps)
+def tensor_over_steps(store: Store, run_id: int, tensor: str) -> pd.DataFrame:
+    """One tensor's statistics rows at every logged step (Store.tensor_stats); for a live run, only the steps
+    logged since this session's previous read are read."""
+    return store.tensor_stats(run_id, tensor)
 
 
-def tensor_over_steps(store: Store, run_id: int, tensor: str, final: bool) -> pd.DataFrame:
-    """One tensor's statistics rows at every logged step (Store.tensor_stats): cached when final; for a live run,
-    only the steps logged since this session's previous read are read."""
-    if final:
-        return _tensor_over_steps(_key(store), int(run_id), tensor)
-    key = f"stats:{store.path}:{run_id}:{tensor}"
-    cached = st.session_state.get(key)
-    since = int(cached["step"].max()) if cached is not None and len(cached) else -1
-    fresh = store.tensor_stats(int(run_id), tensor, since_step=since)
-    stats = fresh if cached is None or not len(cached) else pd.concat([cached, fresh], ignore_index=True) \
-        if len(fresh) else cached
-    st.session_state[key] = stats
-    return stats
-
-
-@st.cache_data(max_entries=64, show_spinner=False)
-def _tensors_at_step(key: tuple, run_id: int, step: int) -> pd.DataFrame:
-    return Store(key[0], create=False).tensor_stats(run_id, step=step)
-
-
-def tensors_at_step(store: Store, run_id: int, step: int, final: bool) -> pd.DataFrame:
+@cached_when_final()
+def tensors_at_step(store: Store, run_id: int, step: int) -> pd.DataFrame:
     """Every tensor's statistics row at one logged step (Store.tensor_stats)."""
-    if final:
-        return _tensors_at_step(_key(store), int(run_id), int(step))
-    return store.tensor_stats(int(run_id), step=int(step))
+    return store.tensor_stats(run_id, step=int(step))
 
 
-def tensor_histograms(store: Store, run_id: int, tensor: str, final: bool) -> tuple[pd.DataFrame, np.ndarray]:
-    """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix):
-    cached when final; for a live run, only the steps logged since this session's previous read are read."""
-    if final:
-        return _tensor_histograms(_key(store), int(run_id), tensor)
-    key = f"hists:{store.path}:{run_id}:{tensor}"
-    cached = st.session_state.get(key)
-    since = int(cached[0]["step"].max()) if cached is not None and len(cached[0]) else -1
-    index, counts = store.histogram_matrix(int(run_id), tensor, since_step=since)
-    if cached is not None and len(cached[0]):
-        index = pd.concat([cached[0], index], ignore_index=True)
-        counts = np.concatenate([cached[1], counts]) if len(counts) else cached[1]
-    st.session_state[key] = (index, counts)
-    return index, counts
+@cached_when_final(live=_live_tensor_histograms)
+def tensor_histograms(store: Store, run_id: int, tensor: str) -> tuple[pd.DataFrame, np.ndarray]:
+    """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix); for
+    a live run, only the steps logged since this session's previous read are read."""
+    return store.histogram_matrix(run_id, tensor)
 
 
-def histograms_at_step(store: Store, run_id: int, step: int, final: bool) -> tuple[pd.DataFrame, np.ndarray]:
+@cached_when_final()
+def histograms_at_step(store: Store, run_id: int, step: int) -> tuple[pd.DataFrame, np.ndarray]:
     """(index, counts) of every tensor's exponent histogram at one logged step."""
-    if final:
-        return _histograms_at_step(_key(store), int(run_id), int(step))
-    return store.histogram_matrix(int(run_id), step=int(step))
+    return store.histogram_matrix(run_id, step=int(step))
+
+
+@cached_when_final()
+def shadow_stats(store: Store, run_id: int) -> pd.DataFrame:
+    """Gradients against the FP32 shadow (Store.shadow_stats)."""
+    return store.shadow_stats(run_id)
+
+
+@cached_when_final()
+def update_stats(store: Store, run_id: int) -> pd.DataFrame:
+    """Optimizer updates against the weight format (Store.update_stats)."""
+    return store.update_stats(run_id)
+
+
+@cached_when_final(max_entries=32)
+def fp8(store: Store, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run's FP8 records and histograms (Store.fp8, Store.fp8_histograms)."""
+    return store.fp8(run_id), store.fp8_histograms(run_id)
+
+
+@cached_when_final(max_entries=32)
+def module_stats(store: Store, run_id: int) -> pd.DataFrame:
+    """A --trace-modules run's per-module magnitudes (Store.module_stats)."""
+    return store.module_stats(run_id)
 
 
 def twin_totals(store: Store, twin_id: int | None) -> pd.DataFrame | None:
@@ -197,43 +207,3 @@ def twin_at_step(store: Store, twin_id: int | None, tensor: str, step: int) -> p
     return tensor_at_step(store, twin_id, tensor, step, final)
 
 
-def shadow_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
-    """Gradients against the FP32 shadow (Store.shadow_stats)."""
-    return _shadow_stats(_key(store), int(run_id)) if final else store.shadow_stats(int(run_id))
-
-
-def update_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
-    """Optimizer updates against the weight format (Store.update_stats)."""
-    return _update_stats(_key(store), int(run_id)) if final else store.update_stats(int(run_id))
-
-
-def live_steps(store: Store, run_id: int) -> pd.DataFrame:
-    """The run's steps, reading only rows added since the previous call in this session."""
-    key = f"steps:{store.path}:{run_id}"
-    cached = st.session_state.get(key)
-    since = int(cached["step"].max()) if cached is not None and len(cached) else -1
-    fresh = store.steps(int(run_id), since_step=since)
-    steps = fresh if cached is None else pd.concat([cached, fresh], ignore_index=True) if len(fresh) else cached
-    st.session_state[key] = steps
-    return steps
-
-
-@st.cache_data(show_spinner=False, max_entries=32)
-def _fp8(key: tuple, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    store = Store(key[0], create=False)
-    return store.fp8(run_id), store.fp8_histograms(run_id)
-
-
-def fp8(store: Store, run_id: int, final: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """A run's FP8 records and histograms (Store.fp8, Store.fp8_histograms): cached when final."""
-    return _fp8(_key(store), int(run_id)) if final else (store.fp8(run_id), store.fp8_histograms(run_id))
-
-
-@st.cache_data(show_spinner=False, max_entries=32)
-def _module_stats(key: tuple, run_id: int) -> pd.DataFrame:
-    return Store(key[0], create=False).module_stats(run_id)
-
-
-def module_stats(store: Store, run_id: int, final: bool) -> pd.DataFrame:
-    """A --trace-modules run's per-module magnitudes (Store.module_stats): cached when final."""
-    return _module_stats(_key(store), int(run_id)) if final else store.module_stats(int(run_id))
