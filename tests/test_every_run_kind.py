@@ -274,25 +274,18 @@ URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_sc
              "pages/7_Modules.py": "Modules"}
 
 
-def console_errors(page) -> list[str]:
-    """A list that collects what ``page`` logs from now on: console errors, uncaught exceptions, failed responses."""
-    said: list[str] = []
-    page.on("console", lambda message: said.append(message.text) if message.type == "error" else None)
-    page.on("pageerror", lambda error: said.append(str(error)))
-    page.on("response", lambda response: said.append(f"{response.status} {response.url}")
-            if response.status >= 400 else None)
-    return said
-
-
-TABS = 3
-
-
 @pytest.fixture(scope="module")
 def chromium(kinds):
-    """One server on the kinds store and one Chromium page for the module's browser tests: (server, page)."""
+    """One server on the kinds store and one Chromium page for the module's browser tests: (server, page,
+    console), where console collects the page's errors, failed responses and uncaught exceptions."""
     store, _, _ = kinds
     with chromium_on(store) as (server, page):
-        yield server, page
+        console: list[str] = []
+        page.on("console", lambda message: console.append(message.text) if message.type == "error" else None)
+        page.on("pageerror", lambda error: console.append(str(error)))
+        page.on("response", lambda response: console.append(f"{response.status} {response.url}")
+                if response.status >= 400 else None)
+        yield server, page, console
 
 
 @pytest.mark.browser
@@ -304,44 +297,34 @@ def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
     from test_browser import SHOTS, charts_fit, settle
 
     _, runs, partner = kinds
-    server, page = chromium
+    server, page, console = chromium
     path = URL_PATHS[page_file]
     problems, shots = {}, SHOTS / "kinds"
     shots.mkdir(parents=True, exist_ok=True)
     # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
     # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
     benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
-    # three tabs load at once: a page load waits on the server, then on Chromium (93 -> 65 s a page here)
-    tabs = [page] + [page.context.browser.new_page(viewport=page.viewport_size) for _ in range(TABS - 1)]
-    said_on = {tab: console_errors(tab) for tab in tabs}
-    kinds_in_turn = list(runs.items())
-    for first in range(0, len(kinds_in_turn), TABS):
-        loading = list(zip(tabs, kinds_in_turn[first:first + TABS], strict=False))  # the last turn: fewer
-        for tab, (_, run_id) in loading:
-            query = page_query(page_file, run_id, partner)
-            tab.goto(f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
-                                                        for v in (vs if isinstance(vs, list) else [vs])),
-                     wait_until="commit")
-        for tab, (kind, _) in loading:
-            settle(tab, wait_ms=300)
-            found = []
-            if tab.locator("[data-testid='stException']").count():
-                found.append(tab.locator("[data-testid='stException']").first.inner_text()[:300])
-            said = said_on[tab][:]
-            said_on[tab].clear()
-            probes = [text for text in said if benign.match(text)]
-            said = [text for text in said if not benign.match(text)]
-            for _ in probes:
-                if "status of 404" in " ".join(said):
-                    said.remove(next(text for text in said if "status of 404" in text))
-            found += [f"console: {text[:200]}" for text in said]
-            found += charts_fit(tab)
-            if found:
-                problems[kind] = found
-            tab.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
-                           full_page=True)
-    for tab in tabs[1:]:
-        tab.close()
+    for kind, run_id in runs.items():
+        query = page_query(page_file, run_id, partner)
+        url = f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
+                                                  for v in (vs if isinstance(vs, list) else [vs]))
+        console.clear()
+        page.goto(url)
+        settle(page, wait_ms=300)
+        found = []
+        if page.locator("[data-testid='stException']").count():
+            found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
+        probes = [text for text in console if benign.match(text)]
+        said = [text for text in console if not benign.match(text)]
+        for _ in probes:
+            if "status of 404" in " ".join(said):
+                said.remove(next(text for text in said if "status of 404" in text))
+        found += [f"console: {text[:200]}" for text in said]
+        found += charts_fit(page)
+        if found:
+            problems[kind] = found
+        page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
+                        full_page=True)
     assert not problems, problems
 
 
@@ -385,7 +368,7 @@ def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds, chromium
     from test_browser import settle
 
     _, runs, _ = kinds
-    server, page = chromium
+    server, page, _ = chromium
     page.goto(f"{server.url}/Loss_scale?run={runs['mlp_digits O1']}")
     settle(page)
     chart = page.locator("[data-testid='stVegaLiteChart']").first
@@ -406,7 +389,7 @@ def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds, chro
     from test_browser import settle
 
     _, runs, _ = kinds
-    server, page = chromium
+    server, page, _ = chromium
     page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
     settle(page, "click a column")
     assert page.get_by_text("step 5, loss scale").count() == 1
