@@ -38,6 +38,7 @@ from mpdiag.training.config import (
     OPTIONS,
     ConfigError,
     RunConfig,
+    ScriptError,
     check_values,
     command_flags,
     flag,
@@ -500,11 +501,5 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv if argv[:1] == ["watch"] else _attach_dash_values(argv))
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, StoreError) as exc:
+    except (ConfigError, ScriptError, StoreError) as exc:
         return _refuse(str(exc))
-    except Exception as exc:
-        from mpdiag.training.script import ScriptError  # imported already by every command that can raise it
-
-        if isinstance(exc, ScriptError):
-            return _refuse(str(exc))
-        raise

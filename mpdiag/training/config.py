@@ -2,7 +2,7 @@
 
 Owns :class:`RunConfig` (one frozen dataclass whose field metadata is the option table :data:`OPTIONS`), the
 torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), and
-:class:`ConfigError`. The command line's run options, the dashboard's run form, a rerun's override merging and
+:class:`ConfigError` and :class:`ScriptError`. The command line's run options, the dashboard's run form, a rerun's override merging and
 the configuration stored with a run are all generated from or checked against this module.
 
 Must not import torch (the dashboard validates its form with it) and must not build policies or look at
@@ -25,6 +25,11 @@ from mpdiag.numerics.fp8_recipes import Fp8Settings
 
 class ConfigError(ValueError):
     """A run option is invalid; raised before any training starts. The message names the option."""
+
+
+class ScriptError(Exception):
+    """The model script is broken or breaks the contract; ``str()`` is the message for the user. Defined here,
+    torch-free, so the CLI can refuse it in one line without importing torch (mpdiag.training.script raises it)."""
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,9 @@ from typing import Any
 
 import torch
 
+from mpdiag.training.config import ScriptError
+
 REQUIRED_KEYS = ("model", "optimizer", "batches", "loss_fn")
-
-
-class ScriptError(Exception):
-    """The model script is broken or breaks the contract; ``str()`` is the message for the user."""
 
 
 @dataclass(frozen=True)
