@@ -57,6 +57,17 @@ def test_the_commands_that_only_read_answer_without_importing_torch(tmp_path):
     assert not imports_torch("import mpdiag.cli")
 
 
+def test_a_training_process_starts_without_pandas_or_fsdp():
+    """Every run starts a training process (a child of the app, watch, each rank): pandas (the store's
+    reader) and FSDP's DTensor machinery (imported by torch.distributed.tensor) took 2 of its 4.8 s of
+    imports. They are imported only where used: reading a run, or sharding a model."""
+    code = ("import sys, mpdiag.training.runner, mpdiag.training.watch, mpdiag.recording.recorder; "
+            "print(sorted(m for m in ('pandas', 'torch.distributed.tensor', 'torch.distributed.fsdp') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def test_device_cuda_without_gpu_is_a_clear_error(store_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -20,6 +20,7 @@ import os
 import shlex
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,6 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from mpdiag.numerics.gradstats import DeviceReadback, PendingStats, StepGradStats
@@ -38,9 +38,24 @@ from mpdiag.numerics.gradstats import DeviceReadback, PendingStats, StepGradStat
 DDP_PREFIX = "module."
 
 
+def _dtensor_class() -> type | None:
+    """FSDP2's DTensor class, or None while nothing in this process has imported it (then no tensor can be
+    one). Looked up, not imported: importing torch.distributed.tensor adds ~0.8 s to every training
+    process's start, distributed or not."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: an FSDP2 DTensor's local shard, else the tensor itself."""
+    dtensor = _dtensor_class()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
 def _is_fsdp2(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or a submodule (its parameters are DTensors)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def launch_command() -> str:
@@ -229,11 +244,6 @@ class RankContext:
 
     def tensor_name(self, name: str) -> str:
         return name.removeprefix(DDP_PREFIX) if self._named_by_ddp else name
-
-    @staticmethod
-    def local(grad: torch.Tensor) -> torch.Tensor:
-        """The part of a gradient this rank holds: an FSDP2 DTensor's local shard, else the tensor itself."""
-        return grad.to_local() if isinstance(grad, DTensor) else grad
 
     def combine(self, pending: PendingStats) -> PendingStats | None:
         """FSDP2: the statistics of the full gradients from every rank's shard statistics, with one

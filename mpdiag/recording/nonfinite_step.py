@@ -15,7 +15,8 @@ collective): the record is rank 0's, so a step that broke only another rank's sh
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from mpdiag.recording.distributed import local_shard
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,7 +61,7 @@ class NonfiniteStepCheck:
     @staticmethod
     def _all_finite(value: torch.Tensor) -> torch.Tensor:
         """Whether every value is finite (a 0-d bool tensor): of the local shard for an FSDP2 DTensor."""
-        return torch.isfinite(value.to_local() if isinstance(value, DTensor) else value).all()
+        return torch.isfinite(local_shard(value)).all()
 
     def before(self, loss: torch.Tensor | float) -> None:
         """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""

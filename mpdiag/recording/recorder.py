@@ -28,7 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
-from mpdiag.recording.distributed import DiscardingWriter, RankContext
+from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shard
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.step_gradients import StepGradients
@@ -51,10 +51,12 @@ from mpdiag.store import (
     RUN_FIELDS,
     Representability,
     StepRow,
-    Store,
     TensorRow,
     encode_hists,
 )
+
+if TYPE_CHECKING:
+    from mpdiag.store import Store
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -224,7 +226,10 @@ class Recorder:
                     check_optimizer_step=check_optimizer_step)
         if fp8 is not None:
             fp8.validate()  # before a run row exists
-        path = store.path if isinstance(store, Store) else (store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE)
+        if store is None or isinstance(store, (str, os.PathLike)):
+            path = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
+        else:  # a Store
+            path = store.path
         self._owns_writer = True
         self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
         fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
@@ -551,7 +556,7 @@ class Recorder:
         if not self._dist.computes_stats:
             return GradientRead(step)
         fresh = self._step_grads.fresh()
-        grads = [self._dist.local(self._params[i][1].grad) for i in fresh]
+        grads = [local_shard(self._params[i][1].grad) for i in fresh]
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
         norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by

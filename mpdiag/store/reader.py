@@ -39,6 +39,7 @@ from mpdiag.store.schema import (
     STALL_S,
     STALL_STEPS,
     STEP_COLUMNS,
+    SUMMARY_COLUMNS,
     TENSOR_STAT_COLUMNS,
     StoreError,
     connect_read,
@@ -47,33 +48,12 @@ from mpdiag.store.schema import (
     open_for_writing,
     read_error,
     refuse_newer,
+    step_summaries,
     stored_version,
 )
 
-SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
 # Errors a read can raise: sqlite3's own, and pandas' wrapper around them from read_sql_query.
 _READ_ERRORS = (sqlite3.DatabaseError, pd.errors.DatabaseError)
-
-
-def step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> pd.DataFrame:
-    """Per run (index run_id): steps_done, skipped_steps, peak_mem_bytes, final_loss (NaN kept) and the
-    median step time after the first (warm-up) step, from the steps table. Reads only these runs' rows."""
-    ids = [int(r) for r in run_ids]
-    if not ids:
-        return pd.DataFrame(columns=SUMMARY_COLUMNS, index=pd.Index([], name="run_id"))
-    marks = ", ".join("?" * len(ids))
-    agg = pd.read_sql_query(
-        f"""SELECT run_id, COUNT(*) AS steps_done, COALESCE(SUM(skipped), 0) AS skipped_steps,
-                   MAX(peak_mem_bytes) AS peak_mem_bytes,
-                   (SELECT CASE WHEN s2.loss IS NULL THEN 'nan' ELSE s2.loss END FROM steps s2
-                    WHERE s2.run_id = steps.run_id ORDER BY s2.step DESC LIMIT 1) AS final_loss
-            FROM steps WHERE run_id IN ({marks}) GROUP BY run_id""", conn, params=ids).set_index("run_id")
-    times = pd.read_sql_query(f"SELECT run_id, step_time_s FROM steps WHERE run_id IN ({marks}) AND step > 0",
-                              conn, params=ids)
-    agg["final_loss"] = agg["final_loss"].astype(float)
-    agg["median_step_time_s"] = times.groupby("run_id")["step_time_s"].median()
-    return agg.reindex(ids).assign(steps_done=lambda d: d["steps_done"].fillna(0).astype(int),
-                                   skipped_steps=lambda d: d["skipped_steps"].fillna(0).astype(int))
 
 
 def _known_format(fmt: str) -> str:
@@ -159,7 +139,7 @@ class Store:
                 live = step_summaries(conn, [r for r in df["run_id"] if int(r) not in stored])
         except _READ_ERRORS as exc:
             raise read_error(self.path, exc.__cause__ or exc) from exc
-        summaries = pd.concat([pd.DataFrame.from_dict(stored, orient="index"), live])
+        summaries = pd.DataFrame.from_dict({**stored, **live}, orient="index")
         for col in SUMMARY_COLUMNS:
             df[col] = df["run_id"].map(summaries[col]) if col in summaries else np.nan
         for col in ("steps_done", "skipped_steps"):

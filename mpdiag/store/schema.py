@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import statistics
 import time
 from collections.abc import Sequence
 from contextlib import closing
@@ -171,6 +172,37 @@ _STATEMENTS = [
 class StoreError(RuntimeError):
     """The store file is missing, unreadable, damaged or not an mpdiag store of a known version; the message says
     which and where."""
+
+
+#: a run's step summary: what the runs table shows of its steps; stored (runs.summary, JSON) when it ends
+SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
+
+
+def step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> dict[int, dict]:
+    """Per run id: steps_done, skipped_steps, peak_mem_bytes, final_loss (the last step's; NaN kept) and the
+    median step time after the first (warm-up) step, from the steps table; NaN where a run has no such row.
+    Reads only these runs' rows. Plain Python, no pandas: the training process's writer calls it as a run ends."""
+    ids = [int(r) for r in run_ids]
+    nan = float("nan")
+    summaries = {i: {"steps_done": 0, "skipped_steps": 0, "peak_mem_bytes": nan, "final_loss": nan,
+                     "median_step_time_s": nan} for i in ids}
+    if not ids:
+        return summaries
+    marks = ", ".join("?" * len(ids))
+    for run_id, done, skipped, peak, final in conn.execute(
+            f"""SELECT run_id, COUNT(*), COALESCE(SUM(skipped), 0), MAX(peak_mem_bytes),
+                       (SELECT s2.loss FROM steps s2 WHERE s2.run_id = steps.run_id ORDER BY s2.step DESC LIMIT 1)
+                FROM steps WHERE run_id IN ({marks}) GROUP BY run_id""", ids):
+        summaries[run_id].update(steps_done=done, skipped_steps=skipped, peak_mem_bytes=nan if peak is None else peak,
+                                 final_loss=nan if final is None else float(final))
+    times: dict[int, list[float]] = {}
+    for run_id, seconds in conn.execute(
+            f"SELECT run_id, step_time_s FROM steps WHERE run_id IN ({marks}) AND step > 0 "
+            "AND step_time_s IS NOT NULL", ids):
+        times.setdefault(run_id, []).append(seconds)
+    for run_id, seconds in times.items():
+        summaries[run_id]["median_step_time_s"] = statistics.median(seconds)
+    return summaries
 
 
 def encode_hist(counts: np.ndarray) -> bytes:

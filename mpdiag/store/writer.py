@@ -26,7 +26,6 @@ import numpy as np
 
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.store.liveness import process_is_alive, process_start_time, this_host
-from mpdiag.store.reader import step_summaries
 from mpdiag.store.schema import (
     RUN_FIELDS,
     SPECIAL_COUNT_COLUMNS,
@@ -35,6 +34,7 @@ from mpdiag.store.schema import (
     decode_hists,
     encode_hist,
     open_for_writing,
+    step_summaries,
 )
 
 #: what a person may write about a run (run names, tags, notes), in characters
@@ -296,8 +296,7 @@ class StoreWriter:
     def end_run(self, run_id: int, status: str, error: str | None = None, note: str | None = None) -> None:
         """End a run: store its step summary (once its last rows are committed, so readers need not scan its steps
         again), its status, ``error`` and the time, and ``note`` when given, in one transaction."""
-        summary = step_summaries(self._conn, [run_id]).iloc[0].to_dict()
-        summary = {k: (v.item() if hasattr(v, "item") else v) for k, v in summary.items()}
+        summary = step_summaries(self._conn, [run_id])[int(run_id)]
         fields = {"status": status, "error": error, "finished_at": time.time(), **({"note": note} if note else {})}
         with self._conn:
             self._update_run(run_id, fields)

@@ -13,6 +13,7 @@ here when a rank died.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.store import Store
 from mpdiag.training.policies import LossScaler, PrecisionPolicy
 from mpdiag.training.script import ModelScript
 
@@ -96,8 +96,8 @@ class RankJob:
         # the policy's autocast does the per-op casting; gradients are reduced in FP32
         fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
         if policy.scaler is not None:
-            policy.scaler = ShardedLossScaler(policy.device.type, policy.config, policy.scaler.static,
-                                              policy.scaler.allow_fp16_grads)
+            policy.scaler = sharded_loss_scaler()(policy.device.type, policy.config, policy.scaler.static,
+                                                  policy.scaler.allow_fp16_grads)
         return model, make_optimizer(model.parameters())  # fully_shard replaced the parameters
 
     def report_failure(self, error: str) -> None:
@@ -111,15 +111,14 @@ class RankJob:
 
 
 
-def _sharded_scaler_base():
+@functools.cache
+def sharded_loss_scaler() -> type[LossScaler]:
+    """The opt levels' LossScaler (static scale, scale bounds) over FSDP's ShardedGradScaler, which finds
+    inf/NaN in every rank's shard and agrees on skipping the step across ranks. A class made on first use:
+    importing FSDP adds ~1 s to the start of every training process, most of which never shard."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler
-
-
-class ShardedLossScaler(LossScaler, _sharded_scaler_base()):
-    """The opt levels' LossScaler (static scale, scale bounds) over FSDP's ShardedGradScaler, which finds
-    inf/NaN in every rank's shard and agrees on skipping the step across ranks."""
+    return type("ShardedLossScaler", (LossScaler, ShardedGradScaler), {"__doc__": sharded_loss_scaler.__doc__})
 
 
 # -- in the launching process -------------------------------------------------------------------------------
@@ -142,7 +141,7 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
         spec = os.path.join(folder, "spec.json")
         with open(spec, "w") as f:
             json.dump({"filename": script.filename, "source": script.source, "config": config.to_dict(),
-                       "store": str(Store(store_path).path), "run_id": run_id}, f)
+                       "store": str(Path(store_path).absolute()), "run_id": run_id}, f)
         launcher = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.nproc, rdzv_backend="c10d",
                                 rdzv_endpoint="localhost:0", run_id=f"mpdiag-{run_id}", max_restarts=0,
                                 monitor_interval=0.5)
@@ -191,6 +190,8 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     recording (one past its last row that reached rank_steps; rank 0 writes those rows, so if rank 0 was
     killed too, rows it had not flushed make this step earlier). The launcher stops the surviving ranks with
     SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
+    from mpdiag.store import Store  # (here: the ranks, which import this module, never read the store)
+
     rank_steps = Store(store_path).rank_steps(run_id)
 
     def at_step(rank: int) -> int:

@@ -17,6 +17,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,11 +29,14 @@ from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
-from mpdiag.store import Store, StoreWriter
+from mpdiag.store import StoreWriter
 from mpdiag.training import distributed
 from mpdiag.training.config import ConfigError, RunConfig, rerun_name
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
+
+if TYPE_CHECKING:
+    from mpdiag.store import Store
 
 ProgressFn = Callable[[int, int, float], None]  # (run id, step, loss): a --pair command prints two runs
 
@@ -313,6 +317,8 @@ def rerun(store_path: str | os.PathLike, run_id: int, pair: bool = False, progre
           **overrides) -> int:
     """Run a stored run's script source again (not the file's current content) with the same seed and
     steps unless overridden; returns the new run id (the mixed one when ``pair``)."""
+    from mpdiag.store import Store  # (here: a training process only writes; reading imports pandas)
+
     script, config = rerun_plan(Store(store_path), run_id, **overrides)
     if pair:
         return train_pair(script, config, store_path, progress)[0]
