@@ -72,3 +72,19 @@ def imports_torch(code: str) -> bool:
                           capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1] == "True"
 
+
+def disk_fills_after(monkeypatch, batches: int):
+    """StoreWriter.write_batch fails as SQLite does on a full disk from its ``batches``+1-th call on."""
+    import sqlite3
+
+    from mpdiag.store import StoreWriter
+
+    real, calls = StoreWriter.write_batch, []
+
+    def write_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > batches:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "write_batch", write_batch)

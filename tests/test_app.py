@@ -2,22 +2,17 @@
 
 import json
 import math
-import re
 import subprocess
 import sys
 import time
 
 import pytest
+from app_helpers import PAGES, app, confirm, shown, texts, wait_for_runs
 from conftest import EXAMPLES, ROOT
-from streamlit.testing.v1 import AppTest
 
 from mpdiag import Store
 from mpdiag.training.runner import RunConfig, train, train_pair
 from mpdiag.training.script import ModelScript
-
-PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
-TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
@@ -32,33 +27,6 @@ def filled_store(tmp_path_factory):
                     "StoreWriter(sys.argv[1]).create_run(name='dies at step 0', opt_level='O1')", str(path)],
                    check=True, cwd=ROOT)
     return path
-
-
-def app(page, store, monkeypatch, **query):
-    monkeypatch.setenv("MPDIAG_STORE", str(store))
-    at = AppTest.from_file(str(ROOT / page), default_timeout=TIMEOUT)
-    for key, value in query.items():
-        at.query_params[key] = value
-    return at.run()
-
-
-def shown(markdown: str) -> str:
-    """Markdown as it reads on screen: backslash escapes (how user text is made inert) removed."""
-    return re.sub(r"\\(.)", r"\1", markdown)
-
-
-def texts(at):
-    """Everything the page said in Markdown or code, as it reads on screen."""
-    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [i.value for i in at.info]
-    said = "\n".join(parts + [w.value for w in at.warning] + [e.value for e in at.error] + [c.value for c in at.code])
-    return shown(said)
-
-
-def confirm(at, key):
-    """Click the button ``key`` and then Confirm in the panel it opens (every action needs both)."""
-    at.button(key=key).click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at.button(key=f"{key}_confirm").click().run()
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -170,16 +138,6 @@ def test_compare_pair_reports_divergence(filled_store, monkeypatch):
     assert "versus its FP32 reference #2" in texts(at)
 
 
-def _wait_for_runs(store, n, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        runs = Store(store).runs()
-        if len(runs) >= n and (~runs["status"].isin(["queued", "running"])).all():
-            return runs
-        time.sleep(0.5)
-    raise AssertionError(f"runs did not finish: {Store(store).runs()[['run_id', 'status', 'error']]}")
-
-
 def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     store = tmp_path / "ui.db"
     at = app("app.py", store, monkeypatch)
@@ -187,7 +145,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     at.selectbox(key="new_level").set_value("bf16").run()
     confirm(at, "new_start")
     assert not at.exception
-    runs = _wait_for_runs(store, 1)
+    runs = wait_for_runs(store, 1)
     assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["opt_level"] == "bf16"
     said = texts(at.run())
     assert "You started cnn_digits.py at bf16: #1 · cnn_digits.py · bf16, finished, step 5 of 5." in said and "[Findings](/Findings?run=1)" in said
@@ -196,7 +154,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     at.selectbox(key="rerun_level").set_value("O2").run()
     at.radio(key="rerun_mode").set_value("dynamic").run()
     confirm(at, "rerun_start")
-    runs = _wait_for_runs(store, 2)
+    runs = wait_for_runs(store, 2)
     child = runs.iloc[0]
     assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5
 
@@ -221,7 +179,7 @@ def test_upload_check_and_run_a_good_script(tmp_path, monkeypatch):
     assert Store(store).scripts()["filename"].tolist() == ["evil_name.py"]
     at.number_input(key="upload_steps").set_value(4).run()
     confirm(at, "upload_start")
-    runs = _wait_for_runs(store, 1)
+    runs = wait_for_runs(store, 1)
     assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["script_path"] == "evil_name.py"
 
 
@@ -259,7 +217,7 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert "Overflow in the forward pass" in said and "[See the evidence on the Loss scale page](/Loss_scale?run=1)" in said
     fix = [b for b in at.button if b.label.startswith("Rerun with this fix")][0]
     confirm(at, fix.key)
-    runs = _wait_for_runs(store, 3)  # the rerun and its FP32 twin (no FP32 reference existed)
+    runs = wait_for_runs(store, 3)  # the rerun and its FP32 twin (no FP32 reference existed)
     assert set(runs["opt_level"]) == {"O1", "bf16", "O0"}
     said = texts(at.run())  # feedback where the click was: the page says what started, how far, and links it
     assert "You started the fix of scale-collapse on #1 (level bf16): #2" in said

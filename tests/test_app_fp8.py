@@ -8,9 +8,9 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 import pandas as pd
 import pytest
+from app_helpers import app, shown, texts
 from chart_check import chart_problems
 from conftest import EXAMPLES
-from test_app import app, shown, texts
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose, evidence_link

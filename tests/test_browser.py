@@ -7,66 +7,20 @@ page, follows a deep link on a freshly started server, and saves screenshots to 
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
+from browser_helpers import CHROMIUM, CHROMIUM_ARGS, Server, charts_fit, no_exception, settle, shot
 from conftest import ROOT
 
 from mpdiag import Store
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SHOTS = ROOT / "artifacts" / "screenshots"  # test-results/ is pytest-playwright's and is cleared by it
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
 ]
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serving(url: str, seconds: float) -> bool:
-    """Whether a Streamlit server answers its health check at ``url`` within ``seconds``."""
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                return True
-        except OSError:
-            time.sleep(0.3)
-    return False
-
-
-class Server:
-    def __init__(self, store):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "MPDIAG_STORE": str(store), "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(self.port),
-             "--server.headless", "true", "--server.address", "127.0.0.1"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        if not serving(self.url, 60):
-            self.stop()
-            raise RuntimeError("streamlit did not start")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -77,39 +31,6 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
         b.close()
-
-
-def settle(page, text=None, timeout=60_000, wait_ms=1500):
-    """Wait for the app to finish running its script (and for ``text`` to appear), then ``wait_ms`` for the
-    charts to draw."""
-    # the script has run to its end once (right after goto the app reads "initial", then "running")
-    page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
-    page.wait_for_selector("[data-testid='stMain'] [data-testid='stElementContainer']", timeout=timeout)
-    if text:
-        page.get_by_text(text, exact=False).first.wait_for(timeout=timeout)
-    page.wait_for_function(
-        "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
-    )
-    page.wait_for_timeout(wait_ms)
-
-
-def no_exception(page):
-    assert page.locator("[data-testid='stException']").count() == 0, page.locator("[data-testid='stException']").first.inner_text()
-
-
-def charts_fit(page) -> list[str]:
-    """The charts on the page whose drawing (canvas or svg) reaches past their Streamlit element's right edge."""
-    return page.evaluate("""() => [...document.querySelectorAll("[data-testid='stVegaLiteChart']")].flatMap(el => {
-        const box = el.getBoundingClientRect();
-        return [...el.querySelectorAll('canvas, svg.marks')]
-            .filter(d => d.getBoundingClientRect().right > box.right + 1)
-            .map(d => `${el.innerText.slice(0, 40)}: ${Math.round(d.getBoundingClientRect().right - box.right)} px past`);
-    })""")
-
-
-def shot(page, name):
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 @pytest.mark.timeout(1200)  # three servers, the bundled pair trained from the UI and a live run: minutes on 2 cores
@@ -300,12 +221,11 @@ def test_fp8_page_of_an_fp8_recording_from_its_findings_link(browser, tmp_path):
 def test_upload_training_code_as_files_check_it_and_run_it(browser, tmp_path):
     """What only a browser does: several files through the multi-file uploader, the entry point and arguments
     typed, the check and the run each confirmed; the run ends as the loop's own log says."""
-    from test_upload_code import AMP_LOOP
 
     store, log = tmp_path / "code.db", tmp_path / "log.json"
     files = tmp_path / "files"
     files.mkdir()
-    (files / "amp_loop.py").write_bytes(AMP_LOOP)
+    (files / "amp_loop.py").write_bytes((ROOT / "tests" / "scripts" / "amp_loop.py").read_bytes())
     (files / "launch.py").write_bytes(b"import amp_loop  # noqa: F401 - the loop runs on import\n")
     server = Server(store)
     try:

@@ -19,9 +19,9 @@ import textwrap
 import numpy as np
 import pyarrow as pa
 import pytest
+from app_helpers import app
 from chart_check import page_chart_problems
 from conftest import EXAMPLES, ROOT, run_cli
-from test_app import app
 
 from mpdiag import Store
 from mpdiag.store import StoreWriter
@@ -185,8 +185,8 @@ def render(page, store, monkeypatch, **query):
 @contextlib.contextmanager
 def chromium_on(store):
     """A streamlit server on ``store`` and a 1400 x 1800 page in Debian's headless Chromium: (server, page)."""
+    from browser_helpers import CHROMIUM, CHROMIUM_ARGS, Server
     from playwright.sync_api import sync_playwright
-    from test_browser import CHROMIUM, CHROMIUM_ARGS, Server
 
     if not os.path.exists(CHROMIUM):
         pytest.skip("needs Debian's chromium (apt-get install chromium)")
@@ -294,7 +294,7 @@ def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
     """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
     drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/).
     One test a page, so that each stays well inside the per-test timeout on CI's two cores."""
-    from test_browser import SHOTS, charts_fit, settle
+    from browser_helpers import SHOTS, charts_fit, settle
 
     _, runs, partner = kinds
     server, page, console = chromium
@@ -366,8 +366,8 @@ def test_zooming_one_loss_scale_panel_zooms_them_all_in_chromium(kinds, chromium
     bound to a zoom): the top panel's pixels change although the mouse never touched it."""
     import io
 
+    from browser_helpers import settle
     from PIL import Image, ImageChops
-    from test_browser import settle
 
     _, runs, _ = kinds
     server, page, _ = chromium
@@ -388,7 +388,7 @@ def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds, chro
     """On Gradients, a click on the heatmap's first column (step 0) moves the step slider and the step's
     histogram to step 0 (the page opens on the last step). The click height is searched: cells lie only
     where the gradient's exponents are."""
-    from test_browser import settle
+    from browser_helpers import settle
 
     _, runs, _ = kinds
     server, page, _ = chromium

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import torch
-from test_fp8_numerics import by_casting, exponent_histogram
+from ground_truth import by_casting, exponent_histogram
 from torch import nn
 
 from mpdiag.numerics.fp8 import EXP_MIN

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from ground_truth import by_casting, exponent_histogram
 
 from mpdiag.numerics.fp8 import CATEGORY_EDGES, EXP_MIN, Fp8StatsComputer
 from mpdiag.numerics.fp8_recipes import (
@@ -21,30 +22,6 @@ from mpdiag.numerics.fp8_recipes import (
     scale_from_reference,
     whatif_counts,
 )
-
-DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def by_casting(x: torch.Tensor, scale: float, name: str) -> tuple[int, int, int]:
-    """underflow, subnormal, overflow of fp32(x * scale) cast to ``name``: the definition, with torch's cast."""
-    fmt = FP8_FORMATS[name]
-    x = x.float().reshape(-1)
-    y = x * torch.tensor(scale, dtype=torch.float32)
-    cast = y.to(DTYPES[name]).float().abs()
-    finite_nonzero = torch.isfinite(x) & (x != 0)
-    # E4M3's cast saturates (448 even for inf), so its overflow is the 464 threshold; E5M2's cast gives inf
-    over = y.abs() > 464 if name == "fp8_e4m3" else torch.isinf(cast)
-    return (int((finite_nonzero & (cast == 0)).sum()),
-            int((finite_nonzero & (cast > 0) & (cast < fmt.min_normal)).sum()),
-            int((torch.isfinite(x) & over).sum()))
-
-
-def exponent_histogram(x: torch.Tensor) -> np.ndarray:
-    hist = np.zeros(277, dtype=np.int64)
-    for v in x.double().reshape(-1).tolist():
-        if v != 0 and math.isfinite(v):
-            hist[math.frexp(abs(v))[1] - 1 - EXP_MIN] += 1
-    return hist
 
 
 def bits(values) -> torch.Tensor:

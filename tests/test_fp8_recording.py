@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 import torch
 from conftest import run_cli
+from ground_truth import by_casting, exponent_histogram
 from test_fp8_capture import expected_scale, planted_batch, planted_model, planted_step
-from test_fp8_numerics import by_casting, exponent_histogram
 
 from mpdiag.analysis.findings import diagnose, evidence_link, rerun_outcomes
 from mpdiag.analysis.fp8_findings import recorded_settings

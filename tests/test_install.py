@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_helpers import free_port, serving
 from conftest import EXAMPLES, ROOT
-from test_browser import free_port, serving
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+from app_helpers import app, texts
 from conftest import EXAMPLES
-from test_app import app, texts
 
 from mpdiag import Store
 from mpdiag.analysis import module_trace

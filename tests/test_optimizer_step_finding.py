@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from loops import HALF_LOOP, first_broken_step
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose
@@ -68,34 +69,6 @@ def test_finite_run_records_no_event(write_script, store_path):
 
 
 # -- users' own loops: the Recorder, and mpdiag watch of an unmodified script ------------------------------------
-
-HALF_LOOP = """
-import json, sys
-import torch
-
-torch.manual_seed(0)
-# a loop that keeps its model in FP16 itself (pure FP16 training, as O3 does), with AdamW's default eps=1e-8
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).half()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x, y = torch.randn(32, 8).half(), torch.randn(32, 1).half()
-truth = []  # what the loop sees itself: finite before each step, which parameters are non-finite after it
-for step in range(3):
-    optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-    loss.backward()
-    before = bool(torch.isfinite(loss)) and all(
-        bool(torch.isfinite(p.grad).all()) and bool(torch.isfinite(p).all()) for p in model.parameters())
-    optimizer.step()
-    truth.append({"finite_before": before,
-                  "broken": [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]})
-json.dump(truth, open(sys.argv[1], "w"))
-"""
-
-
-def first_broken_step(truth: list[dict]) -> tuple[int, list[str]]:
-    """The loop's own account: the first step that started finite and ended with non-finite weights."""
-    return next((i, t["broken"]) for i, t in enumerate(truth) if t["finite_before"] and t["broken"])
-
 
 def test_watch_of_a_loop_that_keeps_fp16_weights_finds_the_broken_step(store_path, write_script, tmp_path):
     from mpdiag.training.watch import WatchConfig, watch

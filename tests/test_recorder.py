@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import disk_fills_after
 
 from mpdiag import Recorder, Store
 from mpdiag.numerics.formats import BF16, FP16
@@ -233,27 +234,10 @@ def test_a_loop_stuck_inside_a_step_has_its_earlier_steps_in_the_store_and_reads
     assert store.steps(rec.run_id)["step"].tolist() == [0, 1, 2, 3]
 
 
-def _disk_fills_after(monkeypatch, batches: int):
-    """StoreWriter.write_batch fails as SQLite does on a full disk from its ``batches``+1-th call on."""
-    import sqlite3
-
-    from mpdiag.store import StoreWriter
-
-    real, calls = StoreWriter.write_batch, []
-
-    def write_batch(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) > batches:
-            raise sqlite3.OperationalError("database or disk is full")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(StoreWriter, "write_batch", write_batch)
-
-
 def test_a_full_disk_stops_recording_once_and_lets_training_finish(tmp_path, monkeypatch, capsys):
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    _disk_fills_after(monkeypatch, batches=1)
+    disk_fills_after(monkeypatch, batches=1)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -284,7 +268,7 @@ def test_a_write_that_fails_on_the_timer_flush_stops_recording_without_hanging(t
     forever, and the training thread's close() with it) and the training goes on."""
     import threading
 
-    _disk_fills_after(monkeypatch, batches=0)
+    disk_fills_after(monkeypatch, batches=0)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -9,8 +9,8 @@ import math
 import zipfile
 
 import pytest
+from app_helpers import app, confirm, shown, texts, wait_for_runs
 from conftest import ROOT
-from test_app import _wait_for_runs, app, confirm, shown, texts
 
 from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, BundleRefused, bundle_from_uploads, check_bundle
 from mpdiag.store import Store
@@ -117,7 +117,7 @@ def test_uploaded_code_runs_unmodified_and_records_what_the_loop_computed(tmp_pa
     assert not at.exception and "proj.zip: launch.py: ready" in [shown(s.value) for s in at.success]
     assert f"python launch.py {log_path} --steps 6 --accumulate 2" in texts(at)
     confirm(at, "code_start")
-    run = _wait_for_runs(store, 1).iloc[0]
+    run = wait_for_runs(store, 1).iloc[0]
     assert run["status"] == "finished", run["error"]
     log, steps = json.loads(log_path.read_text()), Store(store).steps(int(run["run_id"]))
     assert steps["loss"].tolist() == pytest.approx(log["loss"], rel=1e-6)
@@ -145,13 +145,13 @@ def test_a_finding_on_uploaded_code_is_fixed_by_a_rerun_from_the_findings_page(t
     at = upload_code(app("pages/4_Upload.py", store, monkeypatch), "proj.zip", zipped(PROJECT), "launch.py",
                      f"{log_path} --steps 4 --init-scale 1099511627776")
     confirm(at, "code_start")
-    parent = int(_wait_for_runs(store, 1).iloc[0]["run_id"])
+    parent = int(wait_for_runs(store, 1).iloc[0]["run_id"])
     assert Store(store).steps(parent)["skipped"].tolist() == [1, 1, 1, 1]
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(parent))
     fixes = [b for b in at.button if b.label.startswith("Rerun with this fix")]
     assert fixes and not any(b.disabled for b in fixes), texts(at)
     confirm(at, fixes[0].key)
-    child = _wait_for_runs(store, 2).iloc[0]
+    child = wait_for_runs(store, 2).iloc[0]
     assert (int(child["parent_run_id"]), child["status"]) == (parent, "finished"), child["error"]
     fix = child["config"]["watch"]
     assert fix["argv"] == ["launch.py", str(log_path), "--steps", "4", "--init-scale", "1099511627776"]
@@ -179,7 +179,7 @@ def test_a_command_line_watch_is_rerun_from_the_app_in_its_directory(tmp_path, m
     at.selectbox(key="rerun_watch_level").set_value("bf16").run()
     assert f"python train.py {log_path}" in texts(at) and str(folder) in texts(at)
     confirm(at, "rerun_start")
-    child = _wait_for_runs(store, 2).iloc[0]
+    child = wait_for_runs(store, 2).iloc[0]
     assert (child["status"], child["opt_level"], child["scaling"], child["steps_done"]) == ("finished", "bf16", "none", 3)
     assert child["config"]["watch"]["cwd"] == str(folder)
 
@@ -205,13 +205,13 @@ def test_the_command_line_does_not_rerun_uploaded_code_in_its_own_process(tmp_pa
 def test_uploaded_code_that_breaks_in_its_optimizer_step_gets_the_finding_from_its_child(tmp_path, monkeypatch):
     """The optimizer-step check runs in the supervised child: its record reaches the run through the supervisor
     (which keeps the run's watch settings), and Findings states it with no rerun it cannot do."""
-    from test_optimizer_step_finding import HALF_LOOP, first_broken_step
+    from loops import HALF_LOOP, first_broken_step
 
     store, truth_path = tmp_path / "up.db", tmp_path / "truth.json"
     at = upload_code(app("pages/4_Upload.py", store, monkeypatch), "half_loop.py", HALF_LOOP.encode(),
                      "half_loop.py", str(truth_path))
     confirm(at, "code_start")
-    run = _wait_for_runs(store, 1).iloc[0]
+    run = wait_for_runs(store, 1).iloc[0]
     assert run["status"] == "finished", run["error"]
     step, broken = first_broken_step(json.loads(truth_path.read_text()))
     event = run["config"]["optimizer_step_nonfinite"]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import disk_fills_after
 
 from mpdiag.store import Store
 from mpdiag.training.config import ConfigError
@@ -342,9 +343,8 @@ def test_shadow_of_a_loop_whose_model_is_never_called_says_so(store_path, write_
 
 def test_a_full_disk_never_ends_the_watched_script(store_path, tmp_path, monkeypatch, capsys):
     """The script runs to its own end and exit code; watch says once that it stopped recording."""
-    from test_recorder import _disk_fills_after
 
-    _disk_fills_after(monkeypatch, batches=0)
+    disk_fills_after(monkeypatch, batches=0)
     log_path = tmp_path / "log.json"
     store, run_id, code = watched(store_path, AMP_LOOP, log_path, "--steps", 6)
     assert code == 0 and len(json.loads(log_path.read_text())["loss"]) == 6

@@ -1,0 +1,90 @@
+"""Driving the app in a real browser: a Streamlit server on a store, Debian's headless Chromium, and the waits
+and checks the browser tests share (a page settled, no exception, charts inside their elements, screenshots)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from conftest import ROOT
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = ROOT / "artifacts" / "screenshots"  # test-results/ is pytest-playwright's and is cleared by it
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(url: str, seconds: float) -> bool:
+    """Whether a Streamlit server answers its health check at ``url`` within ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+class Server:
+    def __init__(self, store):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "MPDIAG_STORE": str(store), "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(self.port),
+             "--server.headless", "true", "--server.address", "127.0.0.1"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        if not serving(self.url, 60):
+            self.stop()
+            raise RuntimeError("streamlit did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def settle(page, text=None, timeout=60_000, wait_ms=1500):
+    """Wait for the app to finish running its script (and for ``text`` to appear), then ``wait_ms`` for the
+    charts to draw."""
+    # the script has run to its end once (right after goto the app reads "initial", then "running")
+    page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
+    page.wait_for_selector("[data-testid='stMain'] [data-testid='stElementContainer']", timeout=timeout)
+    if text:
+        page.get_by_text(text, exact=False).first.wait_for(timeout=timeout)
+    page.wait_for_function(
+        "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
+    )
+    page.wait_for_timeout(wait_ms)
+
+
+def no_exception(page):
+    assert page.locator("[data-testid='stException']").count() == 0, page.locator("[data-testid='stException']").first.inner_text()
+
+
+def charts_fit(page) -> list[str]:
+    """The charts on the page whose drawing (canvas or svg) reaches past their Streamlit element's right edge."""
+    return page.evaluate("""() => [...document.querySelectorAll("[data-testid='stVegaLiteChart']")].flatMap(el => {
+        const box = el.getBoundingClientRect();
+        return [...el.querySelectorAll('canvas, svg.marks')]
+            .filter(d => d.getBoundingClientRect().right > box.right + 1)
+            .map(d => `${el.innerText.slice(0, 40)}: ${Math.round(d.getBoundingClientRect().right - box.right)} px past`);
+    })""")
+
+
+def shot(page, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
