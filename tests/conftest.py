@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "mpdiag" / "examples"
+FIXTURES = ROOT / "tests" / "fixtures"  # stores, scripts, hostile code and public training code the tests use
 sys.path.insert(0, str(ROOT))
 
 from mpdiag.numerics.gradstats import DeviceReadback, PendingStats  # noqa: E402

@@ -130,14 +130,14 @@ def test_docs_index_quick_start_is_the_readmes():
 
 def test_conformance_table_cites_tests_that_exist():
     """docs/watch.md's conformance table: every test it names is a test function (a parametrisation id, in
-    brackets, one of that test's ids) in the file it names, tests/test_watch_frameworks.py where it names none."""
+    brackets, one of that test's ids) in the file it names, tests/e2e/test_watch_frameworks.py where it names none."""
     table = section(DOCS / "watch.md", "Conformance: each framework against its own numbers")
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| framework")]
     assert len(rows) >= 10
     cited = 0
     for row in rows:
         cell = row.rstrip(" |").rsplit("|", 1)[1]
-        test_file, function = "tests/test_watch_frameworks.py", None
+        test_file, function = "tests/e2e/test_watch_frameworks.py", None
         for ref in re.findall(r"`([^`]+)`", cell):
             path, _, name = ref.rpartition("::") if "::" in ref else ("", "", ref)
             if path or name.startswith("tests/"):

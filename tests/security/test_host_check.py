@@ -1,7 +1,7 @@
 """Host check: a session whose request Host is not loopback or a name in MPDIAG_ALLOWED_HOSTS gets no data.
 
 The rule is tested directly, then on every page under AppTest with the session's Host replaced (AppTest sends
-no request headers, so frame.request_host is patched); tests/test_browser.py checks a real browser that reaches
+no request headers, so frame.request_host is patched); tests/e2e/test_browser.py checks a real browser that reaches
 the server under a foreign name (DNS rebinding).
 """
 

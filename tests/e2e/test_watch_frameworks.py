@@ -1,6 +1,6 @@
 """`mpdiag watch` on the frameworks people train with, each unmodified and checked against its own numbers.
 
-Every script in tests/scripts/frameworks/ writes its framework's own truth (Lightning's tensors handed to its
+Every script in tests/fixtures/scripts/frameworks/ writes its framework's own truth (Lightning's tensors handed to its
 hooks, the loop's own closure evaluation, Accelerate's gradients before its clip, a GAN's per-model gradients)
 to a JSON file; the run watch stored must hold exactly those: one step per optimizer step, the loss the
 framework back-propagated, per tensor the L2 norm of the gradient the optimizer stepped with (unscaled, before
@@ -13,13 +13,14 @@ import math
 import os
 
 import pytest
+from conftest import FIXTURES
 
 from mpdiag.store import Store
 from mpdiag.training.watch import WatchConfig, watch
 
 pytestmark = pytest.mark.slow
 
-FRAMEWORKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "frameworks")
+FRAMEWORKS = os.fspath(FIXTURES / "scripts" / "frameworks")
 
 
 def watched_truth(store_path, tmp_path, script, *args, **options):

@@ -15,7 +15,7 @@ from conftest import ROOT
 from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, BundleRefused, bundle_from_uploads, check_bundle
 from mpdiag.store import Store
 
-AMP_LOOP = (ROOT / "tests" / "scripts" / "amp_loop.py").read_bytes()
+AMP_LOOP = (ROOT / "tests" / "fixtures" / "scripts" / "amp_loop.py").read_bytes()
 TRAINING_CODE = "Training code as it is (mpdiag watch)"
 
 

@@ -1,7 +1,7 @@
 """Real public training code, unmodified, through `mpdiag watch`, copied byte for byte with their licences:
-nanoGPT's train.py (tests/real_code/nanogpt/, karpathy/nanoGPT at 3adf61e, MIT) and PyTorch's
-word_language_model example (tests/real_code/word_language_model/, pytorch/examples at 77f55b9, BSD-3); and
-Hugging Face's Trainer (with Accelerate, from requirements-dev) driving a user's script, tests/scripts/hf_trainer.py.
+nanoGPT's train.py (tests/fixtures/real_code/nanogpt/, karpathy/nanoGPT at 3adf61e, MIT) and PyTorch's
+word_language_model example (tests/fixtures/real_code/word_language_model/, pytorch/examples at 77f55b9, BSD-3); and
+Hugging Face's Trainer (with Accelerate, from requirements-dev) driving a user's script, tests/fixtures/scripts/hf_trainer.py.
 
 Each runs on the CPU with a tiny config given on its own command line and synthetic data. Ground truth is the script's own: the norm its ``clip_grad_norm_`` call returned
 (seen through a wrapper installed before watch patches anything), its parameter list, its iteration count.
@@ -17,13 +17,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import FIXTURES
 
 from mpdiag.store import Store
 from mpdiag.training.watch import WatchConfig, watch
 
 pytestmark = pytest.mark.slow
 
-REAL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_code")
+REAL_CODE = os.fspath(FIXTURES / "real_code")
 NANOGPT = os.path.join(REAL_CODE, "nanogpt")
 WORD_LANGUAGE_MODEL = os.path.join(REAL_CODE, "word_language_model")
 MAX_ITERS = 5  # nanoGPT stops after iteration max_iters, so it steps max_iters + 1 times

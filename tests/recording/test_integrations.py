@@ -9,13 +9,14 @@ import sys
 
 import pandas as pd
 import pytest
+from conftest import FIXTURES
 
 from mpdiag.store import Store
 from mpdiag.training.watch import WatchConfig, watch
 
 pytestmark = pytest.mark.slow
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+SCRIPTS = os.fspath(FIXTURES / "scripts")
 STATS = ["step", "tensor", "numel", "zeros", "nan", "posinf", "neginf", "absmax", "min_nonzero", "l2",
          "fp16_underflow", "fp16_subnormal", "fp16_overflow", "bf16_underflow", "bf16_subnormal", "bf16_overflow"]
 

@@ -165,7 +165,7 @@ def kinds(tmp_path_factory):
     runs["running, no step yet"] = waiting.run_id
     with pytest.MonkeyPatch.context() as patch:
         # the running run takes no step while the module's tests run (minutes): it stays 'running', not 'stalled'
-        # (tests/test_app.py has the stalled run)
+        # (tests/dashboard/test_app.py has the stalled run)
         patch.setattr("mpdiag.store.reader.STALL_S", 24 * 3600.0)
         yield path, runs, partner
     recorder.close()

@@ -2,7 +2,7 @@
 as training, from a run started the way the app starts runs (supervised child process). Other runs' data and
 the store stay intact throughout.
 
-Each script in tests/hostile/ states in its header what the check must say (``# check: ...``, or ``ready``)
+Each script in tests/fixtures/hostile/ states in its header what the check must say (``# check: ...``, or ``ready``)
 and, optionally, what its run must end with (``# run: ...``: ``finished`` or text of the run's error).
 """
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, FIXTURES, run_cli
 
 from mpdiag import Store
 from mpdiag.sandbox.launch import launch, run_job
@@ -19,7 +19,7 @@ from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
 pytestmark = pytest.mark.slow
-HOSTILE = sorted((Path(__file__).parent / "hostile").glob("*.py"))
+HOSTILE = sorted((FIXTURES / "hostile").glob("*.py"))
 LIMITS = {"MPDIAG_CHECK_WALL_S": "20", "MPDIAG_RUN_WALL_S": "40", "MPDIAG_RUN_MEMORY_MB": "3000",
           "MPDIAG_LOG_BYTES": "200000"}
 

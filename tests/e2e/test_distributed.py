@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT as REPOSITORY
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.dashboard.untrusted import plain
@@ -19,8 +20,8 @@ from mpdiag.store import REPRESENTABILITY_COLUMNS, Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.join(ROOT, "tests", "distributed")
+ROOT = os.fspath(REPOSITORY)
+HERE = os.path.join(ROOT, "tests", "fixtures", "distributed")
 
 
 def _env(**extra) -> dict:

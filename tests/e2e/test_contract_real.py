@@ -7,12 +7,13 @@ import math
 import os
 
 import pytest
+from conftest import ROOT as REPOSITORY
 
 from mpdiag.store import Store
 from mpdiag.training.watch import WatchConfig, watch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NANOGPT_STYLE = os.path.join(ROOT, "tests", "scripts", "nanogpt_style.py")
+ROOT = os.fspath(REPOSITORY)
+NANOGPT_STYLE = os.path.join(ROOT, "tests", "fixtures", "scripts", "nanogpt_style.py")
 
 
 def run_nanogpt_style(store_path, log_path, *args, **options):

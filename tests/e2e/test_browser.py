@@ -225,7 +225,7 @@ def test_upload_training_code_as_files_check_it_and_run_it(browser, tmp_path):
     store, log = tmp_path / "code.db", tmp_path / "log.json"
     files = tmp_path / "files"
     files.mkdir()
-    (files / "amp_loop.py").write_bytes((ROOT / "tests" / "scripts" / "amp_loop.py").read_bytes())
+    (files / "amp_loop.py").write_bytes((ROOT / "tests" / "fixtures" / "scripts" / "amp_loop.py").read_bytes())
     (files / "launch.py").write_bytes(b"import amp_loop  # noqa: F401 - the loop runs on import\n")
     server = Server(store)
     try:

@@ -17,7 +17,7 @@ from conftest import EXAMPLES, ROOT, run_cli
 from mpdiag import Store
 from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunBusy, RunTextRefused, StoreWriter
 
-DATA = ROOT / "tests" / "data"
+DATA = ROOT / "tests" / "fixtures" / "data"
 
 
 def tables(path) -> dict[str, pd.DataFrame]:

@@ -11,14 +11,15 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT as REPOSITORY
 from conftest import disk_fills_after
 
 from mpdiag.store import Store
 from mpdiag.training.config import ConfigError
 from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AMP_LOOP = os.path.join(ROOT, "tests", "scripts", "amp_loop.py")
+ROOT = os.fspath(REPOSITORY)
+AMP_LOOP = os.path.join(ROOT, "tests", "fixtures", "scripts", "amp_loop.py")
 
 
 def watched(store_path, target, *args, **options):
@@ -297,7 +298,7 @@ def test_rerun_of_a_watched_run_whose_script_is_gone_says_so(store_path, tmp_pat
     assert len(Store(store_path).runs()) == 1  # nothing stored
 
 
-SHADOW_LOOP = os.path.join(ROOT, "tests", "scripts", "shadow_loop.py")
+SHADOW_LOOP = os.path.join(ROOT, "tests", "fixtures", "scripts", "shadow_loop.py")
 
 
 @pytest.mark.parametrize(("where", "decorator"), [("inside", False), ("outside", False), ("inside", True)])

@@ -159,7 +159,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5
 
 
-HOSTILE_DIR = ROOT / "tests" / "hostile"
+HOSTILE_DIR = ROOT / "tests" / "fixtures" / "hostile"
 
 
 def upload(at, name, data):
@@ -331,7 +331,7 @@ def test_an_older_store_is_upgraded_with_a_message(tmp_path, monkeypatch):
     from mpdiag.store import SCHEMA_VERSION
 
     store = tmp_path / "old.db"
-    shutil.copy(ROOT / "tests" / "data" / "store_v7.db", store)
+    shutil.copy(ROOT / "tests" / "fixtures" / "data" / "store_v7.db", store)
     at = app("app.py", store, monkeypatch)
     assert not at.exception
     assert f"The store old.db was upgraded from schema 7 to {SCHEMA_VERSION} in" in texts(at)

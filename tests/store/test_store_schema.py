@@ -28,7 +28,7 @@ from mpdiag.store import (
     encode_hist,
 )
 
-DATA = ROOT / "tests" / "data"
+DATA = ROOT / "tests" / "fixtures" / "data"
 
 
 def _raw(path, sql):
@@ -247,7 +247,7 @@ def _tables(path) -> dict[str, pd.DataFrame]:
 
 def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes(tmp_path):
     """Schema 8 (run management) adds runs.user_note and run_tags in place; every row of every table of a real
-    schema-7 file (tests/data/make_store_v7.py) reads back as it was, and the new fields start empty."""
+    schema-7 file (tests/fixtures/data/make_store_v7.py) reads back as it was, and the new fields start empty."""
     original = DATA / "store_v7.db"
     assert _stamp(original) == "7"
     before = _tables(original)
@@ -281,7 +281,7 @@ def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes
 
 def test_schema_8_store_migrates_to_9_keeping_every_row_and_gains_per_step_lr_norm_and_wall_time(tmp_path):
     """Schema 9 adds steps.lr, steps.grad_norm and steps.wall_time_s in place (ALTER TABLE ADD COLUMN on the
-    WITHOUT ROWID steps table); every row of every table of a real schema-8 file (tests/data/make_store_v8.py,
+    WITHOUT ROWID steps table); every row of every table of a real schema-8 file (tests/fixtures/data/make_store_v8.py,
     written by the schema-8 code) reads back as it was, the new columns read NULL / NaN for its steps, and the
     migrated store takes steps with the new columns, which Store.steps returns exactly."""
     original = DATA / "store_v8.db"

@@ -24,7 +24,7 @@ from mpdiag.store import SCHEMA_VERSION, Store, StoreWriter
 from mpdiag.store.console import HEAD_BYTES, TAIL_BYTES, ConsoleCapture, cut_line
 from mpdiag.store.export import run_tables
 
-DATA = ROOT / "tests" / "data"
+DATA = ROOT / "tests" / "fixtures" / "data"
 
 
 def expected_kept(full: str) -> str:
@@ -84,7 +84,7 @@ def test_the_tee_passes_every_write_on_unchanged_and_keeps_them_in_order(capsys)
 
 # -- the store ---------------------------------------------------------------------------------------------------
 def test_a_schema_8_store_migrates_in_place_and_gains_an_empty_run_output(tmp_path):
-    """A real schema-8 file (tests/data/make_store_v8.py) opened by this mpdiag: stamped current, every row of
+    """A real schema-8 file (tests/fixtures/data/make_store_v8.py) opened by this mpdiag: stamped current, every row of
     every table it had kept, run_output there and empty; the migrated store keeps output and reads it back."""
     path = tmp_path / "v8.db"
     shutil.copy(DATA / "store_v8.db", path)
