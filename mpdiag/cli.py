@@ -4,7 +4,7 @@ renames, tags, notes and deletes runs (through the store's writer, one method pe
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
 on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run
 options, their defaults or their bounds: the run flags are generated from
-:data:`mpdiag.training.config.OPTIONS`, and validated by it before any store is opened.
+:data:`mpdiag.options.OPTIONS`, and validated by it before any store is opened.
 
 Torch is imported inside the commands that load a script, train or watch, not at the top: ``runs``,
 ``diagnose``, ``export``, ``dashboard`` and ``--help`` answer in under a second, without its 3 s import.
@@ -26,13 +26,7 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import select_runs
-from mpdiag.recording.console import tee_console
-from mpdiag.sandbox.check import check_script
-from mpdiag.sandbox.probe import KIND as PROBE_KIND
-from mpdiag.sandbox.probe import run_probe
-from mpdiag.store import DEFAULT_STORE, RunTextRefused, Store, StoreError, StoreWriter
-from mpdiag.store.export import export_run
-from mpdiag.training.config import (
+from mpdiag.options import (
     ALL_LEVELS,
     FP8_RECIPE_OPTIONS,
     OPTIONS,
@@ -45,6 +39,12 @@ from mpdiag.training.config import (
     rerunnable_by_watch,
     watch_fix,
 )
+from mpdiag.recording.console import tee_console
+from mpdiag.sandbox.check import check_script
+from mpdiag.sandbox.probe import KIND as PROBE_KIND
+from mpdiag.sandbox.probe import run_probe
+from mpdiag.store import DEFAULT_STORE, RunTextRefused, Store, StoreError, StoreWriter
+from mpdiag.store.export import export_run
 
 if TYPE_CHECKING:
     from mpdiag.training.script import ModelScript
@@ -94,7 +94,7 @@ def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = Fals
 
 
 def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None:
-    """Every run option that has a flag (mpdiag.training.config.OPTIONS), then --pair and --store."""
+    """Every run option that has a flag (mpdiag.options.OPTIONS), then --pair and --store."""
     for name, spec in OPTIONS.items():
         if spec.no_flag is None:
             _add_option(parser, name, inherit)

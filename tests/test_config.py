@@ -11,14 +11,14 @@ from streamlit.testing.v1 import AppTest
 from mpdiag import Store
 from mpdiag.cli import build_parser
 from mpdiag.dashboard.frame import FORM_KEYS
-from mpdiag.training.config import LEVELS, OPTIONS, ConfigError, RunConfig, flag
+from mpdiag.options import LEVELS, OPTIONS, ConfigError, RunConfig, flag
 from mpdiag.training.policies import POLICIES
 from mpdiag.training.runner import rerun_plan, train
 from mpdiag.training.script import ModelScript
 
 
 def test_the_configuration_validates_without_importing_torch():
-    assert not imports_torch("from mpdiag.training.config import RunConfig\n"
+    assert not imports_torch("from mpdiag.options import RunConfig\n"
                              "RunConfig(opt_level='O2', init_scale=1024.0, device='cuda:1').validate()")
 
 

@@ -10,7 +10,7 @@ import torch
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose
-from mpdiag.training.config import RunConfig
+from mpdiag.options import RunConfig
 from mpdiag.training.runner import rerun, train
 from mpdiag.training.script import ModelScript
 

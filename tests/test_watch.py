@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from mpdiag.options import ConfigError
 from mpdiag.store import Store
-from mpdiag.training.config import ConfigError
 from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,10 +28,7 @@ from mpdiag.dashboard import actions
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
-from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
-from mpdiag.store.export import export_zip
-from mpdiag.store.schema import older_version
-from mpdiag.training.config import (
+from mpdiag.options import (
     FSDP_LEVELS,
     LEVELS,
     OPTIONS,
@@ -42,6 +39,9 @@ from mpdiag.training.config import (
     RunConfig,
     rerun_name,
 )
+from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
+from mpdiag.store.export import export_zip
+from mpdiag.store.schema import older_version
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 #: Compare redraws up to four runs' eight panels (~1 s on 2 cores): refreshed every second it would never rest
@@ -361,7 +361,7 @@ def download_section(store: Store, run: pd.Series) -> None:
 
 
 #: the widget (key after the form's prefix) that sets each run option; an option missing here says why in its
-#: metadata (mpdiag.training.config.OPTIONS[name].no_widget)
+#: metadata (mpdiag.options.OPTIONS[name].no_widget)
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",

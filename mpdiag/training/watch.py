@@ -45,11 +45,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.options import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
-from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
 from mpdiag.training.watch_shadow import WatchShadow
 
 #: what each of WATCH_LEVEL_NAMES does to the script's own autocast regions (dtype, or False to disable) and

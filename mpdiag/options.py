@@ -1,13 +1,15 @@
-"""A run's configuration: every option, its default, bounds, help text and the opt levels it applies to.
+"""The options table: every option of ``mpdiag run`` and ``mpdiag watch``, its default, bounds, help text, the
+opt levels and the commands (modes) it applies to.
 
 Owns :class:`RunConfig` (one frozen dataclass whose field metadata is the option table :data:`OPTIONS`), the
 torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), and
 :class:`ConfigError` and :class:`ScriptError`. The command line's run options, the dashboard's run form, a rerun's override merging and
 the configuration stored with a run are all generated from or checked against this module.
 
-Must not import torch (the dashboard validates its form with it) and must not build policies or look at
-devices: a device is checked here only as a string; :func:`mpdiag.training.runner.resolve_device` decides at
-run time whether it exists.
+It sits at the bottom of the package (only :mod:`mpdiag.numerics` below it), so training, analysis, the
+dashboard and the app share this vocabulary without importing the training layer. Must not import torch (the
+dashboard validates its form with it) and must not build policies or look at devices: a device is checked here
+only as a string; :func:`mpdiag.training.runner.resolve_device` decides at run time whether it exists.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ScriptError(Exception):
 
 @dataclass(frozen=True)
 class Level:
-    """What the configuration needs to know about an opt level (its training code is in policies.py)."""
+    """What the configuration needs to know about an opt level (its training code is in mpdiag/training/policies.py)."""
 
     name: str
     summary: str
