@@ -16,9 +16,9 @@ from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
+from mpdiag.options import UNSET
 from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunTextRefused, StoreError
 from mpdiag.store.console import OUTPUT_REFRESH_S
-from mpdiag.training.config import UNSET
 
 FIRST_EXAMPLE = "mlp_digits.py"
 

@@ -2,9 +2,10 @@
 renames, tags, notes and deletes runs (through the store's writer, one method per action).
 
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
-on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run
-options, their defaults or their bounds: the run flags are generated from
-:data:`mpdiag.training.config.OPTIONS`, and validated by it before any store is opened.
+on stderr, and nothing created). Owns argument parsing and what each command prints. Must not define run or
+watch options, their defaults or their bounds: the flags of run, rerun and watch are generated from the options
+table (:data:`mpdiag.options.OPTIONS`, watch's as :data:`mpdiag.options.WATCH_OPTIONS`), and validated by it
+before any store is opened.
 
 Torch is imported inside the commands that load a script, train or watch, not at the top: ``runs``,
 ``diagnose``, ``export``, ``dashboard`` and ``--help`` answer in under a second, without its 3 s import.
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import unicodedata
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,17 +28,14 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import select_runs
-from mpdiag.recording.console import tee_console
-from mpdiag.sandbox.check import check_script
-from mpdiag.sandbox.probe import KIND as PROBE_KIND
-from mpdiag.sandbox.probe import run_probe
-from mpdiag.store import DEFAULT_STORE, RunTextRefused, Store, StoreError, StoreWriter
-from mpdiag.store.export import export_run
-from mpdiag.training.config import (
+from mpdiag.options import (
     ALL_LEVELS,
     FP8_RECIPE_OPTIONS,
     OPTIONS,
+    WATCH_OPTIONS,
+    WATCH_RERUN_OPTIONS,
     ConfigError,
+    Option,
     RunConfig,
     ScriptError,
     check_values,
@@ -45,6 +44,12 @@ from mpdiag.training.config import (
     rerunnable_by_watch,
     watch_fix,
 )
+from mpdiag.recording.console import tee_console
+from mpdiag.sandbox.check import check_script
+from mpdiag.sandbox.probe import KIND as PROBE_KIND
+from mpdiag.sandbox.probe import run_probe
+from mpdiag.store import DEFAULT_STORE, RunTextRefused, Store, StoreError, StoreWriter
+from mpdiag.store.export import export_run
 
 if TYPE_CHECKING:
     from mpdiag.training.script import ModelScript
@@ -71,10 +76,11 @@ def _runs_filters(parser: argparse.ArgumentParser, inner: bool = False) -> None:
         _store_arg(parser, inner=True)
 
 
-def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = False) -> None:
-    """The flag of RunConfig option ``name``, from its metadata. With ``inherit`` (rerun) it defaults to the
-    parent run's value, so only typed options are present in the parsed arguments."""
-    spec = OPTIONS[name]
+def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = False,
+                table: Mapping[str, Option] = OPTIONS) -> None:
+    """The flag of option ``name``, from its entry in ``table`` (run's, or WATCH_OPTIONS). With ``inherit``
+    (rerun) it defaults to the parent run's value, so only typed options are present in the parsed arguments."""
+    spec = table[name]
     applies = "" if spec.levels == ALL_LEVELS else f"; applies to {', '.join(spec.levels)}"
     said_default = not inherit and spec.default not in (None, False)  # no "(default None)": absent means unset
     help_text = (spec.help + applies + (f" (default {spec.default})" if said_default else "")).replace("%", "%%")
@@ -94,7 +100,7 @@ def _add_option(parser: argparse.ArgumentParser, name: str, inherit: bool = Fals
 
 
 def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None:
-    """Every run option that has a flag (mpdiag.training.config.OPTIONS), then --pair and --store."""
+    """Every run option that has a flag (mpdiag.options.OPTIONS), then --pair and --store."""
     for name, spec in OPTIONS.items():
         if spec.no_flag is None:
             _add_option(parser, name, inherit)
@@ -144,17 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="run an unmodified training script (python SCRIPT ARGS...) and record it",
                            usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]")
     watch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE would")
-    watch.add_argument("--name", default=None, help="display name of the run (default: the script's file name)")
-    watch.add_argument("--every", type=int, default=1, help="record tensor statistics every N steps (default 1)")
-    watch.add_argument("--shadow-every", type=int, default=0, help="every N steps, also compute the step's "
-                       "gradients in FP32 and store how far the recorded ones are from them (default 0: never)")
-    watch.add_argument("--trace-modules", action="store_true", help="record each module's output and gradient "
-                       "absmax per step, to locate the first inf/NaN")
-    watch.add_argument("--opt-level", default=None, help="O0, O1 or bf16: override the script's autocast and "
-                       "GradScaler settings (default: leave them alone)")
-    watch.add_argument("--init-scale", type=float, default=None, help="initial scale of every GradScaler the script creates")
-    for name in ("fp8", *FP8_RECIPE_OPTIONS):
-        _add_option(watch, name)
+    for name in WATCH_OPTIONS:
+        _add_option(watch, name, table=WATCH_OPTIONS)
     _store_arg(watch)
     watch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
                        help="the script and its arguments: everything after SCRIPT belongs to the script")
@@ -315,10 +312,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     target, rest = (args.module, args.command_line) if args.module else (args.command_line[0], args.command_line[1:])
     recipe = RunConfig(opt_level="O0", fp8=args.fp8, **{name: getattr(args, name) for name in FP8_RECIPE_OPTIONS})
     recipe.validate()  # a recipe option without --fp8 is refused, naming it
-    config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None, name=args.name,
-                         every=args.every, trace_modules=args.trace_modules, shadow_every=args.shadow_every,
-                         opt_level=args.opt_level,
-                         init_scale=args.init_scale, fp8=recipe.fp8_settings() if args.fp8 else None)
+    config = WatchConfig(target=target, args=tuple(rest), module=args.module is not None,
+                         fp8=recipe.fp8_settings() if args.fp8 else None,
+                         **{name: getattr(args, name) for name in WATCH_RERUN_OPTIONS})
+    config.validate()  # the flags are parsed by the table, not argparse: refused here, before a store is opened
     if RankContext.launched_as_other_rank():  # torchrun: rank 0 opens (and may create) the store, not this rank
         code = watch(config, args.store or DEFAULT_STORE)[1]
         if launched_by_torchrun():

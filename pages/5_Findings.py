@@ -23,8 +23,8 @@ from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import actions, charts, reads
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.options import fix_text
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
-from mpdiag.training.config import fix_text
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
 

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Lowest first. A module may import from its own layer and any layer below it, never above.
-LAYERS = ["numerics", "store", "recording", "training", "integrations", "sandbox", "analysis", "dashboard", "entry"]
+LAYERS = ["numerics", "options", "store", "recording", "training", "integrations", "sandbox", "analysis", "dashboard", "entry"]
 
 
 def _layer(module: str) -> str:

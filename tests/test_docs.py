@@ -63,7 +63,7 @@ def test_the_cli_reference_is_generated_from_the_parser(tmp_path):
     finally:
         sys.path.remove(str(DOCS / "hooks"))
     from mpdiag.cli import build_parser
-    from mpdiag.training.config import OPTIONS, flag
+    from mpdiag.options import OPTIONS, flag
 
     assert MARKER in (DOCS / "cli.md").read_text()
     text = cli_reference(build_parser())

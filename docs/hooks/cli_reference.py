@@ -1,6 +1,6 @@
 """MkDocs hook: the command-line reference in docs/cli.md (where the page says ``<!-- cli-reference -->``), generated
-at build time from mpdiag's own argparse parser, whose `run`/`rerun` flags come from the options table
-(mpdiag.training.config.OPTIONS): every flag and its help (with its default), as `python -m mpdiag COMMAND --help` says
+at build time from mpdiag's own argparse parser, whose `run`/`rerun`/`watch` flags come from the options table
+(mpdiag.options.OPTIONS): every flag and its help (with its default), as `python -m mpdiag COMMAND --help` says
 them, so the page cannot drift from the code."""
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from mpdiag.analysis.summaries import (
     whatif_shares,
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
+from mpdiag.options import rerunnable_by_watch, watch_fix
 from mpdiag.store import Store
-from mpdiag.training.config import rerunnable_by_watch, watch_fix
 
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
 #: values over all logged steps: a warning above this, overall or for any tensor holding >= 1 % of the values

@@ -15,7 +15,7 @@ import pandas as pd
 from mpdiag.analysis.finding import Finding
 from mpdiag.analysis.fp8_summaries import LOST_SHARE, fmt_label, number, overflows, past_threshold, percent, step_counts
 from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
-from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.options import ConfigError, RunConfig
 
 #: the largest --fp8-margin the amax-jump finding recommends (past it, only current scaling is advised)
 MAX_MARGIN = 64

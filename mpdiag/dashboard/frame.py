@@ -28,20 +28,21 @@ from mpdiag.dashboard import actions
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
-from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
-from mpdiag.store.export import export_zip
-from mpdiag.store.schema import older_version
-from mpdiag.training.config import (
+from mpdiag.options import (
     FSDP_LEVELS,
     LEVELS,
     OPTIONS,
     PARALLEL,
     UNSET,
-    WATCH_LEVEL_NAMES,
+    WATCH_OPTIONS,
     ConfigError,
+    Option,
     RunConfig,
     rerun_name,
 )
+from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
+from mpdiag.store.export import export_zip
+from mpdiag.store.schema import older_version
 
 LIVE_REFRESH_S = 1.0  # live parts re-read the store this often (rows are committed every 0.5 s)
 #: Compare redraws up to four runs' eight panels (~1 s on 2 cores): refreshed every second it would never rest
@@ -360,8 +361,8 @@ def download_section(store: Store, run: pd.Series) -> None:
                                    file_name=f"mpdiag_run{run_id}.zip", mime="application/zip", key="download_zip")
 
 
-#: the widget (key after the form's prefix) that sets each run option; an option missing here says why in its
-#: metadata (mpdiag.training.config.OPTIONS[name].no_widget)
+#: the widget (key after the form's prefix; in the watch form after ``PREFIX_watch_``) that sets each option; an
+#: option missing here says why in its table entry (mpdiag.options.OPTIONS[name].no_widget, or its watch entry's)
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
@@ -373,37 +374,36 @@ AS_RECORDED = "as the script sets it"
 
 
 def watch_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
-    """Widgets for what ``mpdiag watch`` can change in an unmodified script (defaults: the parent's, when
-    rerunning a watched run). Returns the options for :func:`mpdiag.sandbox.launch.watch_job` /
-    ``rerun_job``: ``opt_level`` (None or "default": the script's own autocast and GradScaler), ``init_scale``
-    (None or "default": the script's), ``every``, ``shadow_every``, ``trace_modules``."""
+    """Widgets for what ``mpdiag watch`` can change in an unmodified script: one per option of
+    :data:`mpdiag.options.WATCH_OPTIONS` that has a widget, built from its entry (label, help, bounds), defaults
+    the parent's when rerunning a watched run, else the table's. Returns the options for
+    :func:`mpdiag.sandbox.launch.watch_job` / ``rerun_job``: ``opt_level`` (None or "default": the script's own
+    autocast and GradScaler), ``init_scale`` (None or "default": the script's), ``every``, ``shadow_every``,
+    ``trace_modules``."""
     base = parent["config"]["watch"] if parent is not None else {}
-    levels = [AS_RECORDED, *WATCH_LEVEL_NAMES]
-    cols = st.columns(5)
-    level = cols[0].selectbox(
-        "Opt level", levels, index=levels.index(base.get("opt_level") or AS_RECORDED), key=f"{prefix}_watch_level",
-        help="What watch sets in the script's own autocast regions and GradScalers: "
-             + "; ".join(f"{k}: {LEVELS[k].summary}" for k in WATCH_LEVEL_NAMES)
-             + ". O2, O3 and the pure levels change how the script builds its model, which only a model script "
-               "(mpdiag run) can do.")
-    init_scale = cols[1].number_input(
-        "Initial loss scale", min_value=2.0 ** -24, max_value=2.0 ** 64, value=base.get("init_scale"),
-        format="%g", key=f"{prefix}_watch_init_scale", placeholder="the script's",
-        help="Every GradScaler the script creates starts at this scale (empty: the script's own).")
-    every = int(cols[2].number_input("Tensor statistics every N steps", 1, 1_000_000, int(base.get("every", 1)),
-                                     key=f"{prefix}_watch_every", help=OPTIONS["every"].help))
-    shadow = int(cols[3].number_input(
-        "FP32 shadow every N steps", 0, 1_000_000, int(base.get("shadow_every", 0)), key=f"{prefix}_watch_shadow",
-        help=OPTIONS["shadow_every"].help + " Under watch: the model's forward is replayed in FP32 from the "
-             "gradient its outputs received (step 0 is never compared). 0: off."))
-    trace = cols[4].checkbox("Trace modules", bool(base.get("trace_modules", False)), key=f"{prefix}_watch_trace",
-                             help=OPTIONS["trace_modules"].help)
-    def cleared(name: str):  # the parent's value given up: "default" tells the rerun to clear it, None keeps it
-        return UNSET if base.get(name) is not None else None
+    shown = {name: spec for name, spec in WATCH_OPTIONS.items() if spec.no_widget is None}
+    chosen = {name: _watch_widget(column, spec, base.get(name, spec.default), f"{prefix}_watch_{FORM_KEYS[name]}")
+              for column, (name, spec) in zip(st.columns(len(shown)), shown.items(), strict=True)}
+    # an optional option left empty: "default" tells a rerun to clear the parent's value, None keeps the script's
+    return {name: (UNSET if base.get(name) is not None else None) if value is None else value
+            for name, value in chosen.items()}
 
-    return {"opt_level": cleared("opt_level") if level == AS_RECORDED else level,
-            "init_scale": cleared("init_scale") if init_scale is None else float(init_scale), "every": every,
-            "shadow_every": shadow, "trace_modules": trace}
+
+def _watch_widget(column, spec: Option, value, key: str):
+    """The widget of one watch option, by its kind, with the table's widget hints; returns its value (None: an
+    optional option left to the script)."""
+    hints = dict(spec.widget)
+    label, help_text = hints.pop("label"), hints.pop("help", spec.help)
+    if spec.kind == "level":
+        levels = [AS_RECORDED, *spec.choices]
+        level = column.selectbox(label, levels, index=levels.index(value or AS_RECORDED), key=key, help=help_text)
+        return None if level == AS_RECORDED else level
+    if spec.kind == "flag":
+        return column.checkbox(label, bool(value), key=key, help=help_text)
+    if spec.kind == "int":
+        return int(column.number_input(label, spec.minimum, hints["max_value"], int(value), key=key, help=help_text))
+    number = column.number_input(label, value=value, format="%g", key=key, help=help_text, **hints)
+    return None if number is None else float(number)
 
 
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:

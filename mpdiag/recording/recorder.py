@@ -9,7 +9,7 @@ at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict(
 GradScaler's rule.
 
 Owns the Recorder's public constructor (a user's loop) and the runner's alternate one (:meth:`Recorder.attached`),
-and the per-step bookkeeping. Must not validate run options (:mod:`mpdiag.training.config` does) nor import
+and the per-step bookkeeping. Must not validate run options (:mod:`mpdiag.options` does) nor import
 from the training layer above it.
 """
 

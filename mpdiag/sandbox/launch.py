@@ -81,7 +81,7 @@ def limits_text() -> str:
 
 def run_job(script: str, options: dict) -> dict:
     """A new run of ``script`` (a path, made absolute, or ``sha256:HASH`` of a stored script) with run options
-    by RunConfig field name (mpdiag.training.config), plus ``pair``."""
+    by RunConfig field name (mpdiag.options), plus ``pair``."""
     if not script.startswith(STORED_PREFIX):
         script = os.path.abspath(script)
     return {"kind": "run", "script": script, "options": dict(options)}
@@ -197,8 +197,8 @@ class Plan:
 
 def plan(job: dict, store_path: str) -> Plan:
     """The Plan of a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
+    from mpdiag.options import UNSET
     from mpdiag.store import Store
-    from mpdiag.training.config import UNSET
     from mpdiag.training.runner import RunConfig, rerun_plan
     from mpdiag.training.script import ModelScript
 
@@ -229,7 +229,7 @@ def plan(job: dict, store_path: str) -> Plan:
 
 def _uploaded_watch(job: dict, options: dict):
     """The WatchConfig of uploaded code (a stored bundle's entry point)."""
-    from mpdiag.training.config import WATCH_RERUN_OPTIONS, ConfigError
+    from mpdiag.options import WATCH_RERUN_OPTIONS, ConfigError
     from mpdiag.training.watch import WatchConfig
 
     unknown = sorted(set(options) - set(WATCH_RERUN_OPTIONS))
@@ -240,7 +240,7 @@ def _uploaded_watch(job: dict, options: dict):
 
 
 def _watch_rerun(run_id: int, parent, options: dict, pair: bool):
-    from mpdiag.training.config import ConfigError
+    from mpdiag.options import ConfigError
     from mpdiag.training.watch import rerun_config
 
     if pair:
@@ -251,7 +251,7 @@ def _watch_rerun(run_id: int, parent, options: dict, pair: bool):
 def _watch_plan(config, store) -> Plan:
     """Run a WatchConfig in a child: uploaded code unpacked in its directory, or a command-line script in the
     directory it was watched from."""
-    from mpdiag.training.config import ConfigError
+    from mpdiag.options import ConfigError
 
     config.validate()
     files = {}
@@ -518,7 +518,7 @@ def run_in_child(payload: dict, channel) -> dict:
 def watch_in_child(payload: dict, channel) -> dict:
     """In the child: run the watched command into the run the supervisor created, writing through ``channel``;
     from a copy of uploaded code (this directory), or from the directory a command-line watch ran in."""
-    from mpdiag.training.config import ConfigError
+    from mpdiag.options import ConfigError
     from mpdiag.training.watch import WatchConfig, watch
 
     settings = payload["watch"]

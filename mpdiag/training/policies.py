@@ -34,7 +34,7 @@ trajectory mean the same at every level: a step whose gradients hold inf/NaN is 
 scale is multiplied by ``backoff_factor``.
 
 Owns the torch side of each level. Must not define or validate options: the options, their bounds, the level
-names, summaries and default scaling are :mod:`mpdiag.training.config`'s (importable without torch).
+names, summaries and default scaling are :mod:`mpdiag.options`'s (importable without torch).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from mpdiag.numerics.nested import map_tensors
-from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.options import ConfigError, RunConfig
 from mpdiag.training.fp8_sim import simulate_fp8
 
 #: ``factory(params, originals=None)``: see :attr:`mpdiag.training.script.BuiltModel.make_optimizer`
@@ -132,7 +132,7 @@ def _cast_io(module: nn.Module, inputs_to: torch.dtype, outputs_to: torch.dtype)
 
 class PrecisionPolicy:
     """How one opt level trains. Subclasses set the class attributes and override what differs; the level's
-    summary and default loss scaling are in :data:`mpdiag.training.config.LEVELS` under ``name``."""
+    summary and default loss scaling are in :data:`mpdiag.options.LEVELS` under ``name``."""
 
     name: ClassVar[str]
     #: weights (and so gradients) of non-norm layers are stored in this dtype

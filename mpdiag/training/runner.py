@@ -5,7 +5,7 @@ Data path: script -> :func:`mpdiag.training.script.build_model` -> policy (:mod:
 run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
 
 Owns the loop, device resolution and the Recorder's wiring. Must not define or validate options (that is
-:mod:`mpdiag.training.config`'s; :class:`RunConfig` is re-exported here for callers of :func:`train`).
+:mod:`mpdiag.options`'s; :class:`RunConfig` is re-exported here for callers of :func:`train`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
+from mpdiag.options import ConfigError, RunConfig, rerun_name
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
@@ -31,7 +32,6 @@ from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import StoreWriter
 from mpdiag.training import distributed
-from mpdiag.training.config import ConfigError, RunConfig, rerun_name
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 

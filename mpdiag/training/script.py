@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mpdiag.training.config import ScriptError
+from mpdiag.options import ScriptError
 
 REQUIRED_KEYS = ("model", "optimizer", "batches", "loss_fn")
 

@@ -45,11 +45,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.options import WATCH_LEVEL_NAMES, WATCH_OPTIONS, WATCH_RERUN_OPTIONS, ConfigError, check_values, rerun_name
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
-from mpdiag.training.config import WATCH_LEVEL_NAMES, WATCH_RERUN_OPTIONS, ConfigError, rerun_name
 from mpdiag.training.watch_shadow import WatchShadow
 
 #: what each of WATCH_LEVEL_NAMES does to the script's own autocast regions (dtype, or False to disable) and
@@ -90,18 +90,19 @@ class WatchStopped(BaseException):
 
 @dataclass(frozen=True)
 class WatchConfig:
-    """What to run and how to record it. ``target`` is a script path, or a module name when ``module``."""
+    """What to run and how to record it. ``target`` is a script path, or a module name when ``module``. The
+    options (their defaults, bounds and help) are the table's: :data:`mpdiag.options.WATCH_OPTIONS`."""
 
     target: str
     args: tuple[str, ...] = ()
     module: bool = False
-    name: str | None = None
-    every: int = 1
-    trace_modules: bool = False
+    name: str | None = WATCH_OPTIONS["name"].default
+    every: int = WATCH_OPTIONS["every"].default
+    trace_modules: bool = WATCH_OPTIONS["trace_modules"].default
     #: every N steps, FP32 gradients of the same step (mpdiag.training.watch_shadow) to compare with; 0: never
-    shadow_every: int = 0
-    opt_level: str | None = None
-    init_scale: float | None = None
+    shadow_every: int = WATCH_OPTIONS["shadow_every"].default
+    opt_level: str | None = WATCH_OPTIONS["opt_level"].default
+    init_scale: float | None = WATCH_OPTIONS["init_scale"].default
     cwd: str = field(default_factory=os.getcwd)
     parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
     fp8: Fp8Settings | None = None  # --fp8: also record what this FP8 recipe would cast in every nn.Linear
@@ -114,8 +115,7 @@ class WatchConfig:
         """The config a run recorded (:meth:`settings`), with ``fields`` replaced."""
         argv, module = list(settings["argv"]), settings["argv"][:1] == ["-m"]
         target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
-        kept = {k: settings[k] for k in ("opt_level", "init_scale", "every", "trace_modules", "shadow_every")
-                if k in settings}
+        kept = {k: settings[k] for k in WATCH_RERUN_OPTIONS if k in settings}
         if settings.get("fp8"):
             kept["fp8"] = Fp8Settings.from_dict(settings["fp8"])
         return cls(target=target, args=tuple(args), module=module, cwd=settings.get("cwd") or os.getcwd(),
@@ -133,17 +133,10 @@ class WatchConfig:
         if self.opt_level in REFUSED_LEVELS:
             raise ConfigError(f"watch --opt-level {self.opt_level} is refused: {REFUSED_LEVELS[self.opt_level]}. "
                               f"watch takes {', '.join(WATCH_LEVELS)}, or no --opt-level to keep the script's own settings.")
-        if self.opt_level is not None and self.opt_level not in WATCH_LEVELS:
-            raise ConfigError(f"--opt-level {self.opt_level!r}: watch takes {', '.join(WATCH_LEVELS)}")
-        if self.every < 1:
-            raise ConfigError(f"--every must be >= 1, got {self.every}")
-        if self.shadow_every < 0:
-            raise ConfigError(f"--shadow-every must be >= 0 (0: no FP32 shadow), got {self.shadow_every}")
+        check_values({name: getattr(self, name) for name in WATCH_RERUN_OPTIONS}, WATCH_OPTIONS)
         if self.shadow_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--shadow-every is not available under torchrun: the FP32 shadow replays the "
                               "model's forward on a copy of it, which a DDP or FSDP module cannot give")
-        if self.init_scale is not None and not 0 < self.init_scale < float("inf"):
-            raise ConfigError(f"--init-scale must be a finite number > 0, got {self.init_scale}")
         if not self.module and self.bundle is None and not os.path.isfile(os.path.join(self.cwd, self.target)):
             raise ConfigError(f"{self.target}: no such file. Give the training script's path (or -m MODULE).")
 

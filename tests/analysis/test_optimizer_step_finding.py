@@ -11,7 +11,7 @@ from loops import HALF_LOOP, first_broken_step
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose
-from mpdiag.training.config import RunConfig
+from mpdiag.options import RunConfig
 from mpdiag.training.runner import rerun, train
 from mpdiag.training.script import ModelScript
 

@@ -14,8 +14,8 @@ from torch import nn
 from mpdiag.analysis.fp8_findings import fp8_findings
 from mpdiag.examples import EXAMPLES_DIR
 from mpdiag.numerics.fp8_recipes import FP8_E4M3, FP8_E5M2, Fp8Settings
+from mpdiag.options import ConfigError, RunConfig
 from mpdiag.recording.fp8_capture import RECORD_COLUMNS, Fp8Capture
-from mpdiag.training.config import ConfigError, RunConfig
 from mpdiag.training.fp8_sim import AmaxHistory, quantize_dequantize, simulate_fp8
 from mpdiag.training.policies import make_policy
 from mpdiag.training.runner import seed_everything

@@ -18,9 +18,9 @@ from mpdiag.analysis.fp8_findings import recorded_settings
 from mpdiag.examples import EXAMPLES_DIR
 from mpdiag.numerics.fp8 import EXP_MIN
 from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.options import ConfigError, RunConfig
 from mpdiag.recording.recorder import Recorder
 from mpdiag.store import Store
-from mpdiag.training.config import ConfigError, RunConfig
 
 
 def record_planted_run(tmp_path, scaler, every: int, steps: int, settings: Fp8Settings):

@@ -176,7 +176,7 @@ def test_failed_context_marks_run_failed_and_keeps_steps(store_path):
 
 
 def test_invalid_scaling_is_refused_before_training(store_path, write_script):
-    from mpdiag.training.config import ConfigError
+    from mpdiag.options import ConfigError
 
     script = ModelScript.from_path(write_script(ANALYTIC_SCRIPT))
     for bad, match in [

@@ -8,8 +8,8 @@ import pytest
 from conftest import ROOT, run_cli
 from streamlit.testing.v1 import AppTest
 
+from mpdiag.options import RunConfig
 from mpdiag.store import Store, StoreError, StoreWriter
-from mpdiag.training.config import RunConfig
 from mpdiag.training.runner import train
 from mpdiag.training.script import ModelScript
 

@@ -1,8 +1,10 @@
-"""The one run configuration: torch-free, and the CLI, the run form and the stored config all follow it."""
+"""The one options table: torch-free, and the CLI (run, rerun and watch), both forms, watch's validation and the
+stored config all follow it."""
 
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 from conftest import EXAMPLES, ROOT, imports_torch
@@ -11,14 +13,15 @@ from streamlit.testing.v1 import AppTest
 from mpdiag import Store
 from mpdiag.cli import build_parser
 from mpdiag.dashboard.frame import FORM_KEYS
-from mpdiag.training.config import LEVELS, OPTIONS, ConfigError, RunConfig, flag
+from mpdiag.options import LEVELS, OPTIONS, WATCH_OPTIONS, WATCH_RERUN_OPTIONS, ConfigError, RunConfig, flag
 from mpdiag.training.policies import POLICIES
 from mpdiag.training.runner import rerun_plan, train
 from mpdiag.training.script import ModelScript
+from mpdiag.training.watch import WatchConfig
 
 
 def test_the_configuration_validates_without_importing_torch():
-    assert not imports_torch("from mpdiag.training.config import RunConfig\n"
+    assert not imports_torch("from mpdiag.options import RunConfig\n"
                              "RunConfig(opt_level='O2', init_scale=1024.0, device='cuda:1').validate()")
 
 
@@ -44,6 +47,67 @@ def test_every_option_has_a_flag_or_says_why_not(command):
             assert name not in actions
         else:
             assert flag(name) in actions[name].option_strings and spec.help in actions[name].help
+
+
+@pytest.mark.parametrize("command", ["run", "watch"])
+def test_every_flag_of_a_command_is_an_option_of_its_mode_with_the_tables_help_and_default(command):
+    """No flag is written by hand beside the table: each option of the mode has its flag, help and default, and
+    the command has no other option flags but -m (watch's module), --pair (run's twin) and --store."""
+    actions = _flags(build_parser(), command)
+    table = WATCH_OPTIONS if command == "watch" else {n: s for n, s in OPTIONS.items() if not s.no_flag}
+    for name, spec in table.items():
+        assert actions[name].option_strings[0] == flag(name)
+        assert spec.help in actions[name].help and actions[name].default == spec.default
+    flags = {dest for dest, action in actions.items() if action.option_strings}
+    assert flags - set(table) <= {"help", "module", "pair", "store"}
+
+
+def _watch_form():
+    import streamlit as st
+
+    from mpdiag.dashboard.frame import watch_options_form
+
+    st.session_state["options"] = watch_options_form("t")
+
+
+def test_every_watch_option_has_a_widget_built_from_its_entry_or_says_why_not():
+    at = AppTest.from_function(_watch_form, default_timeout=30).run()
+    widgets = {w.key: w for kind in ("selectbox", "number_input", "checkbox", "text_input") for w in getattr(at, kind)}
+    shown = [name for name, spec in WATCH_OPTIONS.items() if not spec.no_widget]
+    assert set(widgets) == {f"t_watch_{FORM_KEYS[name]}" for name in shown}
+    for name in shown:
+        hints = dict(WATCH_OPTIONS[name].widget)
+        widget = widgets[f"t_watch_{FORM_KEYS[name]}"]
+        assert (widget.label, widget.help) == (hints["label"], hints.get("help", WATCH_OPTIONS[name].help))
+    assert at.session_state["options"] == {name: WATCH_OPTIONS[name].default for name in shown}
+
+
+def test_a_watch_config_holds_the_tables_watch_options_and_stores_them_for_a_rerun():
+    defaults = {f.name: f.default for f in dataclasses.fields(WatchConfig)}
+    assert {name: defaults[name] for name in WATCH_RERUN_OPTIONS} == \
+        {name: WATCH_OPTIONS[name].default for name in WATCH_RERUN_OPTIONS}
+    assert set(WATCH_RERUN_OPTIONS) - {"name"} <= set(WatchConfig(target="train.py").settings())
+
+
+@pytest.mark.parametrize("name", WATCH_RERUN_OPTIONS)
+def test_watch_refuses_what_the_table_refuses_naming_the_flag(name, tmp_path):
+    spec = WATCH_OPTIONS[name]
+    script = tmp_path / "train.py"
+    script.write_text("")
+    bad = {"int": (spec.minimum or 0) - 1, "float": spec.above, "level": "O9", "flag": "yes", "text": 5}[spec.kind]
+    assert not spec.accepts(bad)
+    with pytest.raises(ConfigError, match=re.escape(flag(name))):
+        WatchConfig(target=str(script), **{name: bad}).validate()
+    WatchConfig(target=str(script), **{name: spec.default}).validate()
+
+
+def test_a_bad_watch_flag_is_refused_in_one_line_before_a_store_is_created(tmp_path, capsys):
+    from mpdiag.cli import main
+
+    script, db = tmp_path / "train.py", tmp_path / "runs.db"
+    script.write_text("")
+    assert main(["watch", "--store", str(db), "--every", "x", str(script)]) == 2
+    assert "--every must be an integer >= 1, got 'x'" in capsys.readouterr().err and not db.exists()
 
 
 def test_every_option_has_a_widget_in_the_run_form_or_says_why_not(tmp_path, monkeypatch):

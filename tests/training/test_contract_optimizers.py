@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from mpdiag import Store
-from mpdiag.training.config import RunConfig
+from mpdiag.options import RunConfig
 from mpdiag.training.policies import make_policy
 from mpdiag.training.runner import train
 from mpdiag.training.script import ModelScript, _rebuild_optimizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpdiag import Store
-from mpdiag.training.config import RunConfig
+from mpdiag.options import RunConfig
 from mpdiag.training.runner import seed_everything, train
 from mpdiag.training.script import ModelScript, ScriptError, build_model
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpdiag import Store
-from mpdiag.training.config import RunConfig
+from mpdiag.options import RunConfig
 from mpdiag.training.policies import is_norm_module, make_policy
 from mpdiag.training.runner import train
 from mpdiag.training.script import ModelScript

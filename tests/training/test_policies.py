@@ -10,7 +10,7 @@ from torch import nn
 
 from mpdiag import Store
 from mpdiag.analysis.compare import first_divergence, loss_comparison, reference_run
-from mpdiag.training.config import ConfigError, RunConfig
+from mpdiag.options import ConfigError, RunConfig
 from mpdiag.training.policies import BF16Mixed, make_policy
 from mpdiag.training.runner import model_state_bytes, rerun, train, train_pair
 from mpdiag.training.script import ModelScript

@@ -14,8 +14,8 @@ import torch
 from conftest import ROOT as REPOSITORY
 from conftest import disk_fills_after
 
+from mpdiag.options import ConfigError
 from mpdiag.store import Store
-from mpdiag.training.config import ConfigError
 from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
 
 ROOT = os.fspath(REPOSITORY)

@@ -1,13 +1,15 @@
-"""A run's configuration: every option, its default, bounds, help text and the opt levels it applies to.
+"""The options table: every option of ``mpdiag run`` and ``mpdiag watch``, its default, bounds, help text, the
+opt levels and the commands (modes) it applies to.
 
 Owns :class:`RunConfig` (one frozen dataclass whose field metadata is the option table :data:`OPTIONS`), the
 torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), and
 :class:`ConfigError` and :class:`ScriptError`. The command line's run options, the dashboard's run form, a rerun's override merging and
 the configuration stored with a run are all generated from or checked against this module.
 
-Must not import torch (the dashboard validates its form with it) and must not build policies or look at
-devices: a device is checked here only as a string; :func:`mpdiag.training.runner.resolve_device` decides at
-run time whether it exists.
+It sits at the bottom of the package (only :mod:`mpdiag.numerics` below it), so training, analysis, the
+dashboard and the app share this vocabulary without importing the training layer. Must not import torch (the
+dashboard validates its form with it) and must not build policies or look at devices: a device is checked here
+only as a string; :func:`mpdiag.training.runner.resolve_device` decides at run time whether it exists.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ScriptError(Exception):
 
 @dataclass(frozen=True)
 class Level:
-    """What the configuration needs to know about an opt level (its training code is in policies.py)."""
+    """What the configuration needs to know about an opt level (its training code is in mpdiag/training/policies.py)."""
 
     name: str
     summary: str
@@ -64,8 +66,6 @@ SCALING_LEVELS = tuple(name for name, level in LEVELS.items() if level.scales_lo
 #: the levels ``mpdiag watch`` can impose on an unmodified script (autocast's dtype, its GradScalers on or off);
 #: O2, O3 and the pure levels change how the script builds its model, which only ``mpdiag run`` does
 WATCH_LEVEL_NAMES = ("O0", "O1", "bf16")
-#: what a rerun of a watched run may change (the rest of the command is the script's own)
-WATCH_RERUN_OPTIONS = ("opt_level", "init_scale", "every", "trace_modules", "shadow_every", "name")
 
 
 def watch_fix(fix: Mapping[str, Any]) -> dict:
@@ -86,12 +86,20 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 UNSET = "default"  # on the command line, an optional number set to this is cleared (--min-scale default)
 
 
+#: the commands an option can apply to (:attr:`Option.modes`): ``mpdiag run`` (and ``rerun``, and the run form)
+#: and ``mpdiag watch`` (and the watch form)
+RUN, WATCH = "run", "watch"
+
+
 @dataclass(frozen=True)
 class Option:
-    """One run option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
+    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
 
     Bounds: ``above`` / ``below`` exclusive, ``minimum`` / ``maximum`` inclusive; floats must also be finite.
-    ``no_flag`` / ``no_widget`` say why the option has no command-line flag / no widget in the run form.
+    ``choices``: the levels a ``level`` option takes. ``no_flag`` / ``no_widget`` say why the option has no
+    command-line flag / no widget in its mode's form. ``modes``: the commands it applies to; ``watch``: what it
+    is under watch where that differs (:meth:`in_mode`). ``widget``: hints for a form that builds its widget from
+    the table (label, widget bounds, help in the form's words).
     """
 
     default: Any
@@ -102,13 +110,22 @@ class Option:
     below: float | None = None
     minimum: int | None = None
     maximum: int | None = None
+    choices: tuple[str, ...] = ALL_LEVELS
     no_flag: str | None = None
     no_widget: str | None = None
+    modes: tuple[str, ...] = (RUN,)
+    # pairs, not a dict: an Option is frozen and hashable
+    watch: tuple[tuple[str, Any], ...] = ()
+    widget: tuple[tuple[str, Any], ...] = ()
+
+    def in_mode(self, mode: str) -> Option:
+        """This option as ``mode`` reads it: under watch, with its ``watch`` differences applied."""
+        return dataclasses.replace(self, **dict(self.watch), watch=()) if mode == WATCH else self
 
     def requirement(self) -> str:
         """What a valid value is, in words (the end of an error message)."""
         if self.kind == "level":
-            return f"one of: {', '.join(ALL_LEVELS)}"
+            return f"one of: {', '.join(self.choices)}"
         if self.kind == "device":
             return "auto, cpu, cuda or cuda:N"
         if self.kind == "text":
@@ -128,7 +145,7 @@ class Option:
         if value is None:
             return self.default is None  # optional options accept None, meaning "not set"
         if self.kind == "level":
-            return isinstance(value, str) and value in LEVELS
+            return isinstance(value, str) and value in self.choices
         if self.kind == "device":
             return isinstance(value, str) and DEVICE_PATTERN.fullmatch(value) is not None
         if self.kind == "text":
@@ -167,9 +184,29 @@ _FP8_FORM = ("the run form uses the default FP8 recipe (delayed, history 1024, m
 FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2")
 
 
-def option(default: Any, help: str, kind: str, **details) -> Any:
-    """A RunConfig field whose metadata is its :class:`Option`."""
-    return field(default=default, metadata={"option": Option(default, help, kind, **details)})
+def option(default: Any, help: str, kind: str, watch: bool | Mapping[str, Any] = False, **details) -> Any:
+    """A RunConfig field whose metadata is its :class:`Option`. ``watch``: the option is also ``mpdiag watch``'s
+    (True), or a mapping of what differs under watch (Option fields; ``widget`` as a mapping too)."""
+    differs = dict(watch) if isinstance(watch, Mapping) else {}
+    if "widget" in differs:
+        differs["widget"] = tuple(differs["widget"].items())
+    modes = (RUN, WATCH) if watch is not False else (RUN,)
+    return field(default=default, metadata={"option": Option(default, help, kind, modes=modes,
+                                                             watch=tuple(differs.items()), **details)})
+
+
+#: the watch form's widgets say what watch does to the script's own settings; the other forms' words come from
+#: their options' help
+_WATCH_LEVEL_WIDGET = {
+    "label": "Opt level",
+    "help": "What watch sets in the script's own autocast regions and GradScalers: "
+            + "; ".join(f"{k}: {LEVELS[k].summary}" for k in WATCH_LEVEL_NAMES)
+            + ". O2, O3 and the pure levels change how the script builds its model, which only a model script "
+              "(mpdiag run) can do."}
+_SHADOW_HELP = ("every N steps, compare each tensor's gradient with an FP32 computation on the same weights and "
+                "batch (0: off)")
+#: why the watch form has no FP8 widgets: it records no FP8 statistics
+_FP8_WATCH_FORM = "the watch form records no FP8 statistics: `mpdiag watch --fp8` does"
 
 
 @dataclass(frozen=True)
@@ -177,11 +214,20 @@ class RunConfig:
     """Everything that defines a run besides its script. Every field is an option described in its metadata
     (see :data:`OPTIONS`); :meth:`validate` checks them all and how they combine."""
 
-    opt_level: str = option("O1", "opt level: " + "; ".join(f"{k}: {v.summary}" for k, v in LEVELS.items()), "level")
+    opt_level: str = option("O1", "opt level: " + "; ".join(f"{k}: {v.summary}" for k, v in LEVELS.items()), "level",
+                            watch={"default": None, "choices": WATCH_LEVEL_NAMES, "widget": _WATCH_LEVEL_WIDGET,
+                                   "help": f"{', '.join(WATCH_LEVEL_NAMES[:-1])} or {WATCH_LEVEL_NAMES[-1]}: override "
+                                           "the script's autocast and GradScaler settings (default: leave them alone)"})
     loss_scale: str | float | None = option(
         None, "'dynamic', or a number for a static scale; default: the level's own", "loss_scale",
         levels=SCALING_LEVELS, above=0)
-    init_scale: float = option(2.0**16, "initial dynamic loss scale", "float", levels=SCALING_LEVELS, above=0)
+    init_scale: float = option(2.0**16, "initial dynamic loss scale", "float", levels=SCALING_LEVELS, above=0,
+                               watch={"default": None, "levels": ALL_LEVELS,
+                                      "help": "initial scale of every GradScaler the script creates",
+                                      "widget": {"label": "Initial loss scale", "min_value": 2.0**-24,
+                                                 "max_value": 2.0**64, "placeholder": "the script's",
+                                                 "help": "Every GradScaler the script creates starts at this scale "
+                                                         "(empty: the script's own)."}})
     growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1)
     backoff_factor: float = option(0.5, "dynamic scale backoff factor", "float", levels=SCALING_LEVELS,
                                    above=0, below=1)
@@ -194,26 +240,40 @@ class RunConfig:
     steps: int = option(200, "training steps", "int", minimum=1)
     # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
     seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1)
-    every: int = option(1, "record tensor statistics every N steps", "int", minimum=1)
-    shadow_every: int = option(0, "every N steps, compare each tensor's gradient with an FP32 computation on the "
-                                  "same weights and batch (0: off)", "int", minimum=0)
+    every: int = option(1, "record tensor statistics every N steps", "int", minimum=1,
+                        watch={"widget": {"label": "Tensor statistics every N steps", "max_value": 1_000_000}})
+    shadow_every: int = option(
+        0, _SHADOW_HELP, "int", minimum=0,
+        watch={"help": "every N steps, also compute the step's gradients in FP32 and store how far the recorded ones "
+                       "are from them (default 0: never)",
+               "widget": {"label": "FP32 shadow every N steps", "max_value": 1_000_000,
+                          "help": _SHADOW_HELP + " Under watch: the model's forward is replayed in FP32 from the "
+                                  "gradient its outputs received (step 0 is never compared). 0: off."}})
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]", "device")
-    name: str | None = option(None, "display name of the run", "text")
+    name: str | None = option(None, "display name of the run", "text",
+                              watch={"help": "display name of the run (default: the script's file name)",
+                                     "no_widget": "a watched run is named after its command, a rerun after its "
+                                                  "parent and what changed"})
     trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
-                                        "first inf/NaN", "flag")
+                                        "first inf/NaN", "flag", watch={"widget": {"label": "Trace modules"}})
     fp8: bool = option(False, "record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, "
                               "weight, output gradient): exponent histograms, scales and lost values (FP8 page)",
-                       "flag")
+                       "flag", watch={"no_widget": _FP8_WATCH_FORM})
     fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
-                                        "both)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
+                                        "both)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
+                             watch={"no_widget": _FP8_WATCH_FORM})
     fp8_history: int = option(1024, "--fp8 and fp8-sim, delayed recipe: recorded steps of amax history", "int",
-                              levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM)
+                              levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM,
+                              watch={"no_widget": _FP8_WATCH_FORM})
     fp8_margin: int = option(0, "--fp8 and fp8-sim, delayed recipe: divide the scale by 2^margin", "int",
-                             levels=("fp8-sim",), minimum=0, maximum=64, no_widget=_FP8_FORM)
+                             levels=("fp8-sim",), minimum=0, maximum=64, no_widget=_FP8_FORM,
+                             watch={"no_widget": _FP8_WATCH_FORM})
     fp8_grad_format: str = option("e5m2", "--fp8 and fp8-sim: the output gradients' format, e5m2 (HYBRID) or e4m3",
-                                  "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
+                                  "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
+                                  watch={"no_widget": _FP8_WATCH_FORM})
     fp8_pow2: bool = option(False, "--fp8 and fp8-sim: round each scale down to a power of two", "flag",
-                            levels=("fp8-sim",), no_widget=_FP8_FORM)
+                            levels=("fp8-sim",), no_widget=_FP8_FORM,
+                            watch={"no_widget": _FP8_WATCH_FORM})
     fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
                                    levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
@@ -305,6 +365,18 @@ class RunConfig:
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in dataclasses.fields(RunConfig)}
+
+
+def mode_options(mode: str) -> dict[str, Option]:
+    """The options of ``mode`` (RUN or WATCH), in the table's order, each as that mode reads it."""
+    return {name: spec.in_mode(mode) for name, spec in OPTIONS.items() if mode in spec.modes}
+
+
+#: ``mpdiag watch``'s options: its flags, its form and :meth:`mpdiag.training.watch.WatchConfig.validate`'s checks
+WATCH_OPTIONS = mode_options(WATCH)
+#: the watch options a WatchConfig holds as its own fields, so what a rerun of a watched run may change (the rest
+#: of the command is the script's own); the FP8 ones reach a WatchConfig as one recipe (its ``fp8``)
+WATCH_RERUN_OPTIONS = tuple(name for name in WATCH_OPTIONS if name != "fp8" and name not in FP8_RECIPE_OPTIONS)
 SCALING_OPTIONS = tuple(name for name, spec in OPTIONS.items() if spec.levels == SCALING_LEVELS)
 
 
@@ -330,15 +402,15 @@ def command_flags(options: Mapping[str, Any]) -> str:
     return " ".join(words)
 
 
-def check_values(values: Mapping[str, Any]) -> None:
-    """Check each given option on its own (bounds, types), so bad values are refused before a store is even
-    opened; raises ConfigError with a one-line message."""
+def check_values(values: Mapping[str, Any], table: Mapping[str, Option] = OPTIONS) -> None:
+    """Check each given option on its own (bounds, types) against ``table`` (run's, or WATCH_OPTIONS), so bad
+    values are refused before a store is even opened; raises ConfigError with a one-line message."""
     for name, value in values.items():
-        spec = OPTIONS.get(name)
+        spec = table.get(name)
         if spec is None:
             raise ConfigError(f"unknown run option {name!r}")
         if spec.kind == "level" and not spec.accepts(value):
-            raise ConfigError(f"--opt-level: unknown opt level {value!r}; choose one of: {', '.join(ALL_LEVELS)}")
+            raise ConfigError(f"--opt-level: unknown opt level {value!r}; choose one of: {', '.join(spec.choices)}")
         if not spec.accepts(value):
             raise ConfigError(f"{flag(name)} must be {spec.requirement()}, got {value!r}")
 
