@@ -314,13 +314,18 @@ def stored_version(conn: sqlite3.Connection, path: Path) -> int | None:
 
 def older_version(path: Path) -> int | None:
     """The schema version of the mpdiag store at ``path`` when opening it will migrate it (older than this
-    mpdiag's), else None (current, newer, new, or not a store: opening it says what is wrong)."""
+    mpdiag's), else None (current, newer, new, or not a store: opening it says what is wrong). A store locked by
+    another program raises its StoreError here, after one wait, rather than being waited for again on opening."""
     try:
         conn = connect_read(path, immutable=needs_immutable(path), wait_s=FIRST_READ_WAIT_S)
         try:
             version = stored_version(conn, path)
         finally:
             conn.close()
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            raise read_error(path, exc) from exc
+        return None
     except (sqlite3.DatabaseError, StoreError, OSError):
         return None
     return version if version is not None and version < SCHEMA_VERSION else None
