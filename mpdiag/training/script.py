@@ -153,7 +153,32 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, filename: str):
 
 
 def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
-    """Load the script, call ``build(device)`` and check the result against the contract."""
+    """Load the script, call ``build(device)`` and check the result against the contract, key by key."""
+    spec = _called_build(script, device)
+    model = _checked_model(spec["model"], script.filename)
+    make_optimizer, rebuildable = _optimizer_factory(spec["optimizer"], model, script)
+    batches = _batch_source(spec["batches"], script)
+    loss_fn = spec["loss_fn"]
+    if not callable(loss_fn):
+        raise ScriptError(f"{script.filename}: 'loss_fn' is a {type(loss_fn).__name__}; it must be a callable "
+                          "(model, batch) -> loss.")
+    for key in ("name", "description"):
+        if key in spec and not isinstance(spec[key], str):
+            raise ScriptError(f"{script.filename}: '{key}' must be a string, got {type(spec[key]).__name__}.")
+    return BuiltModel(
+        model=model,
+        make_optimizer=make_optimizer,
+        batches=batches,
+        loss_fn=_checked_loss(loss_fn, script),
+        name=spec.get("name") or Path(script.filename).stem,
+        description=spec.get("description", ""),
+        optimizer_rebuildable=rebuildable,
+        **_optional_training_keys(spec, script),
+    )
+
+
+def _called_build(script: ModelScript, device: torch.device) -> dict:
+    """What the script's ``build(device)`` returned: a dict holding every required key."""
     module = script.load_module()
     fname = script.filename
     build = getattr(module, "build", None)
@@ -169,27 +194,37 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
             f"{fname}: build(device) returned a dict without {', '.join(repr(k) for k in missing)} "
             f"(required keys: {', '.join(REQUIRED_KEYS)})."
         )
-    model = spec["model"]
+    return spec
+
+
+def _checked_model(model, fname: str) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ScriptError(f"{fname}: 'model' is a {type(model).__name__}; it must be a torch.nn.Module.")
     if not any(p.requires_grad for p in model.parameters()):
         raise ScriptError(f"{fname}: the model has no trainable parameters.")
+    return model
 
-    optimizer = spec["optimizer"]
+
+def _optimizer_factory(optimizer, model: torch.nn.Module, script: ModelScript) -> tuple[Callable, bool]:
+    """(params -> optimizer, whether the script's own factory builds it) from the ``optimizer`` key: an
+    instance over the model's parameters (rebuilt alike over the parameters a level trains) or a factory."""
+    fname = script.filename
     if isinstance(optimizer, torch.optim.Optimizer):
         mine = {id(p) for p in model.parameters()}
         if not all(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
             raise ScriptError(f"{fname}: 'optimizer' holds parameters that are not the model's.")
-        make_optimizer, rebuildable = _rebuild_optimizer(optimizer, fname), False
-    elif callable(optimizer):
-        make_optimizer, rebuildable = _checked_factory(optimizer, script), True
-    else:
-        raise ScriptError(
-            f"{fname}: 'optimizer' is a {type(optimizer).__name__}; it must be a torch.optim.Optimizer "
-            "or a callable params -> Optimizer."
-        )
+        return _rebuild_optimizer(optimizer, fname), False
+    if callable(optimizer):
+        return _checked_factory(optimizer, script), True
+    raise ScriptError(
+        f"{fname}: 'optimizer' is a {type(optimizer).__name__}; it must be a torch.optim.Optimizer "
+        "or a callable params -> Optimizer."
+    )
 
-    batches = spec["batches"]
+
+def _batch_source(batches, script: ModelScript) -> Callable[[], Iterator]:
+    """A function starting the ``batches`` key's stream (a callable step -> batch, or an iterable), each batch
+    made inside :func:`script_errors` so a failing data loader is named as the script's error."""
     if callable(batches):
         def batch_iter(fn=batches):
             step = 0
@@ -198,7 +233,8 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
                     batch = fn(step)
                 yield batch
                 step += 1
-    elif isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
+        return batch_iter
+    if isinstance(batches, Iterable) and not isinstance(batches, (str, bytes)):
         def batch_iter(it=batches):
             iterator = iter(it)
             while True:
@@ -208,27 +244,10 @@ def build_model(script: ModelScript, device: torch.device) -> BuiltModel:
                     except StopIteration:
                         return
                 yield batch
-    else:
-        raise ScriptError(
-            f"{fname}: 'batches' is a {type(batches).__name__}; it must be an iterable of batches or a "
-            "callable step -> batch."
-        )
-
-    loss_fn = spec["loss_fn"]
-    if not callable(loss_fn):
-        raise ScriptError(f"{fname}: 'loss_fn' is a {type(loss_fn).__name__}; it must be a callable (model, batch) -> loss.")
-    for key in ("name", "description"):
-        if key in spec and not isinstance(spec[key], str):
-            raise ScriptError(f"{fname}: '{key}' must be a string, got {type(spec[key]).__name__}.")
-    return BuiltModel(
-        model=model,
-        make_optimizer=make_optimizer,
-        batches=batch_iter,
-        loss_fn=_checked_loss(loss_fn, script),
-        name=spec.get("name") or Path(fname).stem,
-        description=spec.get("description", ""),
-        optimizer_rebuildable=rebuildable,
-        **_optional_training_keys(spec, script),
+        return batch_iter
+    raise ScriptError(
+        f"{script.filename}: 'batches' is a {type(batches).__name__}; it must be an iterable of batches or a "
+        "callable step -> batch."
     )
 
 

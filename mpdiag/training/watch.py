@@ -291,9 +291,21 @@ class Watcher:
 
     # -- interception --------------------------------------------------------------------------------------
     def install(self) -> None:
-        p, watcher = self._patches, self
+        """Patch what a training loop touches, one step each: optimizers (found as they are made, their steps
+        seen), GradScaler (the level's enabled/scale, every scaled loss and step), backward, gradient clipping,
+        and autocast (the level's dtype; the FP32 shadow's replay turning it off)."""
         level = WATCH_LEVELS.get(self.config.opt_level)
+        self._watch_optimizers()
+        self._watch_grad_scalers(level)
+        self._watch_backward()
+        self._watch_gradient_clipping()
+        if level is not None:
+            self._set_autocast_level(level)
+        if self.config.shadow_every:
+            self._let_the_shadow_turn_autocast_off()
 
+    def _watch_optimizers(self) -> None:
+        p, watcher = self._patches, self
         opt_init = torch.optim.Optimizer.__init__
 
         def optimizer_init(opt, *args, **kwargs):
@@ -305,6 +317,8 @@ class Watcher:
         p.hook(register_optimizer_step_pre_hook(self._before_optimizer_step))
         p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._after_optimizer_step(opt)))
 
+    def _watch_grad_scalers(self, level: tuple | None) -> None:
+        p, watcher = self._patches, self
         scaler_cls = torch.amp.GradScaler
         scaler_init, scaler_scale, scaler_step = scaler_cls.__init__, scaler_cls.scale, scaler_cls.step
 
@@ -339,7 +353,8 @@ class Watcher:
         p.set(scaler_cls, "scale", scale)
         p.set(scaler_cls, "step", step)
 
-        backward = torch.autograd.backward
+    def _watch_backward(self) -> None:
+        watcher, backward = self, torch.autograd.backward
 
         def watched_backward(tensors, *args, **kwargs):
             watcher._on_backward(tensors)
@@ -351,41 +366,44 @@ class Watcher:
             finally:
                 watcher.shadow.in_backward = False
 
-        p.set(torch.autograd, "backward", watched_backward)
+        self._patches.set(torch.autograd, "backward", watched_backward)
 
+    def _watch_gradient_clipping(self) -> None:
         # Each name is wrapped as it is found, so a wrapper installed before watch (a profiler's, a test's) still
         # runs; the capture happens before it.
         for module, names in ((torch.nn.utils, ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")),
                               (torch.nn.utils.clip_grad, ("clip_grad_norm_", "clip_grad_value_"))):
             for name in names:  # clip_grads_with_norm_: the second half of get_total_norm + clip, as HF calls it
-                p.set(module, name, self._before(getattr(module, name)))
+                self._patches.set(module, name, self._before(getattr(module, name)))
 
-        autocast_cls = torch.amp.autocast_mode.autocast
-        if level is not None:
-            autocast_init = autocast_cls.__init__
+    def _set_autocast_level(self, level: tuple) -> None:
+        watcher, autocast_cls = self, torch.amp.autocast_mode.autocast
+        autocast_init = autocast_cls.__init__
 
-            def autocast(region, *args, **kwargs):
-                watcher.autocast_regions += 1
-                bound = _bound(autocast_init, (region, *args), kwargs)
-                if level[0] is False:
-                    bound.arguments["enabled"] = False
-                else:
-                    bound.arguments["dtype"] = level[0]
-                autocast_init(*bound.args, **bound.kwargs)
+        def autocast(region, *args, **kwargs):
+            watcher.autocast_regions += 1
+            bound = _bound(autocast_init, (region, *args), kwargs)
+            if level[0] is False:
+                bound.arguments["enabled"] = False
+            else:
+                bound.arguments["dtype"] = level[0]
+            autocast_init(*bound.args, **bound.kwargs)
 
-            p.set(autocast_cls, "__init__", autocast)
-        if self.config.shadow_every:
-            autocast_enter = autocast_cls.__enter__
+        self._patches.set(autocast_cls, "__init__", autocast)
 
-            def enter(region):
-                # The FP32 replay turns every region off as it is entered, also those made before it: a
-                # decorator's (Accelerate wraps the model's forward in one autocast object, made once).
-                entered = autocast_enter(region)
-                if watcher.shadow is not None and watcher.shadow.replaying:
-                    torch.set_autocast_enabled(region.device, False)
-                return entered
+    def _let_the_shadow_turn_autocast_off(self) -> None:
+        watcher, autocast_cls = self, torch.amp.autocast_mode.autocast
+        autocast_enter = autocast_cls.__enter__
 
-            p.set(autocast_cls, "__enter__", enter)
+        def enter(region):
+            # The FP32 replay turns every region off as it is entered, also those made before it: a
+            # decorator's (Accelerate wraps the model's forward in one autocast object, made once).
+            entered = autocast_enter(region)
+            if watcher.shadow is not None and watcher.shadow.replaying:
+                torch.set_autocast_enabled(region.device, False)
+            return entered
+
+        self._patches.set(autocast_cls, "__enter__", enter)
 
     def _before(self, clip):
         def clipped(*args, **kwargs):
