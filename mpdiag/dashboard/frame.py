@@ -419,6 +419,31 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
         st.error(f"The stored options of this run cannot be read: {exc}")
         return {}
     key = {name: f"{prefix}_{suffix}" for name, suffix in FORM_KEYS.items()}
+    # widgets that would do nothing are disabled, their help saying why (the processes are chosen further down:
+    # their widget's value is read ahead from the session)
+    several = int(st.session_state.get(key["nproc"], base.nproc)) > 1
+    chosen = _level_and_length(key, base)
+    chosen["shadow_every"] = _shadow_every(key, base, several)
+    if LEVELS[chosen["opt_level"]].scales_loss:
+        chosen.update(_scaling_options(key, base, chosen["opt_level"]))
+    else:
+        st.caption(f"Loss scaling: not used at {chosen['opt_level']} ({LEVELS[chosen['opt_level']].summary}), so its "
+                   "settings are not shown.")
+    with st.expander("More options"):
+        more = _more_options(key, base, several, parent, chosen)
+    if more is None:
+        return {}
+    chosen.update(more)
+    pair = _pair_choice(prefix, chosen["opt_level"])
+    return _validated(base, chosen, pair, parent)
+
+
+def _one_process(several: bool) -> str:
+    return " Disabled: it records one process's tensors; set Processes back to 1." if several else ""
+
+
+def _level_and_length(key: dict[str, str], base: RunConfig) -> dict:
+    """The first row: opt level, steps, seed and device."""
     levels = list(LEVELS)
     cols = st.columns(4)
     chosen = {"opt_level": cols[0].selectbox(
@@ -433,60 +458,72 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
         "Device", devices, index=devices.index(base.device), key=key["device"],
         help=OPTIONS["device"].help + ". A CUDA device must exist where the run starts; if not, the run refuses "
         "to start and says so.")
-    # widgets that would do nothing are disabled, their help saying why (the processes are chosen further down:
-    # their widget's value is read ahead from the session)
-    several = int(st.session_state.get(key["nproc"], base.nproc)) > 1
-    one_process = " Disabled: it records one process's tensors; set Processes back to 1." if several else ""
-    chosen["shadow_every"] = 0 if several else int(st.number_input(
+    return chosen
+
+
+def _shadow_every(key: dict[str, str], base: RunConfig, several: bool) -> int:
+    """The FP32 shadow's period: 0 (shown disabled) when several processes train."""
+    if several:
+        st.number_input("FP32 shadow every N steps (0: off)", value=0, disabled=True, key=f"{key['shadow_every']}_off",
+                        help="Compares one process's gradients with FP32." + _one_process(several))
+        return 0
+    return int(st.number_input(
         "FP32 shadow every N steps (0: off)", OPTIONS["shadow_every"].minimum, 1_000_000, base.shadow_every,
         key=key["shadow_every"],
         help="Every N steps, recompute the gradients in FP32 on the same weights and batch and store each tensor's "
              "relative error and cosine (Findings page). Costs one FP32 forward and backward per shadow step."))
-    if several:
-        st.number_input("FP32 shadow every N steps (0: off)", value=0, disabled=True, key=f"{key['shadow_every']}_off",
-                        help="Compares one process's gradients with FP32." + one_process)
-    if LEVELS[chosen["opt_level"]].scales_loss:
-        chosen.update(_scaling_options(key, base, chosen["opt_level"]))
-    else:
-        st.caption(f"Loss scaling: not used at {chosen['opt_level']} ({LEVELS[chosen['opt_level']].summary}), so its "
-                   "settings are not shown.")
-    with st.expander("More options"):
-        chosen["every"] = int(st.number_input("Tensor statistics every N steps", OPTIONS["every"].minimum, 1_000_000,
-                                              base.every, key=key["every"], help=OPTIONS["every"].help))
-        chosen["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
-                                              help=OPTIONS["trace_modules"].help)
-        chosen["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8 and not several,
-                                    key=key["fp8"] if not several else f"{key['fp8']}_off", disabled=several,
-                                    help=OPTIONS["fp8"].help + ", under the default recipe (delayed scaling, "
-                                    "history 1024, E4M3 forward, E5M2 output gradients)." + one_process)
-        chosen["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
-                                              OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
-                                              help=OPTIONS["nproc"].help))
-        chosen["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
-                                          key=key["parallel"], disabled=chosen["nproc"] == 1,
-                                          help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
-                                          + (". Disabled: one process has nothing to parallelize; set Processes "
-                                             "above 1." if chosen["nproc"] == 1 else ""))
-        typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
-                              key=key["name"], max_chars=MAX_NAME_CHARS,
-                              help="Empty: the script's file name; a rerun: its parent's name and what changed.")
+
+
+def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: pd.Series | None,
+                  chosen: dict) -> dict | None:
+    """The "More options" expander: statistics period, module trace, FP8, processes and parallelism, and the
+    run's name (None, after saying why, when the typed name is refused)."""
+    more = {"every": int(st.number_input("Tensor statistics every N steps", OPTIONS["every"].minimum, 1_000_000,
+                                         base.every, key=key["every"], help=OPTIONS["every"].help))}
+    more["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
+                                        help=OPTIONS["trace_modules"].help)
+    more["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8 and not several,
+                              key=key["fp8"] if not several else f"{key['fp8']}_off", disabled=several,
+                              help=OPTIONS["fp8"].help + ", under the default recipe (delayed scaling, "
+                              "history 1024, E4M3 forward, E5M2 output gradients)." + _one_process(several))
+    more["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
+                                        OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
+                                        help=OPTIONS["nproc"].help))
+    more["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
+                                    key=key["parallel"], disabled=more["nproc"] == 1,
+                                    help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
+                                    + (". Disabled: one process has nothing to parallelize; set Processes "
+                                       "above 1." if more["nproc"] == 1 else ""))
+    typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
+                          key=key["name"], max_chars=MAX_NAME_CHARS,
+                          help="Empty: the script's file name; a rerun: its parent's name and what changed.")
+    try:
+        more["name"] = clean_name(typed) if typed.strip() else None
+    except RunTextRefused as exc:
+        st.error(str(exc))
+        return None
+    if parent is not None and more["name"] is None:  # the name the rerun will get, shown and confirmed
         try:
-            chosen["name"] = clean_name(typed) if typed.strip() else None
-        except RunTextRefused as exc:
-            st.error(str(exc))
-            return {}
-        if parent is not None and chosen["name"] is None:  # the name the rerun will get, shown and confirmed
-            try:
-                chosen["name"] = rerun_name(parent["name"], base.to_dict(),
-                                            base.with_options(**{**chosen, "name": None}).to_dict())
-            except ConfigError:
-                pass  # a bad combination: refused below with its message
-            st.caption(plain(f"Empty: this rerun is named “{chosen['name'] or parent['name']}”."))
-    pair = chosen["opt_level"] != "O0" and st.checkbox(
-        "Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair")
-    if chosen["opt_level"] == "O0":
+            more["name"] = rerun_name(parent["name"], base.to_dict(),
+                                      base.with_options(**{**chosen, **more, "name": None}).to_dict())
+        except ConfigError:
+            pass  # a bad combination: refused below with its message
+        st.caption(plain(f"Empty: this rerun is named “{more['name'] or parent['name']}”."))
+    return more
+
+
+def _pair_choice(prefix: str, level: str) -> bool:
+    """Whether to run an FP32 twin too (offered disabled at O0, which is the FP32 run itself)."""
+    if level == "O0":
         st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", False, disabled=True,
                     key=f"{prefix}_pair_off", help="Disabled: O0 is the FP32 run itself.")
+        return False
+    return st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair")
+
+
+def _validated(base: RunConfig, chosen: dict, pair: bool, parent: pd.Series | None) -> dict:
+    """The command line's options for ``chosen`` (what differs from ``base``), or {} after showing why the
+    combination is refused."""
     try:
         config = base.with_options(**chosen)
         config.validate()
