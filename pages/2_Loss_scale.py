@@ -14,7 +14,7 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 
 
-def loss_scale_view(store, run: pd.Series, final: bool) -> None:
+def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
     steps = reads.steps(store, run_id, final)
     if steps.empty:

@@ -138,7 +138,7 @@ def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
                     st.rerun()  # the whole page: its top says what started, with its progress and links
 
 
-def findings_view(store, run: pd.Series, final: bool) -> None:
+def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
     if final:
         probe_section(store, run)

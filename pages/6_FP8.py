@@ -40,7 +40,7 @@ def not_recorded(run: pd.Series, run_id: int, asked: bool) -> None:
                 "the run form), then open this page on that run.")
 
 
-def fp8_view(store, run: pd.Series, final: bool) -> None:
+def fp8_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
     settings = recorded_settings(run["config"])
     records, histograms = reads.fp8(store, run_id, final) if settings is not None else (pd.DataFrame(), None)

@@ -29,7 +29,7 @@ def not_traced(run: pd.Series, run_id: int) -> None:
                 "then open this page on that run: it shows which module's output or gradient first went inf/NaN.")
 
 
-def modules_view(store, run: pd.Series, final: bool) -> None:
+def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
     modules = reads.module_stats(store, run_id, final)
     if modules.empty:

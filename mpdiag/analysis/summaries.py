@@ -107,6 +107,14 @@ def fp32_twin(run: pd.Series) -> int | None:
     return None if run["opt_level"] not in FP16_LEVELS or pd.isna(twin) else int(twin)
 
 
+def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
+    """The FP32 twin's row of ``runs`` (Store.runs, already read: the twin is looked up, not read again), else
+    None: no twin (:func:`fp32_twin`), or one no longer in the store."""
+    twin = fp32_twin(run)
+    match = runs[runs["run_id"] == twin] if twin is not None and len(runs) else runs.iloc[:0]
+    return None if match.empty else match.iloc[0]
+
+
 def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:
     """Per tensor (index), the share of all its values that FP16 flushed to zero before they were recorded,
     estimated as max(0, its zero share - the zero share of the same tensor in the FP32 twin) over the logged

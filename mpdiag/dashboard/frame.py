@@ -254,9 +254,9 @@ def console_output(store: Store, run: pd.Series) -> None:
     st.code(terminal_text(kept["text"]), language=None, height=420 if kept["text"].count("\n") > 25 else "content")
 
 
-def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
-    """The run picker every single-run page starts with: (run row, final) or None when there are no runs.
-    Reports a failed or crashed run's error above the page."""
+def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
+    """The run picker every single-run page starts with: (run row, final, the runs table it was picked from) or
+    None when there are no runs. Reports a failed or crashed run's error above the page."""
     runs = store.runs()
     if runs.empty:
         st.info("No runs in this store yet. Start one on the Runs page (the home page).")
@@ -264,7 +264,7 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run, store)
-    return run, is_final(run)
+    return run, is_final(run), runs
 
 
 def findings_shown_here(store: Store, run_id: int, page: str) -> str:
@@ -328,8 +328,9 @@ def _launched_live(store: Store) -> None:
 
 
 def single_run_page(title: str, view) -> None:
-    """The whole frame of a page about one run: store, run picker, then ``view(store, run, final)``, live
-    (re-run every LIVE_REFRESH_S) while the run is still going."""
+    """The whole frame of a page about one run: store, run picker, then ``view(store, run, final, runs)``, live
+    (re-run every LIVE_REFRESH_S) while the run is still going. ``runs`` is the runs table the picker read, the
+    page's one read of it: a view finds other runs' rows (an FP32 twin) there instead of reading it again."""
     store = frame(title)
     if store is not None:
         guarded(_single_run)(store, view)
@@ -339,10 +340,10 @@ def _single_run(store: Store, view) -> None:
     chosen = choose_run(store)
     if chosen is None:
         return
-    run, final = chosen
+    run, final, runs = chosen
     launched_panel(store)
     download_section(store, run)
-    live(view, None if final else LIVE_REFRESH_S)(store, run, final)
+    live(view, None if final else LIVE_REFRESH_S)(store, run, final, runs)
 
 
 def download_section(store: Store, run: pd.Series) -> None:
