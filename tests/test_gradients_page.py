@@ -317,3 +317,19 @@ def test_one_render_reads_the_runs_table_once(store_path, monkeypatch, run_id):
     monkeypatch.setattr(Store, "runs", lambda self: reads.append(1) or whole_table(self))
     page(store_path, monkeypatch, run=run_id)
     assert len(reads) == 1
+
+
+def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_path):
+    """compare_model's FP16 shares of run 1 (paired) and run 3 (no twin): run 1's flushed part is estimated
+    against the twin found in the runs table; run 3 is named as having none."""
+    from mpdiag import Store
+    from mpdiag.analysis.compare import FLUSHED_PART
+    from mpdiag.dashboard import compare_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    model = compare_model.compare(store, runs.set_index("run_id").loc[[1, 3]].reset_index(), runs, weight=0.0)
+    shares = model.fp16_shares()
+    assert shares.no_twin == [model.labels[1]] and not shares.no_stats
+    flushed = shares.under[shares.under["part"] == FLUSHED_PART]
+    assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05

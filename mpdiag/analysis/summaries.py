@@ -101,6 +101,11 @@ FP16_LEVELS = ("O1", "O2", "O3")
 FLUSHED_LABEL = "flushed to zero before recording (underflow)"
 
 
+def run_label(run: pd.Series) -> str:
+    """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
+    return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
+
+
 def fp32_twin(run: pd.Series) -> int | None:
     """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
     twin = run.get("pair_run_id")

@@ -23,7 +23,7 @@ import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
-from mpdiag.analysis.summaries import run_progress, stall_text
+from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
@@ -141,11 +141,6 @@ ROW_PX, HEADER_PX = 35, 38
 def table_height(rows: int, most: int) -> int:
     """A st.dataframe height that shows ``rows`` rows without an inner scrollbar, up to ``most`` of them."""
     return HEADER_PX + ROW_PX * max(1, min(rows, most)) + 2
-
-
-def run_label(run: pd.Series) -> str:
-    """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
-    return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
 
 
 def _seed_from_url(key: str, runs: pd.DataFrame, fallback) -> None:
