@@ -20,7 +20,7 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     if steps.empty:
         st.info("No steps recorded yet." if run["status"] == "running" else f"Run #{run_id} recorded no steps.")
         return
-    ui.findings_shown_here(store, run_id, "Loss_scale")
+    ui.findings_shown_here(store, run_id, "Loss_scale", runs)
     events = summaries.scale_events(steps)
     m = st.columns(6)
     m[0].metric("steps", f"{len(steps):,}")

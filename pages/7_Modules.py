@@ -35,7 +35,7 @@ def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None
     if modules.empty:
         not_traced(run, run_id)
         return
-    shown = ui.findings_shown_here(store, run_id, "Modules")
+    shown = ui.findings_shown_here(store, run_id, "Modules", runs)
     located = module_trace.first_nonfinite(modules).strip()
     where = "" if located and located in shown else (located or "Every forward output and gradient stayed finite.")
     st.caption(plain(f"{modules['module'].nunique():,} modules traced over {modules['step'].nunique():,} steps. "

@@ -306,17 +306,40 @@ def test_without_a_twin_the_view_model_states_none_and_the_table_has_no_flushed_
     assert "flushed to 0 vs FP32 twin (% of values)" not in table.columns
 
 
+@pytest.mark.parametrize("script", ["1_Gradients.py", "2_Loss_scale.py", "5_Findings.py", "6_FP8.py", "7_Modules.py"])
 @pytest.mark.parametrize("run_id", ["1", "3"])
-def test_one_render_reads_the_runs_table_once(store_path, monkeypatch, run_id):
-    """The page's run picker reads the runs table; the FP32 twin's row (run 1's twin, run 2) is found in it, not
-    read again (Store.run reads the whole table too, so it is counted through Store.runs)."""
+def test_one_render_reads_the_runs_table_once(store_path, monkeypatch, run_id, script):
+    """A single-run page's run picker reads the runs table; the FP32 twin's row (run 1's twin, run 2), the
+    findings, the reruns and a fix's FP32 reference are found in it, not read again (Store.run reads the whole
+    table too, so it is counted through Store.runs)."""
     from mpdiag import Store
 
     reads = []
     whole_table = Store.runs
     monkeypatch.setattr(Store, "runs", lambda self: reads.append(1) or whole_table(self))
-    page(store_path, monkeypatch, run=run_id)
+    monkeypatch.setenv("MPDIAG_STORE", str(store_path))
+    at = AppTest.from_file(str(ROOT / "pages" / script), default_timeout=TIMEOUT)
+    at.query_params["run"] = run_id
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
     assert len(reads) == 1
+
+
+def test_the_findings_view_model_offers_the_fix_judged_against_the_twin(store_path):
+    """findings_model without Streamlit: run 1 (O1, static scale 1) has a finding whose fix reruns it; its FP32
+    twin already exists, so the rerun asks for no second twin, and its evidence link names the run."""
+    from mpdiag import Store
+    from mpdiag.analysis.findings import diagnose
+    from mpdiag.dashboard import findings_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    model = findings_model.findings(store, runs[runs["run_id"] == 1].iloc[0], True, runs)
+    assert [f.rule for f in model.findings] == [f.rule for f in diagnose(store, 1)]
+    fixes = [card for card in model.cards if card.options is not None]
+    assert fixes and all(card.options["pair"] is False and card.described for card in fixes)
+    assert all("run=1" in card.link or card.link.startswith("#") for card in model.cards)
+    assert model.outcomes.empty  # never rerun
 
 
 def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_path):

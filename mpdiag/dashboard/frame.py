@@ -262,11 +262,12 @@ def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
     return run, is_final(run), runs
 
 
-def findings_shown_here(store: Store, run_id: int, page: str) -> str:
+def findings_shown_here(store: Store, run_id: int, page: str, runs: pd.DataFrame) -> str:
     """The run's findings whose evidence link opens ``page``, said at its top as Findings says them, so what
-    a link promises is on the page it opens. Returns what was said, so the page does not say it twice."""
+    a link promises is on the page it opens. Returns what was said, so the page does not say it twice.
+    ``runs``: the runs table the page read (the findings are diagnosed against it, not a second read)."""
     said = []
-    for finding in diagnose(store, run_id):
+    for finding in diagnose(store, run_id, runs):
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")
