@@ -53,7 +53,6 @@ class Shadow:
 class FindingsRun:
     """One run's findings page; ``shadow`` and ``updates`` None where the run recorded neither."""
     run: pd.Series
-    final: bool
     cards: list[Card]
     outcomes: pd.DataFrame
     shadow: Shadow | None
@@ -76,6 +75,7 @@ def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> C
 
 
 def shadow(store: Store, run_id: int, final: bool) -> Shadow | None:
+    """The run's gradients against the FP32 shadow (--shadow-every), None where it recorded none."""
     stats = reads.shadow_stats(store, run_id, final)
     if stats.empty:
         return None
@@ -92,5 +92,5 @@ def findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> F
     run_id = int(run["run_id"])
     found = diagnose(store, run_id, runs)
     updates = reads.update_stats(store, run_id, final)
-    return FindingsRun(run, final, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, runs),
+    return FindingsRun(run, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, runs),
                        shadow(store, run_id, final), None if updates.empty else update_shares(updates))
