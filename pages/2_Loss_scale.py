@@ -21,7 +21,7 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     if steps.empty:
         st.info("No steps recorded yet." if run["status"] == "running" else f"Run #{run_id} recorded no steps.")
         return
-    ui.findings_shown_here(store, run_id, "Loss_scale", runs)
+    ui.findings_shown_here(store, run, "Loss_scale", runs)
     m = st.columns(6)
     m[0].metric("steps", f"{len(steps):,}")
     m[1].metric(f"skipped ({events['skips'] / len(steps):.1%})", f"{events['skips']:,}")

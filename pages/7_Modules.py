@@ -34,7 +34,7 @@ def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None
     if model.modules.empty:
         not_traced(run, run_id)
         return
-    shown = ui.findings_shown_here(store, run_id, "Modules", runs)
+    shown = ui.findings_shown_here(store, run, "Modules", runs)
     st.caption(plain(model.said(shown)))
     ui.show_chart(charts.module_heatmap(model.cells, model.order, model.width), width="stretch")
     module = st.selectbox("Module (forward order; type to search)", model.order, index=model.order.index(model.default),

@@ -90,7 +90,10 @@ def findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> F
     """The Findings page's view of ``run`` (a row of ``runs``, the runs table the page read once: the findings,
     the reruns and the fixes' FP32 references are judged against it, not a second read)."""
     run_id = int(run["run_id"])
-    found = diagnose(store, run_id, runs)
+    # a live run's view refreshes without the page, so ``runs`` is as the page read it: its findings and reruns
+    # read the table afresh, as they did before pages passed it (its fixes are offered only once it is final)
+    judged = runs if final else None
+    found = diagnose(store, run_id, judged)
     updates = reads.update_stats(store, run_id, final)
-    return FindingsRun(run, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, runs),
+    return FindingsRun(run, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, judged),
                        shadow(store, run_id, final), None if updates.empty else update_shares(updates))

@@ -262,12 +262,14 @@ def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
     return run, is_final(run), runs
 
 
-def findings_shown_here(store: Store, run_id: int, page: str, runs: pd.DataFrame) -> str:
+def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFrame) -> str:
     """The run's findings whose evidence link opens ``page``, said at its top as Findings says them, so what
     a link promises is on the page it opens. Returns what was said, so the page does not say it twice.
-    ``runs``: the runs table the page read (the findings are diagnosed against it, not a second read)."""
+    ``runs``: the runs table the page read; a final run's findings are diagnosed against it, not a second read.
+    A live run's view refreshes without the page, so its ``runs`` is as the page read it: its findings read the
+    table afresh, as they did before pages passed it."""
     said = []
-    for finding in diagnose(store, run_id, runs):
+    for finding in diagnose(store, int(run["run_id"]), runs if is_final(run) else None):
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")
