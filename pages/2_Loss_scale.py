@@ -1,64 +1,58 @@
 """Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss, learning rate and global
 gradient norm beneath.
 
-Reads widgets, calls mpdiag.analysis.summaries and the chart layer, renders; no store queries, no torch.
+Asks mpdiag.dashboard.loss_scale_model for what to show and draws it with the chart layer; no store queries, no
+torch.
 """
 
 import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import summaries
-from mpdiag.analysis.findings import rank_nonfinite
-from mpdiag.dashboard import charts, reads
+from mpdiag.dashboard import charts, loss_scale_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 
 
-def loss_scale_view(store, run: pd.Series, final: bool) -> None:
+def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
-    steps = reads.steps(store, run_id, final)
+    model = loss_scale_model.loss_scale(store, run, final)
+    steps, events = model.steps, model.events
     if steps.empty:
         st.info("No steps recorded yet." if run["status"] == "running" else f"Run #{run_id} recorded no steps.")
         return
-    ui.findings_shown_here(store, run_id, "Loss_scale")
-    events = summaries.scale_events(steps)
+    ui.findings_shown_here(store, run, "Loss_scale", runs)
     m = st.columns(6)
     m[0].metric("steps", f"{len(steps):,}")
     m[1].metric(f"skipped ({events['skips'] / len(steps):.1%})", f"{events['skips']:,}")
     m[2].metric("backoffs", f"{events['backoffs']:,}")
     m[3].metric("growths", f"{events['growths']:,}")
     m[4].metric("lowest scale", summaries.scale_text(events["min_scale"]))
-    m[5].metric("loss NaN/inf", f"{summaries.nonfinite_losses(steps):,} steps")
+    m[5].metric("loss NaN/inf", f"{model.nonfinite_losses:,} steps")
     if run["scaling"] == "none":
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
-        # a static scale has no growth to track: its recorded tracker is a flat line that says nothing, so the
-        # panel is left out and loss_scale_notes says why
-        steps = steps.assign(growth_tracker=float("nan"))
     ui.show_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
-    for note in summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps):
+    for note in model.notes:
         st.caption(plain(note))
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded. "
                "The learning rate and the gradient norm (of all gradients, unscaled, before any clipping: what "
                "clip_grad_norm_ returns) are recorded at every step, logged or not.")
-    if int(run["world_size"]) > 1:
-        ranks_view(store, run, steps, final)
+    if model.ranks is not None:
+        ranks_view(run, model.ranks)
 
 
-def ranks_view(store, run: pd.Series, steps: pd.DataFrame, final: bool) -> None:
+def ranks_view(run: pd.Series, ranks: loss_scale_model.Ranks) -> None:
     """A distributed run: each rank's local loss and local inf/NaN count, and the rank-nonfinite finding."""
     st.subheader(f"Per rank ({int(run['world_size'])} ranks, {plain(run['backend'])})")
-    ranks = reads.rank_steps(store, int(run["run_id"]), final)
-    if ranks.empty:
+    if ranks.rows.empty:
         st.info("No per-rank rows recorded yet.")
         return
-    finding = rank_nonfinite(ranks, steps)
-    if finding is not None:
-        st.warning(plain(f"{finding.title}. {finding.evidence}"))
-    first = int(ranks.loc[ranks["nonfinite"].fillna(0) > 0, "step"].min()) if finding is not None else None
-    ui.show_chart(charts.rank_panel(ranks, first), width="stretch")
-    if ranks["nonfinite"].isna().all():
+    if ranks.finding is not None:
+        st.warning(plain(f"{ranks.finding.title}. {ranks.finding.evidence}"))
+    ui.show_chart(charts.rank_panel(ranks.rows, ranks.first), width="stretch")
+    if ranks.rows["nonfinite"].isna().all():
         st.caption("Local inf/NaN counts are recorded under DDP only; this run's ranks have losses alone.")
     st.caption("The run's loss above is the mean of the ranks' local losses.")
 

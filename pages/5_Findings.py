@@ -1,27 +1,18 @@
 """Findings: what is wrong with a run, where, what to change, and a rerun that checks the fix.
 
-Reads widgets, calls mpdiag.analysis.findings / summaries, the chart layer and mpdiag.dashboard.actions, renders;
-no store queries, no torch. The scale-linearity probe and fix reruns execute the run's stored script, so each
+Reads widgets, asks mpdiag.dashboard.findings_model for what to show, draws it with the chart layer and starts
+what mpdiag.dashboard.actions starts; no store queries, no torch. The scale-linearity probe and fix reruns execute the run's stored script, so each
 needs a confirmed click; opening the page (with any query parameters) starts nothing. Findings quote tensor and
 run names from the user's script: they reach Markdown only through ``plain``.
 """
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.findings import (
-    EVIDENCE_SECTIONS,
-    GRADIENT_REL_ERROR,
-    diagnose,
-    evidence_link,
-    fix_not_rerunnable,
-    fix_options,
-    rerun_outcomes,
-)
-from mpdiag.analysis.summaries import shadow_ranking, update_shares
-from mpdiag.dashboard import actions, charts, reads
+from mpdiag.analysis.findings import EVIDENCE_SECTIONS, GRADIENT_REL_ERROR
+from mpdiag.dashboard import actions, charts, findings_model
 from mpdiag.dashboard import frame as ui
+from mpdiag.dashboard.findings_model import Card, FindingsRun
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.options import fix_text
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
@@ -44,16 +35,16 @@ def probe_section(store, run: pd.Series) -> None:
             actions.probe(store, run_id)
 
 
-def reruns_table(store, run: pd.Series, findings) -> None:
+def reruns_table(model: FindingsRun) -> None:
     """Reruns of this run: did each finding go away, and how does the loss compare to FP32?"""
-    outcomes = rerun_outcomes(store, int(run["run_id"]), findings)
+    outcomes = model.outcomes
     if outcomes.empty:
         return
     st.subheader("Reruns of this run")
     losses = {c: st.column_config.NumberColumn(format="%.4e") for c in ("final loss", "FP32 final loss")}
     # what the table is for first, each finding gone or still there and the loss against FP32: at 1,280 px a
     # rerun's long name pushed them off screen; the name is shortened (hover for it) and the run kept in view
-    rules = [f.rule for f in findings if f.rule in outcomes.columns]
+    rules = [f.rule for f in model.findings if f.rule in outcomes.columns]
     order = ["run", "name", *rules, "vs FP32", "final loss", "FP32 final loss", "opt level", "status"]
     st.dataframe(outcomes, hide_index=True, width="stretch", column_order=[c for c in order if c in outcomes.columns],
                  column_config={**losses, "run": st.column_config.NumberColumn(pinned=True),
@@ -63,17 +54,15 @@ def reruns_table(store, run: pd.Series, findings) -> None:
                                     help="final loss minus the FP32 reference's, in % of the reference")})
 
 
-def shadow_section(store, run_id: int, final: bool) -> None:
+def shadow_section(shadow: findings_model.Shadow | None) -> None:
     """Gradients against the FP32 shadow (--shadow-every), tensors ranked by lost precision."""
-    shadow = reads.shadow_stats(store, run_id, final)
-    if shadow.empty:
+    if shadow is None:
         st.caption("No FP32 shadow for this run: rerun with --shadow-every N (the run form's "
                    "'FP32 shadow every') to rank tensors by the precision their gradients lose.")
         return
-    ranking = shadow_ranking(shadow)
     error = "‖g − g_fp32‖ / ‖g_fp32‖ at a shadow step: the gradient's error against FP32, relative to its size"
-    st.dataframe(ranking.rename(columns={"meaningful": "reference not negligible"}), hide_index=True, width="stretch",
-                 column_config={
+    st.dataframe(shadow.ranking.rename(columns={"meaningful": "reference not negligible"}), hide_index=True,
+                 width="stretch", column_config={
                      "numel": st.column_config.NumberColumn("values", format="%,d", help="Elements of the tensor."),
                      "steps": st.column_config.NumberColumn("shadow steps", format="%,d",
                                                             help="Steps compared with an FP32 computation."),
@@ -87,11 +76,9 @@ def shadow_section(store, run_id: int, final: bool) -> None:
                      "reference not negligible": st.column_config.CheckboxColumn(
                          help="The FP32 gradient is large enough for a relative error to mean something; only "
                               "these tensors are charted and can raise the finding.")})
-    top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
-    drawable = shadow[shadow["tensor"].isin(top) & np.isfinite(shadow["rel_error"]) & (shadow["rel_error"] > 0)]
-    if len(drawable):
-        ui.show_chart(charts.shadow_error_lines(shadow, top, GRADIENT_REL_ERROR), width="stretch")
-    elif top and (shadow.loc[shadow["tensor"].isin(top), "rel_error"] == 0).all():
+    if shadow.drawable:
+        ui.show_chart(charts.shadow_error_lines(shadow.stats, shadow.top, GRADIENT_REL_ERROR), width="stretch")
+    elif shadow.exact:
         st.caption("Every gradient equals its FP32 shadow exactly (error 0 at every shadow step, as in a run "
                    "computed in FP32), so there is no error to chart on a log axis.")
     else:
@@ -99,22 +86,21 @@ def shadow_section(store, run_id: int, final: bool) -> None:
                    "gradient is not negligible, so there is nothing to chart on a log axis.")
 
 
-def updates_section(store, run: pd.Series, final: bool) -> None:
+def updates_section(model: FindingsRun) -> None:
     """Optimizer updates against the weight format's resolution (recorded at O2, O3 and bf16-pure)."""
-    updates = reads.update_stats(store, int(run["run_id"]), final)
-    if updates.empty:
+    if model.updates is None:
         st.caption("Updates are checked against FP16/BF16 resolution at O2, O3 and bf16-pure; "
                    "this run has no such record.")
         return
-    per_tensor, per_step = update_shares(updates)
-    ui.show_chart(charts.update_share_lines(per_step, run["update_format"]), width="stretch")
+    per_tensor, per_step = model.updates
+    ui.show_chart(charts.update_share_lines(per_step, model.run["update_format"]), width="stretch")
     st.dataframe(per_tensor, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="percent")
                                 for c in ("below_resolution_share", "unchanged_share")})
 
 
-def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
-    run_id = int(run["run_id"])
+def finding_card(store, run: pd.Series, i: int, card: Card) -> None:
+    run_id, finding = int(run["run_id"]), card.finding
     with st.container(border=True):
         st.markdown(f"**{BADGES[finding.severity]} · {plain(finding.title)}**  \n`{finding.rule}`")
         st.markdown(f"**Evidence.** {plain(finding.evidence)}")
@@ -122,40 +108,36 @@ def finding_card(store, run: pd.Series, final: bool, i: int, finding) -> None:
             st.caption(plain("Tensors: " + ", ".join(finding.tensors[:12]) + (" …" if len(finding.tensors) > 12 else "")))
         st.markdown(f"**What to change.** {plain(finding.recommendation)}")
         cols = st.columns(2)
-        where = "below" if finding.page == "Findings" else f"on the {finding.page.replace('_', ' ')} page"
-        cols[0].markdown(f"[See the evidence {where}]({evidence_link(finding, run_id)})")  # a percent-encoded URL
-        blocked = fix_not_rerunnable(run["config"], finding.fix) if finding.fix and final else None
-        if blocked:
-            cols[1].caption(plain(blocked))
-        elif finding.fix and final:
-            options = fix_options(store.runs(), run_id, finding)
-            described = fix_text(finding.fix)
+        cols[0].markdown(f"[See the evidence {card.where}]({card.link})")  # a percent-encoded URL
+        if card.blocked:
+            cols[1].caption(plain(card.blocked))
+        elif card.options is not None:
             action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",
-                                     run["script_path"] or run["name"], run["script_sha256"], options)
+                                     run["script_path"] or run["name"], run["script_sha256"], card.options)
             with cols[1]:
-                if actions.confirmed(f"Rerun with this fix ({described})", f"fix_{run_id}_{i}", action):
-                    actions.start_rerun(store, run_id, options, f"the fix of {finding.rule} on #{run_id} ({described})")
+                if actions.confirmed(f"Rerun with this fix ({card.described})", f"fix_{run_id}_{i}", action):
+                    actions.start_rerun(store, run_id, card.options,
+                                        f"the fix of {finding.rule} on #{run_id} ({card.described})")
                     st.rerun()  # the whole page: its top says what started, with its progress and links
 
 
-def findings_view(store, run: pd.Series, final: bool) -> None:
-    run_id = int(run["run_id"])
+def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     if final:
         probe_section(store, run)
-    findings = diagnose(store, run_id)
+    model = findings_model.findings(store, run, final, runs)
     if not final:
         st.info("The run is still going: these findings cover the steps recorded so far.")
-    if not findings:
+    if not model.cards:
         st.success(f"No findings for {plain(ui.run_label(run))}: none of mpdiag's checks (gradient underflow and "
                    "overflow, loss-scale collapse and skipped steps, divergence from FP32, optimizer-step and FP8 "
                    "checks) found a problem.")
-    for i, finding in enumerate(findings):
-        finding_card(store, run, final, i, finding)
-    reruns_table(store, run, findings)
+    for i, card in enumerate(model.cards):
+        finding_card(store, run, i, card)
+    reruns_table(model)
     st.subheader("Gradients against the FP32 shadow", anchor=EVIDENCE_SECTIONS["gradient-error"])
-    shadow_section(store, run_id, final)
+    shadow_section(model.shadow)
     st.subheader("Optimizer updates against the weight format", anchor=EVIDENCE_SECTIONS["update-swamping"])
-    updates_section(store, run, final)
+    updates_section(model)
     with st.expander("Console output", expanded=False):  # what the run's process printed, as text
         ui.console_output(store, run)
 

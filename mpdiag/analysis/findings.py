@@ -446,9 +446,10 @@ def rank_nonfinite(rank_steps: pd.DataFrame, steps: pd.DataFrame) -> Finding | N
     )
 
 
-def diagnose(store: Store, run_id: int) -> list[Finding]:
-    """All findings of one run, most severe first."""
-    runs = store.runs()
+def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> list[Finding]:
+    """All findings of one run, most severe first. ``runs``: the store's runs table where the caller has read it
+    (a dashboard page reads it once per render), else it is read here."""
+    runs = store.runs() if runs is None else runs
     run = runs[runs["run_id"] == int(run_id)].iloc[0]
     totals = store.tensor_totals(run_id)
     steps = store.steps(run_id)
@@ -527,11 +528,12 @@ def evidence_link(finding: Finding, run_id: int) -> str:
     return f"/{finding.page}?{urlencode(query)}"
 
 
-def rerun_outcomes(store: Store, run_id: int, findings: list[Finding]) -> pd.DataFrame:
+def rerun_outcomes(store: Store, run_id: int, findings: list[Finding], runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """The reruns of a run (its mixed-precision children), one row each: run id, status, final loss; for a
     finished rerun, per finding of the parent whether its rule is "gone" or "still there", and its final loss
-    against its FP32 reference ("vs FP32": relative difference in percent). Empty when the run was never rerun."""
-    runs = store.runs()
+    against its FP32 reference ("vs FP32": relative difference in percent). Empty when the run was never rerun.
+    ``runs`` as for :func:`diagnose`."""
+    runs = store.runs() if runs is None else runs
     if runs.empty:
         return pd.DataFrame()
     children = runs[(runs["parent_run_id"] == int(run_id)) & (runs["opt_level"] != "O0")]
@@ -540,7 +542,7 @@ def rerun_outcomes(store: Store, run_id: int, findings: list[Finding]) -> pd.Dat
         row = {"run": int(child["run_id"]), "name": child["name"], "opt level": child["opt_level"],
                "status": child["status"], "final loss": child["final_loss"]}
         if child["status"] == "finished":
-            after = diagnose(store, int(child["run_id"]))
+            after = diagnose(store, int(child["run_id"]), runs)
             for f in findings:
                 row[f.rule] = "gone" if finding_resolved(f, after) else "still there"
             ref = reference_run(runs, int(child["run_id"]))

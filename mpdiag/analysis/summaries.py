@@ -101,10 +101,23 @@ FP16_LEVELS = ("O1", "O2", "O3")
 FLUSHED_LABEL = "flushed to zero before recording (underflow)"
 
 
+def run_label(run: pd.Series) -> str:
+    """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
+    return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
+
+
 def fp32_twin(run: pd.Series) -> int | None:
     """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
     twin = run.get("pair_run_id")
     return None if run["opt_level"] not in FP16_LEVELS or pd.isna(twin) else int(twin)
+
+
+def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
+    """The FP32 twin's row of ``runs`` (Store.runs, already read: the twin is looked up, not read again), else
+    None: no twin (:func:`fp32_twin`), or one no longer in the store."""
+    twin = fp32_twin(run)
+    match = runs[runs["run_id"] == twin] if twin is not None and len(runs) else runs.iloc[:0]
+    return None if match.empty else match.iloc[0]
 
 
 def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:

@@ -23,7 +23,7 @@ import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
-from mpdiag.analysis.summaries import run_progress, stall_text
+from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
@@ -144,11 +144,6 @@ def table_height(rows: int, most: int) -> int:
     return HEADER_PX + ROW_PX * max(1, min(rows, most)) + 2
 
 
-def run_label(run: pd.Series) -> str:
-    """``#id · name · level`` as plain text (for tables, st.text and code); pass it through ``plain`` for Markdown."""
-    return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
-
-
 def _seed_from_url(key: str, runs: pd.DataFrame, fallback) -> None:
     """Before the widget exists: its value from ``?run=3`` (or ``?runs=3&runs=5``) when those ids exist, else
     ``fallback`` (a value, or a function giving it, called only then); set once per session, through Session
@@ -255,9 +250,9 @@ def console_output(store: Store, run: pd.Series) -> None:
     st.code(terminal_text(kept["text"]), language=None, height=420 if kept["text"].count("\n") > 25 else "content")
 
 
-def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
-    """The run picker every single-run page starts with: (run row, final) or None when there are no runs.
-    Reports a failed or crashed run's error above the page."""
+def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
+    """The run picker every single-run page starts with: (run row, final, the runs table it was picked from) or
+    None when there are no runs. Reports a failed or crashed run's error above the page."""
     runs = store.runs()
     if runs.empty:
         st.info("No runs in this store yet. Start one on the Runs page (the home page).")
@@ -265,14 +260,17 @@ def choose_run(store: Store) -> tuple[pd.Series, bool] | None:
     run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run, store)
-    return run, is_final(run)
+    return run, is_final(run), runs
 
 
-def findings_shown_here(store: Store, run_id: int, page: str) -> str:
+def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFrame) -> str:
     """The run's findings whose evidence link opens ``page``, said at its top as Findings says them, so what
-    a link promises is on the page it opens. Returns what was said, so the page does not say it twice."""
+    a link promises is on the page it opens. Returns what was said, so the page does not say it twice.
+    ``runs``: the runs table the page read; a final run's findings are diagnosed against it, not a second read.
+    A live run's view refreshes without the page, so its ``runs`` is as the page read it: its findings read the
+    table afresh, as they did before pages passed it."""
     said = []
-    for finding in diagnose(store, run_id):
+    for finding in diagnose(store, int(run["run_id"]), runs if is_final(run) else None):
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")
@@ -329,8 +327,9 @@ def _launched_live(store: Store) -> None:
 
 
 def single_run_page(title: str, view) -> None:
-    """The whole frame of a page about one run: store, run picker, then ``view(store, run, final)``, live
-    (re-run every LIVE_REFRESH_S) while the run is still going."""
+    """The whole frame of a page about one run: store, run picker, then ``view(store, run, final, runs)``, live
+    (re-run every LIVE_REFRESH_S) while the run is still going. ``runs`` is the runs table the picker read, the
+    page's one read of it: a view finds other runs' rows (an FP32 twin) there instead of reading it again."""
     store = frame(title)
     if store is not None:
         guarded(_single_run)(store, view)
@@ -340,10 +339,10 @@ def _single_run(store: Store, view) -> None:
     chosen = choose_run(store)
     if chosen is None:
         return
-    run, final = chosen
+    run, final, runs = chosen
     launched_panel(store)
     download_section(store, run)
-    live(view, None if final else LIVE_REFRESH_S)(store, run, final)
+    live(view, None if final else LIVE_REFRESH_S)(store, run, final, runs)
 
 
 def download_section(store: Store, run: pd.Series) -> None:

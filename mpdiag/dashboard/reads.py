@@ -193,17 +193,15 @@ def module_stats(store: Store, run_id: int) -> pd.DataFrame:
     return store.module_stats(run_id)
 
 
-def twin_totals(store: Store, twin_id: int | None) -> pd.DataFrame | None:
+def twin_totals(store: Store, twin: pd.Series | None) -> pd.DataFrame | None:
     """The FP32 twin's per-tensor totals (:func:`tensor_totals`), cached once the twin is final; None without a
-    twin."""
-    return None if twin_id is None else tensor_totals(store, twin_id, is_final(store.run(twin_id)))
+    twin. ``twin``: its row of the runs table the page read (summaries.fp32_twin_row), not read again here."""
+    return None if twin is None else tensor_totals(store, int(twin["run_id"]), is_final(twin))
 
 
-def twin_at_step(store: Store, twin_id: int | None, tensor: str, step: int) -> pd.Series | None:
+def twin_at_step(store: Store, twin: pd.Series | None, tensor: str, step: int) -> pd.Series | None:
     """The FP32 twin's row for one tensor at one step (:func:`tensor_at_step`), None without a twin or when the
-    twin did not log that step."""
-    if twin_id is None or step not in logged_steps(store, twin_id, final := is_final(store.run(twin_id))):
+    twin did not log that step. ``twin`` as for :func:`twin_totals`."""
+    if twin is None or step not in logged_steps(store, twin_id := int(twin["run_id"]), final := is_final(twin)):
         return None
     return tensor_at_step(store, twin_id, tensor, step, final)
-
-

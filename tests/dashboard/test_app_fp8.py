@@ -235,3 +235,24 @@ def test_the_layer_table_names_fit_and_say_what_they_count(fp8_store, monkeypatc
     nothing = table["losing"] == 0
     assert nothing.any() and (table.loc[nothing, "at step"] == "").all()
     assert (table.loc[~nothing, "at step"] != "").all()
+
+
+def test_the_view_model_counts_what_the_recorded_settings_lost_and_says_why_nothing_else_was_read(fp8_store):
+    """fp8_model without Streamlit: the recorded settings on run 1's head input give the stored count; a run
+    started without --fp8 (run 4) has no settings and no records read."""
+    import dataclasses
+
+    from mpdiag.dashboard import fp8_model
+
+    store = Store(fp8_store)
+    runs = store.runs()
+    model = fp8_model.fp8(store, runs[runs["run_id"] == 1].iloc[0], True)
+    rows = store.fp8(1)
+    rows = rows[(rows["module"] == "head") & (rows["role"] == "input") & (rows["recipe"] == "delayed")]
+    whatif = model.whatif("head", "input", dataclasses.replace(model.settings, recipe="delayed"))
+    assert f"the recorded count is exactly {int((rows['underflow'] + rows['overflow']).sum()):,}" in whatif.said
+    assert model.recipes == ["delayed", "current"] and "current and delayed scaling" in model.recorded
+    layer = model.layer("head", "input", "delayed")
+    assert len(layer.series) == rows["step"].nunique() and layer.said.startswith("head input, delayed scaling")
+    none = fp8_model.fp8(store, runs[runs["run_id"] == 4].iloc[0], True)
+    assert none.settings is None and none.records.empty

@@ -155,3 +155,36 @@ def test_axes_are_plain_numbers_powers_of_ten_and_memory_from_zero(store, monkey
 
     assert not any("arrow_vega_lite_chart" in set(inside(column)) or "vega_lite_chart" in set(inside(column))
                    for column in at.columns)  # no chart in a column: side by side each was under 400 px
+
+
+def test_the_view_model_says_what_the_page_draws_of_each_run(store):
+    """compare_model without Streamlit's script runner: the loss-scale panel leaves out the twin without loss
+    scaling and says so, both O1 runs are compared with the FP32 twin, costs and memory are each run's own."""
+    from mpdiag.dashboard import compare_model
+
+    all_runs = Store(store).runs()
+    model = compare_model.compare(Store(store), chosen(store), all_runs, weight=0.0)
+    assert [label[:2] for label in model.labels] == ["#1", "#2", "#3"]
+    curves = model.curves("step", smooth=False)
+    assert sorted(curves.scaled["run"].str[:2].unique()) == ["#1", "#3"]
+    assert any(s.startswith("Not in the loss-scale panel") and "\\#2" in s for s in curves.said)
+    assert len(curves.notes) == 2 and all("versus its FP32 reference \\#2" in note for note in curves.notes)
+    ones = Store(store).steps(1)
+    diff = curves.diffs[curves.diffs["run"] == model.labels[0]].set_index("step")["diff"]
+    assert diff.tolist() == pytest.approx((ones["loss"] - Store(store).steps(2)["loss"]).tolist())
+    assert curves.normed is not None and len(curves.lr) == 3 * STEPS
+    costs = model.costs()
+    assert sorted(costs.memory["peak_mem_mb"].unique()) == [590.0, 602.0] and len(costs.table) == 3
+    assert costs.warmups.startswith("Step 0 (warm-up") and (costs.timed["step"] > 0).all()
+    shares = model.fp16_shares()  # no run recorded tensor statistics
+    assert shares.under is None and len(shares.no_stats) == 3
+
+
+def test_one_render_reads_the_runs_table_once(store, monkeypatch):
+    """The page reads the runs table for its picker; each run's FP32 reference and twin are found in it."""
+    reads = []
+    whole_table = Store.runs
+    monkeypatch.setattr(Store, "runs", lambda self: reads.append(1) or whole_table(self))
+    at = _page(store, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(reads) == 1

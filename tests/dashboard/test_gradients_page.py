@@ -258,3 +258,101 @@ def test_blank_steps_name_skipped_steps_and_a_zero_loss_scale():
     scaled = summaries.blank_steps(index, counts, steps, stats, at_scale=True)
     assert scaled["step"].tolist() == [1, 2, 3] and scaled["reason"].iloc[-1] == "loss scale 0"
     assert summaries.blank_steps_text(blank.iloc[0:0], 4) == ""
+
+
+def test_the_view_model_holds_the_twins_totals_and_what_the_page_shows_of_them(store_path):
+    """gradients_model without Streamlit's script runner: run 1's twin (run 2) is found in the runs table read once,
+    its totals are the store's, and the ranking, the flushed share at a step and the table say what they imply."""
+    from mpdiag import Store
+    from mpdiag.dashboard import gradients_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    run = runs[runs["run_id"] == 1].iloc[0]
+    model = gradients_model.gradients(store, run, True, runs)
+    assert int(model.twin["run_id"]) == 2
+    pd.testing.assert_frame_equal(model.twin_totals, store.tensor_totals(2))
+    totals, twin = store.tensor_totals(1).set_index("tensor"), store.tensor_totals(2).set_index("tensor")
+    flushed = (totals["zeros"] / totals["numel"] - twin.loc[totals.index, "zeros"] / twin.loc[totals.index, "numel"]
+               ).clip(lower=0)
+    ranking = model.ranking("fp16", at_scale=False)
+    assert ranking.states_flushed and ranking.tensors == flushed.sort_values(ascending=False, kind="stable").index.tolist()
+    tensor, step = ranking.tensors[0], model.logged[-1]
+    shown = model.tensor(ranking, tensor, show_bf16=False)
+    assert f"{flushed[tensor]:.2%} of all values flushed to zero before recording" in shown.summary
+    at = model.at_step(ranking, shown, step)
+    mine = store.tensor_stats(1, tensor, step=step).iloc[0]
+    theirs = store.tensor_stats(2, tensor, step=step).iloc[0]
+    assert at.flushed == pytest.approx(max(0.0, (mine["zeros"] - theirs["zeros"]) / mine["numel"]))
+    assert at.flushed_said.startswith(f"At step {step}: {at.flushed:.2%} of all values")
+    table, columns = model.table(ranking, at, k=0)
+    assert table.columns.tolist() == [label for _, label, _ in columns]
+    assert table["flushed to 0 vs FP32 twin (% of values)"].tolist() == [f"{flushed[t]:.2%}" for t in table["tensor"]]
+    assert table.columns[2:4].tolist() == ["fp16 underflow (%)", f"fp16 underflow at 2^0, step {step:,}"]
+
+
+def test_without_a_twin_the_view_model_states_none_and_the_table_has_no_flushed_column(store_path):
+    from mpdiag import Store
+    from mpdiag.dashboard import gradients_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    model = gradients_model.gradients(store, runs[runs["run_id"] == 3].iloc[0], True, runs)
+    assert model.twin is None and model.twin_totals is None
+    ranking = model.ranking("fp16", at_scale=False)
+    at = model.at_step(ranking, model.tensor(ranking, ranking.tensors[0], show_bf16=False), model.logged[-1])
+    assert at.flushed is None and "cannot be known from this run" in at.flushed_said
+    table, _ = model.table(ranking, at, k=0)
+    assert "flushed to 0 vs FP32 twin (% of values)" not in table.columns
+
+
+@pytest.mark.parametrize("script", ["1_Gradients.py", "2_Loss_scale.py", "5_Findings.py", "6_FP8.py", "7_Modules.py"])
+@pytest.mark.parametrize("run_id", ["1", "3"])
+def test_one_render_reads_the_runs_table_once(store_path, monkeypatch, run_id, script):
+    """A single-run page's run picker reads the runs table; the FP32 twin's row (run 1's twin, run 2), the
+    findings, the reruns and a fix's FP32 reference are found in it, not read again (Store.run reads the whole
+    table too, so it is counted through Store.runs)."""
+    from mpdiag import Store
+
+    reads = []
+    whole_table = Store.runs
+    monkeypatch.setattr(Store, "runs", lambda self: reads.append(1) or whole_table(self))
+    monkeypatch.setenv("MPDIAG_STORE", str(store_path))
+    at = AppTest.from_file(str(ROOT / "pages" / script), default_timeout=TIMEOUT)
+    at.query_params["run"] = run_id
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(reads) == 1
+
+
+def test_the_findings_view_model_offers_the_fix_judged_against_the_twin(store_path):
+    """findings_model without Streamlit: run 1 (O1, static scale 1) has a finding whose fix reruns it; its FP32
+    twin already exists, so the rerun asks for no second twin, and its evidence link names the run."""
+    from mpdiag import Store
+    from mpdiag.analysis.findings import diagnose
+    from mpdiag.dashboard import findings_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    model = findings_model.findings(store, runs[runs["run_id"] == 1].iloc[0], True, runs)
+    assert [f.rule for f in model.findings] == [f.rule for f in diagnose(store, 1)]
+    fixes = [card for card in model.cards if card.options is not None]
+    assert fixes and all(card.options["pair"] is False and card.described for card in fixes)
+    assert all("run=1" in card.link or card.link.startswith("#") for card in model.cards)
+    assert model.outcomes.empty  # never rerun
+
+
+def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_path):
+    """compare_model's FP16 shares of run 1 (paired) and run 3 (no twin): run 1's flushed part is estimated
+    against the twin found in the runs table; run 3 is named as having none."""
+    from mpdiag import Store
+    from mpdiag.analysis.compare import FLUSHED_PART
+    from mpdiag.dashboard import compare_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    model = compare_model.compare(store, runs.set_index("run_id").loc[[1, 3]].reset_index(), runs, weight=0.0)
+    shares = model.fp16_shares()
+    assert shares.no_twin == [model.labels[1]] and not shares.no_stats
+    flushed = shares.under[shares.under["part"] == FLUSHED_PART]
+    assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05

@@ -226,3 +226,18 @@ def test_compare_names_the_runs_without_lr_norm_or_wall_time(store, monkeypatch)
     at.radio(key="x_axis").set_value("wall time (s)").run()
     assert not at.exception and not page_chart_problems(at)
     assert "Not on the wall-time axis" in said(at) and "older run" in said(at).split("Not on the wall-time axis")[1]
+
+
+def test_the_loss_scale_view_model_counts_the_stored_steps_and_says_why_panels_are_missing(store):
+    """loss_scale_model without Streamlit: run 1's events and non-finite losses are the store's; run 4 (recorded
+    before mpdiag kept the lr and norm) is said to lack both panels; one process has no ranks."""
+    from mpdiag.analysis import summaries
+    from mpdiag.dashboard import loss_scale_model
+
+    db = Store(store)
+    runs = db.runs().set_index("run_id", drop=False)
+    model = loss_scale_model.loss_scale(db, runs.loc[1], True)
+    assert model.events == summaries.scale_events(db.steps(1)) and model.ranks is None
+    assert model.nonfinite_losses == int((~np.isfinite(db.steps(1)["loss"].astype(float))).sum())
+    old = loss_scale_model.loss_scale(db, runs.loc[4], True)
+    assert any(note.startswith("No learning-rate or gradient-norm panel") for note in old.notes)

@@ -110,3 +110,20 @@ def test_the_loss_scale_page_says_what_the_findings_linking_to_it_say(store_path
     assert not at.exception
     for finding in linked:
         assert finding.evidence in texts(at)
+
+
+def test_the_modules_view_model_offers_the_first_nonfinite_module_and_leaves_said_findings_out(store_path):
+    """modules_model without Streamlit: the module offered first is the first to go inf/NaN; the caption names
+    where unless the findings at the page's top already said it; an untraced run has an empty trace."""
+    from mpdiag.dashboard import modules_model
+
+    script = ModelScript.from_path(EXAMPLES / "gallery_activation_overflow.py")
+    run_id = train(script, RunConfig(opt_level="O1", steps=3, device="cpu", trace_modules=True), store_path)
+    plain_run = train(script, RunConfig(opt_level="O1", steps=2, device="cpu"), store_path)
+    runs = Store(store_path).runs().set_index("run_id", drop=False)
+    model = modules_model.modules(Store(store_path), runs.loc[run_id], True)
+    stats = Store(store_path).module_stats(run_id)
+    assert model.default == "0" and model.order == module_trace.module_order(stats)
+    located = module_trace.first_nonfinite(stats).strip()
+    assert located in model.said("") and located not in model.said(located)
+    assert modules_model.modules(Store(store_path), runs.loc[plain_run], True).modules.empty

@@ -1,0 +1,233 @@
+"""The Compare page's view-model: what pages/3_Compare.py shows of 2-4 runs side by side (curves, costs, FP16
+shares, overlaid histograms), as typed values built from the cached reads (reads.py) and mpdiag.analysis.compare
+for the choices its widgets make. No widgets and no drawing here, so every part is testable without Streamlit's
+script runner. Sentences for Markdown are built with ``plain`` around every run label (run names are the user's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.analysis import summaries
+from mpdiag.analysis.compare import (
+    DIVERGENCE_RTOL,
+    STEP_TIME_OUTLIER,
+    cost_table,
+    first_divergence,
+    fp16_underflow_parts,
+    histogram_steps,
+    histogram_tensors,
+    loss_comparison,
+    overlaid_histograms,
+    reference_run,
+    smoothed,
+    step_time_outliers,
+    worst_by_total,
+)
+from mpdiag.dashboard import reads
+from mpdiag.dashboard.untrusted import plain
+from mpdiag.store import Store
+
+
+@dataclass(frozen=True)
+class Curves:
+    """The runs' curves on one x axis: the loss, its difference to each run's FP32 reference, the loss scale, the
+    learning rate and the gradient norm, each only for the runs that recorded it, and what is left out, said."""
+    x: str
+    smooth: bool
+    #: the runs' steps on the x axis (empty: no run has a value on it, e.g. no wall time)
+    curves: pd.DataFrame
+    #: each mixed run's loss against its FP32 reference, and the first step they differ; None without one
+    diffs: pd.DataFrame | None
+    first: int | None
+    #: the runs with loss scaling, with a learning rate, with a gradient norm (None: none recorded one)
+    scaled: pd.DataFrame
+    lr: pd.DataFrame
+    normed: pd.DataFrame | None
+    #: captions (Markdown, labels through ``plain``) and each run's note on its FP32 reference
+    said: list[str]
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Step times after the warm-up step 0 (without the outliers), peak memory, and the table of costs."""
+    timed: pd.DataFrame
+    warmups: str | None
+    outliers: str | None
+    #: None: no run recorded its peak memory
+    memory: pd.DataFrame | None
+    table: pd.DataFrame
+
+
+@dataclass(frozen=True)
+class Fp16Shares:
+    """FP16 underflow (flushed and counted parts) and overflow per tensor and run, worst first; None where no
+    run recorded statistics, empty where nothing would underflow or overflow."""
+    under: pd.DataFrame | None
+    over: pd.DataFrame | None
+    no_stats: list[str]
+    no_twin: list[str]
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """One tensor's exponent histogram in each run at one step (None: summed), and per run what it held."""
+    bins: pd.DataFrame
+    per_run: pd.DataFrame
+    when: str
+
+
+@dataclass(frozen=True)
+class CompareRuns:
+    """The chosen runs (rows of the runs table the page read once) as the page compares them; its methods give
+    what each section shows for its widgets' choices."""
+    store: Store
+    chosen: pd.DataFrame
+    all_runs: pd.DataFrame
+    labels: list[str]
+    #: each run's steps, smoothed and thinned for drawing, with its label as ``run``, all in one frame
+    everything: pd.DataFrame
+
+    def _rows(self):
+        return zip(self.labels, (r for _, r in self.chosen.iterrows()), strict=True)
+
+    def curves(self, x: str, smooth: bool) -> Curves:
+        """The curves on ``x`` ("step" or "wall_time_s"); the difference to FP32 is drawn over steps only."""
+        labels, everything = self.labels, self.everything
+        diffs, notes, firsts = self._references()
+        curves, said = everything, []
+        if x == "wall_time_s":
+            untimed = [lab for lab in labels if everything.loc[everything["run"] == lab, "wall_time_s"].isna().all()]
+            curves = everything[everything["wall_time_s"].notna()]
+            if untimed:
+                said.append("Not on the wall-time axis (recorded before mpdiag kept a wall time per step): "
+                            + "; ".join(plain(lab) for lab in untimed) + ".")
+        if curves.empty:
+            return Curves(x, smooth, curves, None, None, curves, curves, None, said, notes)
+        if diffs and x != "step":
+            said.append("The difference to the FP32 reference is drawn over steps only: choose the step axis to see it.")
+        # a run without loss scaling (O0, bf16: no GradScaler) has scale 1 at every step: drawn, its line at 2^0
+        # would cover a static scale of 1 and read as a scale it never had; it is named instead
+        unscaled = [lab for lab, scaling in zip(labels, self.chosen["scaling"], strict=True) if scaling == "none"]
+        unscaled_shown = [lab for lab in unscaled if lab in set(curves["run"])]
+        if unscaled_shown:
+            said.append("Not in the loss-scale panel (no loss scaling: no GradScaler, the loss is used as it is): "
+                        + "; ".join(plain(lab) for lab in unscaled_shown) + ".")
+        with_lr = curves.groupby("run")["lr"].transform(lambda v: np.isfinite(v.astype(float)).any())
+        normed = curves[summaries.recorded_norms(curves)]
+        shown = [lab for lab in labels if lab in set(curves["run"])]
+        missing_lr = [lab for lab in shown if not with_lr[curves["run"] == lab].any()]
+        missing_norm = [lab for lab in shown if lab not in set(normed["run"])]
+        if missing_lr:
+            said.append("No learning rate recorded (a run recorded before mpdiag kept it, or without a known "
+                        "optimizer): " + "; ".join(plain(lab) for lab in missing_lr) + ".")
+        if missing_norm:
+            said.append("No gradient norm recorded (a run recorded before mpdiag kept it): "
+                        + "; ".join(plain(lab) for lab in missing_norm) + ".")
+        drawn_norms = len(normed) and (normed["grad_norm"].astype(float) != 0).any()
+        return Curves(x, smooth, curves, pd.concat(diffs) if diffs else None,
+                      min((s for s in firsts if s is not None), default=None), curves[~curves["run"].isin(unscaled)],
+                      curves[with_lr] if with_lr.any() else curves.iloc[:0], normed if drawn_norms else None,
+                      said, notes)
+
+    def _references(self) -> tuple[list[pd.DataFrame], list[str], list[int | None]]:
+        """Each mixed run's loss against its FP32 reference (preferring a chosen one), the note saying where they
+        first differ (or that there is none), and that step."""
+        selected = self.chosen["run_id"].astype(int).tolist()
+        diffs, notes, firsts = [], [], []
+        for lab, r in self._rows():
+            ref_id = reference_run(self.all_runs, int(r["run_id"]), prefer=selected)
+            if ref_id is None:
+                if r["opt_level"] != "O0":
+                    notes.append(f"**{plain(lab)}**: no finished FP32 (O0) run of the same script and seed to "
+                                 "compare with (start runs with 'Also run an FP32 twin').")
+                continue
+            ref = self.all_runs[self.all_runs["run_id"] == ref_id].iloc[0]
+            comparison = loss_comparison(reads.steps(self.store, ref_id, True),
+                                         self.everything[self.everything["run"] == lab]).assign(run=lab)
+            step = first_divergence(comparison)
+            firsts.append(step)
+            where = (f"stays within {DIVERGENCE_RTOL:.0%}" if step is None else
+                     f"first differs by more than {DIVERGENCE_RTOL:.0%} (or turns non-finite) at step {step}")
+            notes.append(f"**{plain(lab)}** versus its FP32 reference {plain(summaries.run_label(ref))}: {where}.")
+            diffs.append(comparison)
+        return diffs, notes, firsts
+
+    def costs(self) -> Costs:
+        """Step 0 holds the warm-up (allocation, kernel selection, compilation): said apart, out of the medians; a
+        later step far above its run's median (a stall) is listed, not drawn: the axis would be scaled to it."""
+        everything = self.everything
+        timed = everything[(everything["step"] > 0) & np.isfinite(everything["step_time_s"].astype(float))]
+        outliers = step_time_outliers(timed)
+        warmups = everything[everything["step"] == 0]
+        far = timed[outliers]
+        listed = "; ".join(f"{plain(run)} step {int(step):,} {seconds:,.3g} s" for run, step, seconds in
+                           zip(far["run"].head(5), far["step"].head(5), far["step_time_s"].head(5), strict=True))
+        more = f"; and {len(far) - 5:,} more" if len(far) > 5 else ""
+        memory = everything.assign(peak_mem_mb=everything["peak_mem_bytes"] / 2**20)
+        return Costs(timed[~outliers], "Step 0 (warm-up, not in the chart or the medians): " + "; ".join(
+            f"{plain(run)} {seconds:,.3g} s" for run, seconds in zip(warmups["run"], warmups["step_time_s"],
+                                                                       strict=True)) if len(warmups) else None,
+                     f"Not in the chart (over {STEP_TIME_OUTLIER:g}× their run's 90th percentile step time; in the "
+                     f"medians): {listed}{more}." if outliers.any() else None,
+                     memory if np.isfinite(memory["peak_mem_mb"].astype(float)).any() else None,
+                     cost_table(self.chosen, self.labels))
+
+    def fp16_shares(self) -> Fp16Shares:
+        """Each run's bars are what is true of that run: an FP16 run's flushed values (zeros in its record) beside
+        what would underflow if cast, an FP32 run's only the latter. The FP32 twin's row is looked up in the
+        runs table the page read."""
+        parts, overflow, no_stats, no_twin = [], [], [], []
+        for lab, r in self._rows():
+            totals = reads.tensor_totals(self.store, int(r["run_id"]), reads.is_final(r))
+            if totals.empty:
+                no_stats.append(lab)
+                continue
+            twin = reads.twin_totals(self.store, summaries.fp32_twin_row(self.all_runs, r))
+            if twin is None and r["opt_level"] in summaries.FP16_LEVELS:
+                no_twin.append(lab)
+            parts.append(fp16_underflow_parts(totals, twin, r["opt_level"], lab))
+            overflow.append(pd.DataFrame({"tensor": totals["tensor"], "run": lab,
+                                          "share": totals["fp16_overflow_at_scale"] / totals["numel"]}))
+        if not parts:
+            return Fp16Shares(None, None, no_stats, no_twin)
+        return Fp16Shares(worst_by_total(pd.concat(parts, ignore_index=True)),
+                          worst_by_total(pd.concat(overflow, ignore_index=True)), no_stats, no_twin)
+
+    def _reads(self):
+        return [(lab, int(r["run_id"]), reads.is_final(r)) for lab, r in self._rows()]
+
+    def histogram_choices(self) -> tuple[list[str], list[int], int | None]:
+        """The tensors offered (the first run's worst FP16 underflow first), the steps any run logged, and the last
+        step all of them logged (the default)."""
+        rows = self._reads()
+        tensors = histogram_tensors([reads.tensor_totals(self.store, run_id, final) for _, run_id, final in rows])
+        return tensors, *histogram_steps([reads.logged_steps(self.store, run_id, final) for _, run_id, final in rows])
+
+    def overlay(self, tensor: str, step: int | None) -> Overlay:
+        """The tensor's histogram of the unscaled gradient in each run at ``step`` (None: summed over the logged
+        steps), and per run its values, zero share, and why it has no line where it has none."""
+        records = {lab: (reads.tensor_totals(self.store, run_id, final),
+                         None if step is None else reads.tensors_at_step(self.store, run_id, step, final),
+                         *reads.tensor_histograms(self.store, run_id, tensor, final))
+                   for lab, run_id, final in self._reads()}
+        bins, per_run = overlaid_histograms(records, tensor, step)
+        return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}")
+
+
+def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:
+    """One run's steps with the loss and gradient norm smoothed (before thinning: the average sees every step)."""
+    return smoothed(smoothed(df, "loss", weight), "grad_norm", weight) if weight > 0 else df
+
+
+def compare(store: Store, chosen: pd.DataFrame, all_runs: pd.DataFrame, weight: float) -> CompareRuns:
+    """The Compare page's view of ``chosen`` (rows of ``all_runs``, the runs table the page read once), their
+    loss and gradient norm smoothed with TensorBoard's ``weight`` (0: none)."""
+    labels = [summaries.run_label(r) for _, r in chosen.iterrows()]
+    steps = [summaries.thin_steps(with_smoothing(reads.steps(store, int(r["run_id"]), reads.is_final(r)).assign(
+        run=lab), weight)) for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True)]
+    return CompareRuns(store, chosen, all_runs, labels, pd.concat(steps, ignore_index=True))

@@ -1,0 +1,99 @@
+"""The Findings page's view-model: what pages/5_Findings.py shows of one run (its findings with their evidence
+links and fix reruns, its reruns' outcomes, its gradients against the FP32 shadow, its optimizer updates), as typed
+values built from mpdiag.analysis.findings and the cached reads (reads.py). No widgets, no drawing and nothing
+started here (the page asks for a confirmed click before a rerun), so every part is testable without Streamlit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mpdiag.analysis.findings import (
+    Finding,
+    diagnose,
+    evidence_link,
+    fix_not_rerunnable,
+    fix_options,
+    rerun_outcomes,
+)
+from mpdiag.analysis.summaries import shadow_ranking, update_shares
+from mpdiag.dashboard import reads
+from mpdiag.store import Store
+from mpdiag.training.config import fix_text
+
+
+@dataclass(frozen=True)
+class Card:
+    """One finding as its card shows it: where its evidence is (link and words) and its fix rerun, if any."""
+    finding: Finding
+    link: str
+    where: str
+    #: why the fix cannot be rerun (said instead of a button); else the rerun's options and the fix in words,
+    #: all None where there is no fix or the run is still going
+    blocked: str | None
+    options: dict | None
+    described: str | None
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """Gradients against the FP32 shadow: the tensors ranked by lost precision, the five worst whose reference
+    is not negligible, and whether their errors can be drawn on a log axis (else whether they are all 0)."""
+    stats: pd.DataFrame
+    ranking: pd.DataFrame
+    top: list[str]
+    drawable: bool
+    exact: bool
+
+
+@dataclass(frozen=True)
+class FindingsRun:
+    """One run's findings page; ``shadow`` and ``updates`` None where the run recorded neither."""
+    run: pd.Series
+    cards: list[Card]
+    outcomes: pd.DataFrame
+    shadow: Shadow | None
+    #: (per tensor, per step) shares of updates below the weight format's resolution
+    updates: tuple[pd.DataFrame, pd.DataFrame] | None
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [card.finding for card in self.cards]
+
+
+def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> Card:
+    """A finding's card; a fix is offered only once the run is final (a rerun reruns the stored script)."""
+    run_id = int(run["run_id"])
+    where = "below" if finding.page == "Findings" else f"on the {finding.page.replace('_', ' ')} page"
+    blocked = fix_not_rerunnable(run["config"], finding.fix) if finding.fix and final else None
+    offered = finding.fix and final and not blocked
+    return Card(finding, evidence_link(finding, run_id), where, blocked,
+                fix_options(runs, run_id, finding) if offered else None, fix_text(finding.fix) if offered else None)
+
+
+def shadow(store: Store, run_id: int, final: bool) -> Shadow | None:
+    """The run's gradients against the FP32 shadow (--shadow-every), None where it recorded none."""
+    stats = reads.shadow_stats(store, run_id, final)
+    if stats.empty:
+        return None
+    ranking = shadow_ranking(stats)
+    top = ranking[ranking["meaningful"]]["tensor"].head(5).tolist()
+    drawable = stats[stats["tensor"].isin(top) & np.isfinite(stats["rel_error"]) & (stats["rel_error"] > 0)]
+    exact = bool(top) and bool((stats.loc[stats["tensor"].isin(top), "rel_error"] == 0).all())
+    return Shadow(stats, ranking, top, bool(len(drawable)), exact)
+
+
+def findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> FindingsRun:
+    """The Findings page's view of ``run`` (a row of ``runs``, the runs table the page read once: the findings,
+    the reruns and the fixes' FP32 references are judged against it, not a second read)."""
+    run_id = int(run["run_id"])
+    # a live run's view refreshes without the page, so ``runs`` is as the page read it: its findings and reruns
+    # read the table afresh, as they did before pages passed it (its fixes are offered only once it is final)
+    judged = runs if final else None
+    found = diagnose(store, run_id, judged)
+    updates = reads.update_stats(store, run_id, final)
+    return FindingsRun(run, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, judged),
+                       shadow(store, run_id, final), None if updates.empty else update_shares(updates))

@@ -1,0 +1,55 @@
+"""The Loss scale page's view-model: what pages/2_Loss_scale.py shows of one run (its steps for the scale panel,
+the scale's events, the notes beneath, and a distributed run's per-rank rows with the rank-nonfinite finding), as
+typed values built from the cached reads (reads.py) and mpdiag.analysis. No widgets and no drawing here, so every
+part is testable without Streamlit; the page draws these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from mpdiag.analysis import summaries
+from mpdiag.analysis.finding import Finding
+from mpdiag.analysis.findings import rank_nonfinite
+from mpdiag.dashboard import reads
+from mpdiag.store import Store
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A distributed run's per-rank rows, its rank-nonfinite finding (None: none) and that finding's first step."""
+    rows: pd.DataFrame
+    finding: Finding | None
+    first: int | None
+
+
+@dataclass(frozen=True)
+class LossScaleRun:
+    """One run's loss scale: ``steps`` as drawn (a static scale's growth tracker left out: it has no growth to
+    track, so its flat line says nothing and the notes say why), the scale's events counted on the steps as
+    recorded, the notes, and the ranks (None for one process)."""
+    steps: pd.DataFrame
+    events: dict[str, int]
+    nonfinite_losses: int
+    notes: list[str]
+    ranks: Ranks | None
+
+
+def ranks(store: Store, run: pd.Series, steps: pd.DataFrame, final: bool) -> Ranks:
+    rows = reads.rank_steps(store, int(run["run_id"]), final)
+    finding = None if rows.empty else rank_nonfinite(rows, steps)
+    first = int(rows.loc[rows["nonfinite"].fillna(0) > 0, "step"].min()) if finding is not None else None
+    return Ranks(rows, finding, first)
+
+
+def loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
+    """The Loss scale page's view of ``run``; empty ``steps`` where it recorded none."""
+    recorded = reads.steps(store, int(run["run_id"]), final)
+    if recorded.empty:
+        return LossScaleRun(recorded, {}, 0, [], None)
+    steps = recorded.assign(growth_tracker=float("nan")) if run["scaling"] == "static" else recorded
+    notes = summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps)
+    return LossScaleRun(steps, summaries.scale_events(recorded), summaries.nonfinite_losses(recorded), notes,
+                        ranks(store, run, steps, final) if int(run["world_size"]) > 1 else None)
