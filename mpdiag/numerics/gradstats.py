@@ -278,6 +278,24 @@ class PendingStats:
         return self._result
 
 
+class _Gather:
+    """Copies tensors into given consecutive pieces of a buffer with one ``torch._foreach_copy_``: one launch
+    whatever their number (a per-tensor flatten was two operators a tensor), FP16/BF16 widened exactly. The
+    copy goes into views of the pieces shaped like the tensors, made on first use (again if shapes change)."""
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self._pieces, self._shapes, self._views = pieces, [], []
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        shapes = [t.shape for t in tensors]
+        if shapes != self._shapes:
+            self._views = [piece.view(shape) for piece, shape in zip(self._pieces, shapes, strict=True)]
+            self._shapes = shapes
+        if tensors:
+            with torch.no_grad():  # a gradient that requires grad (create_graph) is read, not differentiated
+                torch._foreach_copy_(self._views, tensors)
+
+
 #: values the torch backend gathers at once, so its workspaces (16 bytes a value) stay under 256 MB, unless a
 #: single tensor is larger: it is gathered alone
 SEGMENT = 1 << 24
@@ -287,14 +305,15 @@ SEGMENT = 1 << 24
 class _Segment:
     """Consecutive tensors the torch backend processes together: their indices, the non-empty ones, each
     non-empty one's (start, end) within the gathered segment, and the segment's length. ``pieces`` holds,
-    per workspace name, the non-empty tensors' views into that workspace (made once, see
-    :meth:`GradStatsComputer.__init__`)."""
+    per workspace name, the non-empty tensors' views into that workspace, and ``gather`` copies them into
+    the values workspace (both made once, see :meth:`GradStatsComputer.__init__`)."""
 
     tensors: list[int]
     nonempty: list[int]
     bounds: list[tuple[int, int]]
     total: int
     pieces: dict[str, list[torch.Tensor]] | None = None
+    gather: _Gather | None = None
 
 
 def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
@@ -348,12 +367,13 @@ class GradStatsComputer:
             gathered = sizes < CHUNK
             self._gathered = np.flatnonzero(gathered).tolist()
             self._large = np.flatnonzero(~gathered).tolist()
-            self._gather = torch.empty(int(sizes[gathered].sum()), dtype=torch.float32)
-            self._gather_views: list[torch.Tensor] = []
+            self._gathered_values = torch.empty(int(sizes[gathered].sum()), dtype=torch.float32)
+            ends = np.cumsum([0, *sizes[gathered]]).tolist()
+            self._gather = _Gather([self._gathered_values[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)])
             array = np.zeros(n, np.int64)
             array[self._large] = np.arange(1, len(self._large) + 1)
             base = np.zeros(n, np.int64)  # where each gathered tensor starts in the buffer
-            base[gathered] = np.cumsum(sizes[gathered]) - sizes[gathered]
+            base[gathered] = ends[:-1]
             items = work_items(self.numels)
             tensor = items[:, 0]
             self._items = np.stack([tensor, array[tensor], items[:, 1] + base[tensor], items[:, 2] + base[tensor],
@@ -369,7 +389,7 @@ class GradStatsComputer:
                 # per tensor: the statistics and reductions, combined (the bit bounds as largest and below smallest)
                 np.empty((n, N_EXP_BINS), np.int64), np.empty((n, len(SPECIAL_COUNTS)), np.int64),
                 np.empty((n, 2, columns), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
-                np.empty(n, np.float64), self._gather,
+                np.empty(n, np.float64), self._gathered_values,
             ]
         else:
             self._segments = _segments(self.numels, self.offsets)
@@ -385,6 +405,7 @@ class GradStatsComputer:
             for segment in self._segments:
                 segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
                                   (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
+                segment.gather = _Gather(segment.pieces["values"])
 
     @property
     def workspace_bytes(self) -> int:
@@ -437,15 +458,8 @@ class GradStatsComputer:
 
     def _numba_sources(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The arrays the kernel reads (as float32): the gathered buffer, then each large tensor flattened."""
-        small = [grads[t] for t in self._gathered]
-        shapes = [g.shape for g in small]
-        if shapes != [v.shape for v in self._gather_views]:  # views shaped like the gradients: one foreach copy
-            ends = np.cumsum([0, *(g.numel() for g in small)]).tolist()
-            self._gather_views = [self._gather[ends[i]:ends[i + 1]].view(shape) for i, shape in enumerate(shapes)]
-        if small:
-            with torch.no_grad():
-                torch._foreach_copy_(self._gather_views, small)  # FP16/BF16 widen exactly
-        return [self._gather, *(grads[t].detach().reshape(-1).float() for t in self._large)]
+        self._gather([grads[t] for t in self._gathered])
+        return [self._gathered_values, *(grads[t].detach().reshape(-1).float() for t in self._large)]
 
     def _unscaled_workspace(self) -> torch.Tensor:
         if self._unscaled is None:
@@ -476,7 +490,7 @@ class GradStatsComputer:
         reductions = [[] for _ in range(views)]  # per view, per segment: largest, below smallest, l2
         for segment in self._segments:
             values = self._values[: segment.total]
-            torch.cat([grads[t].detach().reshape(-1) for t in segment.tensors], out=values)  # FP16/BF16 widen exactly
+            segment.gather([grads[t] for t in segment.nonempty])
             reductions[0].append(self._torch_pass(segment, self._counts[0]))
             if not same:
                 values.mul_(factor)
