@@ -194,9 +194,13 @@ def test_reductions_and_multiple_tensors(computer):
     assert (stats.hist[3] == reference_hist(big)).all()
 
 
-def test_tensors_split_into_work_items_still_equal_casting(computer):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tensors_split_into_work_items_still_equal_casting(computer, parallel, monkeypatch):
     """Tensors larger than one numba work item (2**17 values), with odd lengths and edge values in every
-    item: the per-item counts and reductions must combine to the whole tensor's."""
+    item: the per-item counts and reductions must combine to the whole tensor's, whether numba runs the
+    items on one thread (as at this size) or in parallel."""
+    if parallel:
+        monkeypatch.setattr(gradstats, "PARALLEL_FROM", 0)
     x = sweep(3 * 2**17, seed=5)
     x[-2] = float("nan")  # in the last work item, after the others' absmax
     y = sweep(2**17 + 1, seed=6)

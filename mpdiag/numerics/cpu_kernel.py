@@ -172,6 +172,43 @@ def _decode_chunk(row, cells, lo, hi, shifts, tables, hist, specials, categories
                     categories[v, column] += count
 
 
+@numba.njit(nogil=True)
+def _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                item_bits, item_sumsq, item_hist, item_specials, item_categories):
+    """Work item ``c`` of :func:`fused_pass`, into row ``c`` of the ``item_*`` workspaces."""
+    array, start, end = items[c, 1], items[c, 2], items[c, 3]
+    values = arrays[array][start:end]
+    bits_of = values.view(np.int32)
+    big, low, item_sumsq[c] = _reductions(values, bits_of)
+    item_bits[c, 0], item_bits[c, 1] = big, low
+    lo = ((low + np.int32(1)) >> MANTISSA_BITS) if low != ABS_MASK else FIELDS  # no non-zero: field 0 alone
+    hi = big >> MANTISSA_BITS
+    row, cell_row = item_keys[c], item_cells[c]
+    _key_counts(bits_of, bounds, common_bounds, row, lo, hi)
+    _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
+    item_hist[c, :] = 0
+    item_specials[c, :] = 0
+    item_categories[c, :, :] = 0
+    _decode_chunk(row, cell_row, lo, hi, shifts, tables, item_hist[c], item_specials[c], item_categories[c])
+
+
+@numba.njit(nogil=True)
+def _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq):
+    """Each tensor's statistics and reductions from its work items' rows."""
+    for c in range(items.shape[0]):
+        t = items[c, 0]
+        if items[c, 4]:
+            hist[t], specials[t], categories[t] = item_hist[c], item_specials[c], item_categories[c]
+            maxbits[t], minbits[t], sumsq[t] = item_bits[c, 0], item_bits[c, 1], item_sumsq[c]
+        else:
+            hist[t] += item_hist[c]
+            specials[t] += item_specials[c]
+            categories[t] += item_categories[c]
+            maxbits[t], minbits[t] = max(maxbits[t], item_bits[c, 0]), min(minbits[t], item_bits[c, 1])
+            sumsq[t] += item_sumsq[c]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def fused_pass(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
                item_bits, item_sumsq, item_hist, item_specials, item_categories,
@@ -187,31 +224,23 @@ def fused_pass(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, t
     squares, then its decoded statistics); then each tensor combines its rows. Every value is read twice,
     the second time from cache, and nothing is written per value."""
     for c in numba.prange(items.shape[0]):
-        array, start, end = items[c, 1], items[c, 2], items[c, 3]
-        values = arrays[array][start:end]
-        bits_of = values.view(np.int32)
-        big, low, item_sumsq[c] = _reductions(values, bits_of)
-        item_bits[c, 0], item_bits[c, 1] = big, low
-        lo = ((low + np.int32(1)) >> MANTISSA_BITS) if low != ABS_MASK else FIELDS  # no non-zero: field 0 alone
-        hi = big >> MANTISSA_BITS
-        row, cell_row = item_keys[c], item_cells[c]
-        _key_counts(bits_of, bounds, common_bounds, row, lo, hi)
-        _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
-        item_hist[c, :] = 0
-        item_specials[c, :] = 0
-        item_categories[c, :, :] = 0
-        _decode_chunk(row, cell_row, lo, hi, shifts, tables, item_hist[c], item_specials[c], item_categories[c])
+        _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                    item_bits, item_sumsq, item_hist, item_specials, item_categories)
+    _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq)
+
+
+@numba.njit(cache=True, nogil=True)
+def fused_pass_serial(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                      item_bits, item_sumsq, item_hist, item_specials, item_categories,
+                      hist, specials, categories, maxbits, minbits, sumsq):
+    """:func:`fused_pass` on the calling thread alone, for steps too small to pay for waking the others (see
+    mpdiag.numerics.gradstats.PARALLEL_FROM)."""
     for c in range(items.shape[0]):
-        t = items[c, 0]
-        if items[c, 4]:
-            hist[t], specials[t], categories[t] = item_hist[c], item_specials[c], item_categories[c]
-            maxbits[t], minbits[t], sumsq[t] = item_bits[c, 0], item_bits[c, 1], item_sumsq[c]
-        else:
-            hist[t] += item_hist[c]
-            specials[t] += item_specials[c]
-            categories[t] += item_categories[c]
-            maxbits[t], minbits[t] = max(maxbits[t], item_bits[c, 0]), min(minbits[t], item_bits[c, 1])
-            sumsq[t] += item_sumsq[c]
+        _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                    item_bits, item_sumsq, item_hist, item_specials, item_categories)
+    _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq)
 
 
 def _as_float32(values, i, table):

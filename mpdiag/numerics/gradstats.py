@@ -224,6 +224,10 @@ KERNEL_TABLES = (_format_columns(CATEGORY_MATRIX), _format_columns(SUBNORMAL_MAT
 
 #: elements per work item of the numba kernels: big tensors are split so both cores share them
 CHUNK = 1 << 17
+#: values from which the statistics kernel runs its work items in parallel. Below, one thread does all: at
+#: 500 small tensors (1M values, ~4 ms on one core) on a busy 2-core machine, two threads took 18-23 ms and
+#: one took 10 ms (wall), since a parallel step waits for its slowest thread to be scheduled
+PARALLEL_FROM = 1 << 22
 
 
 def work_items(numels: list[int]) -> np.ndarray:
@@ -357,9 +361,10 @@ class GradStatsComputer:
         if self.backend == "numba":
             import numba  # here, not at module import: the app never pays for it
 
-            from mpdiag.numerics.cpu_kernel import fused_pass
+            from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial
 
-            self._kernel, self._typed_list = fused_pass, numba.typed.List
+            self._kernel = fused_pass if sum(self.numels) >= PARALLEL_FROM else fused_pass_serial
+            self._typed_list = numba.typed.List
             # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
             # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
             # in place, where a copy would cost more than the hand-over.
