@@ -14,7 +14,6 @@ from mpdiag.dashboard import actions, charts, findings_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.findings_model import Card, FindingsRun
 from mpdiag.dashboard.untrusted import plain
-from mpdiag.options import fix_text
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}

@@ -6,6 +6,7 @@ import numba
 import numpy as np
 from numba.extending import overload
 
+from mpdiag.numerics.formats import EXP_MIN, FP32
 from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
 
 LANES = 2  # interleaved histogram rows, so consecutive equal keys do not wait on each other's increment
@@ -15,6 +16,7 @@ EXPONENT_MASK = np.int32(0x7F800000)
 # "reassoc" lets LLVM vectorise the float64 sum of squares (any summation order is as exact as the loop's);
 # no flag that assumes away NaN or inf, which must propagate into the result.
 _FLAGS = {"reassoc", "contract"}
+FIRST_NORMAL_BIN = FP32.min_normal_exponent - EXP_MIN  # the histogram bin of fp32 field 1
 
 
 @numba.njit(nogil=True, fastmath=_FLAGS)
@@ -35,8 +37,23 @@ def _reductions(values, bits_of):
 
 
 @numba.njit(nogil=True)
-def _key_counts(bits_of, bounds, common, row):
-    """Adds each value's key (sign x field x mantissa region) to ``row`` (KEYS_PER_TENSOR counts).
+def _field_at(k, lo):
+    """The k-th field a chunk's values can lie in: 0 (zeros, fp32 subnormals), then ``lo`` (at least 1) on;
+    a chunk with fields up to ``hi`` has ``hi - max(lo, 1) + 2`` of them (:func:`_field_count`)."""
+    return 0 if k == 0 else max(lo, 1) + k - 1
+
+
+@numba.njit(nogil=True)
+def _field_count(lo, hi):
+    return max(hi - max(lo, 1) + 2, 1)
+
+
+@numba.njit(nogil=True)
+def _key_counts(bits_of, bounds, common, row, lo, hi):
+    """Sets ``row`` (KEYS_PER_TENSOR counts) to the counts of each value's key (sign x field x mantissa
+    region) in the fields the values can lie in, 0 and ``lo`` .. ``hi`` (the fields of the chunk's smallest
+    non-zero and largest magnitude); the other fields of ``row`` are neither written nor read: a tensor of
+    gradients spans tens of fields, not 256.
 
     ``bounds`` are the region bounds: 1, then ``common`` (FP8's edges, mid-field), then the rare ones (FP16's
     and BF16's, in the top 2^-8 of a field; see mpdiag.numerics.keys). Every value is counted by sign, field
@@ -48,6 +65,10 @@ def _key_counts(bits_of, bounds, common, row):
     c0, c1, c2 = common[0], common[1], common[2]  # scalars: compares the loop keeps in registers
     r0, r1, r2 = bounds[groups], bounds[groups + 1], bounds[groups + 2]  # the rare bounds
     fields = np.zeros((LANES, 2 * FIELDS * groups), np.int32)
+    for sign in range(2):
+        for k in range(_field_count(lo, hi)):
+            field = sign * FIELDS + _field_at(k, lo)
+            row[field * REGIONS : (field + 1) * REGIONS] = 0
     for i in range(bits_of.shape[0]):
         bits = bits_of[i]
         mantissa = bits & MANTISSA_MASK
@@ -58,23 +79,26 @@ def _key_counts(bits_of, bounds, common, row):
             # every common bound and as many rare ones as it reaches
             region = 0 if mantissa == 0 else groups + (mantissa >= r0) + (mantissa >= r1) + (mantissa >= r2)
             row[((bits >> MANTISSA_BITS) + FIELDS) * REGIONS + region] += 1
-    for field in range(2 * FIELDS):
-        cells = row[field * REGIONS : (field + 1) * REGIONS]
-        for group in range(groups):
-            total = 0
-            for lane in range(LANES):
-                total += fields[lane, field * groups + group]
-            if group == 0:
-                cells[1] = total - cells[0]  # mantissa 0 is region 0, keyed apart
-            else:
-                cells[1 + group] = total
-        cells[groups] -= cells[groups + 1 :].sum()  # the rare values keyed apart sit in the top group
+    for sign in range(2):
+        for k in range(_field_count(lo, hi)):
+            field = sign * FIELDS + _field_at(k, lo)
+            cells = row[field * REGIONS : (field + 1) * REGIONS]
+            for group in range(groups):
+                total = 0
+                for lane in range(LANES):
+                    total += fields[lane, field * groups + group]
+                if group == 0:
+                    cells[1] = total - cells[0]  # mantissa 0 is region 0, keyed apart
+                else:
+                    cells[1 + group] = total
+            cells[groups] -= cells[groups + 1 :].sum()  # the rare values keyed apart sit in the top group
 
 
 @numba.njit(nogil=True)
 def _subnormal_cell_counts(bits_of, key_row, subnormal_bounds, cells):
-    """Adds each fp32 subnormal's cell (see mpdiag.numerics.gradstats.SUBNORMAL_BOUNDS) to ``cells``; a second look
-    at the values, taken only when ``key_row`` (this chunk's key counts) says there are any."""
+    """Sets ``cells`` to the count of each fp32 subnormal's cell (see mpdiag.numerics.gradstats.SUBNORMAL_BOUNDS);
+    a second look at the values, taken only when ``key_row`` (this chunk's key counts) says there are any."""
+    cells[:] = 0
     negative, positive = key_row[1:REGIONS], key_row[FIELDS * REGIONS + 1 : (FIELDS + 1) * REGIONS]  # field 0
     if negative.sum() + positive.sum() == 0:
         return
@@ -85,37 +109,139 @@ def _subnormal_cell_counts(bits_of, key_row, subnormal_bounds, cells):
             cells[np.searchsorted(subnormal_bounds, mantissa, side="right")] += 1
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def fused_pass(arrays, chunks, bounds, common_bounds, subnormal_bounds, chunk_keys, chunk_cells, chunk_bits, chunk_sumsq,
-               keys, cells, maxbits, minbits, sumsq):
-    """Key counts, fp32-subnormal cell counts and the reductions of :func:`_reductions` of every tensor in
-    ``arrays``, written per tensor into ``keys`` (T, KEYS_PER_TENSOR), ``cells`` (T, SUBNORMAL_CELLS),
-    ``maxbits``, ``minbits`` and ``sumsq``.
+@numba.njit(nogil=True)
+def _decode_chunk(row, cells, lo, hi, shifts, tables, hist, specials, categories):
+    """Adds a chunk's statistics, from its key counts ``row`` (fields 0 and ``lo`` .. ``hi``) and subnormal
+    ``cells``, to ``hist`` (the exponent histogram) and ``specials`` (zeros, nan, posinf, neginf) of the
+    values times 2**shifts[0], and to ``categories[v]`` (CATEGORY_COLUMNS) of the values times 2**shifts[v].
 
-    ``chunks`` (C, 4) lists the work items (:func:`mpdiag.numerics.gradstats.work_items`). Items run in parallel,
-    each into its own row of ``chunk_keys``, ``chunk_cells``, ``chunk_bits`` (C, 2: largest, below
-    smallest) and ``chunk_sumsq``; then each tensor combines its rows. Every value is read twice, the
-    second time from cache, and nothing is written per value."""
-    for c in numba.prange(chunks.shape[0]):
-        tensor, start, end = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        values = arrays[tensor][start:end]
-        bits_of = values.view(np.int32)
-        chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c] = _reductions(values, bits_of)
-        row, cell_row = chunk_keys[c], chunk_cells[c]
-        row[:] = 0
-        cell_row[:] = 0
-        _key_counts(bits_of, bounds, common_bounds, row)
-        _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
-    for c in range(chunks.shape[0]):
-        t = chunks[c, 0]
-        if chunks[c, 3]:
-            keys[t], cells[t] = chunk_keys[c], chunk_cells[c]
-            maxbits[t], minbits[t], sumsq[t] = chunk_bits[c, 0], chunk_bits[c, 1], chunk_sumsq[c]
+    What :func:`mpdiag.numerics.gradstats._decode` does for the torch backend's counts (there with shift 0),
+    one chunk at a time, over the occupied fields only. A shift moves every normal field, keeping its
+    region; fields pushed past the largest finite one became inf (no category, and ±inf for the
+    histogram's view); fields 0 and 255 stay. Shifted counts are only used where no value is or becomes an
+    fp32 subnormal (:func:`mpdiag.numerics.gradstats._shift_is_exact`), so the subnormal cells are added
+    unshifted. ``tables``: the cell columns (field x region, format) and the subnormal cells' columns
+    (cell, format) - the CATEGORY_COLUMNS index of a cell's category per format, -1 for none - and the
+    subnormal cells' histogram bins (mpdiag.numerics.gradstats.KERNEL_TABLES)."""
+    cell_columns, subnormal_columns, subnormal_bins = tables
+    for v in range(shifts.shape[0]):
+        shift = shifts[v]
+        low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
+        for k in range(_field_count(lo, hi)):
+            field = _field_at(k, lo)
+            for region in range(REGIONS):
+                negative = row[field * REGIONS + region]
+                positive = row[(FIELDS + field) * REGIONS + region]
+                count = negative + positive
+                if count == 0:
+                    continue
+                normal = 0 < field < FIELDS - 1
+                if not normal:
+                    target = field
+                elif low <= field < high:
+                    target = field + shift
+                else:
+                    target = -1  # inf (or, for a shift that is not used, an fp32 subnormal)
+                if target >= 0:
+                    for f in range(cell_columns.shape[1]):
+                        column = cell_columns[target * REGIONS + region, f]
+                        if column >= 0:
+                            categories[v, column] += count
+                if v == 0:
+                    if normal and low <= field < high:
+                        hist[FIRST_NORMAL_BIN + field + shift - 1] += count
+                    elif normal and field >= high:
+                        specials[2] += positive
+                        specials[3] += negative
+                    elif field == 0 and region == 0:
+                        specials[0] += count
+                    elif field == FIELDS - 1 and region == 0:
+                        specials[2] += positive
+                        specials[3] += negative
+                    elif field == FIELDS - 1:
+                        specials[1] += count
+        for cell in range(1, cells.shape[0]):
+            count = cells[cell]
+            if count == 0:
+                continue
+            if v == 0:
+                hist[subnormal_bins[cell]] += count
+            for f in range(subnormal_columns.shape[1]):
+                column = subnormal_columns[cell, f]
+                if column >= 0:
+                    categories[v, column] += count
+
+
+@numba.njit(nogil=True)
+def _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                item_bits, item_sumsq, item_hist, item_specials, item_categories):
+    """Work item ``c`` of :func:`fused_pass`, into row ``c`` of the ``item_*`` workspaces."""
+    array, start, end = items[c, 1], items[c, 2], items[c, 3]
+    values = arrays[array][start:end]
+    bits_of = values.view(np.int32)
+    big, low, item_sumsq[c] = _reductions(values, bits_of)
+    item_bits[c, 0], item_bits[c, 1] = big, low
+    lo = ((low + np.int32(1)) >> MANTISSA_BITS) if low != ABS_MASK else FIELDS  # no non-zero: field 0 alone
+    hi = big >> MANTISSA_BITS
+    row, cell_row = item_keys[c], item_cells[c]
+    _key_counts(bits_of, bounds, common_bounds, row, lo, hi)
+    _subnormal_cell_counts(bits_of, row, subnormal_bounds, cell_row)
+    item_hist[c, :] = 0
+    item_specials[c, :] = 0
+    item_categories[c, :, :] = 0
+    _decode_chunk(row, cell_row, lo, hi, shifts, tables, item_hist[c], item_specials[c], item_categories[c])
+
+
+@numba.njit(nogil=True)
+def _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq):
+    """Each tensor's statistics and reductions from its work items' rows."""
+    for c in range(items.shape[0]):
+        t = items[c, 0]
+        if items[c, 4]:
+            hist[t], specials[t], categories[t] = item_hist[c], item_specials[c], item_categories[c]
+            maxbits[t], minbits[t], sumsq[t] = item_bits[c, 0], item_bits[c, 1], item_sumsq[c]
         else:
-            keys[t] += chunk_keys[c]
-            cells[t] += chunk_cells[c]
-            maxbits[t], minbits[t] = max(maxbits[t], chunk_bits[c, 0]), min(minbits[t], chunk_bits[c, 1])
-            sumsq[t] += chunk_sumsq[c]
+            hist[t] += item_hist[c]
+            specials[t] += item_specials[c]
+            categories[t] += item_categories[c]
+            maxbits[t], minbits[t] = max(maxbits[t], item_bits[c, 0]), min(minbits[t], item_bits[c, 1])
+            sumsq[t] += item_sumsq[c]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def fused_pass(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+               item_bits, item_sumsq, item_hist, item_specials, item_categories,
+               hist, specials, categories, maxbits, minbits, sumsq):
+    """The statistics of every tensor in one pass: per tensor t, ``hist[t]``, ``specials[t]`` and
+    ``categories[t]`` as :func:`_decode_chunk` defines them for the views 2**shifts[v] times the values, and the
+    reductions of :func:`_reductions` (``maxbits``, ``minbits``, ``sumsq``).
+
+    ``arrays`` holds the values: the small tensors gathered in ``arrays[0]``, each large one as itself.
+    ``items`` (C, 5) lists the work items: tensor, array, first element, end element, 1 for a tensor's
+    first item (a tensor's items are consecutive). Items run in parallel, each into its own row of the
+    ``item_*`` workspaces (key counts, subnormal cells, the bit bounds as largest and below smallest, sum of
+    squares, then its decoded statistics); then each tensor combines its rows. Every value is read twice,
+    the second time from cache, and nothing is written per value."""
+    for c in numba.prange(items.shape[0]):
+        _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                    item_bits, item_sumsq, item_hist, item_specials, item_categories)
+    _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq)
+
+
+@numba.njit(cache=True, nogil=True)
+def fused_pass_serial(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                      item_bits, item_sumsq, item_hist, item_specials, item_categories,
+                      hist, specials, categories, maxbits, minbits, sumsq):
+    """:func:`fused_pass` on the calling thread alone, for steps too small to pay for waking the others (see
+    mpdiag.numerics.gradstats.PARALLEL_FROM)."""
+    for c in range(items.shape[0]):
+        _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shifts, tables, item_keys, item_cells,
+                    item_bits, item_sumsq, item_hist, item_specials, item_categories)
+    _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
+             hist, specials, categories, maxbits, minbits, sumsq)
+
 
 def _as_float32(values, i, table):
     """values[i] as a float32; FP16/BF16 tensors arrive as uint16 bit patterns and go through ``table``."""

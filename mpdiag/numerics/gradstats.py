@@ -18,8 +18,10 @@ normal value k fields and leaves its mantissa alone, so the other view's counts 
 k fields - exactly, as long as no value leaves fp32's normal range (then, or for a scale that is not a
 power of two, the other view is computed and counted explicitly, as GradScaler computes it).
 
-Two backends compute the counts and reductions: a fused numba kernel on the CPU (see mpdiag.numerics.cpu_kernel)
-and torch ops elsewhere (CUDA): a fixed number of launches over all gradients gathered into workspaces
+Two backends compute the counts and reductions: a fused numba kernel on the CPU (see mpdiag.numerics.cpu_kernel),
+which decodes each work item's key counts into the statistics as it goes, over the few fields its values
+occupy (a tensor costs its values and a few microseconds, not KEYS_PER_TENSOR counts to decode), and torch
+ops elsewhere (CUDA): a fixed number of launches over all gradients gathered into workspaces
 allocated once, no host synchronisation, one non-blocking copy to the host (:class:`PendingStats`). The
 torch backend always computes the second view by GradScaler's multiply, since choosing to shift would
 mean reading counts back first.
@@ -27,7 +29,6 @@ mean reading counts back first.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -80,10 +81,11 @@ def _category_table(fmt: Format) -> np.ndarray:
 
 
 CATEGORY_TABLES = {name: _category_table(fmt) for name, fmt in LOW_PRECISION.items()}
-#: "{format}_{category}" names, and a 0/1 matrix (field x region, name) summing each name's cells at once
+#: "{format}_{category}" names, and a 0/1 matrix (field x region, name) summing each name's cells at once (as
+#: float64: a BLAS product, exact below 2**53)
 CATEGORY_COLUMNS = [f"{name}_{label}" for name in CATEGORY_TABLES for label in CATEGORY_NAMES]
 CATEGORY_MATRIX = np.stack([(table == category).reshape(-1) for table in CATEGORY_TABLES.values()
-                            for category in (UNDERFLOW, SUBNORMAL, OVERFLOW)], axis=1).astype(np.int64)
+                            for category in (UNDERFLOW, SUBNORMAL, OVERFLOW)], axis=1).astype(np.float64)
 
 
 def _subnormal_category(mantissa: int, fmt: Format) -> int:
@@ -168,16 +170,23 @@ class StepGradStats:
     other_view: str
 
 
+SPECIAL_COUNTS = ("zeros", "nan", "posinf", "neginf")
+
+
 @dataclass
 class _Pass:
-    """One view's key counts, shape (T, 2, 256, REGIONS), fp32-subnormal cell counts, shape
-    (T, SUBNORMAL_CELLS), and reductions (float64, per tensor)."""
+    """One pass over a step's values: the exponent histogram (T, N_EXP_BINS) and SPECIAL_COUNTS (T, 4) of
+    the values times 2**shift for the pass's first shift, the CATEGORY_COLUMNS counts (T, shifts, columns)
+    of the values times 2**shift for each of its shifts, and the values' own reductions (float64, per
+    tensor; ``below_smallest`` as from :func:`_reductions_from_bits`)."""
 
-    keys: np.ndarray
-    cells: np.ndarray
+    hist: np.ndarray
+    specials: np.ndarray
+    categories: np.ndarray
     absmax: np.ndarray
     min_nonzero: np.ndarray
     l2: np.ndarray
+    below_smallest: np.ndarray
 
 
 def power_of_two_exponent(scale: float) -> int | None:
@@ -186,32 +195,39 @@ def power_of_two_exponent(scale: float) -> int | None:
     return exponent - 1 if mantissa == 0.5 and -126 <= exponent - 1 <= 126 else None
 
 
-def _shift_is_exact(magnitude: np.ndarray, shift: int) -> bool:
-    """Whether counts (magnitude counts, (T, field, region)) of every value times 2**shift follow from the
-    counts alone: no value is an fp32 subnormal or would become one (their products depend on digits the
-    counts do not hold). Values pushed past the largest finite field become inf, which is exact."""
-    if magnitude[:, 0, 1:].any():
+def _shift_is_exact(below_smallest: np.ndarray, shift: int) -> bool:
+    """Whether the counts of every value times 2**shift follow from the key counts alone: no value is an fp32
+    subnormal or would become one (their products depend on digits the counts do not hold). Read from each
+    tensor's smallest non-zero magnitude (``below_smallest`` + 1), whose field is the lowest it occupies.
+    Values pushed past the largest finite field become inf, which is exact."""
+    lowest = (below_smallest[below_smallest != 0x7FFFFFFF].astype(np.int64) + 1) >> MANTISSA_BITS
+    if (lowest == 0).any():
         return False
-    lowest = np.flatnonzero(magnitude[:, 1 : FIELDS - 1].any(axis=(0, 2)))
-    return not (lowest.size and lowest[0] + 1 + shift < 1)
+    normal = lowest[lowest < FIELDS - 1]  # a tensor whose non-zero values are all inf/NaN occupies no normal field
+    return not (normal.size and normal.min() + shift < 1)
 
 
-@functools.cache
-def _category_matrix(shift: int) -> np.ndarray:
-    """CATEGORY_MATRIX for values multiplied by 2**shift, as float64 (a BLAS product; exact below 2**53):
-    row (field, region) holds the categories of cell (field + shift, region). Cells pushed past the largest
-    finite field are inf in fp32 and in no category."""
-    table = CATEGORY_MATRIX.reshape(FIELDS, REGIONS, -1)
-    shifted = np.zeros(table.shape, dtype=np.float64)
-    shifted[[0, FIELDS - 1]] = table[[0, FIELDS - 1]]
-    source = np.arange(1, FIELDS - 1)
-    inside = (source + shift >= 1) & (source + shift < FIELDS - 1)
-    shifted[source[inside]] = table[source[inside] + shift]
-    return shifted.reshape(FIELDS * REGIONS, -1)
+def _format_columns(matrix: np.ndarray) -> np.ndarray:
+    """A 0/1 (cell, CATEGORY_COLUMNS) matrix as (cell, format): the column of the cell's category in each
+    format, -1 for none."""
+    per_format = matrix.reshape(len(matrix), len(LOW_PRECISION), len(CATEGORY_NAMES))
+    if (per_format.sum(axis=2) > 1).any():
+        raise AssertionError("a cell in two categories of one format")
+    base = np.arange(len(LOW_PRECISION)) * len(CATEGORY_NAMES)
+    return np.where(per_format.any(axis=2), base + per_format.argmax(axis=2), -1).astype(np.int64)
+
+
+#: what the numba kernel decodes a chunk's keys with (mpdiag.numerics.cpu_kernel._decode_chunk): the category
+#: columns of every (field, region) cell and of every subnormal cell, and the subnormal cells' histogram bins
+KERNEL_TABLES = (_format_columns(CATEGORY_MATRIX), _format_columns(SUBNORMAL_MATRIX), SUBNORMAL_BINS)
 
 
 #: elements per work item of the numba kernels: big tensors are split so both cores share them
 CHUNK = 1 << 17
+#: values from which the statistics kernel runs its work items in parallel. Below, one thread does all: at
+#: 500 small tensors (1M values, ~4 ms on one core) on a busy 2-core machine, two threads took 18-23 ms and
+#: one took 10 ms (wall), since a parallel step waits for its slowest thread to be scheduled
+PARALLEL_FROM = 1 << 22
 
 
 def work_items(numels: list[int]) -> np.ndarray:
@@ -266,6 +282,24 @@ class PendingStats:
         return self._result
 
 
+class _Gather:
+    """Copies tensors into given consecutive pieces of a buffer with one ``torch._foreach_copy_``: one launch
+    whatever their number (a per-tensor flatten was two operators a tensor), FP16/BF16 widened exactly. The
+    copy goes into views of the pieces shaped like the tensors, made on first use (again if shapes change)."""
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self._pieces, self._shapes, self._views = pieces, [], []
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        shapes = [t.shape for t in tensors]
+        if shapes != self._shapes:
+            self._views = [piece.view(shape) for piece, shape in zip(self._pieces, shapes, strict=True)]
+            self._shapes = shapes
+        if tensors:
+            with torch.no_grad():  # a gradient that requires grad (create_graph) is read, not differentiated
+                torch._foreach_copy_(self._views, tensors)
+
+
 #: values the torch backend gathers at once, so its workspaces (16 bytes a value) stay under 256 MB, unless a
 #: single tensor is larger: it is gathered alone
 SEGMENT = 1 << 24
@@ -275,14 +309,15 @@ SEGMENT = 1 << 24
 class _Segment:
     """Consecutive tensors the torch backend processes together: their indices, the non-empty ones, each
     non-empty one's (start, end) within the gathered segment, and the segment's length. ``pieces`` holds,
-    per workspace name, the non-empty tensors' views into that workspace (made once, see
-    :meth:`GradStatsComputer.__init__`)."""
+    per workspace name, the non-empty tensors' views into that workspace, and ``gather`` copies them into
+    the values workspace (both made once, see :meth:`GradStatsComputer.__init__`)."""
 
     tensors: list[int]
     nonempty: list[int]
     bounds: list[tuple[int, int]]
     total: int
     pieces: dict[str, list[torch.Tensor]] | None = None
+    gather: _Gather | None = None
 
 
 def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
@@ -304,8 +339,9 @@ class GradStatsComputer:
     """Computes :class:`StepGradStats` for a fixed list of tensor sizes, reusing its workspaces.
 
     ``backend``: "numba" (CPU, the default there when numba is installed) or "torch" (any device; CUDA's).
-    Workspaces are allocated once. numba: key counts per work item and per tensor, plus an FP32 buffer for
-    the other view, only when a scale is not a power of two or values leave fp32's normal range. torch: the
+    Workspaces are allocated once. numba: the tensors smaller than a work item gathered into one FP32 buffer,
+    key counts and decoded statistics per work item, the statistics per tensor, plus an FP32 buffer for the
+    other view, only when a scale is not a power of two or values leave fp32's normal range. torch: the
     gradients gathered, one segment of at most SEGMENT values at a time, into one FP32 buffer and three int32
     buffers of the same length (16 bytes a value), so a step is a fixed number of kernel launches per
     segment whatever the number of tensors, with no host synchronisation; its counts reach the host in one
@@ -325,20 +361,40 @@ class GradStatsComputer:
         if self.backend == "numba":
             import numba  # here, not at module import: the app never pays for it
 
-            from mpdiag.numerics.cpu_kernel import fused_pass
+            from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial
 
-            self._kernel, self._typed_list = fused_pass, numba.typed.List
-            self._chunks = work_items(self.numels)
+            self._kernel = fused_pass if sum(self.numels) >= PARALLEL_FROM else fused_pass_serial
+            self._typed_list = numba.typed.List
+            # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
+            # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
+            # in place, where a copy would cost more than the hand-over.
+            sizes = np.asarray(self.numels, dtype=np.int64)
+            gathered = sizes < CHUNK
+            self._gathered = np.flatnonzero(gathered).tolist()
+            self._large = np.flatnonzero(~gathered).tolist()
+            self._gathered_values = torch.empty(int(sizes[gathered].sum()), dtype=torch.float32)
+            ends = np.cumsum([0, *sizes[gathered]]).tolist()
+            self._gather = _Gather([self._gathered_values[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)])
+            array = np.zeros(n, np.int64)
+            array[self._large] = np.arange(1, len(self._large) + 1)
+            base = np.zeros(n, np.int64)  # where each gathered tensor starts in the buffer
+            base[gathered] = ends[:-1]
+            items = work_items(self.numels)
+            tensor = items[:, 0]
+            self._items = np.stack([tensor, array[tensor], items[:, 1] + base[tensor], items[:, 2] + base[tensor],
+                                    items[:, 3]], axis=1)
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
             self._common_bounds = np.array(COMMON_BOUNDS, dtype=np.int32)
-            items = len(self._chunks)
             self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
-            self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares
-                np.empty((items, KEYS_PER_TENSOR), np.int64), np.empty((items, SUBNORMAL_CELLS), np.int64),
-                np.empty((items, 2), np.int32), np.empty(items, np.float64),
-                # per tensor: the same, combined (the bit bounds as largest and below smallest)
-                np.empty((n, KEYS_PER_TENSOR), np.int64), np.empty((n, SUBNORMAL_CELLS), np.int64),
-                np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float64),
+            columns, count = len(CATEGORY_COLUMNS), len(items)
+            self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares, statistics
+                np.empty((count, KEYS_PER_TENSOR), np.int64), np.empty((count, SUBNORMAL_CELLS), np.int64),
+                np.empty((count, 2), np.int32), np.empty(count, np.float64), np.empty((count, N_EXP_BINS), np.int64),
+                np.empty((count, len(SPECIAL_COUNTS)), np.int64), np.empty((count, 2, columns), np.int64),
+                # per tensor: the statistics and reductions, combined (the bit bounds as largest and below smallest)
+                np.empty((n, N_EXP_BINS), np.int64), np.empty((n, len(SPECIAL_COUNTS)), np.int64),
+                np.empty((n, 2, columns), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
+                np.empty(n, np.float64), self._gathered_values,
             ]
         else:
             self._segments = _segments(self.numels, self.offsets)
@@ -354,6 +410,7 @@ class GradStatsComputer:
             for segment in self._segments:
                 segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
                                   (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
+                segment.gather = _Gather(segment.pieces["values"])
 
     @property
     def workspace_bytes(self) -> int:
@@ -384,35 +441,43 @@ class GradStatsComputer:
 
     # -- numba ----------------------------------------------------------------------------------------------
     def _numba_stats(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool) -> StepGradStats:
-        flat = [g.detach().reshape(-1).float() for g in grads]
-        raw = self._numba_pass(flat)
+        sources = self._numba_sources(grads)
         k = power_of_two_exponent(scale)
-        shift = None if k is None else (-k if grads_are_scaled else k)  # fields from the tensors to the other view
+        # (g, S*g) as the tensors times 2**shift: one pass counts both views, if the shift is exact
+        shifts = (0, 0) if scale == 1.0 else None if k is None else (-k, 0) if grads_are_scaled else (0, k)
+        raw = self._numba_pass(sources, shifts or (0, 0))
         if scale == 1.0:
-            return _stats(raw, 0, raw, 0, "same")
-        if shift is not None and _shift_is_exact(raw.keys.sum(axis=1), shift):  # one pass, two shifts
-            return _stats(raw, shift, raw, 0, "shifted") if grads_are_scaled else _stats(raw, 0, raw, shift, "shifted")
+            return _stats(raw, raw.categories[:, 0], raw.categories[:, 0], 0, "same")
+        if shifts is not None and _shift_is_exact(raw.below_smallest, shifts[0] + shifts[1]):
+            return _stats(raw, raw.categories[:, 0], raw.categories[:, 1], shifts[0], "shifted")
         factor = _unscale_factor(scale) if grads_are_scaled else scale
         workspace = self._unscaled_workspace()
-        derived = self._numba_pass([torch.mul(x, factor, out=workspace[s:e]) for x, s, e in self._slices(flat)])
-        g, at_scale = (derived, raw) if grads_are_scaled else (raw, derived)
-        return _stats(g, 0, at_scale, 0, "recomputed")
+        starts = np.cumsum([0, *(x.numel() for x in sources)]).tolist()
+        derived = self._numba_pass([torch.mul(x, factor, out=workspace[start:end])
+                                    for x, start, end in zip(sources, starts[:-1], starts[1:], strict=True)], (0, 0))
+        # raw's histogram is of its first view: shifted when the tensors hold S*g, unshifted when they hold g
+        unshifted = raw.categories[:, (shifts or (0, 0)).index(0)]
+        if grads_are_scaled:
+            return _stats(derived, derived.categories[:, 0], unshifted, 0, "recomputed")
+        return _stats(raw, unshifted, derived.categories[:, 0], 0, "recomputed")
+
+    def _numba_sources(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The arrays the kernel reads (as float32): the gathered buffer, then each large tensor flattened."""
+        self._gather([grads[t] for t in self._gathered])
+        return [self._gathered_values, *(grads[t].detach().reshape(-1).float() for t in self._large)]
 
     def _unscaled_workspace(self) -> torch.Tensor:
         if self._unscaled is None:
             self._unscaled = torch.empty(int(self.offsets[-1]), dtype=torch.float32, device=self.device)
         return self._unscaled
 
-    def _slices(self, flat: list[torch.Tensor]):
-        for t, x in enumerate(flat):
-            yield x, int(self.offsets[t]), int(self.offsets[t + 1])
-
-    def _numba_pass(self, flat: list[torch.Tensor]) -> _Pass:
-        arrays = self._typed_list([x.numpy() for x in flat])
-        self._kernel(arrays, self._chunks, self._bounds, self._common_bounds, self._subnormal_bounds, *self._spaces)
-        keys, cells, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[4:])  # reused next pass
-        return _Pass(keys.reshape(len(flat), 2, FIELDS, REGIONS), cells, *_reductions_from_bits(largest, below_smallest),
-                     np.sqrt(sumsq))
+    def _numba_pass(self, sources: list[torch.Tensor], shifts: tuple[int, int]) -> _Pass:
+        arrays = self._typed_list([x.numpy() for x in sources])
+        self._kernel(arrays, self._items, self._bounds, self._common_bounds, self._subnormal_bounds,
+                     np.array(shifts, dtype=np.int64), KERNEL_TABLES, *self._spaces[:-1])
+        hist, specials, categories, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[7:-1])  # reused next pass
+        return _Pass(hist, specials, categories, *_reductions_from_bits(largest, below_smallest), np.sqrt(sumsq),
+                     below_smallest)
 
     # -- torch ----------------------------------------------------------------------------------------------
     def _torch_start(self, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool) -> PendingStats:
@@ -430,7 +495,7 @@ class GradStatsComputer:
         reductions = [[] for _ in range(views)]  # per view, per segment: largest, below smallest, l2
         for segment in self._segments:
             values = self._values[: segment.total]
-            torch.cat([grads[t].detach().reshape(-1) for t in segment.tensors], out=values)  # FP16/BF16 widen exactly
+            segment.gather([grads[t] for t in segment.nonempty])
             reductions[0].append(self._torch_pass(segment, self._counts[0]))
             if not same:
                 values.mul_(factor)
@@ -479,13 +544,14 @@ class GradStatsComputer:
             largest[self._nonempty] = rest[v, :present]
             below_smallest[self._nonempty] = rest[v, present : 2 * present]
             l2[self._nonempty] = rest[v, 2 * present :].view(np.float64)
-            keys, cells = _keys_from_buckets(counts[v])
-            passes.append(_Pass(keys, cells, *_reductions_from_bits(largest, below_smallest), l2))
+            hist, specials, categories = _decode(*_keys_from_buckets(counts[v]))
+            passes.append(_Pass(hist, specials, categories[:, None], *_reductions_from_bits(largest, below_smallest),
+                                l2, below_smallest))
         if views == 1:
-            return _stats(passes[0], 0, passes[0], 0, "same")
+            return _stats(passes[0], passes[0].categories[:, 0], passes[0].categories[:, 0], 0, "same")
         raw, derived = passes
         g, at_scale = (derived, raw) if grads_are_scaled else (raw, derived)
-        return _stats(g, 0, at_scale, 0, "recomputed")
+        return _stats(g, g.categories[:, 0], at_scale.categories[:, 0], 0, "recomputed")
 
 
 def _unscale_factor(scale: float) -> float:
@@ -511,49 +577,38 @@ def _keys_from_buckets(buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys[:, ::-1].copy(), buckets.sum(axis=1)[:, :SUBNORMAL_CELLS]
 
 
-def _stats(g: _Pass, g_shift: int, at_scale: _Pass, at_scale_shift: int, how: str) -> StepGradStats:
-    """StepGradStats from the pass whose values times 2**g_shift are g and the one whose values times
-    2**at_scale_shift are S*g."""
-    hist, counts = _decode(g, "", g_shift)
-    if how == "same":
-        counts.update({f"{k}_at_scale": v for k, v in counts.items() if k in CATEGORY_COLUMNS})
-    else:
-        _, scaled_counts = _decode(at_scale, "_at_scale", at_scale_shift)
-        counts.update({k: v for k, v in scaled_counts.items() if k.removesuffix("_at_scale") in CATEGORY_COLUMNS})
+def _stats(g: _Pass, g_categories: np.ndarray, at_scale_categories: np.ndarray, g_shift: int, how: str) -> StepGradStats:
+    """StepGradStats from the pass whose values times 2**g_shift are g (its histogram and special counts are
+    g's) and the category counts of g and of S*g."""
+    counts = dict(zip(SPECIAL_COUNTS, np.ascontiguousarray(g.specials.T), strict=True))
+    counts.update(zip(CATEGORY_COLUMNS, np.ascontiguousarray(g_categories.T), strict=True))
+    counts.update(zip((f"{name}_at_scale" for name in CATEGORY_COLUMNS), np.ascontiguousarray(at_scale_categories.T),
+                      strict=True))
     absmax, min_nonzero, l2 = g.absmax, g.min_nonzero, g.l2
     if g_shift:
         with np.errstate(over="ignore"):  # a product past fp32's range is inf, as in fp32
             factor = 2.0**g_shift
             absmax = (absmax * factor).astype(np.float32).astype(np.float64)
             min_nonzero, l2 = min_nonzero * factor, l2 * factor
-    return StepGradStats(hist=hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2, other_view=how)
+    return StepGradStats(hist=g.hist, counts=counts, absmax=absmax, min_nonzero=min_nonzero, l2=l2, other_view=how)
 
 
-def _decode(view: _Pass, suffix: str, shift: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Histogram and named counts of the values of ``view`` times 2**shift (shift != 0 only where
-    :func:`_shift_is_exact`, so no fp32 subnormal is involved)."""
-    key_counts = view.keys
+def _decode(key_counts: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The histogram, SPECIAL_COUNTS (T, 4) and CATEGORY_COLUMNS counts (T, columns) of values from their key
+    counts (T, sign, field, region) and fp32-subnormal cell counts (T, cell): the torch backend's decoding
+    (the numba kernel decodes each chunk as it goes, see mpdiag.numerics.cpu_kernel._decode_chunk)."""
     magnitude = key_counts[:, 0] + key_counts[:, 1]  # (T, field, region)
     n = key_counts.shape[0]
     per_field = sum(magnitude[:, :, r] for r in range(REGIONS))  # (T, field): five adds beat .sum(axis=2)
     hist = np.zeros((n, N_EXP_BINS), dtype=np.int64)
     first_normal_bin = FP32.min_normal_exponent - EXP_MIN  # the bin of field 1
-    low, high = max(1, 1 - shift), min(FIELDS - 1, FIELDS - 1 - shift)  # fields that stay normal
-    hist[:, first_normal_bin + low + shift - 1 : first_normal_bin + high + shift - 1] = per_field[:, low:high]
-    if view.cells[:, 1:].any():  # fp32 subnormals, by cell (rare)
-        np.add.at(hist, (slice(None), SUBNORMAL_BINS[1:]), view.cells[:, 1:])
-    overflowed = key_counts[:, :, high : FIELDS - 1].sum(axis=(2, 3))  # (T, sign): became ±inf
-    counts = {
-        "zeros": magnitude[:, 0, 0],
-        "nan": magnitude[:, FIELDS - 1, 1:].sum(axis=1),
-        "posinf": key_counts[:, 1, FIELDS - 1, 0] + overflowed[:, 1],
-        "neginf": key_counts[:, 0, FIELDS - 1, 0] + overflowed[:, 0],
-    }
-    per_category = magnitude.reshape(n, -1) @ _category_matrix(shift) + view.cells @ SUBNORMAL_MATRIX
-    per_category = np.rint(per_category).astype(np.int64)
-    for column, name in enumerate(CATEGORY_COLUMNS):
-        counts[f"{name}{suffix}"] = per_category[:, column]
-    return hist, counts
+    hist[:, first_normal_bin : first_normal_bin + FIELDS - 2] = per_field[:, 1 : FIELDS - 1]
+    if cells[:, 1:].any():  # fp32 subnormals, by cell (rare)
+        np.add.at(hist, (slice(None), SUBNORMAL_BINS[1:]), cells[:, 1:])
+    specials = np.stack([magnitude[:, 0, 0], magnitude[:, FIELDS - 1, 1:].sum(axis=1),
+                         key_counts[:, 1, FIELDS - 1, 0], key_counts[:, 0, FIELDS - 1, 0]], axis=1)
+    per_category = magnitude.reshape(n, -1) @ CATEGORY_MATRIX + cells @ SUBNORMAL_MATRIX
+    return hist, specials, np.rint(per_category).astype(np.int64)
 
 
 def category_counts_by_casting(values: torch.Tensor, fmt: Format) -> dict[str, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import resource
@@ -685,19 +686,16 @@ class Recorder:
         if not kept:
             return
         # column by column: one numpy -> Python conversion per column, not one per tensor and field (at 500
-        # tensors the per-value int()/float() calls cost more than computing the statistics)
+        # tensors the per-value int()/float() calls cost more than computing the statistics), and the rows made
+        # by map() over the columns, without a Python loop body per tensor
         at = np.asarray(kept)
         columns = [stats.counts[c][at].tolist() for c in ("zeros", "nan", "posinf", "neginf")]
         columns += [stats.absmax[at].tolist(), stats.min_nonzero[at].tolist(), stats.l2[at].tolist()]
-        formats = [(fmt, list(zip(*(stats.counts[f"{fmt}_{kind}"][at].tolist() for kind in REPRESENTABILITY_KINDS),
-                                  strict=True)))
-                   for fmt in LOW_PRECISION]
-        hists = encode_hists(stats.hist[at])
-        for j, k in enumerate(kept):
-            self._tensor_rows_buf.append(TensorRow(
-                step, present[k], hists[j], *(column[j] for column in columns),
-                representability={fmt: Representability(*counts[j]) for fmt, counts in formats},
-            ))
+        per_format = [map(Representability, *(stats.counts[f"{fmt}_{kind}"][at].tolist() for kind in REPRESENTABILITY_KINDS))
+                      for fmt in LOW_PRECISION]
+        representability = [dict(zip(LOW_PRECISION, counts, strict=True)) for counts in zip(*per_format, strict=True)]
+        self._tensor_rows_buf += map(TensorRow, itertools.repeat(step), [present[k] for k in kept],
+                                     encode_hists(stats.hist[at]), *columns, representability)
 
     def _flush_on_timer(self) -> None:
         """On the writer's thread: hand over the rows that have arrived when the training thread has not for a

@@ -12,6 +12,7 @@ is still open when the block raises is marked failed with the traceback, and the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sqlite3
@@ -32,7 +33,7 @@ from mpdiag.store.schema import (
     STATUSES,
     StoreError,
     decode_hists,
-    encode_hist,
+    encode_hists,
     open_for_writing,
     step_summaries,
 )
@@ -441,19 +442,21 @@ class StoreWriter:
         transaction): read the sums of the tensors present, add, write back."""
         if not tensor_rows:
             return
-        ids = sorted({row.tensor_id for row in tensor_rows})
-        rows = np.array([row.tensor_id for row in tensor_rows])
-        hists = decode_hists([row.hist for row in tensor_rows])
+        # all tensors at once (a per-tensor mask over the rows was O(tensors x rows) on the writer thread, which
+        # holds the GIL the training thread needs)
+        tensor_ids = np.array([row.tensor_id for row in tensor_rows])
+        ids, rows_each = np.unique(tensor_ids, return_counts=True)
+        by_tensor = np.argsort(tensor_ids, kind="stable")
+        totals = np.add.reduceat(decode_hists([tensor_rows[k].hist for k in by_tensor.tolist()]),
+                                 np.cumsum(rows_each) - rows_each, axis=0)
+        ids = ids.tolist()
         marks = ", ".join("?" * len(ids))
         held = dict(self._conn.execute(f"SELECT tensor_id, hist FROM hist_totals WHERE run_id = ? AND tensor_id IN "
                                        f"({marks})", (run_id, *ids)).fetchall())
-        sums = []
-        for tensor_id in ids:
-            total = hists[rows == tensor_id].sum(axis=0)
-            if tensor_id in held:
-                total = total + decode_hists([held[tensor_id]])[0]
-            sums.append((run_id, tensor_id, encode_hist(total)))
-        self._conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)", sums)
+        seen = [k for k, tensor_id in enumerate(ids) if tensor_id in held]
+        totals[seen] += decode_hists([held[ids[k]] for k in seen])
+        self._conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)",
+                               zip(itertools.repeat(run_id), ids, encode_hists(totals)))
 
 
 def _sum_counts(tensor_rows: Sequence[TensorRow]) -> tuple[dict[int, list[int]], dict[tuple[int, str], list[int]]]:

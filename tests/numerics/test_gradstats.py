@@ -194,9 +194,13 @@ def test_reductions_and_multiple_tensors(computer):
     assert (stats.hist[3] == reference_hist(big)).all()
 
 
-def test_tensors_split_into_work_items_still_equal_casting(computer):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tensors_split_into_work_items_still_equal_casting(computer, parallel, monkeypatch):
     """Tensors larger than one numba work item (2**17 values), with odd lengths and edge values in every
-    item: the per-item counts and reductions must combine to the whole tensor's."""
+    item: the per-item counts and reductions must combine to the whole tensor's, whether numba runs the
+    items on one thread (as at this size) or in parallel."""
+    if parallel:
+        monkeypatch.setattr(gradstats, "PARALLEL_FROM", 0)
     x = sweep(3 * 2**17, seed=5)
     x[-2] = float("nan")  # in the last work item, after the others' absmax
     y = sweep(2**17 + 1, seed=6)
@@ -280,3 +284,50 @@ def test_workspace_is_reused_across_steps(computer):
 def test_wrong_sizes_are_refused(computer):
     with pytest.raises(ValueError, match="sizes"):
         computer([3]).compute([torch.zeros(4)], 1.0)
+
+
+def test_torch_backend_launches_do_not_grow_with_tensors():
+    """Every top-level operator the torch backend dispatches is a launch on a GPU (a per-tensor flatten too):
+    their number is the same for 3 tensors and for 200."""
+    launches = []
+    for n in (3, 200):
+        grads = [torch.randn(8, 4, generator=torch.Generator().manual_seed(t)) for t in range(n)]
+        comp = GradStatsComputer([32] * n, backend="torch")
+        comp.compute(grads, 2.0**10)  # the first call makes the workspaces' views
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            comp.compute(grads, 2.0**10)
+        launches.append(sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None))
+    assert launches[0] == launches[1]
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="compares the numba backend with the torch one")
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 1000.0])
+def test_many_small_tensors_equal_across_backends_and_casting(scale):
+    """Hundreds of small tensors of mixed shapes and dtypes (gathered by one copy into shaped views; one
+    non-contiguous, one empty, one large enough to be read in place): both backends give the same
+    statistics, and they equal casting. At 2**16 no value is near fp32's subnormals, so numba shifts."""
+    values = sweep(200_000, seed=13)
+    if scale == 2.0**16:
+        values = values[~((values.abs() < 2.0**-100) & (values != 0))]
+    shapes = [(64, 64), (64,), (3, 5, 7), (1,), (0,), (2**17 + 3,)] * 4 + [(17, 9)] * 300
+    grads, at = [], 0
+    for shape in shapes:  # consecutive slices of the sweep, wrapping around
+        size = math.prod(shape)
+        start = at % (values.numel() - size)
+        grads.append(values[start : start + size].reshape(shape).clone())
+        at += size
+    grads[5] = grads[5].half().float()  # an FP16-representable tensor kept as FP32
+    grads[1] = grads[1].half()
+    grads[0] = grads[0].t()  # non-contiguous
+    numels = [g.numel() for g in grads]
+    stats = {backend: GradStatsComputer(numels, backend=backend).compute(grads, scale) for backend in ("torch", "numba")}
+    for name in stats["torch"].counts:
+        np.testing.assert_array_equal(stats["numba"].counts[name], stats["torch"].counts[name], err_msg=name)
+    for field in ("hist", "absmax", "min_nonzero"):
+        np.testing.assert_array_equal(getattr(stats["numba"], field), getattr(stats["torch"], field), err_msg=field)
+    np.testing.assert_allclose(stats["numba"].l2, stats["torch"].l2, rtol=1e-12)
+    assert stats["numba"].other_view == {1.0: "same", 2.0**16: "shifted", 1000.0: "recomputed"}[scale]
+    for t in (0, 1, 2, 4, 5, len(grads) - 1):
+        scaled = grads[t].float().reshape(-1)
+        g = gradscaler_unscale(scaled, scale) if scale != 1.0 else scaled
+        assert_counts_equal_casting(stats["numba"], g, scaled, t)
