@@ -57,6 +57,15 @@ def test_imports_point_down_the_layers(module):
     assert not upward, f"{module} ({_layer(module)}) imports from a higher layer: {upward}"
 
 
+def test_every_import_names_a_module_that_exists():
+    """An import of a moved or renamed module fails only when its line runs (a lazy import, a page), so the
+    source is checked: every ``from mpdiag.x import y`` names a module x of the package."""
+    missing = sorted({(m, node.module) for m, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mpdiag")
+                      and node.module not in MODULES})
+    assert not missing, missing
+
+
 def test_no_import_circles():
     graph: dict[str, set[str]] = {}
     for a, b in ARROWS:

@@ -21,8 +21,8 @@ from mpdiag.analysis.findings import (
 )
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import reads
+from mpdiag.options import fix_text
 from mpdiag.store import Store
-from mpdiag.training.config import fix_text
 
 
 @dataclass(frozen=True)
