@@ -11,8 +11,8 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES, script_names, select_runs
-from mpdiag.analysis.summaries import RUN_LINKS, nonfinite_losses, run_progress, runs_table
-from mpdiag.dashboard import actions, charts, reads
+from mpdiag.analysis.summaries import RUN_LINKS
+from mpdiag.dashboard import actions, charts, runs_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
@@ -27,36 +27,19 @@ def runs_panel(store) -> None:
     runs = store.runs()
     ui.launched_runs(store, runs)
     if runs.empty:
-        st.info(f"No runs in {plain(store.path)} yet.")
-        script = bundled_scripts()[FIRST_EXAMPLE]
-        options = {"opt_level": "O1", "steps": 200, "pair": True}
-        action = actions.pending(f"Run the bundled example {FIRST_EXAMPLE}", FIRST_EXAMPLE,
-                                 actions.script_sha256(script), options)
-        if actions.confirmed(f"▶ Run the bundled example {FIRST_EXAMPLE} (O1 with its FP32 twin, 200 steps)",
-                             "first_example", action, type="primary"):
-            actions.start_run(store, str(script), options, FIRST_EXAMPLE)
-            st.rerun(scope="fragment")
+        first_run_offer(store)
         return
-    for _, run in runs[runs["status"] == "running"].iterrows():
+    for live in runs_model.live_runs(store, runs):
         with st.container(border=True):
-            fraction, words = run_progress(run)
-            text = plain(f"{ui.run_label(run)}: {words}")
-            if fraction is None:
-                st.caption(text)
+            if live.fraction is None:
+                st.caption(plain(live.text))
             else:
-                st.progress(fraction, text=text)
-            steps = reads.live_steps(store, int(run["run_id"]))
-            if nonfinite_losses(steps) < len(steps):
-                ui.show_chart(charts.live_loss(steps), f"live_loss_{int(run['run_id'])}", width="stretch")
+                st.progress(live.fraction, text=plain(live.text))
+            if live.loss_drawable:
+                ui.show_chart(charts.live_loss(live.steps), f"live_loss_{live.run_id}", width="stretch")
             else:
-                st.caption("No finite loss recorded yet." if len(steps) else "No step recorded yet.")
-    version = reads.findings_version(store, runs)
-    severities = {int(run["run_id"]): reads.finding_severities(store, run, version) for _, run in runs.iterrows()}
-    shown = filtered_runs(runs)
-    table = runs_table(shown, [severities[int(r)] for r in shown["run_id"]])
-    table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())
-    table["note"] = shown["user_note"].map(note_preview).to_numpy()
-    st.dataframe(table, hide_index=True, width="stretch", column_config={
+                st.caption(live.no_loss)
+    st.dataframe(runs_model.table(store, runs, filtered_runs(runs)), hide_index=True, width="stretch", column_config={
         "run": st.column_config.NumberColumn(width=40, pinned=True),
         "name": st.column_config.TextColumn(width=190, pinned=True, help="Rename it below; hover for a long name"),
         **{column: st.column_config.LinkColumn(text, display_text=text, width=80)
@@ -65,12 +48,17 @@ def runs_panel(store) -> None:
         ui.explain_run_state(run)
 
 
-def note_preview(note) -> str:
-    """A note's first line, shortened for the runs table ("" for none)."""
-    if not isinstance(note, str) or not note:
-        return ""
-    first = note.splitlines()[0]
-    return first[:60] + ("…" if len(first) > 60 or "\n" in note else "")
+def first_run_offer(store) -> None:
+    """An empty store: the bundled example, with its FP32 twin, one confirmed click away."""
+    st.info(f"No runs in {plain(store.path)} yet.")
+    script = bundled_scripts()[FIRST_EXAMPLE]
+    options = {"opt_level": "O1", "steps": 200, "pair": True}
+    action = actions.pending(f"Run the bundled example {FIRST_EXAMPLE}", FIRST_EXAMPLE,
+                             actions.script_sha256(script), options)
+    if actions.confirmed(f"▶ Run the bundled example {FIRST_EXAMPLE} (O1 with its FP32 twin, 200 steps)",
+                         "first_example", action, type="primary"):
+        actions.start_run(store, str(script), options, FIRST_EXAMPLE)
+        st.rerun(scope="fragment")
 
 
 def filtered_runs(runs: pd.DataFrame) -> pd.DataFrame:

@@ -43,6 +43,29 @@ def test_home_lists_runs_with_status_and_crashed_run_explained(filled_store, mon
     assert "exited without closing the run" in texts(at)
 
 
+def test_the_runs_view_model_reads_health_from_each_runs_findings_and_shows_a_notes_first_line(filled_store):
+    """mpdiag.dashboard.runs_model without Streamlit: the table the Runs page draws, against diagnose itself and
+    the store's own rows; the filters keep a subset, read from the same one read of the runs table."""
+    from mpdiag.analysis.findings import diagnose
+    from mpdiag.dashboard import runs_model
+
+    store = Store(filled_store)
+    runs = store.runs()
+    table = runs_model.table(store, runs, runs).set_index("run")
+    for run_id in (1, 2, 3):
+        severities = [f.severity for f in diagnose(store, run_id)]
+        assert (table.loc[run_id, "health"] == "healthy") == (not {"error", "warning"} & set(severities)), run_id
+    assert table.loc[3, "health"] != "healthy"  # O3 goes NaN from step 1
+    assert list(table.columns).index("tags") == list(table.columns).index("loss scale") + 1
+    only_o3 = runs[runs["opt_level"] == "O3"]
+    assert runs_model.table(store, runs, only_o3)["run"].tolist() == [3]
+    assert runs_model.live_runs(store, runs) == []  # nothing running: no progress panel
+    assert runs_model.note_preview(None) == runs_model.note_preview("") == ""
+    assert runs_model.note_preview("short") == "short"
+    assert runs_model.note_preview("first line\nsecond") == "first line…"
+    assert runs_model.note_preview("x" * 70) == "x" * runs_model.NOTE_PREVIEW_CHARS + "…"
+
+
 def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
     at = app("app.py", tmp_path / "fresh.db", monkeypatch)
     assert "No runs in" in texts(at)
