@@ -116,8 +116,8 @@ def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
     """The FP32 twin's row of ``runs`` (Store.runs, already read: the twin is looked up, not read again), else
     None: no twin (:func:`fp32_twin`), or one no longer in the store."""
     twin = fp32_twin(run)
-    match = runs[runs["run_id"] == twin] if twin is not None and len(runs) else runs.iloc[:0]
-    return None if match.empty else match.iloc[0]
+    match = None if twin is None else runs[runs["run_id"] == twin]
+    return None if match is None or match.empty else match.iloc[0]
 
 
 def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:

@@ -46,10 +46,11 @@ def _dtensor_class() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank holds: an FSDP2 DTensor's local shard, else the tensor itself."""
+def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The part of each tensor this rank holds: an FSDP2 DTensor's local shard, else the tensor itself (the
+    list as it is when nothing imported DTensor: no per-tensor work on the training step)."""
     dtensor = _dtensor_class()
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+    return tensors if dtensor is None else [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:

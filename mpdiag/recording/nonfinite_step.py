@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mpdiag.recording.distributed import local_shard
+from mpdiag.recording.distributed import local_shards
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,11 +58,6 @@ class NonfiniteStepCheck:
         dtypes = sorted({dtype_name(t.dtype) for _, key, t in self._tensors() if key is not None})
         return ", ".join(dtypes) or None
 
-    @staticmethod
-    def _all_finite(value: torch.Tensor) -> torch.Tensor:
-        """Whether every value is finite (a 0-d bool tensor): of the local shard for an FSDP2 DTensor."""
-        return torch.isfinite(local_shard(value)).all()
-
     def before(self, loss: torch.Tensor | float) -> None:
         """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""
         self._armed = False
@@ -75,8 +70,11 @@ class NonfiniteStepCheck:
         values += [t for _, _, t in self._tensors()]
         self._armed = self._finite(values)
 
-    def _finite(self, values) -> bool:
-        return bool(torch.stack([self._all_finite(v).to(values[0].device) for v in values]).all())
+    @staticmethod
+    def _finite(values) -> bool:
+        """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor): one
+        synchronisation."""
+        return bool(torch.stack([torch.isfinite(v).all().to(values[0].device) for v in local_shards(values)]).all())
 
     def after(self, step: int) -> dict | None:
         """The record of ``step`` when it made an armed check's tensors non-finite, else None (one
@@ -87,7 +85,8 @@ class NonfiniteStepCheck:
         tensors = list(self._tensors())
         if self._finite([t for _, _, t in tensors]):
             return None
-        broken = [(name, key) for name, key, t in tensors if not bool(self._all_finite(t))]
+        broken = [(name, key) for (name, key, _), t in zip(tensors, local_shards([t for _, _, t in tensors]), strict=True)
+                  if not bool(torch.isfinite(t).all())]
         self.found = {
             "step": int(step),
             "optimizer": type(self.optimizer).__name__,

@@ -41,7 +41,7 @@ from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
-from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shard
+from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.step_gradients import StepGradients
@@ -557,7 +557,7 @@ class Recorder:
         if not self._dist.computes_stats:
             return GradientRead(step)
         fresh = self._step_grads.fresh()
-        grads = [local_shard(self._params[i][1].grad) for i in fresh]
+        grads = local_shards([self._params[i][1].grad for i in fresh])
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
         norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by
