@@ -226,7 +226,7 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     if not (skipped.mean() > SKIP_SHARE or longest >= CONSECUTIVE_SKIPS or lowest < 1):
         return None
     nonfinite_loss = ~np.isfinite(steps["loss"])
-    forward = bool(nonfinite_loss[skipped].all())
+    forward = bool(skipped.any() and nonfinite_loss[skipped].all())  # "every skipped step" of none says nothing
     # with a trace that found the module, the evidence is shown on the Modules page, opened on that module
     located = first_nonfinite_modules(modules) if modules is not None and len(modules) else {}
     where = located.get("fwd" if forward else "bwd", located.get("fwd"))
@@ -245,6 +245,16 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
             fix={"opt_level": "bf16"}, page=page, focus=focus,
         )
     k = recommended_scale(hist, ceiling=GRADSCALER_DEFAULT_LOG2)  # lower, never above GradScaler's default
+    if not skipped.any():  # a scale below 1 that nothing backed off to (a static one, or a custom scaler's)
+        return Finding(
+            rule="scale-collapse", severity="warning",
+            title="The loss scale is below 1: it shrinks gradients toward FP16's underflow instead of lifting them",
+            evidence=evidence,
+            recommendation=(f"Scale up, not down: --loss-scale dynamic --init-scale 2^{k}" if k is not None else
+                            "No single scale fits these gradients: --opt-level bf16."),
+            fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
+            page=page, focus=focus,
+        )
     return Finding(
         rule="scale-collapse", severity="warning",
         title="Gradients overflow FP16 at the loss scale: steps are skipped",

@@ -134,6 +134,9 @@ def test_scale_collapse_thresholds():
     assert scale_collapse(run, steps({3, 50, 90}), hist) is None  # 3 %, no run of 5, scale >= 1
     assert scale_collapse(run, steps(set(range(10, 15))), hist).severity == "warning"  # 5 in a row
     assert scale_collapse(run, steps({1}, scale=0.5), hist) is not None  # scale below 1
+    static = scale_collapse(run, steps(set(), scale=2.0**-83), hist)  # below 1, nothing skipped: no overflow
+    assert static.severity == "warning" and "below 1" in static.title and "skipped" not in static.title
+    assert static.fix == {"init_scale": 2.0**recommended_scale(hist, ceiling=16), "loss_scale": "dynamic"}
     forward = scale_collapse(run, steps(set(range(100)), loss=float("nan")), hist)
     assert forward.severity == "error" and forward.fix == {"opt_level": "bf16"}
 
