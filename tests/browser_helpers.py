@@ -2,6 +2,7 @@
 and checks the browser tests share (a page settled, no exception, charts inside their elements, screenshots)."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -69,6 +70,20 @@ def settle(page, text=None, timeout=60_000, wait_ms=1500):
         "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
     )
     page.wait_for_timeout(wait_ms)
+
+
+def choose_run(page, run_id: int, label: str = "Run", timeout=60_000):
+    """Pick run ``run_id`` in the page's run selector (labelled ``label``) as a user does, typing its ``#id ·``
+    prefix and clicking its option, and wait until the page shows it (the URL names it) and has settled. No
+    page reload: loading a page again costs the browser seconds of CPU on CI's two cores."""
+    box = page.locator("[data-testid='stSelectbox']").filter(has_text=label).first
+    box.locator("input").click()
+    box.locator("input").fill(f"#{run_id} ·")
+    # the selector's filter is fuzzy ("#13 ·" also lists #14, and may focus it): click the one option
+    page.locator("[role='option']").filter(has_text=re.compile(rf"^#{run_id} ·")).first.click(timeout=timeout)
+    page.wait_for_function("id => new URLSearchParams(location.search).getAll('run').join() === id", arg=str(run_id),
+                           timeout=timeout)
+    settle(page, timeout=timeout, wait_ms=300)
 
 
 def no_exception(page):
