@@ -35,6 +35,29 @@ def store_path(tmp_path, monkeypatch):
     return path
 
 
+GALLERY_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def gallery_runs(tmp_path_factory):
+    """Every gallery script trained once for the session at its FAILING and at its FIXED settings (module
+    constants; GALLERY_STEPS steps on the CPU) into one store: (store path, {script stem: (failing run id,
+    fixed run id)}). Tests may add runs and probes to the store; these runs' rows stay as recorded."""
+    import importlib
+
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
+
+    store = tmp_path_factory.mktemp("gallery") / "runs.db"
+    ids = {}
+    for path in sorted(EXAMPLES.glob("gallery_*.py")):
+        module = importlib.import_module(f"mpdiag.examples.{path.stem}")
+        script = ModelScript.from_path(path)
+        ids[path.stem] = tuple(train(script, RunConfig(steps=GALLERY_STEPS, device="cpu").with_options(**options),
+                                     store) for options in (module.FAILING, module.FIXED))
+    return store, ids
+
+
 @pytest.fixture(params=["at once", "late"])
 def arrival(request, monkeypatch):
     """Values that reach the host at once (the CPU), or only when the Recorder waits for them at close (a

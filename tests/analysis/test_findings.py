@@ -34,10 +34,10 @@ def store_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", GALLERY)
-def test_gallery_failure_is_found_and_its_recommended_rerun_removes_it(name, store_path):
+def test_gallery_failure_is_found_and_its_recommended_rerun_removes_it(name, gallery_runs):
     module = importlib.import_module(f"mpdiag.examples.{name}")
-    run_id = train(ModelScript.from_path(EXAMPLES / f"{name}.py"),
-                   RunConfig(steps=20, device="cpu").with_options(**module.FAILING), store_path)
+    store_path, ids = gallery_runs
+    run_id = ids[name][0]  # trained at module.FAILING for 20 steps
     findings = {f.rule: f for f in diagnosed(store_path, run_id)}
     assert module.FINDING in findings, [f.as_dict() for f in findings.values()]
     finding = findings[module.FINDING]

@@ -5,29 +5,17 @@ import importlib
 import math
 
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, GALLERY_STEPS
 
 from mpdiag import Store
 from mpdiag.analysis.summaries import nonzero_finite
-from mpdiag.training.runner import RunConfig, train
-from mpdiag.training.script import ModelScript
-
-STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """name -> (failing run id, fixed run id) in one store."""
-    store = tmp_path_factory.mktemp("gallery") / "runs.db"
-    out = {}
-    for path in sorted(EXAMPLES.glob("gallery_*.py")):
-        module = importlib.import_module(f"mpdiag.examples.{path.stem}")
-        script = ModelScript.from_path(path)
-        out[path.stem] = tuple(
-            train(script, RunConfig(steps=STEPS, device="cpu").with_options(**options), store)
-            for options in (module.FAILING, module.FIXED)
-        )
-    return Store(store), out
+def runs(gallery_runs):
+    """name -> (failing run id, fixed run id) in one store (the session's gallery runs, GALLERY_STEPS steps)."""
+    store, ids = gallery_runs
+    return Store(store), ids
 
 
 def evidence(store, run_id):
@@ -61,7 +49,7 @@ def test_activation_overflow_collapses_the_scale_and_bf16_fixes_it(runs):
     store, ids = runs
     (fail, _, _), (fix, _, _) = (evidence(store, i) for i in ids["gallery_activation_overflow"])
     assert (fail["skipped"] == 1).all() and not fail["loss"].map(math.isfinite).any()
-    assert fail["scale_after"].iloc[-1] == 2.0**16 * 0.5**STEPS  # halved at every step
+    assert fail["scale_after"].iloc[-1] == 2.0**16 * 0.5**GALLERY_STEPS  # halved at every step
     assert (fix["skipped"] == 0).all() and fix["loss"].map(math.isfinite).all()
     assert fix["loss"].iloc[-1] < fix["loss"].iloc[0]
 
