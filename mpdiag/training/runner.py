@@ -279,6 +279,10 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
         if shadow_step:
             recorder.compare_gradients(reference)
         policy.step(optimizer, built.clip_grad_norm)  # the Recorder checks the optimizer step in its hooks
+        found = recorder.optimizer_step_nonfinite
+        if found is not None and "optimizer" not in run.config:
+            # the whole stored configuration now, so a run that fails later still shows it with its optimizer
+            run.describe(config=_stored_config(config, optimizer, found))
         if scheduler is not None:
             with warnings.catch_warnings():
                 # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
