@@ -241,7 +241,7 @@ class Recorder:
             self._owns_writer = True
             self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
             fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
-            self._run = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(),
+            self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(),
                                                 **fp8_field, **(config or {})})
         else:
             self._owns_writer = False
@@ -264,8 +264,8 @@ class Recorder:
         self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
         self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
-        self._update_targets = None if update_targets is None else list(update_targets)
-        self._updates = self._update_tracker(update_format, self._update_targets, optimizer)
+        self._update_targets = self._checked_targets(update_targets)
+        self._updates = self._update_tracker(update_format)
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
@@ -319,11 +319,12 @@ class Recorder:
     def _name_dead_rank(self, text: str) -> None:
         """Rank 0 under torchrun, from the dead-rank watch's thread: the run's error names the rank that died,
         committed at once (this process may be stopped at any moment); the status follows when the run ends or
-        its process is found gone."""
-        self._run.describe(error=text, wait=True)
+        its process is found gone. Nothing once the run has ended (its error is the ending's)."""
+        if not self._run.ended:
+            self._run.describe(error=text, wait=True)
 
     # -- setup ----------------------------------------------------------------------------------------------
-    def _create_run(self, name: str | None, config: dict[str, Any]) -> Run:
+    def _new_run(self, name: str | None, config: dict[str, Any]) -> Run:
         fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
         extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
         fields.setdefault("opt_level", "custom")
@@ -342,15 +343,22 @@ class Recorder:
             for i, (n, p) in enumerate(self._params)
         ]
 
-    def _update_tracker(self, update_format, update_targets, optimizer) -> UpdateTracker | None:
+    def _checked_targets(self, update_targets) -> list[torch.Tensor] | None:
+        """``update_targets`` as a list, refused unless they match the recorded parameters in order and shape."""
+        if update_targets is None:
+            return None
+        targets = list(update_targets)
+        shapes = [tuple(p.shape) for _, p in self._params]
+        if [tuple(t.shape) for t in targets] != shapes:
+            raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
+        return targets
+
+    def _update_tracker(self, update_format) -> UpdateTracker | None:
         if update_format is None:
             return None
         if len(self._optimizers) != 1:
             raise ValueError("update_format needs optimizer=: updates are observed through its step hooks")
-        targets = [p for _, p in self._params] if update_targets is None else list(update_targets)
-        shapes = [tuple(p.shape) for _, p in self._params]
-        if [tuple(t.shape) for t in targets] != shapes:
-            raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
+        targets = [p for _, p in self._params] if self._update_targets is None else self._update_targets
         return UpdateTracker(targets, update_format)
 
     def _install_step_hooks(self) -> list:

@@ -43,6 +43,14 @@ class Run:
 
     The configuration (the JSON ``config`` column) is held here once: given to :meth:`create` (or :meth:`adopt`,
     when the adopter knows it), extended by :meth:`found_optimizer_step`; :attr:`config` is the handle's copy.
+
+    While the run is running, the writer's thread keeps its heartbeat for a run it created (see
+    :mod:`mpdiag.recording.background`): a handle adds no beat of its own; an adopted run gets none from this
+    writer (it lives by its creator's process, e.g. the distributed launcher, and by its committed step rows).
+    The writer's own ``create_run``/``update_run``/``end_run`` are called here and nowhere else but where the
+    writer carries them (the background thread's pass-through and heartbeat; the app's supervisor applying a
+    child's forwarded calls by name; ``tests/recording/test_run.py`` holds that list).
+
     Writes are queued on the writer (``submit``) unless ``wait`` is true (``call``: the write is committed, or
     its error raised, on return). On a writer that discards (ranks other than 0) every write is a no-op and
     :attr:`run_id` is None for a run created there.
