@@ -1,7 +1,7 @@
 """Whether an optimizer step itself turned weights or optimizer state non-finite.
 
-Asked around an optimizer step (the runner's every step; the Recorder's logged steps in users' loops and under
-``watch``), until the first such step: before it, whether the loss, every
+Asked by the Recorder around an optimizer step (every step under mpdiag's runner; the logged steps in users'
+loops and under ``watch``), until the first such step: before it, whether the loss, every
 gradient, every weight the optimizer updates and its state are finite; after it, which of those tensors no
 longer are. A step that starts from finite values and ends with inf/NaN ones broke inside the optimizer (e.g.
 AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides by zero).
@@ -24,6 +24,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _dtypes(states) -> str | None:
+    """The dtypes of the floating-point tensors (not the step counter) in optimizer ``states`` (dicts), joined."""
+    dtypes = sorted({dtype_name(t.dtype) for state in states for key, t in state.items()
+                     if torch.is_tensor(t) and t.is_floating_point() and key != "step"})
+    return ", ".join(dtypes) or None
+
+
+def optimizer_state_dtype(optimizer: torch.optim.Optimizer) -> str | None:
+    """The dtype of an optimizer's floating-point state (None before its first step, or stateless)."""
+    return _dtypes(optimizer.state.values())
+
+
 class NonfiniteStepCheck:
     """Watch one optimizer's steps. ``named`` are (name, parameter) for the parameters whose gradients it uses,
     named as ``Store.tensors`` names them; ``masters`` (O2) are the tensors it updates in their place, in the
@@ -38,12 +50,6 @@ class NonfiniteStepCheck:
         self.found: dict | None = None
         self._armed = False
 
-    @classmethod
-    def of_model(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 masters: list | None = None) -> NonfiniteStepCheck:
-        """The check over a model's trainable parameters (what the runner's optimizer updates)."""
-        return cls([(n, p) for n, p in model.named_parameters() if p.requires_grad], optimizer, masters)
-
     def _tensors(self):
         """(tensor name, optimizer state key or None, tensor) for every weight the optimizer updates and its
         floating-point state (not the step counter)."""
@@ -55,8 +61,7 @@ class NonfiniteStepCheck:
 
     def state_dtype(self) -> str | None:
         """The dtype of the optimizer's floating-point state (None before its first step, or stateless)."""
-        dtypes = sorted({dtype_name(t.dtype) for _, key, t in self._tensors() if key is not None})
-        return ", ".join(dtypes) or None
+        return _dtypes(self.optimizer.state.get(weight, {}) for _, weight in self._updated)
 
     def before(self, loss: torch.Tensor | float) -> None:
         """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""

@@ -8,9 +8,10 @@ the optimizer step ran, the scale and growth tracker after ``update()`` - it rea
 at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict()``, never by re-deriving
 GradScaler's rule.
 
-Owns the Recorder's public constructor (a user's loop) and the runner's alternate one (:meth:`Recorder.attached`),
-and the per-step bookkeeping. Must not validate run options (:mod:`mpdiag.options` does) nor import
-from the training layer above it.
+Owns the Recorder's constructor (a user's loop: it creates its run; mpdiag's runner and ``watch``: they hand it
+the :class:`mpdiag.recording.run.Run` they created), the per-step bookkeeping and the optimizer-step check's
+wiring. Must not write the run row itself (its Run does), validate run options (:mod:`mpdiag.options` does) nor
+import from the training layer above it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
+from mpdiag.recording.run import Run
 from mpdiag.recording.step_gradients import StepGradients
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
@@ -84,6 +86,9 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
     return {"init_scale": state.get("scale"),
             **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
 
+
+#: ``check_optimizer_step``'s value for checking every optimizer step, logged or not
+EVERY_STEP = "every step"
 
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
 
@@ -134,24 +139,6 @@ class _UnreadStats:
     settled: bool = False
 
 
-@dataclass(frozen=True)
-class RunnerAttachment:
-    """What mpdiag's runner hands a Recorder beyond the public arguments (:meth:`Recorder.attached`).
-
-    run_id: the run row the runner created beforehand (with the whole run configuration).
-    writer: the runner's :class:`BackgroundWriter`, shared; the runner closes it.
-    update_targets: the tensors the optimizer updates, one per trainable parameter of the model in order,
-        when they are not the parameters themselves (FP32 master weights, as at O2).
-    """
-
-    run_id: int
-    writer: BackgroundWriter
-    update_targets: Sequence[torch.Tensor] | None = None
-    #: the job was launched by mpdiag (``run --nproc``), whose launcher names a rank that fails or dies from
-    #: the ranks' own reports and exit codes; the Recorder's dead-rank watch is for jobs torchrun launched
-    launcher_names_failures: bool = False
-
-
 class Recorder:
     """Records per-step scalars and per-tensor gradient statistics of ``model`` into a store.
 
@@ -183,7 +170,22 @@ class Recorder:
             in FP16 with Adam: its eps=1e-8 is 0 there); the first such step is stored with the run
             (``config["optimizer_step_nonfinite"]``, finding ``optimizer-step-nonfinite``). Costs a pass over
             the parameters, their gradients and optimizer state, and one synchronisation, before and after each
-            logged optimizer step, until the first finding.
+            logged optimizer step, until the first finding. ``"every step"``: check every optimizer step, logged
+            or not (mpdiag's runner).
+
+    mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
+
+    * ``run``: the :class:`mpdiag.recording.run.Run` they created (with the whole run configuration), whose
+      writer the Recorder shares and does not close; the Recorder describes to it what only it knows (the job's
+      shape, ``update_format``), and ends it at :meth:`close` or :meth:`fail`;
+    * ``update_targets``: the tensors the optimizer updates, one per trainable parameter of the model in order,
+      when they are not the parameters themselves (FP32 master weights, as at O2): the optimizer-step check and
+      the update counts read them;
+    * ``launcher_names_failures``: the job was launched by mpdiag (``run --nproc``), whose launcher names a rank
+      that fails or dies from the ranks' own reports and exit codes; the Recorder's dead-rank watch is for jobs
+      torchrun launched.
+
+    ``optimizer`` may also be several (``watch``: every optimizer the script made).
 
     At every step, logged or not, the step row also holds:
 
@@ -203,9 +205,6 @@ class Recorder:
       this step's (what ``clip_grad_norm_`` returns for none).
     * ``wall_time_s``: seconds from the Recorder's creation to the step's ``record`` call (the step's end, as
       ``step_time_s`` counts steps from one ``record`` to the next).
-
-    mpdiag's runner builds its Recorder with :meth:`attached` instead (a run row made beforehand, a shared
-    writer, FP32 master weights as the update targets).
     """
 
     def __init__(
@@ -214,49 +213,44 @@ class Recorder:
         store: str | os.PathLike | Store | None = None,
         name: str | None = None,
         scaler=None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         every: int = 1,
         config: dict[str, Any] | None = None,
         *,
         trace_modules: bool = False,
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
-        check_optimizer_step: bool = True,
+        check_optimizer_step: bool | str = True,
+        run: Run | None = None,
+        update_targets: Sequence[torch.Tensor] | None = None,
+        launcher_names_failures: bool = False,
     ):
-        self._start(model, scaler, optimizer, every, update_format, update_targets=None,
+        if check_optimizer_step not in (True, False, EVERY_STEP):
+            raise ValueError(f"check_optimizer_step must be True, False or {EVERY_STEP!r}")
+        if run is not None and (store is not None or name is not None or config is not None):
+            raise ValueError("a Recorder given a run takes no store, name or config: the run has them")
+        self._start(model, scaler, optimizer, every, update_format, update_targets,
                     check_optimizer_step=check_optimizer_step)
-        if fp8 is not None:
-            fp8.validate()  # before a run row exists
-        if store is None or isinstance(store, (str, os.PathLike)):
-            path = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
-        else:  # a Store
-            path = store.path
-        self._owns_writer = True
-        self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
-        fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
-        self.run_id = self._create_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field,
-                                              **(config or {})})
-        self._hook_in(model, trace_modules, fp8, watch_ranks=True)
-
-    @classmethod
-    def attached(cls, model: torch.nn.Module, attachment: RunnerAttachment, *, scaler=None,
-                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, every: int = 1,
-                 trace_modules: bool = False, update_format: str | None = None, fp8: Fp8Settings | None = None,
-                 check_optimizer_step: bool = False) -> Recorder:
-        """A Recorder writing into the run ``attachment.run_id`` through ``attachment.writer`` (the runner's).
-        ``optimizer`` may be several (``watch``: every optimizer the script made); the optimizer-step check is
-        off by default here, since mpdiag's runner checks every step itself."""
-        recorder = cls.__new__(cls)
-        recorder._start(model, scaler, optimizer, every, update_format, attachment.update_targets,
-                        check_optimizer_step=check_optimizer_step)
-        recorder._owns_writer = False
-        recorder._writer = attachment.writer
-        recorder.run_id = attachment.run_id
-        fields = {**recorder._dist.run_fields(), **({"update_format": update_format} if update_format else {})}
-        if fields:  # the job's shape is known only now, once the process group exists
-            recorder._writer.submit(lambda w: w.update_run(attachment.run_id, **fields))
-        recorder._hook_in(model, trace_modules, fp8, watch_ranks=not attachment.launcher_names_failures)
-        return recorder
+        if run is None:
+            if fp8 is not None:
+                fp8.validate()  # before a run row exists
+            if store is None or isinstance(store, (str, os.PathLike)):
+                path = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
+            else:  # a Store
+                path = store.path
+            self._owns_writer = True
+            self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
+            fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
+            self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(),
+                                                **fp8_field, **(config or {})})
+        else:
+            self._owns_writer = False
+            self._writer = run.writer
+            self._run = run
+            # the job's shape is known only now, once the process group exists
+            run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
+        self.run_id = self._run.run_id
+        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures)
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -270,7 +264,8 @@ class Recorder:
         self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
         self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
-        self._updates = self._update_tracker(update_format, update_targets, optimizer)
+        self._update_targets = self._checked_targets(update_targets)
+        self._updates = self._update_tracker(update_format)
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
@@ -278,7 +273,7 @@ class Recorder:
         #: step over our parameters was seen
         self._observable = bool(self._optimizers) or self.scaler is not None
         self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
-        self._check_steps = check_optimizer_step
+        self._check_steps = check_optimizer_step  # True: the logged steps; EVERY_STEP: every one
         self._step_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its check
         self._checked_step: tuple[int, torch.Tensor | float] | None = None  # (step, loss) a step check may use
         self.optimizer_step_nonfinite: dict | None = None  # the first step whose update broke finite values
@@ -324,11 +319,12 @@ class Recorder:
     def _name_dead_rank(self, text: str) -> None:
         """Rank 0 under torchrun, from the dead-rank watch's thread: the run's error names the rank that died,
         committed at once (this process may be stopped at any moment); the status follows when the run ends or
-        its process is found gone."""
-        self._writer.call(lambda w: w.update_run(self.run_id, error=text))
+        its process is found gone. Nothing once the run has ended (its error is the ending's)."""
+        if not self._run.ended:
+            self._run.describe(error=text, wait=True)
 
     # -- setup ----------------------------------------------------------------------------------------------
-    def _create_run(self, name: str | None, config: dict[str, Any]) -> int:
+    def _new_run(self, name: str | None, config: dict[str, Any]) -> Run:
         fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
         extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
         fields.setdefault("opt_level", "custom")
@@ -339,7 +335,7 @@ class Recorder:
         if self.scaler is not None:
             for key, value in scaler_run_fields(self.scaler).items():
                 fields.setdefault(key, value)
-        return self._writer.call(lambda w: w.create_run(name=name, config=extra, **fields))
+        return Run.create(self._writer, name=name, config=extra, **fields)
 
     def _tensor_rows(self) -> list[tuple]:
         return [
@@ -347,15 +343,22 @@ class Recorder:
             for i, (n, p) in enumerate(self._params)
         ]
 
-    def _update_tracker(self, update_format, update_targets, optimizer) -> UpdateTracker | None:
+    def _checked_targets(self, update_targets) -> list[torch.Tensor] | None:
+        """``update_targets`` as a list, refused unless they match the recorded parameters in order and shape."""
+        if update_targets is None:
+            return None
+        targets = list(update_targets)
+        shapes = [tuple(p.shape) for _, p in self._params]
+        if [tuple(t.shape) for t in targets] != shapes:
+            raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
+        return targets
+
+    def _update_tracker(self, update_format) -> UpdateTracker | None:
         if update_format is None:
             return None
         if len(self._optimizers) != 1:
             raise ValueError("update_format needs optimizer=: updates are observed through its step hooks")
-        targets = [p for _, p in self._params] if update_targets is None else list(update_targets)
-        shapes = [tuple(p.shape) for _, p in self._params]
-        if [tuple(t.shape) for t in targets] != shapes:
-            raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
+        targets = [p for _, p in self._params] if self._update_targets is None else self._update_targets
         return UpdateTracker(targets, update_format)
 
     def _install_step_hooks(self) -> list:
@@ -419,15 +422,18 @@ class Recorder:
         if found is not None:
             self.optimizer_step_nonfinite = found
             self._checked_step = None  # one finding per run: the first step that broke
-            self._writer.submit(lambda w: w.set_optimizer_step_nonfinite(self.run_id, found))
+            self._run.found_optimizer_step(found)
 
     def _step_check(self, opt) -> NonfiniteStepCheck:
-        """The check of ``opt``'s steps over the model's parameters it holds, named as stored."""
+        """The check of ``opt``'s steps over the model's parameters it holds (or, given update targets, the
+        targets it holds in their place, reported under the parameters' names), named as stored."""
         check = self._step_checks.get(opt)
         if check is None:
-            names = {id(p): n for n, p in self._params}
-            held = [(names[id(p)], p) for group in opt.param_groups for p in group["params"] if id(p) in names]
-            check = self._step_checks[opt] = NonfiniteStepCheck(held, opt)
+            targets = [p for _, p in self._params] if self._update_targets is None else self._update_targets
+            mine = {id(t): (named, t) for named, t in zip(self._params, targets, strict=True)}
+            held = [mine[id(t)] for group in opt.param_groups for t in group["params"] if id(t) in mine]
+            check = self._step_checks[opt] = NonfiniteStepCheck([named for named, _ in held], opt,
+                                                                [t for _, t in held])
         return check
 
     # -- per step -------------------------------------------------------------------------------------------
@@ -460,7 +466,8 @@ class Recorder:
             self._unscale_by = read.unscale_by
         self._step_grads.next_step()
         self._update_step = step if logged and self._updates is not None else None
-        checked = logged and self._check_steps and self.optimizer_step_nonfinite is None
+        checked = (logged and self._check_steps or self._check_steps == EVERY_STEP) \
+            and self.optimizer_step_nonfinite is None
         self._checked_step = (step, loss) if checked else None
         if self._tracer is not None:
             traced = self._tracer.take(step)
@@ -533,7 +540,7 @@ class Recorder:
         print(f"mpdiag: {self.stopped_recording}", file=sys.stderr)
         self._unhook()
         try:
-            self._writer.call(lambda w: w.end_run(self.run_id, "failed", error=self.stopped_recording))
+            self._run.fail(self.stopped_recording, wait=True)
         except Exception:  # noqa: BLE001 - the store may refuse this too (a full disk): stderr has said it
             pass
         if self._owns_writer:
@@ -774,7 +781,7 @@ class Recorder:
         # After the last rows: jobs run in order, so the stored summary counts every step. Waiting for them
         # first makes a write that failed (a full disk) fail here, before the run is ended as if complete.
         self._writer.call(lambda w: None)
-        self._writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
+        self._run.end(status, error=error, note=note)
         if self._owns_writer:
             self._writer.close()
 

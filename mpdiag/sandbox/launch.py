@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 
+from mpdiag.recording.run import Run  # light: no torch, no pandas
 from mpdiag.sandbox.bundle import BundleRefused, bundle_from_zip, module_name
 from mpdiag.sandbox.child import (
     SOURCE_FILE,
@@ -268,12 +269,8 @@ def _watch_plan(config, store) -> Plan:
               "script_path": None if config.module or config.bundle else os.path.join(config.cwd, config.target)}
 
     def queue(writer) -> list[int]:
-        def create(w) -> list[int]:
-            run_id = w.create_run(opt_level=config.opt_level or "custom", scaling="none", every=config.every, **fields)
-            w.update_run(run_id, status="queued")
-            return [run_id]
-
-        return writer.call(create)
+        return [Run.create(writer, queued=True, opt_level=config.opt_level or "custom", scaling="none",
+                           every=config.every, **fields).run_id]
 
     return Plan(task="watch", payload={"watch": settings, "name": name, "parent_run_id": config.parent_run_id},
                 files=files, queue=queue, parent_run_id=config.parent_run_id, fixed=fields)
@@ -324,7 +321,7 @@ class RunOwner:
         runs = Store(store_path).runs()
         mine = runs[runs["run_id"].isin(self.run_ids) & runs["status"].isin(["queued", "running", "stalled"])]
         for run_id in mine["run_id"]:
-            self._writer.call(lambda w, r=int(run_id): w.end_run(r, "failed", error=error))
+            Run.adopt(self._writer, int(run_id)).fail(error, wait=True)
 
 
     def note_leftovers(self, store_path: str, names: tuple[str, ...]) -> None:
@@ -337,7 +334,7 @@ class RunOwner:
         for run_id in self.run_ids:
             note = notes.get(run_id)
             text = said if not isinstance(note, str) or not note else f"{note} {said}"
-            self._writer.call(lambda w, r=run_id, t=text: w.update_run(r, note=t))
+            Run.adopt(self._writer, run_id).describe(note=text, wait=True)
 
 
 def _ending(store_path: str, run_ids: list[int], result: TaskResult) -> str:
@@ -382,15 +379,9 @@ def _queue_rows(writer, script, config, pair: bool) -> list[int]:
     name = config.name or os.path.basename(script.filename)
     names = [(name, config.opt_level)] + ([(f"{name} (FP32 twin)", "O0")] if pair else [])
 
-    def create(w) -> list[int]:
-        sha = w.add_script(os.path.basename(script.filename), script.source)
-        ids = [w.create_run(name=n, opt_level=level, script_path=script.filename, script_sha256=sha,
-                            steps=config.steps, parent_run_id=config.parent_run_id) for n, level in names]
-        for run_id in ids:
-            w.update_run(run_id, status="queued")
-        return ids
-
-    return writer.call(create)
+    sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
+    return [Run.create(writer, queued=True, name=n, opt_level=level, script_path=script.filename, script_sha256=sha,
+                       steps=config.steps, parent_run_id=config.parent_run_id).run_id for n, level in names]
 
 
 def store_key(store_path: str | os.PathLike) -> str:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mpdiag.recording.background import BackgroundWriter
+from mpdiag.recording.run import Run
 from mpdiag.training.policies import LossScaler, PrecisionPolicy
 from mpdiag.training.script import ModelScript
 
@@ -134,7 +135,7 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_field
         sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
         fields = {**run_fields, "script_sha256": sha, "world_size": config.nproc, "backend": backend_for(device),
                   "launch_command": shlex.join(sys.orig_argv)}
-        run_id = writer.call(lambda w: w.create_run(**fields))
+        run_id = Run.create(writer, **fields).run_id  # running from now on: rank 0 adopts it
     finally:
         writer.close()
     with tempfile.TemporaryDirectory(prefix="mpdiag-job-") as folder:
@@ -180,7 +181,7 @@ def _name_first_failure(store_path, run_id: int, folder: str) -> None:
         error += f"\n(rank 0 then failed too: {rank0})"
     writer = BackgroundWriter(store_path)
     try:
-        writer.call(lambda w: w.update_run(run_id, error=error))
+        Run.adopt(writer, run_id).describe(error=error, wait=True)
     finally:
         writer.close()
 
@@ -207,11 +208,11 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
     writer = BackgroundWriter(store_path)
     try:
+        run = Run.adopt(writer, run_id)
         if Store(store_path).run(run_id)["status"] == "finished":
             # rank 0 had recorded every step and ended the run: a rank failing while exiting loses nothing
-            note = f"After the run ended, {'; '.join(parts)}."
-            writer.call(lambda w: w.update_run(run_id, note=note))
+            run.describe(note=f"After the run ended, {'; '.join(parts)}.", wait=True)
         else:
-            writer.call(lambda w: w.end_run(run_id, "crashed", error="; ".join(parts)))
+            run.end("crashed", error="; ".join(parts), wait=True)
     finally:
         writer.close()

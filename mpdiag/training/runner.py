@@ -4,12 +4,15 @@ Data path: script -> :func:`mpdiag.training.script.build_model` -> policy (:mod:
 :class:`mpdiag.recording.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
 run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
 
-Owns the loop, device resolution and the Recorder's wiring. Must not define or validate options (that is
-:mod:`mpdiag.options`'s; :class:`RunConfig` is re-exported here for callers of :func:`train`).
+Owns the loop, device resolution and the Recorder's wiring (the run's :class:`mpdiag.recording.run.Run`, made
+here or adopted from the distributed launcher, and the Recorder's optimizer-step check, set to every step). Must
+not write the run row itself (the Run does), nor define or validate options (that is :mod:`mpdiag.options`'s;
+:class:`RunConfig` is re-exported here for callers of :func:`train`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -28,9 +31,9 @@ from mpdiag.options import ConfigError, RunConfig, rerun_name
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
-from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
-from mpdiag.recording.recorder import Recorder, RunnerAttachment
-from mpdiag.store import StoreWriter
+from mpdiag.recording.nonfinite_step import optimizer_state_dtype
+from mpdiag.recording.recorder import EVERY_STEP, Recorder
+from mpdiag.recording.run import Run
 from mpdiag.training import distributed
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
@@ -154,77 +157,95 @@ def train(
         return distributed.launch(script, config, store_path, _run_fields(script, config, device, None, policy))
     job = distributed.RankJob.join(config.parallel, device) if config.nproc > 1 else None
     writer = BackgroundWriter(store_path) if job is None or job.is_writer else DiscardingWriter()
-    recorder = output = None
-    on_main_thread = threading.current_thread() is threading.main_thread()
     try:
         if run_id is None:
             sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-            run_id = writer.call(lambda w: w.create_run(**_run_fields(script, config, device, sha, policy)))
-            output = None if console is None else OutputKeeper(writer, [run_id], console)
-        previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
-        try:
-            seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
-            built = build_model(script, device)
-            fp32_model = built.model.to(device)
-            shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
-            model, optimizer = job.prepare(policy, fp32_model, built.make_optimizer) if job else \
-                policy.prepare(fp32_model, built.make_optimizer)
-            sharded = job is not None and job.parallel == "fsdp"  # update tracking reads whole weights
-            attachment = RunnerAttachment(run_id=run_id, writer=writer,
-                                          update_targets=None if sharded else policy.master_params() or None,
-                                          launcher_names_failures=job is not None)
-            recorder = Recorder.attached(
-                model, attachment, scaler=policy.scaler, optimizer=optimizer, every=config.every,
-                trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
-                fp8=config.fp8_settings() if config.fp8 else None,
-            )
-            check = NonfiniteStepCheck.of_model(model, optimizer, policy.master_params() or None)
-            note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
-                         check)
-            state = model_state_bytes(model, optimizer, policy)
-            stored = _stored_config(config, check)
-            writer.submit(lambda w: w.update_run(run_id, model_state=state, params=state["params"], config=stored))
-            recorder.close(note=note)
-        except (ScriptError, RunStopped) as exc:
-            _fail(writer, recorder, run_id, str(exc), job)
-        except KeyboardInterrupt:
-            _fail(writer, recorder, run_id, "stopped by keyboard interrupt (SIGINT)", job)
-        except SystemExit as exc:  # from the script's code: record it rather than vanish
-            _fail(writer, recorder, run_id, f"{script.filename}: the script called sys.exit({exc.code!r})", job)
-        except Exception:  # noqa: BLE001 - anything else is recorded, never lost
-            _fail(writer, recorder, run_id, traceback.format_exc(), job)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            run = Run.create(writer, **_run_fields(script, config, device, sha, policy))
+            output = None if console is None else OutputKeeper(writer, [run.run_id], console)
+        else:  # a rank of a launched job: the launcher created the run
+            run, output = Run.adopt(writer, run_id, config={"run": config.to_dict()}), None
+        with _stop_on_sigterm():
+            _train_run(run, script, config, device, policy, job, progress)
         if output is not None:
             output.finish()
-        return run_id
+        return run.run_id
     finally:
         writer.close()  # a rank's process group is left as it is: see mpdiag.training.rank
 
 
-def _fail(writer: BackgroundWriter, recorder: Recorder | None, run_id: int, error: str,
-          job: distributed.RankJob | None) -> None:
-    if job is not None:  # every rank's error reaches the launching process, which names the first
-        job.report_failure(error)
-    if recorder is not None:
-        recorder.fail(error)
-    else:
-        writer.submit(lambda w: w.end_run(run_id, "failed", error=error))
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """SIGTERM raises RunStopped while the run trains (from the main thread only, where signals arrive)."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
-def _stored_config(config: RunConfig, check: NonfiniteStepCheck) -> dict:
+def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.device, policy: PrecisionPolicy,
+               job: distributed.RankJob | None, progress: ProgressFn | None) -> None:
+    """Build, train and end the run; a failure of the script (or a stop) is recorded, never raised: by the
+    Recorder once it exists (its rows flushed first), else by the run itself."""
+    recorder = None
+    try:
+        seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
+        built = build_model(script, device)
+        fp32_model = built.model.to(device)
+        shadow = Fp32Shadow(fp32_model, built.loss_fn, device) if config.shadow_every else None
+        model, optimizer = job.prepare(policy, fp32_model, built.make_optimizer) if job else \
+            policy.prepare(fp32_model, built.make_optimizer)
+        recorder = _recorder(run, model, optimizer, policy, config, job)
+        note = _loop(built, model, optimizer, policy, recorder, config, device, progress, run, shadow)
+        state = model_state_bytes(model, optimizer, policy)
+        run.describe(model_state=state, params=state["params"],
+                     config=_stored_config(config, optimizer, recorder.optimizer_step_nonfinite))
+        recorder.close(note=note)
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - anything is recorded, never lost
+        error = _failure_text(exc, script)
+        if job is not None:  # every rank's error reaches the launching process, which names the first
+            job.report_failure(error)
+        (recorder or run).fail(error)
+
+
+def _recorder(run: Run, model, optimizer, policy: PrecisionPolicy, config: RunConfig,
+              job: distributed.RankJob | None) -> Recorder:
+    """The run's Recorder: FP32 master weights (O2) as what the optimizer updates, the optimizer-step check at
+    every step, the dead-rank watch left to mpdiag's launcher."""
+    sharded = job is not None and job.parallel == "fsdp"  # update tracking reads whole weights
+    return Recorder(
+        model, run=run, scaler=policy.scaler, optimizer=optimizer, every=config.every,
+        trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
+        fp8=config.fp8_settings() if config.fp8 else None, check_optimizer_step=EVERY_STEP,
+        update_targets=None if sharded else policy.master_params() or None, launcher_names_failures=job is not None,
+    )
+
+
+def _failure_text(exc: BaseException, script: ModelScript) -> str:
+    """How a failed run's error reads: the message of a script problem or a stop, else the traceback."""
+    if isinstance(exc, (ScriptError, RunStopped)):
+        return str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped by keyboard interrupt (SIGINT)"
+    if isinstance(exc, SystemExit):  # from the script's code: record it rather than vanish
+        return f"{script.filename}: the script called sys.exit({exc.code!r})"
+    return "".join(traceback.format_exception(exc))
+
+
+def _stored_config(config: RunConfig, optimizer: torch.optim.Optimizer, found: dict | None) -> dict:
     """The run's stored configuration: its options, the optimizer's class and state dtype, and the first
     optimizer step that made weights or state non-finite from finite values (when there was one)."""
     stored = {"run": config.to_dict(),
-              "optimizer": {"class": type(check.optimizer).__name__, "state_dtype": check.state_dtype()}}
-    if check.found is not None:
-        stored["optimizer_step_nonfinite"] = check.found
+              "optimizer": {"class": type(optimizer).__name__, "state_dtype": optimizer_state_dtype(optimizer)}}
+    if found is not None:
+        stored["optimizer_step_nonfinite"] = found
     return stored
 
 
-def _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id,
-          shadow: Fp32Shadow | None, check: NonfiniteStepCheck) -> str | None:
+def _loop(built, model, optimizer, policy, recorder, config, device, progress, run: Run,
+          shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
     the batches ran out early."""
     batches = built.batches()
@@ -244,7 +265,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
                 return f"the script's batches ran out after {step} of {config.steps} steps{partial}"
             if step == 0 and micro == 0:
                 size = batch_size_of(batch)
-                writer.submit(lambda w, size=size: w.update_run(run_id, batch_size=size))
+                run.describe(batch_size=size)
             batch = to_device(batch, device)
             state = rng_state(device) if shadow_step else None
             with policy.autocast():
@@ -257,11 +278,11 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
         recorder.record(loss)
         if shadow_step:
             recorder.compare_gradients(reference)
-        check.before(loss)
-        policy.step(optimizer, built.clip_grad_norm)
-        if check.after(step) is not None:
-            stored = _stored_config(config, check)  # now, so a run that fails later still shows it
-            writer.submit(lambda w, stored=stored: w.update_run(run_id, config=stored))
+        policy.step(optimizer, built.clip_grad_norm)  # the Recorder checks the optimizer step in its hooks
+        found = recorder.optimizer_step_nonfinite
+        if found is not None and "optimizer" not in run.config:
+            # the whole stored configuration now, so a run that fails later still shows it with its optimizer
+            run.describe(config=_stored_config(config, optimizer, found))
         if scheduler is not None:
             with warnings.catch_warnings():
                 # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
@@ -269,7 +290,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
                 scheduler.step()
         if progress is not None and recorder.last_loss_step not in (None, reported):
             reported = recorder.last_loss_step  # on a GPU the loss arrives a step late: no extra sync
-            progress(run_id, reported, recorder.last_loss)
+            progress(run.run_id, reported, recorder.last_loss)
     return None
 
 
@@ -291,9 +312,12 @@ def train_pair(
     twin = config.fp32_twin(name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
     mixed_id = train(script, config, store_path, progress, console=console)
     fp32_id = train(script, twin, store_path, progress, console=console)
-    with StoreWriter(store_path) as writer:
-        writer.update_run(mixed_id, pair_run_id=fp32_id)
-        writer.update_run(fp32_id, pair_run_id=mixed_id)
+    writer = BackgroundWriter(store_path, heartbeat=False)
+    try:
+        Run.adopt(writer, mixed_id).describe(pair_run_id=fp32_id)
+        Run.adopt(writer, fp32_id).describe(pair_run_id=mixed_id, wait=True)
+    finally:
+        writer.close()
     return mixed_id, fp32_id
 
 

@@ -49,7 +49,8 @@ from mpdiag.options import WATCH_LEVEL_NAMES, WATCH_OPTIONS, WATCH_RERUN_OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
-from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
+from mpdiag.recording.recorder import GradientRead, Recorder, scaler_run_fields
+from mpdiag.recording.run import Run
 from mpdiag.training.watch_shadow import WatchShadow
 
 #: what each of WATCH_LEVEL_NAMES does to the script's own autocast regions (dtype, or False to disable) and
@@ -266,8 +267,8 @@ def _bound(fn, args, kwargs) -> inspect.BoundArguments:
 class Watcher:
     """Installs the interception, feeds the Recorder and ends the run. One per watched process."""
 
-    def __init__(self, config: WatchConfig, writer: BackgroundWriter, run_id: int):
-        self.config, self.writer, self.run_id = config, writer, run_id
+    def __init__(self, config: WatchConfig, run: Run):
+        self.config, self.run, self.writer, self.run_id = config, run, run.writer, run.run_id
         self.recorder: Recorder | None = None
         self.steps = 0
         self._optimizers: list[weakref.ref] = []  # the script's optimizers, in the order it created them
@@ -533,9 +534,11 @@ class Watcher:
             return None
         params = optimized_parameters(optimizers)
         enabled = scaler is not None and scaler.is_enabled()
-        fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {})}
+        device = next((p.device for _, p in params.named_parameters() if p.requires_grad), torch.device("cpu"))
+        fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {}),
+                  "device": str(device)}  # the Recorder's device: that of the first parameter it records
         try:
-            self.writer.submit(lambda w: w.update_run(self.run_id, **fields))
+            self.run.describe(**fields)
         except StoreWriteFailed as exc:  # the Recorder would stop at its first write: say it once, never start
             print(f"mpdiag: recording stopped before the first step: {exc}. The training itself goes on.",
                   file=sys.stderr)
@@ -546,9 +549,9 @@ class Watcher:
                 self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
             except Exception as exc:  # noqa: BLE001 - e.g. a module deepcopy cannot copy: recorded, not raised
                 self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
-        return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
-                                 optimizer=optimizers, every=self.config.every, trace_modules=self.config.trace_modules,
-                                 fp8=self.config.fp8, check_optimizer_step=True)
+        return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
+                        every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
+                        check_optimizer_step=True)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
@@ -575,7 +578,7 @@ class Watcher:
             else:
                 self.recorder.fail(error, status=status)
             return
-        self.writer.submit(lambda w: w.end_run(self.run_id, status, error=error, note=note))
+        self.run.end(status, error=error, note=note)
 
     def _notes(self) -> list[str]:
         """What the user must know to read this run right: a level that changed nothing, steps that could not
@@ -647,12 +650,13 @@ class WatchSession:
         self.writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store)
         try:
             settings = config.settings()
-            self.run_id = self.writer.call(lambda w: w.create_run(
-                name=config.name or os.path.basename(config.target), script_path=None if config.module or
-                config.bundle else os.path.abspath(config.target), opt_level=config.opt_level or "custom",
+            self.run = Run.create(
+                self.writer, name=config.name or os.path.basename(config.target), script_path=None if config.module
+                or config.bundle else os.path.abspath(config.target), opt_level=config.opt_level or "custom",
                 scaling="none", every=config.every, device="cpu", torch_version=torch.__version__,
-                config={"watch": settings}, parent_run_id=config.parent_run_id))
-            self.watcher = Watcher(config, self.writer, self.run_id)
+                config={"watch": settings}, parent_run_id=config.parent_run_id)
+            self.run_id = self.run.run_id
+            self.watcher = Watcher(config, self.run)
             self.watcher._optimizers.extend(weakref.ref(opt) for opt in optimizers)
             self.watcher.install()
             self.output = None if console is None else OutputKeeper(self.writer, [self.run_id], console)
@@ -670,9 +674,6 @@ class WatchSession:
         try:
             try:
                 self.watcher.end(status, error)  # first: the Recorder meets a failed write itself and says so
-                if self.watcher.recorder is not None:
-                    device = str(self.watcher.recorder.device)
-                    self.writer.submit(lambda w: w.update_run(self.run_id, device=device))
                 if self.output is not None:
                     self.output.finish()
             finally:

@@ -184,3 +184,26 @@ def test_a_forged_record_is_ignored_not_trusted(store_path, forged):
         recorder.record(1.0)
     StoreWriter(store_path).set_optimizer_step_nonfinite(recorder.run_id, forged)
     assert "optimizer-step-nonfinite" not in [f.rule for f in diagnose(Store(store_path), recorder.run_id)]
+
+
+def test_recorder_checking_every_step_finds_a_step_it_does_not_log(store_path):
+    """mpdiag's runner asks for every step (its single optimizer-step check is the Recorder's): at every=2 the
+    broken step 1 is found although its statistics are not logged."""
+    config, truth = train_two_heads(store_path, every=2, check_optimizer_step="every step")
+    assert first_broken_step(truth) == (1, ["b.weight"])
+    assert config["optimizer_step_nonfinite"]["step"] == 1
+    assert config["optimizer_step_nonfinite"]["tensors"] == ["b.weight"]
+    with pytest.raises(ValueError, match="check_optimizer_step"):
+        train_two_heads(store_path, check_optimizer_step="sometimes")
+
+
+def test_a_run_that_fails_after_the_broken_step_keeps_the_finding_and_its_optimizer(write_script, store_path):
+    """The runner stores its whole configuration at the finding, not only at the end."""
+    failing = SCRIPT.replace('"batches": lambda step: (x, y),',
+                             '"batches": lambda step: (x, y) if step < 2 else 1 / 0,')
+    path = write_script(failing, name="adamw_fp16_fails.py")
+    run_id = train(ModelScript.from_path(path), RunConfig(opt_level="O3", steps=4, device="cpu"), store_path)
+    run = Store(store_path).run(run_id)
+    assert run["status"] == "failed" and "ZeroDivisionError" in run["error"]
+    assert run["config"]["optimizer_step_nonfinite"]["step"] == 0
+    assert run["config"]["optimizer"]["class"] == "AdamW" and run["config"]["run"]["opt_level"] == "O3"

@@ -12,7 +12,7 @@ from mpdiag import Recorder, Store
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.recording.recorder import RunnerAttachment
+from mpdiag.recording.run import Run
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
@@ -118,9 +118,9 @@ def test_update_targets_must_match_the_model(store_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = BackgroundWriter(store_path)
     try:
-        attachment = RunnerAttachment(run_id=1, writer=writer, update_targets=[torch.zeros(3)])
         with pytest.raises(ValueError, match="update_targets must match"):
-            Recorder.attached(model, attachment, optimizer=optimizer, update_format="fp16")
+            Recorder(model, run=Run.adopt(writer, 1), update_targets=[torch.zeros(3)], optimizer=optimizer,
+                     update_format="fp16")
     finally:
         writer.close()
     with pytest.raises(ValueError, match="needs optimizer"):

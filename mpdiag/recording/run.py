@@ -1,0 +1,136 @@
+"""The run handle: the one piece of code that writes a run's row in the store.
+
+Owns a run's lifecycle - created (or queued for a process that will run it), running, ended - and the writes of
+its row: the fields that describe it, its configuration, its end. The runner, ``watch``, the distributed launcher,
+the app's launcher and the Recorder describe the run to a :class:`Run`; none of them calls the writer's
+``create_run``/``update_run``/``end_run`` itself. Must not decide what a run records (the Recorder does) nor
+validate options (:mod:`mpdiag.options` does); it writes through the writer it is given (a
+:class:`mpdiag.recording.background.BackgroundWriter`, or the ``DiscardingWriter`` of a rank that writes nothing),
+so a supervised child's writes reach its supervisor by the same forwarding as every other call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the statuses a run is ended with
+END_STATUSES = ("finished", "failed", "crashed")
+
+
+class Run:
+    """A handle on one run row, moving it from created to running to ended.
+
+    A Run is made in one of two ways:
+
+    * :meth:`create` inserts the row (status ``running``; with ``queued=True`` status ``queued``, for a row a
+      child process will take over, as the app's launcher makes them);
+    * :meth:`adopt` takes a row someone else created (the distributed launcher's run for rank 0, a queued row the
+      supervisor ends for a child that never did, a finished run the launcher annotates).
+
+    States and transitions::
+
+        queued --(the process that runs it creates it again: the supervisor turns that into status running)-->
+        running --end(status)--> ended
+
+    * :meth:`describe` sets fields of the row (any of ``mpdiag.store.RUN_FIELDS``, ``error``, ``note``); allowed
+      while the run is not ended by this handle. ``config`` given here replaces the held configuration.
+    * :meth:`end` is the only way a run is ended: it stores the step summary, the status (one of
+      :data:`END_STATUSES`), ``error`` and ``note``. It is idempotent: once this handle has ended the run, later
+      calls write nothing and return False, so the first ending (the most specific: a Recorder's, with its
+      flushed rows) is the one kept. A call whose write could not be queued (the writer failed before) leaves
+      the run not ended, so the caller may end it again.
+    * :meth:`fail` is ``end`` with an error.
+
+    The configuration (the JSON ``config`` column) is held here once: given to :meth:`create` (or :meth:`adopt`,
+    when the adopter knows it), extended by :meth:`found_optimizer_step`; :attr:`config` is the handle's copy.
+
+    While the run is running, the writer's thread keeps its heartbeat for a run it created (see
+    :mod:`mpdiag.recording.background`): a handle adds no beat of its own; an adopted run gets none from this
+    writer (it lives by its creator's process, e.g. the distributed launcher, and by its committed step rows).
+    The writer's own ``create_run``/``update_run``/``end_run`` are called here and nowhere else but where the
+    writer carries them (the background thread's pass-through and heartbeat; the app's supervisor applying a
+    child's forwarded calls by name; ``tests/recording/test_run.py`` holds that list).
+
+    Writes are queued on the writer (``submit``) unless ``wait`` is true (``call``: the write is committed, or
+    its error raised, on return). On a writer that discards (ranks other than 0) every write is a no-op and
+    :attr:`run_id` is None for a run created there.
+    """
+
+    def __init__(self, writer, run_id: int | None, config: dict[str, Any] | None, state: str):
+        self.writer = writer
+        self.run_id = run_id
+        self.config: dict[str, Any] = dict(config or {})
+        self.state = state  # "queued", "running" or "ended" (as far as this handle knows)
+
+    # -- making one -----------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, writer, *, queued: bool = False, **fields) -> Run:
+        """Insert a run row with ``fields`` (``mpdiag.store.RUN_FIELDS``; ``config`` a dict) and return its
+        handle; ``queued``: the row waits, status ``queued``, for the process that will run it."""
+        def insert(w) -> int:
+            run_id = w.create_run(**fields)
+            if queued:
+                w.update_run(run_id, status="queued")
+            return run_id
+
+        run_id = writer.call(insert)
+        return cls(writer, run_id, fields.get("config"), "queued" if queued else "running")
+
+    @classmethod
+    def adopt(cls, writer, run_id: int, *, config: dict[str, Any] | None = None) -> Run:
+        """The handle of run ``run_id``, created by another process or handle; nothing is written.
+        ``config``: its stored configuration, when known (so it is held here too)."""
+        return cls(writer, run_id, config, "running")
+
+    # -- while it runs --------------------------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        return self.state == "ended"
+
+    def _write(self, job, wait: bool) -> None:
+        if wait:
+            self.writer.call(job)
+        else:
+            self.writer.submit(job)
+
+    def describe(self, *, wait: bool = False, **fields) -> None:
+        """Set fields of the run's row; ``config`` replaces the held configuration. Refused once ended here."""
+        if self.ended:
+            raise RuntimeError(f"run {self.run_id} was ended; it can no longer be described ({sorted(fields)})")
+        if not fields:
+            return
+        if "config" in fields:
+            self.config = dict(fields["config"])
+        run_id = self.run_id
+        self._write(lambda w: w.update_run(run_id, **fields), wait)
+
+    def found_optimizer_step(self, record: dict) -> None:
+        """Store the first optimizer step that broke finite values (the record of
+        :class:`mpdiag.recording.nonfinite_step.NonfiniteStepCheck`) in the configuration, keeping the rest of the
+        stored configuration as it is (also what another process wrote there)."""
+        if self.ended:
+            raise RuntimeError(f"run {self.run_id} was ended")
+        self.config["optimizer_step_nonfinite"] = record
+        run_id = self.run_id
+        self.writer.submit(lambda w: w.set_optimizer_step_nonfinite(run_id, record))
+
+    # -- the end --------------------------------------------------------------------------------------------
+    def end(self, status: str = "finished", error: str | None = None, note: str | None = None, *,
+            wait: bool = False) -> bool:
+        """End the run as ``status`` (finished, failed or crashed) with ``error`` and ``note``; False (nothing
+        written) when this handle ended it before."""
+        if status not in END_STATUSES:
+            raise ValueError(f"a run ends as one of {END_STATUSES}, not {status!r}")
+        if self.ended:
+            return False
+        run_id = self.run_id
+        self._write(lambda w: w.end_run(run_id, status, error=error, note=note), wait)
+        self.state = "ended"
+        return True
+
+    def fail(self, error: str, status: str = "failed", *, wait: bool = False) -> bool:
+        """End the run as failed (or ``crashed``) with ``error``; see :meth:`end`."""
+        return self.end(status, error=error, wait=wait)
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_id}, {self.state})"
