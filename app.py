@@ -82,36 +82,29 @@ def manage_panel(store, runs: pd.DataFrame) -> None:
     if st.session_state.get("manage_run") not in labels:
         st.session_state["manage_run"] = next(iter(labels))
     run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="manage_run")
-    run = runs.set_index("run_id").loc[run_id]
+    run = runs_model.managed_run(runs, run_id)
     done = st.session_state.pop("manage_done", None)
     if done:
         st.success(plain(done))
     name_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
-    name = name_col.text_input("Name", run["name"] or "", key=f"manage_name_{run_id}", max_chars=MAX_NAME_CHARS)
+    name = name_col.text_input("Name", run.name, key=f"manage_name_{run_id}", max_chars=MAX_NAME_CHARS)
     if button_col.button("Rename", key="manage_rename", width="stretch"):
         _write(lambda: f"Run #{run_id} is now named “{actions.rename_run(store, run_id, name)}”.")
-    known = sorted({t for held in runs["tags"] for t in held})
     tag_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
-    tags = tag_col.multiselect("Tags", known, default=list(run["tags"]), key=f"manage_tags_{run_id}",
+    tags = tag_col.multiselect("Tags", run.known_tags, default=run.tags, key=f"manage_tags_{run_id}",
                                accept_new_options=True, placeholder="type a tag and press Enter",
                                help=f"Up to {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters each.")
     if button_col.button("Save tags", key="manage_tag", width="stretch"):
         _write(lambda: f"Run #{run_id}'s tags: {', '.join(actions.set_tags(store, run_id, tags)) or 'none'}.")
-    note = st.text_area("Note", run["user_note"] if isinstance(run["user_note"], str) else "",
-                        key=f"manage_note_{run_id}", max_chars=MAX_NOTE_CHARS, height=90,
+    note = st.text_area("Note", run.note, key=f"manage_note_{run_id}", max_chars=MAX_NOTE_CHARS, height=90,
                         help="Yours, kept with the run; empty clears it. What mpdiag itself noted about the run "
                              "is shown beside it, not here.")
     if st.button("Save note", key="manage_note"):
         _write(lambda: f"Run #{run_id}'s note {'saved' if actions.set_note(store, run_id, note) else 'cleared'}.")
-    live = run["status"] in LIVE_STATUSES
-    why = (f"Run #{run_id} is {run['status']}: it cannot be deleted while its process may still write to the "
-           "store. Wait until it ends (or stop it), then delete it.") if live else None
-    if why:
-        st.caption(plain(why))
-    what = (f"#{run_id} · {run['name']} · {run['opt_level']} · {run['status']}, {int(run['steps_done'])} steps"
-            + (f" · FP32 twin of #{run['pair_run_id']}" if run["opt_level"] == "O0" and pd.notna(run["pair_run_id"])
-               else ""))
-    if actions.confirmed_delete(f"Delete run #{run_id}…", "manage_delete", run_id, what, disabled=live, help=why):
+    if run.delete_refused:
+        st.caption(plain(run.delete_refused))
+    if actions.confirmed_delete(f"Delete run #{run_id}…", "manage_delete", run_id, run.delete_summary,
+                                disabled=run.delete_refused is not None, help=run.delete_refused):
         def delete() -> str:
             rows = actions.delete_run(store, run_id)
             return (f"Deleted run #{run_id}: {sum(rows.values()):,} rows from "

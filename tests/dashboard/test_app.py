@@ -66,6 +66,35 @@ def test_the_runs_view_model_reads_health_from_each_runs_findings_and_shows_a_no
     assert runs_model.note_preview("x" * 70) == "x" * runs_model.NOTE_PREVIEW_CHARS + "…"
 
 
+def test_the_management_view_model_starts_from_the_runs_row_and_refuses_deleting_a_live_run(filled_store, tmp_path):
+    """runs_model.managed_run without Streamlit, against the store's own rows: the widgets' starting values,
+    the store's known tags, what a delete removes, and why a run whose process may still write is not deleted."""
+    import shutil
+
+    from mpdiag.dashboard import runs_model
+    from mpdiag.store import StoreWriter
+
+    path = tmp_path / "runs.db"
+    shutil.copy(filled_store, path)
+    with StoreWriter(path) as w:
+        w.set_tags(1, ["baseline", "lr 1e-3"])
+        w.set_tags(3, ["nan"])
+        w.set_user_note(1, "first line\nsecond")
+    live = StoreWriter(path)  # a run of this (live) process, not ended
+    live_id = live.create_run(name="still training", opt_level="O1")
+    runs = Store(path).runs()
+    row = runs.set_index("run_id").loc[1]
+    first = runs_model.managed_run(runs, 1)
+    assert (first.name, first.tags, first.note) == (row["name"], ["baseline", "lr 1e-3"], "first line\nsecond")
+    assert first.known_tags == ["baseline", "lr 1e-3", "nan"] and first.delete_refused is None
+    assert first.delete_summary == f"#1 · {row['name']} · O1 · finished, {int(row['steps_done'])} steps"
+    assert runs_model.managed_run(runs, 2).delete_summary.endswith(" · FP32 twin of #1")
+    assert runs_model.managed_run(runs, 2).note == ""
+    running = runs_model.managed_run(runs, live_id)
+    assert running.delete_refused.startswith(f"Run #{live_id} is running: it cannot be deleted")
+    live.close()
+
+
 def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
     at = app("app.py", tmp_path / "fresh.db", monkeypatch)
     assert "No runs in" in texts(at)
