@@ -15,7 +15,7 @@ import streamlit as st
 from mpdiag.dashboard import actions
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
-from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, module_name
+from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, command_line, module_name
 
 MODEL_SCRIPT = "A model script (build(device))"
 TRAINING_CODE = "Training code as it is (mpdiag watch)"
@@ -111,21 +111,36 @@ def training_code(store) -> None:
     if uploads:
         take_upload(lambda: actions.store_code(store, [(f.name, f.getvalue()) for f in uploads])[1],
                     "uploaded_code", "code")
+    chosen = stored_code(store)
+    if chosen is not None:
+        sha, bundle = chosen
+        command = command_form(sha, bundle)
+        if command is not None:
+            check_then_run(store, sha, bundle, *command)
 
+
+def stored_code(store):
+    """The stored training code chosen, with its files listed: (sha256, bundle), or None (none stored, or the
+    stored one is refused: said here)."""
     sha = pick_stored(store.bundles(), "name", "Stored code", "code", "No training code stored yet: upload it above.")
     if sha is None:
-        return
+        return None
     try:
         bundle = actions.stored_code(store, sha)
     except actions.BundleRefused as exc:
         st.error(plain(exc))
-        return
+        return None
     with st.expander(f"Files ({len(bundle.files)})", expanded=False):
         st.dataframe(pd.DataFrame({"file": [p for p, _ in bundle.files], "bytes": [len(d) for _, d in bundle.files]}),
                      hide_index=True)
-    entries = bundle.entry_points()
+    return sha, bundle
+
+
+def command_form(sha: str, bundle) -> tuple[str, list[str], bool] | None:
+    """Entry point, module mode and arguments, with the command they make shown: (entry, args, as module), or
+    None when the arguments cannot be split as a shell would (said here)."""
     cols = st.columns([2, 1])
-    entry = cols[0].selectbox("Entry point", entries, key=f"entry_{sha}",
+    entry = cols[0].selectbox("Entry point", bundle.entry_points(), key=f"entry_{sha}",
                               help="The script to run; files with an `if __name__ == \"__main__\"` block come first.")
     as_module = cols[1].checkbox("Run it as a module (python -m)", key=f"module_{sha}",
                                  help=f"python -m {module_name(entry)}: for code that imports its own package "
@@ -136,9 +151,15 @@ def training_code(store) -> None:
         args = shlex.split(text)
     except ValueError as exc:
         st.error(f"The arguments cannot be split as a shell would: {exc}.")
-        return
-    command = " ".join(shlex.quote(a) for a in ["python", *(["-m", module_name(entry)] if as_module else [entry]), *args])
-    st.code(command, language=None)
+        return None
+    st.code(command_line(entry, args, as_module), language=None)
+    return entry, args, as_module
+
+
+def check_then_run(store, sha: str, bundle, entry: str, args: list[str], as_module: bool) -> None:
+    """The check of this command (on a click), then, once it passed in this session, the watched run's options
+    and its start (on a confirmed click)."""
+    command = command_line(entry, args, as_module)
     subject = "\0".join([sha, entry, str(as_module), *args])
     report = checked(
         store, subject, actions.pending(f"Check {bundle.name}: compile every Python file, read {entry}", bundle.name,
@@ -147,14 +168,15 @@ def training_code(store) -> None:
         lambda: actions.check_code(bundle, entry, args, as_module),
         "Not checked in this session yet: 'Check it' compiles every Python file and reads the entry point in a "
         "child process (nothing of it runs).")
-    if report is not None:
-        st.subheader("Run it")
-        options = ui.watch_options_form("code")
-        level = options["opt_level"] or "its own settings"
-        action = actions.pending(f"Start a watched run: {command}", bundle.name, sha, options)
-        if actions.confirmed("Start run", "code_start", action, type="primary"):
-            actions.start_watch(store, sha, entry, args, as_module, options, f"{command} at {level}")
-            st.success(f"Started {plain(command)} at {plain(level)}: its progress and links to its pages follow.")
+    if report is None:
+        return
+    st.subheader("Run it")
+    options = ui.watch_options_form("code")
+    level = options["opt_level"] or "its own settings"
+    action = actions.pending(f"Start a watched run: {command}", bundle.name, sha, options)
+    if actions.confirmed("Start run", "code_start", action, type="primary"):
+        actions.start_watch(store, sha, entry, args, as_module, options, f"{command} at {level}")
+        st.success(f"Started {plain(command)} at {plain(level)}: its progress and links to its pages follow.")
 
 
 def upload_page(store) -> None:

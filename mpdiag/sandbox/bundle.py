@@ -24,6 +24,7 @@ import importlib.util
 import io
 import os
 import posixpath
+import shlex
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -198,6 +199,13 @@ def bundle_from_zip(name: str, data: bytes) -> Bundle:
 def module_name(path: str) -> str:
     """The module ``python -m`` runs for a file of the bundle: ``pkg/train.py`` -> ``pkg.train``."""
     return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def command_line(entry: str, args: list[str], as_module: bool = False) -> str:
+    """The command a watched run of ``entry`` runs, as a shell would read it: ``python pkg/train.py ARGS`` (or
+    ``python -m pkg.train ARGS``), each word quoted where a shell needs it."""
+    words = ["python", *(["-m", module_name(entry)] if as_module else [entry]), *args]
+    return " ".join(shlex.quote(word) for word in words)
 
 
 # -- the check, in a child -------------------------------------------------------------------------------------

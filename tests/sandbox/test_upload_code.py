@@ -12,7 +12,7 @@ import pytest
 from app_helpers import app, confirm, shown, texts, wait_for_runs
 from conftest import ROOT
 
-from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, BundleRefused, bundle_from_uploads, check_bundle
+from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, BundleRefused, bundle_from_uploads, check_bundle, command_line
 from mpdiag.store import Store
 
 AMP_LOOP = (ROOT / "tests" / "fixtures" / "scripts" / "amp_loop.py").read_bytes()
@@ -47,6 +47,17 @@ def test_a_file_with_a_main_block_or_a_training_name_is_offered_first():
     bundle = bundle_from_uploads([("a_utils.py", b"x = 1\n"), ("b.py", b"if __name__ == '__main__':\n    pass\n"),
                                   ("pkg/train_gpt.py", b"y = 2\n")])
     assert bundle.entry_points() == ["b.py", "pkg/train_gpt.py", "a_utils.py"]
+
+
+def test_the_command_shown_is_what_a_shell_would_run():
+    """The Upload page shows, and the watched run repeats, the command as a shell reads it: each argument one
+    word again after shlex.split."""
+    import shlex
+
+    args = ["--lr=1e-3", "--name", "two words", "it's"]
+    assert command_line("pkg/train.py", args) == "python pkg/train.py --lr=1e-3 --name 'two words' 'it'\"'\"'s'"
+    assert command_line("pkg/train.py", args, as_module=True).startswith("python -m pkg.train --lr=1e-3 ")
+    assert shlex.split(command_line("pkg/__init__.py", args, as_module=True)) == ["python", "-m", "pkg", *args]
 
 
 @pytest.mark.parametrize("uploads, message", [
