@@ -11,61 +11,8 @@ import torch
 
 from mpdiag.numerics import block_scaled as bs
 
-mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
-nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
-
-
-def _pad(x: torch.Tensor, block: int) -> torch.Tensor:
-    """torchao refuses rows that are not whole blocks: the reference sees x zero-padded, as mpdiag pads it."""
-    x = x.float().reshape(-1, x.shape[-1])
-    return torch.nn.functional.pad(x, (0, -x.shape[1] % block)).contiguous()
-
-
-def reference_mxfp8(x: torch.Tensor):
-    """torchao's to_mx (default FLOOR scaling) and to_dtype: (elements, divisor, dequantised), blocked."""
-    xp = _pad(x, 32)
-    scale_e8m0, data_lp = mx_tensor.to_mx(xp, torch.float8_e4m3fn, 32)
-    deq = mx_tensor.to_dtype(data_lp, scale_e8m0, torch.float8_e4m3fn, 32, torch.float32)
-    scale = mx_tensor.get_fp_scale(scale_e8m0).reshape(xp.shape[0], -1, 1)
-    # the spec's divisor is the E8M0 scale; torchao divides by it, raised to fp32's smallest normal
-    divisor = scale.clamp(min=2.0**-126)
-    return data_lp.float().reshape(xp.shape[0], -1, 32), divisor, deq
-
-
-def reference_nvfp4(x: torch.Tensor):
-    """torchao's NVFP4Tensor with the per-tensor scale from the tensor's amax: (elements, reciprocal, deq)."""
-    xp = _pad(x, 16)
-    per_tensor = nvfp4_tensor.per_tensor_amax_to_scale(xp.abs().amax())
-    t = nvfp4_tensor.NVFP4Tensor.to_nvfp4(xp, per_tensor_scale=per_tensor)
-    deq = t.dequantize(torch.float32)
-    elements = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(t.qdata.view(torch.uint8))).reshape(xp.shape[0], -1, 16)
-    block_e4m3 = t.scale.to(torch.float32).reshape(xp.shape[0], -1, 1)
-    multiplier = (1.0 / per_tensor) / block_e4m3  # what x is multiplied by before the FP4 rounding
-    return elements, multiplier, deq
-
-
-def reference_counts(x: torch.Tensor, recipe: str) -> dict[str, int]:
-    """Counts from torchao's output: a finite non-zero input whose element is 0 underflowed, one whose element
-    is non-zero below the element format's min normal is subnormal, one whose scaled value lies past the
-    element format's overflow edge (the spec's constants) was clipped."""
-    block = bs.BLOCK_SIZE[recipe]
-    xb = _pad(x, block).reshape(-1, _pad(x, block).shape[1] // block, block)
-    if recipe == "mxfp8":
-        elements, divisor, _ = reference_mxfp8(x)
-        y = xb / divisor
-        min_normal, past = 2.0**-6, y.abs() > 464.0
-    else:
-        elements, multiplier, _ = reference_nvfp4(x)
-        y = xb * multiplier
-        min_normal, past = 1.0, y.abs() >= 7.0
-    counted = torch.isfinite(xb) & (xb != 0)
-    return {
-        "underflow": int((counted & (elements == 0)).sum()),
-        "subnormal": int((counted & (elements != 0) & (elements.abs() < min_normal)).sum()),
-        "overflow": int((counted & past).sum()),
-        "clipped_blocks": int((counted & past).any(dim=-1).sum()),
-    }
+pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+from ground_truth import reference_counts, reference_mxfp8, reference_nvfp4  # noqa: E402
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -139,6 +86,7 @@ def test_random_tensors_match_torchao_bit_for_bit(recipe, seed):
     ref = reference_counts(x, recipe)
     assert (stats.underflow, stats.subnormal, stats.overflow, stats.clipped_blocks) == (
         ref["underflow"], ref["subnormal"], ref["overflow"], ref["clipped_blocks"])
+    assert (stats.blocks, stats.scale_exponents) == (ref["blocks"], ref["scale_exponents"])
     assert stats.underflow > 0 and stats.subnormal > 0  # the random data reach the edges the test is about
 
 
@@ -159,6 +107,7 @@ def test_edge_values_match_torchao(recipe):
         stats, ref = bs.block_stats(t, recipe), reference_counts(t, recipe)
         assert (stats.underflow, stats.subnormal, stats.overflow, stats.clipped_blocks) == (
             ref["underflow"], ref["subnormal"], ref["overflow"], ref["clipped_blocks"]), t
+        assert stats.scale_exponents == ref["scale_exponents"]
 
 
 @pytest.mark.parametrize("recipe", bs.BLOCK_RECIPES)
@@ -179,7 +128,7 @@ def test_mxfp8_inf_and_nan_blocks():
     x[0, :4] = torch.tensor([float("inf"), 1.0, 2.0**-100, 0.0])
     x[1, :3] = torch.tensor([float("nan"), 1.0, 3.0])
     cast = bs.cast_mxfp8(x)
-    _, _, deq = reference_mxfp8(x)
+    deq = reference_mxfp8(x)[2]
     _assert_same_bits(cast.dequantized, deq)
     assert torch.isnan(cast.dequantized[1]).all()  # a NaN block dequantises to NaN throughout
     stats = bs.block_stats(x, "mxfp8")
