@@ -16,7 +16,7 @@ from mpdiag.analysis.finding import Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
 from mpdiag.analysis.fp8_summaries import fmt_label
 from mpdiag.dashboard import reads
-from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.numerics.fp8_recipes import RECIPES, Fp8Settings
 from mpdiag.store import Store
 
 
@@ -106,4 +106,6 @@ def fp8(store: Store, run: pd.Series, final: bool) -> Fp8Run:
     settings = recorded_settings(run["config"])
     records, histograms = (reads.fp8(store, int(run["run_id"]), final) if settings is not None
                            else (pd.DataFrame(), None))
+    if len(records):  # the per-tensor recipes' page: block-scaled rows (mxfp8, nvfp4) are not shown here yet
+        records = records[records["recipe"].isin(RECIPES)]
     return Fp8Run(settings, records, histograms)

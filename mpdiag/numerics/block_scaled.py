@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK_RECIPES = ("mxfp8", "nvfp4")
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES
+
 BLOCK_SIZE = {"mxfp8": 32, "nvfp4": 16}
 #: the element format of each recipe, as stored in the ``fmt`` column
 ELEMENT_FORMAT = {"mxfp8": "fp8_e4m3", "nvfp4": "fp4_e2m1"}
