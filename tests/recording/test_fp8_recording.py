@@ -174,6 +174,12 @@ def test_fp8_recipe_options_need_fp8_or_fp8_sim_and_one_process():
         RunConfig(fp8=True, nproc=2).validate()
     with pytest.raises(ConfigError, match="--fp8-history"):
         RunConfig(fp8=True, fp8_history=0).validate()
+    assert RunConfig(opt_level="bf16", fp8=True, fp8_blocks="mxfp8, nvfp4").fp8_settings().block_recipes == (
+        "mxfp8", "nvfp4")
+    with pytest.raises(ConfigError, match="--fp8-blocks.*any level with --fp8"):
+        RunConfig(opt_level="fp8-sim", fp8_blocks="mxfp8").validate()  # recorded, never simulated
+    with pytest.raises(ConfigError, match="--fp8-blocks must name mxfp8 and/or nvfp4"):
+        RunConfig(opt_level="bf16", fp8=True, fp8_blocks="mxfp4").validate()
     # a rerun that drops --fp8 at a level without FP8 drops the recipe with it; one that keeps it keeps it
     recorded = RunConfig(opt_level="bf16", fp8=True, fp8_margin=3)
     assert recorded.with_options(opt_level="O1").fp8_margin == 3
@@ -211,7 +217,8 @@ def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(t
 
     log, db = tmp_path / "log.json", tmp_path / "s.db"
     script = write_script(FP8_LOOP, "fp8_loop.py")
-    config = WatchConfig(target=str(script), args=(str(log),), fp8=Fp8Settings(recipe="both", history=2))
+    settings = Fp8Settings(recipe="both", history=2, block_recipes=("nvfp4",))
+    config = WatchConfig(target=str(script), args=(str(log),), fp8=settings)
     run_id, code = watch(config, db)
     assert code == 0
     import json
@@ -225,13 +232,16 @@ def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(t
             got = first[(first["step"] == step) & (first["role"] == role)]["amax"].iloc[0]
             assert got == pytest.approx(own[step][role], rel=1e-6), (step, role)
     assert 3 in set(first["step"])
+    blocks = rows[rows["recipe"] == "nvfp4"]  # the block recipe beside both: same steps, modules and roles
+    assert len(blocks) == len(first) * 2 and len(Store(db).fp8_blocks(run_id)) == len(blocks)
     jump = diagnose(Store(db), run_id)
     assert any(f.rule == "fp8-amax-jump" and f.tensors == ["0:input"] for f in jump)  # the 100x input at step 3
+    assert all("nvfp4" not in f.title for f in jump)  # the findings judge the per-tensor recipes only
     # its rerun keeps the recipe
     from mpdiag.training.watch import rerun_config
 
     again = rerun_config(run_id, "x", Store(db).run(run_id)["config"]["watch"], opt_level="bf16")
-    assert again.fp8 == Fp8Settings(recipe="both", history=2)
+    assert again.fp8 == settings
 
 
 def test_watch_cli_refuses_a_recipe_option_without_fp8(tmp_path, write_script):
