@@ -120,9 +120,10 @@ def _trim(blocked: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return rows[:, : shape[-1] if shape else 1].reshape(shape)
 
 
-def cast_mxfp8(x: torch.Tensor) -> BlockCast:
-    """MXFP8 as torchao's ``to_mx(x, float8_e4m3fn, 32)`` (FLOOR) and ``to_dtype`` compute it."""
-    xb, shape = _blocked(x, BLOCK_SIZE["mxfp8"])
+def cast_mxfp8(x: torch.Tensor, blocked: tuple[torch.Tensor, tuple[int, ...]] | None = None) -> BlockCast:
+    """MXFP8 as torchao's ``to_mx(x, float8_e4m3fn, 32)`` (FLOOR) and ``to_dtype`` compute it (``blocked``: x's
+    ``_blocked`` view, where the caller has it)."""
+    xb, shape = blocked or _blocked(x, BLOCK_SIZE["mxfp8"])
     amax = xb.abs().amax(dim=-1, keepdim=True)
     pow2 = ((amax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS  # amax's unbiased fp32 exponent (-127 for 0)
     biased = (pow2 - E4M3_MAX_POW2).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
@@ -148,10 +149,10 @@ def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.to(torch.float32) / (E4M3_MAX * E2M1_MAX)
 
 
-def cast_nvfp4(x: torch.Tensor) -> BlockCast:
+def cast_nvfp4(x: torch.Tensor, blocked: tuple[torch.Tensor, tuple[int, ...]] | None = None) -> BlockCast:
     """NVFP4 with a per-tensor scale from the tensor's own amax, as torchao's ``NVFP4Tensor.to_nvfp4(x,
     per_tensor_scale=per_tensor_amax_to_scale(amax))`` and its ``dequantize`` compute it."""
-    xb, shape = _blocked(x, BLOCK_SIZE["nvfp4"])
+    xb, shape = blocked or _blocked(x, BLOCK_SIZE["nvfp4"])
     tensor_scale = nvfp4_tensor_scale(xb.abs().amax())
     block_amax = xb.abs().amax(dim=-1)
     scaled = (block_amax / E2M1_MAX) / tensor_scale
@@ -172,8 +173,8 @@ def block_stats(x: torch.Tensor, recipe: str) -> BlockStats:
     """The counts of ``x`` cast by ``recipe`` ("mxfp8" or "nvfp4"); one readback at the end."""
     if recipe not in CASTS:
         raise ValueError(f"unknown block recipe {recipe!r}; expected one of {BLOCK_RECIPES}")
-    cast = CASTS[recipe](x)
-    xb, _ = _blocked(x, BLOCK_SIZE[recipe])
+    blocked = _blocked(x, BLOCK_SIZE[recipe])
+    cast, xb = CASTS[recipe](x, blocked), blocked[0]
     magnitude = xb.abs()
     counted = torch.isfinite(xb) & (xb != 0)
     element = cast.elements.abs()
