@@ -181,7 +181,7 @@ FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
 _FP8_FORM = ("the run form uses the default FP8 recipe (delayed, history 1024, margin 0, E5M2); other recipes: "
              "`mpdiag run --fp8-*`, or a finding's rerun")
 #: the FP8 recipe options: they apply to the fp8-sim level, and to every level recorded with --fp8
-FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2")
+FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2", "fp8_blocks")
 
 
 def option(default: Any, help: str, kind: str, watch: bool | Mapping[str, Any] = False, **details) -> Any:
@@ -274,6 +274,9 @@ class RunConfig:
     fp8_pow2: bool = option(False, "--fp8 and fp8-sim: round each scale down to a power of two", "flag",
                             levels=("fp8-sim",), no_widget=_FP8_FORM,
                             watch={"no_widget": _FP8_WATCH_FORM})
+    fp8_blocks: str = option("", "--fp8: also record block-scaled recipes, comma-separated: mxfp8 and/or nvfp4 "
+                                 "(exact counts per Linear and role, and per-block statistics)", "text", levels=(),
+                             no_widget=_FP8_FORM, watch={"no_widget": _FP8_WATCH_FORM})
     fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
                                    levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
@@ -292,8 +295,8 @@ class RunConfig:
             if not applies(name, self.opt_level, self.fp8) and getattr(self, name) != spec.default:
                 why = "does not scale the loss" if name in SCALING_OPTIONS and not level.scales_loss else "does not use it"
                 also = ", or any level with --fp8" if name in FP8_RECIPE_OPTIONS else ""
-                raise ConfigError(f"--opt-level {self.opt_level} {why}; drop {flag(name)} "
-                                  f"(it applies to {', '.join(spec.levels)}{also})")
+                applies_to = f"{', '.join(spec.levels)}{also}" if spec.levels else "any level with --fp8"
+                raise ConfigError(f"--opt-level {self.opt_level} {why}; drop {flag(name)} (it applies to {applies_to})")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
         if self.parallel not in PARALLEL:
@@ -317,8 +320,10 @@ class RunConfig:
     def fp8_settings(self) -> Fp8Settings:
         """The FP8 recipe of --fp8 and of the fp8-sim level, as the numerics take it."""
         modules = tuple(name.strip() for name in self.fp8_bf16_modules.split(",") if name.strip())
+        blocks = tuple(name.strip() for name in self.fp8_blocks.split(",") if name.strip())
         return Fp8Settings(recipe=self.fp8_recipe, history=self.fp8_history, margin=self.fp8_margin,
-                           grad_format=self.fp8_grad_format, pow2=self.fp8_pow2, bf16_modules=modules)
+                           grad_format=self.fp8_grad_format, pow2=self.fp8_pow2, bf16_modules=modules,
+                           block_recipes=blocks)
 
     def fp32_twin(self, name: str | None = None) -> RunConfig:
         """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss

@@ -74,6 +74,21 @@ def fp8_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
                  width="stretch", height=ui.table_height(len(table), TABLE_ROWS_SHOWN),
                  column_config={c: st.column_config.Column(help=h) for c, h in TABLE_COLUMNS.items()})
     whatif_view(model, layer, role)
+    blocks_view(model)
+
+
+def blocks_view(model: Fp8Run) -> None:
+    """The block-scaled recipes (MXFP8, NVFP4) recorded beside the per-tensor ones: exact counts per layer."""
+    if model.blocks.empty:
+        return
+    st.subheader("Block-scaled recipes: MXFP8 and NVFP4")
+    st.caption("Exact counts of each recorded tensor cast in blocks along its last dimension (equal to torchao's "
+               "reference casts value by value); shares are the worst recorded step's.")
+    shares = ["worst underflow", "worst subnormal", "worst clipped blocks", "worst wide blocks"]
+    st.dataframe(model.blocks.style.format({**{c: percent for c in shares}, "clipped": "{:,}", "steps": "{:,}"}),
+                 hide_index=True, width="stretch", height=ui.table_height(len(model.blocks), TABLE_ROWS_SHOWN),
+                 column_config={c: st.column_config.Column(help=h)
+                                for c, h in fp8_summaries.BLOCK_TABLE_COLUMNS.items()})
 
 
 def whatif_view(model: Fp8Run, layer: str, role: str) -> None:

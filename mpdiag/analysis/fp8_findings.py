@@ -14,7 +14,7 @@ import pandas as pd
 
 from mpdiag.analysis.finding import Finding
 from mpdiag.analysis.fp8_summaries import LOST_SHARE, fmt_label, number, overflows, past_threshold, percent, step_counts
-from mpdiag.numerics.fp8_recipes import FP8_FORMATS, Fp8Settings, delayed_reference, scale_from_reference
+from mpdiag.numerics.fp8_recipes import FP8_FORMATS, RECIPES, Fp8Settings, delayed_reference, scale_from_reference
 from mpdiag.options import ConfigError, RunConfig
 
 #: the largest --fp8-margin the amax-jump finding recommends (past it, only current scaling is advised)
@@ -159,8 +159,10 @@ def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp
 
 def fp8_findings(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
     """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order.
-    Linear modules the recipe keeps in BF16 (``settings.bf16_modules``) are not cast, so they find nothing."""
-    records = records[~records["module"].isin(settings.bf16_modules)] if len(records) else records
+    Linear modules the recipe keeps in BF16 (``settings.bf16_modules``) are not cast, so they find nothing. The
+    block-scaled recipes' rows (mxfp8, nvfp4) are not judged here: their fixes are no per-tensor recipe."""
+    if len(records):
+        records = records[~records["module"].isin(settings.bf16_modules) & records["recipe"].isin(RECIPES)]
     jumps = amax_jumps(records, settings) if "delayed" in settings.recipes else []  # current scaling has none
     return [*jumps, *lost_values(records)]
 

@@ -1,6 +1,7 @@
 """What the FP8 page shows, computed from a run's FP8 records (``Store.fp8``) and histograms
 (``Store.fp8_histograms``): the lost share per layer and step, the per-layer table worst first, one tensor's
-amax against what its recipe's scale lets through, and the what-if of another recipe from the stored series.
+amax against what its recipe's scale lets through, the what-if of another recipe from the stored series, and the
+block-scaled recipes' table (``Store.fp8_blocks``, ``Store.fp8_block_scales``).
 
 Pure functions over DataFrames; the scale arithmetic and the bounds are :mod:`mpdiag.numerics.fp8_recipes`'
 (the same code the capture and fp8-sim use), so a what-if with the recorded settings reproduces the recorded
@@ -206,3 +207,45 @@ def recorded_counts(records: pd.DataFrame, module: str, role: str, recipe: str, 
     if not same or rows.empty:
         return None
     return int((rows["underflow"] + rows["overflow"]).sum())
+
+
+#: the block-scaled recipes' table: per layer, role and recipe (mxfp8, nvfp4) over the recorded steps
+BLOCK_TABLE_COLUMNS = {
+    "layer": "The Linear module",
+    "role": "input, weight or grad_output, each in blocks along its last dimension",
+    "recipe": "mxfp8: E4M3 elements, blocks of 32, a power-of-two (E8M0) scale per block; nvfp4: E2M1 elements, "
+              "blocks of 16, an E4M3 scale per block and an fp32 scale per tensor",
+    "steps": "Recorded steps",
+    "worst underflow": "The largest share of the tensor's values that underflow to 0 at one recorded step",
+    "worst subnormal": "The largest share of the tensor's values that land subnormal at one recorded step",
+    "clipped": "Values clipped to the element format's largest, summed over the recorded steps",
+    "worst clipped blocks": "The largest share of blocks holding a clipped value at one recorded step",
+    "worst wide blocks": "The largest share of blocks whose largest over smallest non-zero |x| exceeds the element "
+                         "format's range (E4M3 448 / 2^-9, E2M1 6 / 0.5) at one recorded step",
+    "block scales": "The binades of the blocks' scales over the recorded steps (blocks with a non-zero value)",
+}
+
+
+def block_table(records: pd.DataFrame, blocks: pd.DataFrame, scales: pd.DataFrame) -> pd.DataFrame:
+    """Per layer, role and block recipe, the columns of :data:`BLOCK_TABLE_COLUMNS`, worst underflow first;
+    ``records`` are Store.fp8's rows of the block recipes, ``blocks`` and ``scales`` Store.fp8_blocks' and
+    Store.fp8_block_scales'."""
+    if records.empty or blocks.empty:
+        return pd.DataFrame(columns=list(BLOCK_TABLE_COLUMNS))
+    keys = ["step", "module", "role", "recipe"]
+    rows = records.merge(blocks, on=keys)
+    numel = rows["numel"].where(rows["numel"] > 0)
+    n_blocks = rows["blocks"].where(rows["blocks"] > 0)
+    rows = rows.assign(u=rows["underflow"] / numel, s=rows["subnormal"] / numel,
+                       c=rows["clipped_blocks"] / n_blocks, w=rows["wide_blocks"] / n_blocks)
+    table = rows.groupby(["module", "role", "recipe"], sort=False).agg(
+        steps=("step", "nunique"), u=("u", "max"), s=("s", "max"), clipped=("overflow", "sum"), c=("c", "max"),
+        w=("w", "max")).reset_index()
+    span = scales.groupby(["module", "role", "recipe"])["exponent"].agg(["min", "max"]) if len(scales) else None
+    table["block scales"] = [
+        f"2^{int(span.loc[k, 'min'])} to 2^{int(span.loc[k, 'max'])}" if span is not None and k in span.index else ""
+        for k in zip(table["module"], table["role"], table["recipe"], strict=True)]
+    table = table.rename(columns={"module": "layer", "u": "worst underflow", "s": "worst subnormal",
+                                  "c": "worst clipped blocks", "w": "worst wide blocks"})
+    return table.sort_values("worst underflow", ascending=False, kind="stable")[list(BLOCK_TABLE_COLUMNS)]
+

@@ -1,5 +1,6 @@
 """The FP8 page's view-model: what pages/6_FP8.py shows of one run's FP8 records (the recorded recipe, its
-findings, the lost-share heatmap, one layer's amax against its scale, the layer table, a what-if recipe), as typed
+findings, the lost-share heatmap, one layer's amax against its scale, the layer table, a what-if recipe, the
+block-scaled recipes' table), as typed
 values built from mpdiag.analysis.fp8_summaries / fp8_findings and the cached reads (reads.py). No widgets and no
 drawing here, so every part is testable without Streamlit. Texts are unescaped: the page passes them through
 ``plain`` (they quote the user's module names).
@@ -7,6 +8,7 @@ drawing here, so every part is testable without Streamlit. Texts are unescaped: 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pandas as pd
@@ -16,7 +18,7 @@ from mpdiag.analysis.finding import Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
 from mpdiag.analysis.fp8_summaries import fmt_label
 from mpdiag.dashboard import reads
-from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, RECIPES, Fp8Settings
 from mpdiag.store import Store
 
 
@@ -43,6 +45,8 @@ class Fp8Run:
     settings: Fp8Settings | None
     records: pd.DataFrame
     histograms: pd.DataFrame | None
+    #: the block-scaled recipes' table (fp8_summaries.block_table); empty where none was recorded
+    blocks: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
     @property
     def recorded(self) -> str:
@@ -106,4 +110,10 @@ def fp8(store: Store, run: pd.Series, final: bool) -> Fp8Run:
     settings = recorded_settings(run["config"])
     records, histograms = (reads.fp8(store, int(run["run_id"]), final) if settings is not None
                            else (pd.DataFrame(), None))
-    return Fp8Run(settings, records, histograms)
+    blocks = pd.DataFrame()
+    if len(records):  # the block-scaled recipes (mxfp8, nvfp4) have their own table; the rest is per-tensor
+        block_rows = records[records["recipe"].isin(BLOCK_RECIPES)]
+        if len(block_rows):
+            blocks = fp8_summaries.block_table(block_rows, *reads.fp8_blocks(store, int(run["run_id"]), final))
+        records = records[records["recipe"].isin(RECIPES)]
+    return Fp8Run(settings, records, histograms, blocks)

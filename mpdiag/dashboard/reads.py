@@ -188,6 +188,12 @@ def fp8(store: Store, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 @cached_when_final(max_entries=32)
+def fp8_blocks(store: Store, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run's block-scaled FP8 blocks and block scales (Store.fp8_blocks, Store.fp8_block_scales)."""
+    return store.fp8_blocks(run_id), store.fp8_block_scales(run_id)
+
+
+@cached_when_final(max_entries=32)
 def module_stats(store: Store, run_id: int) -> pd.DataFrame:
     """A --trace-modules run's per-module magnitudes (Store.module_stats)."""
     return store.module_stats(run_id)

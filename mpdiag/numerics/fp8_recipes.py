@@ -13,6 +13,11 @@ Recipes (NVIDIA Transformer Engine's names):
   the start; the tensor's own amax at its first recorded step (TE's ``DelayedScaling``).
 * ``pow2``: each scale rounded down to the largest power of two not above it (zeroing the fp32 mantissa).
 
+Block-scaled recipes (``block_recipes``, recorded beside the per-tensor recipe, counted by
+:mod:`mpdiag.numerics.block_scaled`): **mxfp8** (OCP MX v1.0: E4M3 elements, blocks of 32 along the last
+dimension, an E8M0 power-of-two scale per block) and **nvfp4** (E2M1 elements, blocks of 16, an E4M3 scale per
+block and an fp32 scale per tensor). The ``fp8-sim`` level and the what-if do not simulate them.
+
 A reference amax that is zero or not finite gives scale 1 (TE keeps the previous scale instead; there is no
 previous scale at a first step, and 1 keeps the rule stateless); a scale past fp32's range is clamped to the
 largest fp32 value, so a zero stays zero when multiplied.
@@ -87,6 +92,8 @@ GRAD_FORMATS = {"e5m2": FP8_E5M2, "e4m3": FP8_E4M3}
 ROLES = ("input", "weight", "grad_output")
 CATEGORY_NAMES = ("underflow", "subnormal", "overflow")
 RECIPES = ("current", "delayed")
+#: the block-scaled recipes --fp8 can record beside RECIPES (their arithmetic: mpdiag.numerics.block_scaled)
+BLOCK_RECIPES = ("mxfp8", "nvfp4")
 FP32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -97,7 +104,8 @@ class Fp8Settings:
     ``recipe``: "current", "delayed" or "both" (both only for recording); ``history``: H, recorded steps of
     amax history (delayed only); ``margin``: the delayed scale is divided by 2^margin; ``grad_format``:
     "e5m2" (HYBRID) or "e4m3" for output gradients; ``pow2``: round scales down to powers of two;
-    ``bf16_modules``: names of Linear modules the ``fp8-sim`` level leaves in BF16 (a finding's fix).
+    ``bf16_modules``: names of Linear modules the ``fp8-sim`` level leaves in BF16 (a finding's fix);
+    ``block_recipes``: block-scaled recipes (BLOCK_RECIPES) the capture also records, counted exactly.
     """
 
     recipe: str = "delayed"
@@ -106,6 +114,7 @@ class Fp8Settings:
     grad_format: str = "e5m2"
     pow2: bool = False
     bf16_modules: tuple[str, ...] = ()
+    block_recipes: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the option when a setting is invalid."""
@@ -117,12 +126,16 @@ class Fp8Settings:
             raise ValueError(f"--fp8-margin must be an integer from 0 to 64, got {self.margin!r}")
         if self.grad_format not in GRAD_FORMATS:
             raise ValueError(f"--fp8-grad-format must be e5m2 or e4m3, got {self.grad_format!r}")
+        unknown = [r for r in self.block_recipes if r not in BLOCK_RECIPES]
+        if unknown or len(set(self.block_recipes)) != len(self.block_recipes):
+            raise ValueError(f"--fp8-blocks must name mxfp8 and/or nvfp4, each once, got {list(self.block_recipes)!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> Fp8Settings:
         """Settings stored as ``dataclasses.asdict`` JSON (a Recorder's or watch's run config): the module list
         comes back as a list."""
-        return cls(**{**values, "bf16_modules": tuple(values.get("bf16_modules", ()))})
+        return cls(**{**values, "bf16_modules": tuple(values.get("bf16_modules", ())),
+                      "block_recipes": tuple(values.get("block_recipes", ()))})
 
     @property
     def recipes(self) -> tuple[str, ...]:

@@ -5,7 +5,11 @@ flowing into its output (backward); :meth:`Fp8Capture.start` hands one step's te
 :class:`mpdiag.numerics.fp8.Fp8StatsComputer` (all tensors at once, one readback) and returns the step's
 named records. Call it after ``backward`` and before the optimizer step, so the weights are the ones that
 forward pass used; the output gradients are divided by the loss scale (they hold S*g at loss-scaled levels).
-It owns the hooks and the naming of records; it does not write to a store (the Recorder does) and counts
+With block-scaled recipes (``Fp8Settings.block_recipes``: mxfp8, nvfp4), each tensor is also counted by
+:func:`mpdiag.numerics.block_scaled.block_stats` (blocks along its last dimension; the pieces of several calls
+are stacked as rows), one more record per recipe, a block record and the block scales' exponent histogram. These
+counts are read back when the step is started (a synchronisation on a GPU). It owns the hooks and the naming of
+records; it does not write to a store (the Recorder does) and counts
 nothing itself.
 
 Only forward passes with autograd enabled are captured (not evaluation passes). A module called several
@@ -16,12 +20,14 @@ alive.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from mpdiag.numerics.block_scaled import ELEMENT_FORMAT, BlockStats, block_stats
 from mpdiag.numerics.fp8 import EXP_MIN, Fp8Stats, Fp8StatsComputer, PendingFp8Stats
 from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
 
@@ -29,28 +35,37 @@ from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
 RECORD_COLUMNS = ("step", "module", "role", "fmt", "recipe", "scale", "amax", "numel", "underflow", "subnormal",
                   "overflow")
 HISTOGRAM_COLUMNS = ("step", "module", "role", "exponent", "count")
+#: per block-scaled recipe: the block counts (``Store.fp8_blocks``) and the block scales' exponent histogram
+#: (``Store.fp8_block_scales``: a block counts in e when 2**e <= its dequantisation scale < 2**(e+1))
+BLOCK_COLUMNS = ("step", "module", "role", "recipe", "blocks", "zero_blocks", "clipped_blocks", "wide_blocks")
+BLOCK_SCALE_COLUMNS = ("step", "module", "role", "recipe", "exponent", "count")
 
 
 @dataclass
 class Fp8StepRecords:
     """One recorded step: ``records`` (tuples in RECORD_COLUMNS order, one per module x role x recipe, for the
-    tensors present) and ``histograms`` (tuples in HISTOGRAM_COLUMNS order, non-zero bins only)."""
+    tensors present, block-scaled recipes included), ``histograms`` (tuples in HISTOGRAM_COLUMNS order, non-zero
+    bins only), ``blocks`` and ``block_scales`` (BLOCK_COLUMNS, BLOCK_SCALE_COLUMNS; empty without
+    block-scaled recipes)."""
 
     records: list[tuple]
     histograms: list[tuple]
+    blocks: list[tuple] = dataclasses.field(default_factory=list)
+    block_scales: list[tuple] = dataclasses.field(default_factory=list)
 
 
 class PendingFp8Records:
     """A step's records on their way to the host (see :class:`mpdiag.numerics.fp8.PendingFp8Stats`)."""
 
-    def __init__(self, step: int, pending: PendingFp8Stats, capture: Fp8Capture):
-        self.step, self._pending, self._capture = step, pending, capture
+    def __init__(self, step: int, pending: PendingFp8Stats, capture: Fp8Capture,
+                 blocks: list[tuple[int, BlockStats]] | None = None):
+        self.step, self._pending, self._capture, self._blocks = step, pending, capture, blocks or []
 
     def ready(self) -> bool:
         return self._pending.ready()
 
     def result(self) -> Fp8StepRecords:
-        return self._capture.records(self.step, self._pending.result())
+        return self._capture.records(self.step, self._pending.result(), self._blocks)
 
 
 class Fp8Capture:
@@ -94,7 +109,25 @@ class Fp8Capture:
         """Count the tensors captured since the last call (``loss_scale``: what the output gradients hold,
         a number or GradScaler's scale tensor) and forget them; nothing waits for the device."""
         pieces, self._pieces = self._pieces, [[] for _ in self.tensors]
-        return PendingFp8Records(step, self._computer.start(pieces, loss_scale), self)
+        blocks = self._block_stats(pieces, loss_scale) if self.settings.block_recipes else []
+        return PendingFp8Records(step, self._computer.start(pieces, loss_scale), self, blocks)
+
+    def _block_stats(self, pieces: list[list[torch.Tensor]], loss_scale) -> list[tuple[int, BlockStats]]:
+        """(tensor index, stats) per present tensor and block recipe; the output gradients multiplied by the
+        fp32 reciprocal of the loss scale, as :class:`Fp8StatsComputer` unscales them."""
+        factor = None
+        if torch.is_tensor(loss_scale) or loss_scale != 1.0:
+            scale = loss_scale if torch.is_tensor(loss_scale) else torch.tensor(float(loss_scale))
+            factor = scale.reshape(()).double().reciprocal().float()
+        out = []
+        for t, (_, role) in enumerate(self.tensors):
+            if not pieces[t]:
+                continue
+            rows = torch.cat([p.detach().float().reshape(-1, p.shape[-1] if p.dim() else 1) for p in pieces[t]])
+            if role == "grad_output" and factor is not None:
+                rows = rows * factor.to(rows.device)
+            out += [(t, block_stats(rows, recipe)) for recipe in self.settings.block_recipes]
+        return out
 
     def take(self, step: int, loss_scale: float | torch.Tensor = 1.0) -> Fp8StepRecords:
         """:meth:`start`, waiting for the records."""
@@ -104,9 +137,9 @@ class Fp8Capture:
         """Forget the tensors captured since the last call (a step that is not recorded)."""
         self._pieces = [[] for _ in self.tensors]
 
-    def records(self, step: int, stats: Fp8Stats) -> Fp8StepRecords:
-        """Name one step's statistics."""
-        records, histograms = [], []
+    def records(self, step: int, stats: Fp8Stats, blocks: list[tuple[int, BlockStats]] = ()) -> Fp8StepRecords:
+        """Name one step's statistics (and its block-scaled ones)."""
+        records, histograms, block_rows, block_scales = [], [], [], []
         for t, (module, role) in enumerate(self.tensors):
             if not stats.numel[t]:
                 continue
@@ -115,7 +148,14 @@ class Fp8Capture:
                                 float(stats.amax[t]), int(stats.numel[t]), *map(int, stats.counts[recipe][t])))
             bins = np.flatnonzero(stats.hist[t])
             histograms += [(step, module, role, int(EXP_MIN + b), int(stats.hist[t, b])) for b in bins]
-        return Fp8StepRecords(records, histograms)
+        for t, b in blocks:
+            module, role = self.tensors[t]
+            scale = b.tensor_scale if b.recipe == "nvfp4" else None  # MXFP8 has no per-tensor scale
+            records.append((step, module, role, ELEMENT_FORMAT[b.recipe], b.recipe, scale, b.amax, b.numel,
+                            b.underflow, b.subnormal, b.overflow))
+            block_rows.append((step, module, role, b.recipe, b.blocks, b.zero_blocks, b.clipped_blocks, b.wide_blocks))
+            block_scales += [(step, module, role, b.recipe, e, n) for e, n in sorted(b.scale_exponents.items())]
+        return Fp8StepRecords(records, histograms, block_rows, block_scales)
 
     def remove(self) -> None:
         for handle in self._handles:

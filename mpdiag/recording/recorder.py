@@ -286,7 +286,7 @@ class Recorder:
         self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
         self._unread_stats: deque[_UnreadStats] = deque()
         self._unread_fp8: deque[PendingFp8Records] = deque()
-        self._fp8_rows: tuple[list[tuple], list[tuple]] = ([], [])  # records, histograms
+        self._fp8_rows: tuple[list[tuple], ...] = ([], [], [], [])  # records, histograms, blocks, block scales
         self._step_rows: list[tuple] = []
         self._tensor_rows_buf: list[tuple] = []
         self._update_rows: list[tuple] = []
@@ -683,6 +683,8 @@ class Recorder:
             fp8 = self._unread_fp8.popleft().result()
             self._fp8_rows[0].extend(fp8.records)
             self._fp8_rows[1].extend(fp8.histograms)
+            self._fp8_rows[2].extend(fp8.blocks)
+            self._fp8_rows[3].extend(fp8.block_scales)
         if self._updates is not None:
             self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
                                   for i, counts in enumerate(per_tensor)]
@@ -733,9 +735,10 @@ class Recorder:
             self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
         if updates:
             self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
-        (fp8_records, fp8_histograms), self._fp8_rows = self._fp8_rows, ([], [])
+        (fp8_records, fp8_histograms, fp8_blocks, fp8_scales), self._fp8_rows = self._fp8_rows, ([], [], [], [])
         if fp8_records:
-            self._writer.submit(lambda w: w.add_fp8_steps(self.run_id, fp8_records, fp8_histograms))
+            self._writer.submit(lambda w: w.add_fp8_steps(self.run_id, fp8_records, fp8_histograms, fp8_blocks,
+                                                          fp8_scales))
 
     # -- end ------------------------------------------------------------------------------------------------
     @_never_ends_training

@@ -417,13 +417,30 @@ class Store:
         """A run recorded with --fp8: per logged step, Linear module, role (input, weight, grad_output) and
         recipe (current, delayed), the FP8 format ``fmt`` (fp8_e4m3, fp8_e5m2), the ``scale`` the recipe
         uses, the tensor's ``amax`` and ``numel``, and the underflow / subnormal / overflow counts of the
-        scaled tensor in that format. Empty for a run recorded without --fp8."""
+        scaled tensor in that format. Recorded block-scaled recipes add rows: recipe ``mxfp8`` (fmt fp8_e4m3,
+        scale NaN: its scales are per block) and ``nvfp4`` (fmt fp4_e2m1, scale the per-tensor fp32 scale),
+        their counts those of the elements (:mod:`mpdiag.numerics.block_scaled`; blocks: :meth:`fp8_blocks`).
+        Empty for a run recorded without --fp8."""
         df = self._query(
             "SELECT step, module, role, fmt, recipe, scale, amax, numel, underflow, subnormal, overflow FROM fp8_steps "
             "WHERE run_id = ? ORDER BY step, module, role, recipe", (int(run_id),))
         for col in ("scale", "amax"):
             df[col] = df[col].astype(float)
         return df
+
+    def fp8_blocks(self, run_id: int) -> pd.DataFrame:
+        """The block-scaled recipes' blocks per logged step, Linear module, role and recipe (mxfp8, nvfp4):
+        ``blocks``, ``zero_blocks`` (all zero), ``clipped_blocks`` (a value clipped), ``wide_blocks`` (largest
+        over smallest non-zero |x| past the element format's range). Empty when none was recorded (and for
+        stores of schema versions before 11)."""
+        return self._query("SELECT step, module, role, recipe, blocks, zero_blocks, clipped_blocks, wide_blocks "
+                           "FROM fp8_blocks WHERE run_id = ? ORDER BY step, module, role, recipe", (int(run_id),))
+
+    def fp8_block_scales(self, run_id: int) -> pd.DataFrame:
+        """The block-scaled recipes' block scales, long format: step, module, role, recipe, exponent (a block
+        counts in e when 2**e <= its dequantisation scale < 2**(e+1); blocks with a non-zero value), count."""
+        return self._query("SELECT step, module, role, recipe, exponent, count FROM fp8_block_scales "
+                           "WHERE run_id = ? ORDER BY step, module, role, recipe, exponent", (int(run_id),))
 
     def fp8_histograms(self, run_id: int) -> pd.DataFrame:
         """The exponent histograms of the tensors --fp8 records, unscaled, long format: step, module, role,

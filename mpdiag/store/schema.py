@@ -33,7 +33,9 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
 # 9: steps.lr, steps.grad_norm, steps.wall_time_s: recorded at every step (rows of runs recorded before read NULL).
 # 10: run_output, the console output of a run mpdiag started or watched (bounded: mpdiag.store.console).
-SCHEMA_VERSION = 10
+# 11: fp8_blocks, fp8_block_scales: the block-scaled recipes (mxfp8, nvfp4) --fp8 records (their per-tensor counts
+# are fp8_steps rows); runs recorded before have none.
+SCHEMA_VERSION = 11
 STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
@@ -156,6 +158,17 @@ _STATEMENTS = [
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, module TEXT NOT NULL, role TEXT NOT NULL,
     exponent INTEGER NOT NULL, count INTEGER NOT NULL,
     PRIMARY KEY (run_id, step, module, role, exponent)) WITHOUT ROWID""",
+    # --fp8 with block-scaled recipes: per logged step, Linear module, role and recipe, the blocks, the all-zero
+    # ones, those with a clipped value and those wider than the element format; the block scales' exponent histogram
+    """CREATE TABLE IF NOT EXISTS fp8_blocks (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module TEXT NOT NULL, role TEXT NOT NULL, recipe TEXT NOT NULL,
+    blocks INTEGER NOT NULL, zero_blocks INTEGER NOT NULL, clipped_blocks INTEGER NOT NULL,
+    wide_blocks INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, module, role, recipe)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS fp8_block_scales (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, module TEXT NOT NULL, role TEXT NOT NULL, recipe TEXT NOT NULL,
+    exponent INTEGER NOT NULL, count INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step, module, role, recipe, exponent)) WITHOUT ROWID""",
     _TENSOR_TOTALS_DDL,
     # the writer's running sum of each tensor's histograms (encode_hist), so a run-wide reading of them (the
     # findings) does not decode every (step, tensor) row

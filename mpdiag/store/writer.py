@@ -226,10 +226,12 @@ class StoreWriter:
         """rows: (step, rank, loss, nonfinite); a non-finite loss and an uncounted nonfinite are stored as NULL."""
         self._insert("rank_steps", run_id, rows)
 
-    def add_fp8_steps(self, run_id: int, records: Sequence[tuple], histograms: Sequence[tuple]) -> None:
+    def add_fp8_steps(self, run_id: int, records: Sequence[tuple], histograms: Sequence[tuple],
+                      blocks: Sequence[tuple] = (), block_scales: Sequence[tuple] = ()) -> None:
         """records: tuples in ``mpdiag.recording.fp8_capture.RECORD_COLUMNS`` order (step, module, role, fmt,
         recipe, scale, amax, numel, underflow, subnormal, overflow); histograms: (step, module, role, exponent,
-        count). One transaction."""
+        count); blocks and block_scales: the block-scaled recipes' rows in BLOCK_COLUMNS and BLOCK_SCALE_COLUMNS
+        order. One transaction."""
         with self._conn:
             self._conn.executemany(
                 "INSERT INTO fp8_steps (run_id, step, module, role, fmt, recipe, scale, amax, numel, underflow, "
@@ -237,6 +239,10 @@ class StoreWriter:
                 [(int(run_id), *row) for row in records])
             self._conn.executemany("INSERT INTO fp8_histograms VALUES (?, ?, ?, ?, ?, ?)",
                                    [(int(run_id), *row) for row in histograms])
+            self._conn.executemany("INSERT INTO fp8_blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in blocks])
+            self._conn.executemany("INSERT INTO fp8_block_scales VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in block_scales])
 
     def add_probe(self, run_id: int, kind: str, result: dict) -> None:
         with self._conn:

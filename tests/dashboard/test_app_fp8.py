@@ -256,3 +256,40 @@ def test_the_view_model_counts_what_the_recorded_settings_lost_and_says_why_noth
     assert len(layer.series) == rows["step"].nunique() and layer.said.startswith("head input, delayed scaling")
     none = fp8_model.fp8(store, runs[runs["run_id"] == 4].iloc[0], True)
     assert none.settings is None and none.records.empty
+
+
+def test_block_scaled_recipes_show_their_exact_counts_beside_the_per_tensor_page(tmp_path, monkeypatch):
+    """A Recorder run with mxfp8 and nvfp4: the page's block table holds, per layer, role and recipe, the worst
+    recorded shares and clipped sums of Store.fp8's block rows and Store.fp8_blocks; the per-tensor parts of
+    the page (recipes, findings) keep to current and delayed."""
+    import torch
+
+    from mpdiag.numerics.fp8_recipes import Fp8Settings
+    from mpdiag.recording.recorder import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(24, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "blocks.db"
+    settings = Fp8Settings(recipe="current", block_recipes=("mxfp8", "nvfp4"))
+    with Recorder(model, Store(path), optimizer=optimizer, fp8=settings) as recorder:
+        for _ in range(2):
+            optimizer.zero_grad()
+            x = torch.randn(4, 40) * torch.exp2(torch.randint(-20, 20, (4, 40)).float())
+            loss = model(x).square().mean()
+            loss.backward()
+            recorder.record(loss)
+            optimizer.step()
+    store = Store(path)
+    rows = store.fp8(1)
+    at = page(path, monkeypatch, run="1")
+    assert at.radio(key="recipe").options == ["current"]
+    assert "Block-scaled recipes: MXFP8 and NVFP4" in [h.value for h in at.subheader]
+    assert "equal to torchao's reference casts" in texts(at)
+    table = at.dataframe[-1].value.set_index(["layer", "role", "recipe"])
+    assert len(table) == 2 * 3 * 2
+    for (layer, role, recipe), shown_row in table.iterrows():
+        one = rows[(rows["module"] == layer) & (rows["role"] == role) & (rows["recipe"] == recipe)]
+        assert shown_row["steps"] == 2 and shown_row["clipped"] == one["overflow"].sum()
+        assert shown_row["worst underflow"] == (one["underflow"] / one["numel"]).max()
+    assert table["worst underflow"].max() > 0  # the wide inputs lose values in blocks: not a table of zeros

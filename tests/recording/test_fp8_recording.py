@@ -76,6 +76,40 @@ def test_recorder_stores_exact_fp8_records_of_logged_steps_with_the_loss_scale_d
     assert recorded_settings(store.run(run_id)["config"]) == settings  # the recipe is stored with the run
 
 
+def test_recorder_stores_block_scaled_recipes_equal_to_torchao(tmp_path):
+    """mxfp8 and nvfp4 beside both per-tensor recipes: per logged step, Linear and role, Store.fp8's rows of the
+    block recipes, Store.fp8_blocks and Store.fp8_block_scales equal torchao's reference casts of the tensors
+    the test holds (output gradients divided by the loss scale; rows of 6 and 4 values: one partial block)."""
+    pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    from ground_truth import reference_counts
+
+    loss_scale = 2.0**10
+    settings = Fp8Settings(recipe="both", history=2, block_recipes=("mxfp8", "nvfp4"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=1000)
+    store, run_id, truths = record_planted_run(tmp_path, scaler, every=2, steps=3, settings=settings)
+    rows, blocks, scales = store.fp8(run_id), store.fp8_blocks(run_id), store.fp8_block_scales(run_id)
+    assert len(rows) == 2 * 2 * 3 * 4 and len(blocks) == 2 * 2 * 3 * 2
+    assert_records_equal_casting(store, run_id, truths, settings)  # the per-tensor recipes are unchanged
+    lost = 0
+    for step in (0, 2):
+        for (module, role), tensor in truths[step].items():
+            for recipe, fmt in (("mxfp8", "fp8_e4m3"), ("nvfp4", "fp4_e2m1")):
+                key = (step, module, role, recipe)
+                row = rows.set_index(["step", "module", "role", "recipe"]).loc[key]
+                block = blocks.set_index(["step", "module", "role", "recipe"]).loc[key]
+                ref = reference_counts(tensor.reshape(-1, tensor.shape[-1]), recipe)
+                assert row["fmt"] == fmt and row["numel"] == tensor.numel() and row["amax"] == float(tensor.abs().max())
+                assert (row["underflow"], row["subnormal"], row["overflow"]) == \
+                    (ref["underflow"], ref["subnormal"], ref["overflow"]), key
+                assert (block["blocks"], block["clipped_blocks"]) == (ref["blocks"], ref["clipped_blocks"]), key
+                one = scales[(scales["step"] == step) & (scales["module"] == module) & (scales["role"] == role)
+                             & (scales["recipe"] == recipe)]
+                assert dict(zip(one["exponent"], one["count"], strict=True)) == ref["scale_exponents"], key
+                lost += ref["underflow"]
+    assert lost > 0  # the planted tiny values underflow: the comparison is not of zeros only
+    assert recorded_settings(store.run(run_id)["config"]) == settings
+
+
 def test_a_skipped_steps_inf_gradients_stay_out_of_the_delayed_history(tmp_path):
     """GradScaler grows its scale to 2^127 after every good step, so every other step's output gradient of
     layer 0 overflows to inf and the step is skipped. Those infs are stored as their own step's amax, but the next
@@ -140,6 +174,12 @@ def test_fp8_recipe_options_need_fp8_or_fp8_sim_and_one_process():
         RunConfig(fp8=True, nproc=2).validate()
     with pytest.raises(ConfigError, match="--fp8-history"):
         RunConfig(fp8=True, fp8_history=0).validate()
+    assert RunConfig(opt_level="bf16", fp8=True, fp8_blocks="mxfp8, nvfp4").fp8_settings().block_recipes == (
+        "mxfp8", "nvfp4")
+    with pytest.raises(ConfigError, match="--fp8-blocks.*any level with --fp8"):
+        RunConfig(opt_level="fp8-sim", fp8_blocks="mxfp8").validate()  # recorded, never simulated
+    with pytest.raises(ConfigError, match="--fp8-blocks must name mxfp8 and/or nvfp4"):
+        RunConfig(opt_level="bf16", fp8=True, fp8_blocks="mxfp4").validate()
     # a rerun that drops --fp8 at a level without FP8 drops the recipe with it; one that keeps it keeps it
     recorded = RunConfig(opt_level="bf16", fp8=True, fp8_margin=3)
     assert recorded.with_options(opt_level="O1").fp8_margin == 3
@@ -177,7 +217,8 @@ def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(t
 
     log, db = tmp_path / "log.json", tmp_path / "s.db"
     script = write_script(FP8_LOOP, "fp8_loop.py")
-    config = WatchConfig(target=str(script), args=(str(log),), fp8=Fp8Settings(recipe="both", history=2))
+    settings = Fp8Settings(recipe="both", history=2, block_recipes=("nvfp4",))
+    config = WatchConfig(target=str(script), args=(str(log),), fp8=settings)
     run_id, code = watch(config, db)
     assert code == 0
     import json
@@ -191,13 +232,16 @@ def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(t
             got = first[(first["step"] == step) & (first["role"] == role)]["amax"].iloc[0]
             assert got == pytest.approx(own[step][role], rel=1e-6), (step, role)
     assert 3 in set(first["step"])
+    blocks = rows[rows["recipe"] == "nvfp4"]  # the block recipe beside both: same steps, modules and roles
+    assert len(blocks) == len(first) * 2 and len(Store(db).fp8_blocks(run_id)) == len(blocks)
     jump = diagnose(Store(db), run_id)
     assert any(f.rule == "fp8-amax-jump" and f.tensors == ["0:input"] for f in jump)  # the 100x input at step 3
+    assert all("nvfp4" not in f.title for f in jump)  # the findings judge the per-tensor recipes only
     # its rerun keeps the recipe
     from mpdiag.training.watch import rerun_config
 
     again = rerun_config(run_id, "x", Store(db).run(run_id)["config"]["watch"], opt_level="bf16")
-    assert again.fp8 == Fp8Settings(recipe="both", history=2)
+    assert again.fp8 == settings
 
 
 def test_watch_cli_refuses_a_recipe_option_without_fp8(tmp_path, write_script):

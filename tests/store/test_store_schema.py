@@ -334,3 +334,18 @@ def test_histograms_encoded_together_are_each_the_documented_packing():
                     struct.pack("<h", bins[0]) + struct.pack(f"<{bins[-1] - bins[0] + 1}q", *row[bins[0]:bins[-1] + 1]))
         assert blob == expected and blob == encode_hist(row)
     assert (decode_hists(encode_hists(rows)) == rows).all()
+
+
+@pytest.mark.parametrize("name", ["store_v2.db", "store_v8.db"])
+def test_a_store_from_before_block_scaled_fp8_migrates_with_empty_block_tables(tmp_path, name):
+    """Schema 11 added fp8_blocks and fp8_block_scales: an older store gains them, empty, and its runs read
+    back no block rows (with the columns Store.fp8_blocks and Store.fp8_block_scales name)."""
+    path = tmp_path / name
+    shutil.copy(DATA / name, path)
+    store = Store(path)
+    assert _stamp(path) == str(SCHEMA_VERSION)
+    for run_id in store.runs()["run_id"]:
+        blocks, scales = store.fp8_blocks(int(run_id)), store.fp8_block_scales(int(run_id))
+        assert blocks.empty and list(blocks.columns) == ["step", "module", "role", "recipe", "blocks", "zero_blocks",
+                                                         "clipped_blocks", "wide_blocks"]
+        assert scales.empty and list(scales.columns) == ["step", "module", "role", "recipe", "exponent", "count"]
