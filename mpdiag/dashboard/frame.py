@@ -204,6 +204,9 @@ def explain_run_state(run: pd.Series, store: Store | None = None) -> None:
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
+    if run["status"] == "stopped" and isinstance(run["error"], str):
+        st.warning(f"Run #{int(run['run_id'])} was stopped at an event; why:")
+        st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stalled":
         st.warning(stall_text(run))
         line = None if store is None else actions.last_output_line(store.path, int(run["run_id"]))

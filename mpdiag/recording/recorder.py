@@ -42,6 +42,7 @@ from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, Pending
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
+from mpdiag.recording.events import EventLog
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.step_gradients import StepGradients
@@ -304,6 +305,8 @@ class Recorder:
         self._lock = threading.RLock()
         #: why recording stopped while training went on (writing to the store failed), or None
         self.stopped_recording: str | None = None
+        #: the events raised from the completed step rows (mpdiag.recording.events); ``configure`` it for --stop-on
+        self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
                  watch_ranks: bool) -> None:
@@ -665,6 +668,7 @@ class Recorder:
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
             self._step_rows.append(StepRow(*row))
+            self.events.see(row)
         if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
@@ -721,6 +725,9 @@ class Recorder:
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+        events = self.events.take()
+        if events:
+            self._writer.submit(lambda w: w.add_events(self.run_id, events))
         ranks = self._dist.take_rank_rows(wait=self._closed)
         if ranks:
             self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
@@ -733,8 +740,10 @@ class Recorder:
     # -- end ------------------------------------------------------------------------------------------------
     @_never_ends_training
     def close(self, note: str | None = None) -> None:
-        """Write everything and mark the run finished (idempotent)."""
-        self._end(status="finished", error=None, note=note, known=True)
+        """Write everything and mark the run finished (idempotent); ``stopped`` with the reason when an event
+        asked to stop (``--stop-on``: the step in progress did not step)."""
+        reason = self.events.stop_reason
+        self._end(status="finished" if reason is None else "stopped", error=reason, note=note, known=reason is None)
 
     @_never_ends_training
     def fail(self, error: str, status: str = "failed") -> None:

@@ -33,8 +33,10 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 8: run management: runs.user_note (a person's note; runs.note stays what mpdiag itself noted) and run_tags.
 # 9: steps.lr, steps.grad_norm, steps.wall_time_s: recorded at every step (rows of runs recorded before read NULL).
 # 10: run_output, the console output of a run mpdiag started or watched (bounded: mpdiag.store.console).
-SCHEMA_VERSION = 10
-STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
+# 11: events, raised while training at the step they happen (mpdiag.recording.events); runs.status "stopped".
+SCHEMA_VERSION = 11
+#: "stopped": training ended by --stop-on at an event, the reason in the run's error
+STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
 
@@ -142,6 +144,12 @@ _STATEMENTS = [
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID""",
     # per step and rank of a distributed run: that rank's local loss and, for DDP, its local gradients' inf/NaN
     # count before the all-reduce
+    # events raised while training (mpdiag.recording.events): the step it happened at, its kind, its evidence
+    # (JSON text); several per (run, step, kind) are possible in principle, so a rowid table
+    """CREATE TABLE IF NOT EXISTS events (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, kind TEXT NOT NULL,
+    evidence TEXT NOT NULL, created_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, step)",
     """CREATE TABLE IF NOT EXISTS rank_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
     PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID""",

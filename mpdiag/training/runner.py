@@ -24,10 +24,11 @@ import torch
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
-from mpdiag.options import ConfigError, RunConfig, rerun_name
+from mpdiag.options import ConfigError, RunConfig, StopOn, rerun_name
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
+from mpdiag.recording.events import print_event
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import StoreWriter
@@ -178,6 +179,7 @@ def train(
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
                 fp8=config.fp8_settings() if config.fp8 else None,
             )
+            recorder.events.configure(StopOn.parse(config.stop_on), announce=print_event)
             check = NonfiniteStepCheck.of_model(model, optimizer, policy.master_params() or None)
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
                          check)
@@ -255,6 +257,8 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
                 reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         recorder.record(loss)
+        if recorder.events.stop_reason is not None:  # --stop-on: this step is not stepped; close() says why
+            return None
         if shadow_step:
             recorder.compare_gradients(reference)
         check.before(loss)

@@ -45,10 +45,19 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.options import WATCH_LEVEL_NAMES, WATCH_OPTIONS, WATCH_RERUN_OPTIONS, ConfigError, check_values, rerun_name
+from mpdiag.options import (
+    WATCH_LEVEL_NAMES,
+    WATCH_OPTIONS,
+    WATCH_RERUN_OPTIONS,
+    ConfigError,
+    StopOn,
+    check_values,
+    rerun_name,
+)
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
+from mpdiag.recording.events import print_event
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.watch_shadow import WatchShadow
 
@@ -88,6 +97,12 @@ class WatchStopped(BaseException):
     """The watched process got SIGTERM. A BaseException, so the script's ``except Exception`` lets it through."""
 
 
+class StoppedAtEvent(WatchStopped):
+    """``--stop-on``: an event asked to end the training. Raised, as SIGTERM's WatchStopped is, from inside the
+    script's step (the capture before its optimizer step), so the script's ``finally`` blocks and context managers
+    run and that step's update is not applied; ``watch`` ends the run ``stopped`` with the reason."""
+
+
 @dataclass(frozen=True)
 class WatchConfig:
     """What to run and how to record it. ``target`` is a script path, or a module name when ``module``. The
@@ -103,6 +118,7 @@ class WatchConfig:
     shadow_every: int = WATCH_OPTIONS["shadow_every"].default
     opt_level: str | None = WATCH_OPTIONS["opt_level"].default
     init_scale: float | None = WATCH_OPTIONS["init_scale"].default
+    stop_on: str = WATCH_OPTIONS["stop_on"].default  # --stop-on: the events that end the script (status stopped)
     cwd: str = field(default_factory=os.getcwd)
     parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
     fp8: Fp8Settings | None = None  # --fp8: also record what this FP8 recipe would cast in every nn.Linear
@@ -125,7 +141,7 @@ class WatchConfig:
         """What a run stores of this config (its ``config["watch"]``), so that a rerun can repeat it."""
         return {"argv": self.command(), "cwd": None if self.bundle else self.cwd, "opt_level": self.opt_level,
                 "init_scale": self.init_scale, "every": self.every, "trace_modules": self.trace_modules,
-                "shadow_every": self.shadow_every, "fp8": None if self.fp8 is None else dataclasses.asdict(self.fp8),
+                "shadow_every": self.shadow_every, "stop_on": self.stop_on, "fp8": None if self.fp8 is None else dataclasses.asdict(self.fp8),
                 **({"bundle": self.bundle} if self.bundle else {})}
 
     def validate(self) -> None:
@@ -134,6 +150,10 @@ class WatchConfig:
             raise ConfigError(f"watch --opt-level {self.opt_level} is refused: {REFUSED_LEVELS[self.opt_level]}. "
                               f"watch takes {', '.join(WATCH_LEVELS)}, or no --opt-level to keep the script's own settings.")
         check_values({name: getattr(self, name) for name in WATCH_RERUN_OPTIONS}, WATCH_OPTIONS)
+        StopOn.parse(self.stop_on)
+        if self.stop_on and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--stop-on is not available under torchrun: every rank would have to stop at the same "
+                              "step")
         if self.shadow_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--shadow-every is not available under torchrun: the FP32 shadow replays the "
                               "model's forward on a copy of it, which a DDP or FSDP module cannot give")
@@ -500,6 +520,8 @@ class Watcher:
         (read, shadow_rows), self._read_at_clip = self._read_at_clip or self._read(), None
         loss = self._loss if self._loss is not None else float("nan")
         self.recorder.record(loss, gradients=read)
+        if self.recorder.events.stop_reason is not None:  # --stop-on: before this step's update is applied
+            raise StoppedAtEvent(self.recorder.events.stop_reason)
         self.recorder.add_shadow_rows(shadow_rows)
         if optimizer is not None:
             self.recorder.asked_to_step(optimizer)
@@ -546,9 +568,12 @@ class Watcher:
                 self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
             except Exception as exc:  # noqa: BLE001 - e.g. a module deepcopy cannot copy: recorded, not raised
                 self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
-        return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
-                                 optimizer=optimizers, every=self.config.every, trace_modules=self.config.trace_modules,
-                                 fp8=self.config.fp8, check_optimizer_step=True)
+        recorder = Recorder.attached(params, RunnerAttachment(self.run_id, self.writer),
+                                     scaler=scaler if enabled else None, optimizer=optimizers, every=self.config.every,
+                                     trace_modules=self.config.trace_modules, fp8=self.config.fp8,
+                                     check_optimizer_step=True)
+        recorder.events.configure(StopOn.parse(self.config.stop_on), announce=print_event)
+        return recorder
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
@@ -613,6 +638,10 @@ class Watcher:
                     "its outputs in the mixed-precision step: the loss is computed outside the model's forward, so "
                     "the loss head itself is not part of the comparison."]
         return []
+
+
+#: the exit status of ``mpdiag run`` and ``mpdiag watch`` when --stop-on ended the training at an event
+STOPPED_EXIT_CODE = 3
 
 
 def _stop(signum, frame):
@@ -700,6 +729,8 @@ def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], 
     except SystemExit as exc:
         code = _exit_code(exc.code)
         status, error = ("finished", None) if code == 0 else ("failed", f"the script called sys.exit({exc.code!r})")
+    except StoppedAtEvent as exc:
+        status, error, code = "stopped", str(exc), STOPPED_EXIT_CODE
     except WatchStopped as exc:
         status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
     except KeyboardInterrupt:
