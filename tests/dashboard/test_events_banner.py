@@ -61,3 +61,18 @@ def test_an_event_committed_while_the_runs_page_is_open_shows_at_its_next_live_r
     at.run()  # what the live fragment does every LIVE_REFRESH_S: it reads the events afresh
     assert "Step 3: skips: 5 optimizer steps skipped in a row" in texts(at)
     assert ui.LIVE_REFRESH_S + 0.5 <= 3.0  # a refresh, plus the Recorder's commit interval, within ~3 s
+
+
+def test_an_evidence_link_opens_the_gradients_page_at_the_events_step(tmp_path, monkeypatch):
+    from conftest import EXAMPLES
+
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
+
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level="O1", steps=6, every=2,
+                                                                                  device="cpu"), tmp_path / "runs.db")
+    at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id), step="3")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.select_slider(key="step").value in (2, 4)  # logged every 2: the nearest logged step
+    at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id))
+    assert at.select_slider(key="step").value == 4  # without a link: the last logged step
