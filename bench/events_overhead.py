@@ -72,7 +72,7 @@ def main() -> None:
             logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
         (loss if scaler is None else scaler.scale(loss)).backward()
-        own = timed(lambda: recorder.record(loss), device)
+        own = timed(lambda loss=loss: recorder.record(loss), device)
         if scaler is None:
             opt.step()
         else:

@@ -300,7 +300,8 @@ class RunOwner:
                 raise PermissionError(f"the child created run {run_id} twice")
             self._unclaimed.remove(run_id)
             method, kwargs = "update_run", {**kwargs, **self._fixed, "status": "running"}
-        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed", "crashed", "stopped"):
+        ended = ("finished", "failed", "crashed", "stopped")
+        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ended:
             raise PermissionError("a child may end its run only as finished, failed, crashed (stopped by a signal) "
                                   "or stopped (at an event, --stop-on)")
         if method == "write_batch":

@@ -7,7 +7,7 @@ from app_helpers import app, texts
 
 from mpdiag.dashboard import events_model
 from mpdiag.dashboard import frame as ui
-from mpdiag.store import Store, StepRow, StoreWriter
+from mpdiag.store import StepRow, Store, StoreWriter
 
 HOSTILE = "**bold** [x](http://example.org)"
 
