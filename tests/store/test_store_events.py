@@ -59,3 +59,19 @@ def test_events_round_trip_in_step_order_and_a_run_ends_stopped(tmp_path):
     assert len(store.events()) == 3 and store.events_version() == (3, 3.0)
     run = store.run(run_id)
     assert "stopped" in STATUSES and run["status"] == "stopped" and run["error"].startswith("--stop-on spike")
+
+
+def test_a_runs_events_are_exported_with_it_and_deleted_with_it(tmp_path):
+    from mpdiag.store.export import run_tables
+
+    path = tmp_path / "runs.db"
+    with StoreWriter(path) as writer:
+        run_id = writer.create_run(name="r")
+        writer.add_events(run_id, [(4, "skips", json.dumps({"streak": 5}), 1.0)])
+        writer.end_run(run_id, "finished")
+    exported = run_tables(Store(path), run_id)["events"]
+    assert exported[["step", "kind"]].values.tolist() == [[4, "skips"]]
+    assert json.loads(exported["evidence"].iloc[0]) == {"streak": 5}
+    with StoreWriter(path) as writer:
+        assert writer.delete_run(run_id)["events"] == 1
+    assert Store(path).events(run_id).empty
