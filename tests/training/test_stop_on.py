@@ -108,3 +108,19 @@ def test_watch_without_stop_on_records_the_event_and_finishes(tmp_path):
     store = Store(db)
     assert code == 0 and store.run(run_id)["status"] == "finished"
     assert _events(store, run_id) == [(5, NONFINITE)]
+
+
+def test_both_commands_exit_3_saying_why_and_print_one_line_per_event(tmp_path):
+    from conftest import run_cli
+
+    db = tmp_path / "runs.db"
+    ran = run_cli("run", "--store", db, "--stop-on", "nonfinite", "--steps", 5, "--device", "cpu",
+                  EXAMPLES / f"{OVERFLOW}.py")
+    assert ran.returncode == STOPPED_EXIT_CODE, ran.stderr
+    assert "mpdiag: event at step 0: nonfinite" in ran.stderr and "stopped: --stop-on nonfinite" in ran.stderr
+    script = tmp_path / "train.py"
+    script.write_text(NAN_LOOP)
+    watched = run_cli("watch", "--store", db, "--stop-on", "nonfinite", script, tmp_path / "marker.txt")
+    assert watched.returncode == STOPPED_EXIT_CODE, watched.stderr
+    assert watched.stderr.count("mpdiag: event at step") == 1 and "mpdiag watch: stopped: --stop-on" in watched.stderr
+    assert [r["status"] for _, r in Store(db).runs().iterrows()] == ["stopped", "stopped"]
