@@ -234,9 +234,14 @@ class EventLog:
         self.counts: dict[str, int] = {}
         self.stop_reason: str | None = None
 
-    def configure(self, stop_on: StopOn | None = None, announce: Callable[[Event], None] | None = None) -> None:
-        """Set ``--stop-on`` and the announcement before the first step (the runner and ``watch`` call this on the
-        Recorder they built)."""
+    def configure(self, stop_on: StopOn | str | None = None,
+                  announce: Callable[[Event], None] | bool | None = None) -> None:
+        """Set ``--stop-on`` (a StopOn, or its text) and the announcement (True: :func:`print_event`, a line on
+        stderr) before the first step; the runner and ``watch`` call this on the Recorder they built."""
+        if isinstance(stop_on, str):
+            stop_on = StopOn.parse(stop_on)
+        if announce is True:
+            announce = print_event
         self.__init__(stop_on if stop_on is not None else self.stop_on, announce or self.announce, self.grads_read)
 
     def see(self, row) -> None:

@@ -24,11 +24,10 @@ import torch
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
-from mpdiag.options import ConfigError, RunConfig, StopOn, rerun_name
+from mpdiag.options import ConfigError, RunConfig, rerun_name
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
-from mpdiag.recording.events import print_event
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.recorder import Recorder, RunnerAttachment
 from mpdiag.store import StoreWriter
@@ -179,7 +178,6 @@ def train(
                 trace_modules=config.trace_modules, update_format=None if sharded else policy.update_format,
                 fp8=config.fp8_settings() if config.fp8 else None,
             )
-            recorder.events.configure(StopOn.parse(config.stop_on), announce=print_event)
             check = NonfiniteStepCheck.of_model(model, optimizer, policy.master_params() or None)
             note = _loop(built, model, optimizer, policy, recorder, config, device, progress, writer, run_id, shadow,
                          check)
@@ -229,6 +227,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, w
           shadow: Fp32Shadow | None, check: NonfiniteStepCheck) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
     the batches ran out early."""
+    recorder.events.configure(config.stop_on, announce=True)  # --stop-on, and one stderr line per event
     batches = built.batches()
     scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
     k = built.accumulate

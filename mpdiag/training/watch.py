@@ -57,7 +57,6 @@ from mpdiag.options import (
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
-from mpdiag.recording.events import print_event
 from mpdiag.recording.recorder import GradientRead, Recorder, RunnerAttachment, scaler_run_fields
 from mpdiag.training.watch_shadow import WatchShadow
 
@@ -504,6 +503,8 @@ class Watcher:
     def _ensure_recorder(self, scaler) -> bool:
         if self.recorder is None:
             self.recorder = self._start_recorder(scaler)
+            if self.recorder is not None:  # --stop-on, and one stderr line per event
+                self.recorder.events.configure(self.config.stop_on, announce=True)
         return self.recorder is not None
 
     def _capture(self, scaler=None, optimizer=None) -> None:
@@ -568,12 +569,9 @@ class Watcher:
                 self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
             except Exception as exc:  # noqa: BLE001 - e.g. a module deepcopy cannot copy: recorded, not raised
                 self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
-        recorder = Recorder.attached(params, RunnerAttachment(self.run_id, self.writer),
-                                     scaler=scaler if enabled else None, optimizer=optimizers, every=self.config.every,
-                                     trace_modules=self.config.trace_modules, fp8=self.config.fp8,
-                                     check_optimizer_step=True)
-        recorder.events.configure(StopOn.parse(self.config.stop_on), announce=print_event)
-        return recorder
+        return Recorder.attached(params, RunnerAttachment(self.run_id, self.writer), scaler=scaler if enabled else None,
+                                 optimizer=optimizers, every=self.config.every, trace_modules=self.config.trace_modules,
+                                 fp8=self.config.fp8, check_optimizer_step=True)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
