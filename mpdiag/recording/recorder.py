@@ -780,6 +780,8 @@ class Recorder:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
         self.flush()
+        if self.stopped_recording is not None:  # that flush met a failed write: the run was ended failed
+            return
         # After the last rows: jobs run in order, so the stored summary counts every step. Waiting for them
         # first makes a write that failed (a full disk) fail here, before the run is ended as if complete.
         self._writer.call(lambda w: None)
