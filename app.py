@@ -12,7 +12,7 @@ import streamlit as st
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES, script_names, select_runs
 from mpdiag.analysis.summaries import RUN_LINKS
-from mpdiag.dashboard import actions, charts, runs_model
+from mpdiag.dashboard import actions, charts, events_model, runs_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
@@ -29,6 +29,8 @@ def runs_panel(store) -> None:
     if runs.empty:
         first_run_offer(store)
         return
+    for banner in events_model.runs_banners(store, runs):  # live: an event shows at the next refresh
+        ui.events_banner(banner)
     for live in runs_model.live_runs(store, runs):
         with st.container(border=True):
             if live.fraction is None:

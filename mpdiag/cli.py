@@ -69,7 +69,7 @@ def _runs_filters(parser: argparse.ArgumentParser, inner: bool = False) -> None:
     default = argparse.SUPPRESS if inner else []
     parser.add_argument("--tag", action="append", default=default, help="runs carrying this tag (repeatable)")
     parser.add_argument("--status", action="append", default=default,
-                        help="runs with this status: queued, running, stalled, finished, failed, crashed (repeatable)")
+                        help="runs with this status: queued, running, stalled, finished, failed, crashed, stopped (repeatable)")
     parser.add_argument("--script", action="append", default=default,
                         help="runs of this script file name, as the listing shows it (repeatable)")
     if inner:
@@ -197,6 +197,9 @@ def report(store: Store, run_id: int) -> int:
     if run["status"] == "failed":
         print(f"error: {run['error']}", file=sys.stderr)
         return 1
+    if run["status"] == "stopped":  # --stop-on: the training ended at an event, cleanly
+        print(f"stopped: {run['error']}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -342,6 +345,8 @@ def _watch_and_report(config: WatchConfig, store: Store) -> int:
           f"{run['skipped_steps']} skipped, into {store.path}", file=sys.stderr)
     if isinstance(run["note"], str):
         print(f"mpdiag watch: note: {run['note']}", file=sys.stderr)
+    if run["status"] == "stopped":
+        print(f"mpdiag watch: stopped: {run['error']}", file=sys.stderr)
     if launched_by_torchrun():
         exit_skipping_finalization(code)
     return code

@@ -173,6 +173,43 @@ class Option:
         return text
 
 
+@dataclass(frozen=True)
+class StopOn:
+    """``--stop-on``: the events that end the training (:mod:`mpdiag.recording.events`). ``text`` as given:
+    comma-separated ``nonfinite`` (the first non-finite loss or applied gradient), ``spike`` (a loss or
+    gradient-norm spike) and ``skips:N`` (N skipped optimizer steps in a row); empty: none."""
+
+    nonfinite: bool = False
+    spike: bool = False
+    skips: int | None = None
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str | None) -> StopOn:
+        """Raise ConfigError naming what is wrong with ``text``."""
+        found: dict[str, Any] = {}
+        for word in (w.strip() for w in (text or "").split(",")):
+            if not word:
+                continue
+            name, _, count = word.partition(":")
+            if name in ("nonfinite", "spike") and not count:
+                found[name] = True
+            elif name == "skips" and count.isdigit() and int(count) >= 1:
+                found["skips"] = int(count)
+            else:
+                raise ConfigError(f"--stop-on takes nonfinite, spike or skips:N (N >= 1), comma-separated; got {word!r}")
+        return cls(**found, text=",".join(w.strip() for w in (text or "").split(",") if w.strip()))
+
+    def __bool__(self) -> bool:
+        return self.nonfinite or self.spike or self.skips is not None
+
+
+_STOP_ON_HELP = ("end the training cleanly (status stopped, the reason stored) at an event: nonfinite, spike or "
+                 "skips:N (N skipped steps in a row), comma-separated; default: never")
+_STOP_ON_FORM = ("the forms' runs record events without stopping on them: `mpdiag run --stop-on` and "
+                 "`mpdiag watch --stop-on` stop")
+
+
 #: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
 PARALLEL = ("ddp", "fsdp")
 FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
@@ -283,6 +320,7 @@ class RunConfig:
                         minimum=1)
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
                            "text")
+    stop_on: str = option("", _STOP_ON_HELP, "text", watch=True, no_widget=_STOP_ON_FORM)
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
@@ -299,6 +337,7 @@ class RunConfig:
                 raise ConfigError(f"--opt-level {self.opt_level} {why}; drop {flag(name)} (it applies to {applies_to})")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(f"--min-scale {self.min_scale} is above --max-scale {self.max_scale}")
+        StopOn.parse(self.stop_on)
         if self.parallel not in PARALLEL:
             raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.nproc > 1 and self.parallel == "fsdp" and self.opt_level not in FSDP_LEVELS:
@@ -307,6 +346,9 @@ class RunConfig:
         if self.nproc > 1 and self.fp8:
             raise ConfigError("--fp8 records one process's Linear modules; drop it with --nproc above 1 (in your own "
                               "torchrun loop, Recorder(fp8=...) records rank 0's)")
+        if self.nproc > 1 and self.stop_on:
+            raise ConfigError("--stop-on ends one process's training; drop it with --nproc above 1 (every rank "
+                              "would have to stop at the same step)")
         if self.nproc > 1 and self.shadow_every:
             raise ConfigError("--shadow-every compares one process's gradients; drop it with --nproc above 1")
         if self.opt_level == "fp8-sim" or self.fp8:

@@ -73,6 +73,10 @@ def step_slider(clicked, logged: list[int]) -> int:
     picked = None if clicked is None else summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
     if picked is not None and st.session_state.get("step_clicked") != picked:
         st.session_state["step"] = st.session_state["step_clicked"] = picked
+    linked = st.query_params.get("step")  # an event's evidence link (?step=N): the logged step nearest N, once
+    if linked is not None and linked.isdigit() and st.session_state.get("step_linked") != linked:
+        st.session_state["step_linked"] = linked
+        st.session_state["step"] = min(logged, key=lambda s: abs(s - int(linked)))
     if st.session_state.get("step") not in logged:
         st.session_state["step"] = logged[-1]
     return st.select_slider("Step", logged, key="step")

@@ -162,3 +162,17 @@ def test_docs_pages_that_code_points_to_exist():
     assert pointers, "code points into docs/"
     missing = [f"{path}: {page}" for path, page in sorted(pointers) if not (ROOT / page).is_file()]
     assert not missing
+
+
+def test_the_events_thresholds_are_the_codes():
+    """docs/events.md's thresholds table is generated from the constants the event rules read."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        from findings_thresholds import EVENTS_MARKER, EVENTS_MODULES, thresholds_table
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    assert EVENTS_MARKER in (DOCS / "events.md").read_text()
+    table = thresholds_table(EVENTS_MODULES)
+    for name in ("SKIP_STREAK", "SCALE_FLOOR", "SPIKE_WINDOW", "SPIKE_SIGMAS", "SPIKE_MIN_VALUES", "SPIKE_MIN_RISE",
+                 "MAX_PER_KIND"):
+        assert f"| `{name}` |" in table, name

@@ -11,17 +11,21 @@ import inspect
 
 MARKER = "<!-- findings-thresholds -->"
 MODULES = ("mpdiag.analysis.findings", "mpdiag.analysis.fp8_summaries", "mpdiag.analysis.fp8_findings")
+#: docs/events.md's table, likewise, from the event rules' constants
+EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events",)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    if EVENTS_MARKER in markdown:
+        markdown = markdown.replace(EVENTS_MARKER, thresholds_table(EVENTS_MODULES))
     if MARKER not in markdown:
         return markdown
     return markdown.replace(MARKER, thresholds_table())
 
 
-def thresholds_table() -> str:
+def thresholds_table(modules: tuple[str, ...] = MODULES) -> str:
     rows = [f"| `{name}` | `{value!r}` | {meaning} | `{module.rsplit('.', 1)[-1]}.py` |"
-            for module in MODULES for name, value, meaning in documented_constants(module)]
+            for module in modules for name, value, meaning in documented_constants(module)]
     return "| constant | value | what it is | in |\n|---|---|---|---|\n" + "\n".join(rows)
 
 

@@ -586,7 +586,8 @@ def health(severities: list[str], status: str = "finished") -> str:
     yet"). Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium)."""
     errors, warnings = severities.count("error"), severities.count("warning")
     if not errors and not warnings:
-        return {"finished": "healthy", "failed": "did not finish", "crashed": "did not finish"}.get(
+        return {"finished": "healthy", "failed": "did not finish", "crashed": "did not finish",
+                "stopped": "stopped at an event"}.get(
             status, "no findings yet")
     return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((errors, "error"), (warnings, "warning")) if n)
 

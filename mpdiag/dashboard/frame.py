@@ -24,7 +24,7 @@ import streamlit as st
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_label, run_progress, stall_text
-from mpdiag.dashboard import actions
+from mpdiag.dashboard import actions, events_model
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
@@ -204,6 +204,9 @@ def explain_run_state(run: pd.Series, store: Store | None = None) -> None:
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
+    if run["status"] == "stopped" and isinstance(run["error"], str):
+        st.warning(f"Run #{int(run['run_id'])} was stopped at an event; why:")
+        st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stalled":
         st.warning(stall_text(run))
         line = None if store is None else actions.last_output_line(store.path, int(run["run_id"]))
@@ -260,7 +263,21 @@ def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
     run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
     explain_run_state(run, store)
+    banner = events_model.run_banner(store, run)
+    if banner is not None:
+        events_banner(banner)
     return run, is_final(run), runs
+
+
+def events_banner(banner: events_model.Banner) -> None:
+    """A run's events while training (mpdiag.recording.events), each as text with a link to its evidence."""
+    with st.container(border=True, key=f"events_{banner.run_id}"):
+        st.warning(plain(banner.heading))
+        for line in banner.lines:  # the link: page names and integers only (events_model builds it)
+            st.markdown(f"{plain(f'Step {line.step}: {line.kind}: {line.summary}')} · "
+                        f"[{line.page} at step {line.step}]({line.link})")
+        if banner.more:
+            st.caption(f"and {banner.more} more on the run's own pages")
 
 
 def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFrame) -> str:

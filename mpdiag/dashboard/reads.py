@@ -21,7 +21,7 @@ import streamlit as st
 from mpdiag.analysis.findings import diagnose
 from mpdiag.store import Store
 
-FINAL_STATUSES = ("finished", "failed", "crashed")
+FINAL_STATUSES = ("finished", "failed", "crashed", "stopped")
 
 
 def is_final(run: pd.Series) -> bool:

@@ -34,7 +34,7 @@ class StoreWriteFailed(RuntimeError):
 
 HEARTBEAT_S = 5.0
 TICK_S = 0.25  # how often periodic work is looked at
-_ENDED = ("finished", "failed", "crashed")
+_ENDED = ("finished", "failed", "crashed", "stopped")
 
 
 class _OpenRuns:

@@ -43,6 +43,7 @@ from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, Pending
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
+from mpdiag.recording.events import EventLog
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.run import Run
@@ -299,6 +300,8 @@ class Recorder:
         self._lock = threading.RLock()
         #: why recording stopped while training went on (writing to the store failed), or None
         self.stopped_recording: str | None = None
+        #: the events raised from the completed step rows (mpdiag.recording.events); ``configure`` it for --stop-on
+        self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
                  watch_ranks: bool) -> None:
@@ -672,6 +675,7 @@ class Recorder:
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
             self._step_rows.append(StepRow(*row))
+            self.events.see(row)
         if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
@@ -730,6 +734,9 @@ class Recorder:
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+        events = self.events.take()
+        if events:
+            self._writer.submit(lambda w: w.add_events(self.run_id, events))
         ranks = self._dist.take_rank_rows(wait=self._closed)
         if ranks:
             self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
@@ -743,8 +750,10 @@ class Recorder:
     # -- end ------------------------------------------------------------------------------------------------
     @_never_ends_training
     def close(self, note: str | None = None) -> None:
-        """Write everything and mark the run finished (idempotent)."""
-        self._end(status="finished", error=None, note=note, known=True)
+        """Write everything and mark the run finished (idempotent); ``stopped`` with the reason when an event
+        asked to stop (``--stop-on``: the step in progress did not step)."""
+        reason = self.events.stop_reason
+        self._end(status="finished" if reason is None else "stopped", error=reason, note=note, known=reason is None)
 
     @_never_ends_training
     def fail(self, error: str, status: str = "failed") -> None:
@@ -781,6 +790,8 @@ class Recorder:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
         self.flush()
+        if self.stopped_recording is not None:  # that flush met a failed write: the run was ended failed
+            return
         # After the last rows: jobs run in order, so the stored summary counts every step. Waiting for them
         # first makes a write that failed (a full disk) fail here, before the run is ended as if complete.
         self._writer.call(lambda w: None)

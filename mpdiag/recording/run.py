@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 #: the statuses a run is ended with
-END_STATUSES = ("finished", "failed", "crashed")
+END_STATUSES = ("finished", "failed", "crashed", "stopped")  # stopped: by --stop-on at an event
 
 
 class Run:
@@ -117,7 +117,7 @@ class Run:
     # -- the end --------------------------------------------------------------------------------------------
     def end(self, status: str = "finished", error: str | None = None, note: str | None = None, *,
             wait: bool = False) -> bool:
-        """End the run as ``status`` (finished, failed or crashed) with ``error`` and ``note``; False (nothing
+        """End the run as ``status`` (finished, failed, crashed, or stopped by --stop-on) with ``error`` and ``note``; False (nothing
         written) when this handle ended it before."""
         if status not in END_STATUSES:
             raise ValueError(f"a run ends as one of {END_STATUSES}, not {status!r}")

@@ -59,7 +59,7 @@ LOG_FILE = "output.log"
 STORED_PREFIX = "sha256:"
 #: store writer methods a run child may call, each with the run id as its first argument
 ALLOWED_CALLS = frozenset({"create_run", "update_run", "add_tensors", "write_batch", "add_modules",
-                           "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run",
+                           "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run", "add_events",
                            "set_optimizer_step_nonfinite"})
 
 
@@ -297,8 +297,10 @@ class RunOwner:
                 raise PermissionError(f"the child created run {run_id} twice")
             self._unclaimed.remove(run_id)
             method, kwargs = "update_run", {**kwargs, **self._fixed, "status": "running"}
-        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ("finished", "failed", "crashed"):
-            raise PermissionError("a child may end its run only as finished, failed or crashed (stopped by a signal)")
+        ended = ("finished", "failed", "crashed", "stopped")
+        if method == "end_run" and (args[1:2] or [kwargs.get("status")])[0] not in ended:
+            raise PermissionError("a child may end its run only as finished, failed, crashed (stopped by a signal) "
+                                  "or stopped (at an event, --stop-on)")
         if method == "write_batch":
             args = [run_id, *_row_records(*args[1:])]
         if method == "update_run":

@@ -32,6 +32,7 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "fp8": store.fp8(run_id),
         "fp8_histograms": store.fp8_histograms(run_id),
         "probes": store.probes(run_id),
+        "events": store.events(run_id).assign(evidence=lambda d: d["evidence"].map(json.dumps)),
         "console_output": _console_output(store, run_id),
     }
 

@@ -403,6 +403,21 @@ class Store:
             df[col] = df[col].astype(float)
         return df
 
+    def events(self, run_id: int | None = None) -> pd.DataFrame:
+        """Events raised while training (:mod:`mpdiag.recording.events`), in step order: run_id, step, kind,
+        evidence (a dict: the values the rule read, its ``summary`` and ``rule`` in words), created_at. Every run's
+        when ``run_id`` is None. Empty for runs recorded before schema 12."""
+        where, params = ("WHERE run_id = ?", (int(run_id),)) if run_id is not None else ("", ())
+        df = self._query(f"SELECT run_id, step, kind, evidence, created_at FROM events {where} "
+                         "ORDER BY run_id, step, rowid", params)
+        df["evidence"] = [json.loads(text) for text in df["evidence"]]
+        return df
+
+    def events_version(self) -> tuple[int, float]:
+        """(count, newest created_at) of all stored events: changes whenever an event is stored."""
+        row = self._query("SELECT COUNT(*) AS n, COALESCE(MAX(created_at), 0) AS last FROM events").iloc[0]
+        return int(row["n"]), float(row["last"])
+
     def rank_steps(self, run_id: int) -> pd.DataFrame:
         """Per step and rank of a distributed run: ``loss`` (that rank's local loss; NaN restored from NULL)
         and ``nonfinite`` (DDP: the inf/NaN values in that rank's local gradients before the all-reduce; NaN

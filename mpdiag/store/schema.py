@@ -35,8 +35,10 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 10: run_output, the console output of a run mpdiag started or watched (bounded: mpdiag.store.console).
 # 11: fp8_blocks, fp8_block_scales: the block-scaled recipes (mxfp8, nvfp4) --fp8 records (their per-tensor counts
 # are fp8_steps rows); runs recorded before have none.
-SCHEMA_VERSION = 11
-STATUSES = ("queued", "running", "finished", "failed", "crashed")  # readers also derive "stalled"
+# 12: events, raised while training at the step they happen (mpdiag.recording.events); runs.status "stopped".
+SCHEMA_VERSION = 12
+#: "stopped": training ended by --stop-on at an event, the reason in the run's error
+STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall
 
@@ -144,6 +146,12 @@ _STATEMENTS = [
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID""",
     # per step and rank of a distributed run: that rank's local loss and, for DDP, its local gradients' inf/NaN
     # count before the all-reduce
+    # events raised while training (mpdiag.recording.events): the step it happened at, its kind, its evidence
+    # (JSON text); several per (run, step, kind) are possible in principle, so a rowid table
+    """CREATE TABLE IF NOT EXISTS events (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, kind TEXT NOT NULL,
+    evidence TEXT NOT NULL, created_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, step)",
     """CREATE TABLE IF NOT EXISTS rank_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
     PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID""",

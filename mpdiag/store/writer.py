@@ -222,6 +222,16 @@ class StoreWriter:
         """rows: (step, tensor_id, rel_error, cosine, ref_norm); non-finite floats are stored as NULL."""
         self._insert("shadow_steps", run_id, rows)
 
+    def add_events(self, run_id: int, rows: list[tuple]) -> None:
+        """rows: (step, kind, evidence as JSON text, created_at), as :meth:`mpdiag.recording.events.Event.row`
+        makes them; refused unless the evidence is a JSON object."""
+        checked = []
+        for step, kind, evidence, created_at in rows:
+            if not isinstance(json.loads(evidence), dict):
+                raise ValueError("an event's evidence must be a JSON object")
+            checked.append((int(step), str(kind), str(evidence), float(created_at)))
+        self._insert("events", run_id, checked)
+
     def add_rank_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, rank, loss, nonfinite); a non-finite loss and an uncounted nonfinite are stored as NULL."""
         self._insert("rank_steps", run_id, rows)

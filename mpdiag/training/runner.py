@@ -248,6 +248,7 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
           shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
     the batches ran out early."""
+    recorder.events.configure(config.stop_on, announce=True)  # --stop-on, and one stderr line per event
     batches = built.batches()
     scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
     k = built.accumulate
@@ -276,6 +277,8 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
                 reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         recorder.record(loss)
+        if recorder.events.stop_reason is not None:  # --stop-on: this step is not stepped; close() says why
+            return None
         if shadow_step:
             recorder.compare_gradients(reference)
         policy.step(optimizer, built.clip_grad_norm)  # the Recorder checks the optimizer step in its hooks

@@ -45,7 +45,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.options import WATCH_LEVEL_NAMES, WATCH_OPTIONS, WATCH_RERUN_OPTIONS, ConfigError, check_values, rerun_name
+from mpdiag.options import (
+    WATCH_LEVEL_NAMES,
+    WATCH_OPTIONS,
+    WATCH_RERUN_OPTIONS,
+    ConfigError,
+    StopOn,
+    check_values,
+    rerun_name,
+)
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
@@ -89,6 +97,12 @@ class WatchStopped(BaseException):
     """The watched process got SIGTERM. A BaseException, so the script's ``except Exception`` lets it through."""
 
 
+class StoppedAtEvent(WatchStopped):
+    """``--stop-on``: an event asked to end the training. Raised, as SIGTERM's WatchStopped is, from inside the
+    script's step (the capture before its optimizer step), so the script's ``finally`` blocks and context managers
+    run and that step's update is not applied; ``watch`` ends the run ``stopped`` with the reason."""
+
+
 @dataclass(frozen=True)
 class WatchConfig:
     """What to run and how to record it. ``target`` is a script path, or a module name when ``module``. The
@@ -104,6 +118,7 @@ class WatchConfig:
     shadow_every: int = WATCH_OPTIONS["shadow_every"].default
     opt_level: str | None = WATCH_OPTIONS["opt_level"].default
     init_scale: float | None = WATCH_OPTIONS["init_scale"].default
+    stop_on: str = WATCH_OPTIONS["stop_on"].default  # --stop-on: the events that end the script (status stopped)
     cwd: str = field(default_factory=os.getcwd)
     parent_run_id: int | None = None  # a rerun of a watched run: the run it repeats
     fp8: Fp8Settings | None = None  # --fp8: also record what this FP8 recipe would cast in every nn.Linear
@@ -126,7 +141,7 @@ class WatchConfig:
         """What a run stores of this config (its ``config["watch"]``), so that a rerun can repeat it."""
         return {"argv": self.command(), "cwd": None if self.bundle else self.cwd, "opt_level": self.opt_level,
                 "init_scale": self.init_scale, "every": self.every, "trace_modules": self.trace_modules,
-                "shadow_every": self.shadow_every, "fp8": None if self.fp8 is None else dataclasses.asdict(self.fp8),
+                "shadow_every": self.shadow_every, "stop_on": self.stop_on, "fp8": None if self.fp8 is None else dataclasses.asdict(self.fp8),
                 **({"bundle": self.bundle} if self.bundle else {})}
 
     def validate(self) -> None:
@@ -135,6 +150,10 @@ class WatchConfig:
             raise ConfigError(f"watch --opt-level {self.opt_level} is refused: {REFUSED_LEVELS[self.opt_level]}. "
                               f"watch takes {', '.join(WATCH_LEVELS)}, or no --opt-level to keep the script's own settings.")
         check_values({name: getattr(self, name) for name in WATCH_RERUN_OPTIONS}, WATCH_OPTIONS)
+        StopOn.parse(self.stop_on)
+        if self.stop_on and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--stop-on is not available under torchrun: every rank would have to stop at the same "
+                              "step")
         if self.shadow_every and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("--shadow-every is not available under torchrun: the FP32 shadow replays the "
                               "model's forward on a copy of it, which a DDP or FSDP module cannot give")
@@ -485,6 +504,8 @@ class Watcher:
     def _ensure_recorder(self, scaler) -> bool:
         if self.recorder is None:
             self.recorder = self._start_recorder(scaler)
+            if self.recorder is not None:  # --stop-on, and one stderr line per event
+                self.recorder.events.configure(self.config.stop_on, announce=True)
         return self.recorder is not None
 
     def _capture(self, scaler=None, optimizer=None) -> None:
@@ -501,6 +522,8 @@ class Watcher:
         (read, shadow_rows), self._read_at_clip = self._read_at_clip or self._read(), None
         loss = self._loss if self._loss is not None else float("nan")
         self.recorder.record(loss, gradients=read)
+        if self.recorder.events.stop_reason is not None:  # --stop-on: before this step's update is applied
+            raise StoppedAtEvent(self.recorder.events.stop_reason)
         self.recorder.add_shadow_rows(shadow_rows)
         if optimizer is not None:
             self.recorder.asked_to_step(optimizer)
@@ -618,6 +641,10 @@ class Watcher:
         return []
 
 
+#: the exit status of ``mpdiag run`` and ``mpdiag watch`` when --stop-on ended the training at an event
+STOPPED_EXIT_CODE = 3
+
+
 def _stop(signum, frame):
     raise WatchStopped(f"stopped by signal {signal.Signals(signum).name}")
 
@@ -701,6 +728,8 @@ def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], 
     except SystemExit as exc:
         code = _exit_code(exc.code)
         status, error = ("finished", None) if code == 0 else ("failed", f"the script called sys.exit({exc.code!r})")
+    except StoppedAtEvent as exc:
+        status, error, code = "stopped", str(exc), STOPPED_EXIT_CODE
     except WatchStopped as exc:
         status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
     except KeyboardInterrupt:
