@@ -122,6 +122,8 @@ def kinds(tmp_path_factory):
     fp8 = ModelScript.from_path(EXAMPLES / "fp8_amax_jump.py")
     runs["fp8 recorded"] = train(fp8, base.with_options(opt_level="bf16", fp8=True, fp8_recipe="both"), path)
     runs["fp8-sim"] = train(fp8, base.with_options(opt_level="fp8-sim"), path)
+    runs["fp8 block-scaled"] = train(fp8, base.with_options(opt_level="bf16", fp8=True, fp8_blocks="mxfp8,nvfp4",
+                                                            steps=3), path)
     partner[runs["fp8 recorded"]], partner[runs["fp8-sim"]] = runs["fp8-sim"], runs["fp8 recorded"]
     runs["collapsed scale 2^-83"] = train(ModelScript.from_path(EXAMPLES / "gallery_underflow.py"),
                                           base.with_options(opt_level="O1", loss_scale=2.0**-83, steps=3), path)
@@ -133,6 +135,7 @@ def kinds(tmp_path_factory):
     # an FP32 run with an FP32 shadow: every gradient error is exactly 0 (a log axis of zeros)
     runs["O0 with shadow"] = train(mlp, base.with_options(opt_level="O0", shadow_every=2, steps=4), path)
     runs["traced O3 NaN"] = train(mlp, base.with_options(opt_level="O3", trace_modules=True, steps=4), path)
+    runs["stopped at an event"] = train(mlp, base.with_options(opt_level="O3", stop_on="nonfinite"), path)
 
     broken = folder / "fails_at_step_3.py"
     broken.write_text(textwrap.dedent(FAILS_AT_STEP_3))
@@ -257,6 +260,10 @@ def test_the_store_holds_every_kind(kinds):
     assert Store(store).steps(runs["scale collapsed to 0"])["loss_scale"].iloc[-1] == 0.0
     assert (Store(store).shadow_stats(runs["O0 with shadow"])["rel_error"] == 0).all()
     assert not Store(store).fp8(runs["fp8 recorded"]).empty
+    assert set(Store(store).fp8(runs["fp8 block-scaled"])["recipe"]) >= {"mxfp8", "nvfp4"}
+    stopped = Store(store).runs().set_index("run_id").loc[runs["stopped at an event"]]
+    assert stopped["status"] == "stopped" and stopped["steps_done"] < 6
+    assert "nonfinite" in set(Store(store).events(runs["stopped at an event"])["kind"])
 
 
 def test_home_shows_a_running_runs_progress_without_a_planned_total(kinds, monkeypatch):
