@@ -245,21 +245,15 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
             fix={"opt_level": "bf16"}, page=page, focus=focus,
         )
     k = recommended_scale(hist, ceiling=GRADSCALER_DEFAULT_LOG2)  # lower, never above GradScaler's default
-    if not skipped.any():  # a scale below 1 that nothing backed off to (a static one, or a custom scaler's)
-        return Finding(
-            rule="scale-collapse", severity="warning",
-            title="The loss scale is below 1: it shrinks gradients toward FP16's underflow instead of lifting them",
-            evidence=evidence,
-            recommendation=(f"Scale up, not down: --loss-scale dynamic --init-scale 2^{k}" if k is not None else
-                            "No single scale fits these gradients: --opt-level bf16."),
-            fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
-            page=page, focus=focus,
-        )
+    # a scale below 1 that nothing backed off to (a static one, or a custom scaler's) shrinks the gradients
+    shrinks = not skipped.any()
     return Finding(
         rule="scale-collapse", severity="warning",
-        title="Gradients overflow FP16 at the loss scale: steps are skipped",
+        title=("The loss scale is below 1: it shrinks gradients toward FP16's underflow instead of lifting them"
+               if shrinks else "Gradients overflow FP16 at the loss scale: steps are skipped"),
         evidence=evidence,
-        recommendation=(f"Start the scale lower: --init-scale 2^{k}" if k is not None else
+        recommendation=(("Scale up, not down: --loss-scale dynamic --init-scale" if shrinks else
+                         "Start the scale lower: --init-scale") + f" 2^{k}" if k is not None else
                         "No single scale fits these gradients: --opt-level bf16."),
         fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
         page=page, focus=focus,
