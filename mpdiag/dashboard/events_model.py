@@ -36,17 +36,20 @@ class EventLine:
 
 @dataclass(frozen=True)
 class Banner:
-    """A run's events: ``lines`` shown, ``more`` not shown."""
+    """A run's events: ``lines`` shown, ``more`` not shown; ``stopped_by``: the ``--stop-on`` option that ended
+    the run at the first of them (its error's first part), None when the run was not stopped."""
 
     run_id: int
     label: str
     lines: list[EventLine]
     more: int
+    stopped_by: str | None = None
 
     @property
     def heading(self) -> str:
         count = len(self.lines) + self.more
-        return f"{self.label}: {count} event{'s' if count > 1 else ''} while training"
+        said = f"{self.label}: {count} event{'s' if count > 1 else ''} while training"
+        return said if self.stopped_by is None else f"{said}; stopped by {self.stopped_by}"
 
 
 def _line(run_id: int, event: pd.Series) -> EventLine:
@@ -59,7 +62,9 @@ def _line(run_id: int, event: pd.Series) -> EventLine:
 def _banner(run: pd.Series, events: pd.DataFrame, lines: int | None) -> Banner:
     run_id = int(run["run_id"])
     shown = events if lines is None else events.head(lines)
-    return Banner(run_id, run_label(run), [_line(run_id, e) for _, e in shown.iterrows()], len(events) - len(shown))
+    stopped = run["status"] == "stopped" and isinstance(run["error"], str)
+    return Banner(run_id, run_label(run), [_line(run_id, e) for _, e in shown.iterrows()], len(events) - len(shown),
+                  run["error"].partition(":")[0].strip() if stopped else None)
 
 
 def runs_banners(store: Store, runs: pd.DataFrame) -> list[Banner]:

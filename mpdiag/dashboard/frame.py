@@ -197,14 +197,15 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
     return chosen
 
 
-def explain_run_state(run: pd.Series, store: Store | None = None) -> None:
+def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: bool = False) -> None:
     """Say what a failed or crashed run reported (its error as text), why a stalled one reads so (with its last
-    line of output, when ``store`` is given and the app started it), any note mpdiag stored with it, and the
+    line of output, when ``store`` is given and the app started it), why a run was stopped (unless ``events_shown``: its
+    events banner names the --stop-on option), any note mpdiag stored with it, and the
     tags and note a person gave it (as text)."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
-    if run["status"] == "stopped" and isinstance(run["error"], str):
+    if run["status"] == "stopped" and isinstance(run["error"], str) and not events_shown:  # else the banner says it
         st.warning(f"Run #{int(run['run_id'])} was stopped at an event; why:")
         st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stalled":
@@ -262,8 +263,8 @@ def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
         return None
     run_id = pick_run(runs, default=lambda: default_run(store, runs))
     run = runs[runs["run_id"] == run_id].iloc[0]
-    explain_run_state(run, store)
     banner = events_model.run_banner(store, run)
+    explain_run_state(run, store, events_shown=banner is not None)
     if banner is not None:
         events_banner(banner)
     return run, is_final(run), runs

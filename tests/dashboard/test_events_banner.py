@@ -76,3 +76,26 @@ def test_an_evidence_link_opens_the_gradients_page_at_the_events_step(tmp_path, 
     assert at.select_slider(key="step").value in (2, 4)  # logged every 2: the nearest logged step
     at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id))
     assert at.select_slider(key="step").value == 4  # without a link: the last logged step
+
+
+def test_a_stopped_runs_page_says_why_once_in_its_banner(tmp_path, monkeypatch):
+    """A run ended by --stop-on: its banner's heading names the option; the reason is not said again above it.
+    A stopped run without a stored event (none to show) still says why on its own."""
+    path = tmp_path / "runs.db"
+    reason = "--stop-on nonfinite: nonfinite at step 40: first non-finite loss: loss nan"
+    with StoreWriter(path) as writer:
+        stopped = writer.create_run(name="stopped", opt_level="O1")
+        bare = writer.create_run(name="stopped, no event kept", opt_level="O1")
+        for run_id in (stopped, bare):
+            writer.write_batch(run_id, [StepRow(s, 1.0, 1.0, 0, 0, 1.0, 0.1, 0, 1, 1e-3, 1.0, 0.1) for s in range(42)],
+                               [])
+            writer.end_run(run_id, "stopped", error=reason)
+        writer.add_events(stopped, [(40, "nonfinite", json.dumps({"summary": "first non-finite loss: loss nan"}), 1.0)])
+    runs = Store(path).runs()
+    banner = events_model.run_banner(Store(path), runs[runs["run_id"] == stopped].iloc[0])
+    assert banner.heading.endswith("1 event while training; stopped by --stop-on nonfinite")
+    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(stopped))
+    assert not at.exception and "was stopped at an event" not in texts(at)
+    assert sum("stopped by" in w.value and "nonfinite" in w.value for w in at.warning) == 1  # plain() escapes "-"
+    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(bare))
+    assert not at.exception and "was stopped at an event" in texts(at) and reason in texts(at)
