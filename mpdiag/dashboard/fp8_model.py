@@ -56,7 +56,9 @@ class Fp8Run:
         modules = records["module"].nunique()
         return (f"Recorded recipe: {recipes}, history {s.history:,}, margin {s.margin}, output gradients in "
                 f"{fmt_label(s.role_format('grad_output').name)}{', power-of-two scales' if s.pow2 else ''}; "
-                f"{records['step'].nunique():,} recorded steps, {modules:,} Linear module{'' if modules == 1 else 's'}.")
+                f"{records['step'].nunique():,} recorded steps, {modules:,} Linear module{'' if modules == 1 else 's'}"
+                + (f"; block-scaled too: {' and '.join(r.upper() for r in s.block_recipes)} (their table is at the "
+                   "end of the page)." if s.block_recipes else "."))
 
     @property
     def findings(self) -> list[Finding]:

@@ -285,6 +285,7 @@ def test_block_scaled_recipes_show_their_exact_counts_beside_the_per_tensor_page
     at = page(path, monkeypatch, run="1")
     assert at.radio(key="recipe").options == ["current"]
     assert "Block-scaled recipes: MXFP8 and NVFP4" in [h.value for h in at.subheader]
+    assert "block-scaled too: MXFP8 and NVFP4 (their table is at the end of the page)." in texts(at)  # said on top
     assert "equal to torchao's reference casts" in texts(at)
     table = at.dataframe[-1].value.set_index(["layer", "role", "recipe"])
     assert len(table) == 2 * 3 * 2
