@@ -74,7 +74,9 @@ def step_slider(clicked, logged: list[int]) -> int:
     if picked is not None and st.session_state.get("step_clicked") != picked:
         st.session_state["step"] = st.session_state["step_clicked"] = picked
     linked = st.query_params.get("step")  # an event's evidence link (?step=N): the logged step nearest N, once
-    if linked is not None and linked.isdigit() and st.session_state.get("step_linked") != linked:
+    # ASCII digits, a step's length: "²".isdigit() and 5,000 digits pass isdigit() yet make int() raise
+    if linked is not None and linked.isascii() and linked.isdigit() and len(linked) <= 12 \
+            and st.session_state.get("step_linked") != linked:
         st.session_state["step_linked"] = linked
         st.session_state["step"] = min(logged, key=lambda s: abs(s - int(linked)))
     if st.session_state.get("step") not in logged:

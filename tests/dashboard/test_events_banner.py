@@ -76,6 +76,10 @@ def test_an_evidence_link_opens_the_gradients_page_at_the_events_step(tmp_path, 
     assert at.select_slider(key="step").value in (2, 4)  # logged every 2: the nearest logged step
     at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id))
     assert at.select_slider(key="step").value == 4  # without a link: the last logged step
+    for crafted in ("9" * 5000, "²", "-1", "1e9", "3 "):  # a hand-made URL: ignored, the page as without a link
+        at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id), step=crafted)
+        assert not at.exception and not at.error, crafted
+        assert at.select_slider(key="step").value == 4, crafted
 
 
 def test_a_stopped_runs_page_says_why_once_in_its_banner(tmp_path, monkeypatch):
