@@ -11,7 +11,7 @@ from mpdiag.analysis import summaries
 from mpdiag.dashboard import charts, gradients_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.gradients_model import CATEGORIES, GRID_FIRST, Ranking, StepView, TensorView
-from mpdiag.dashboard.untrusted import plain
+from mpdiag.dashboard.untrusted import plain, url_count
 from mpdiag.numerics.formats import EXP_MIN
 
 
@@ -73,12 +73,10 @@ def step_slider(clicked, logged: list[int]) -> int:
     picked = None if clicked is None else summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
     if picked is not None and st.session_state.get("step_clicked") != picked:
         st.session_state["step"] = st.session_state["step_clicked"] = picked
-    linked = st.query_params.get("step")  # an event's evidence link (?step=N): the logged step nearest N, once
-    # ASCII digits, a step's length: "²".isdigit() and 5,000 digits pass isdigit() yet make int() raise
-    if linked is not None and linked.isascii() and linked.isdigit() and len(linked) <= 12 \
-            and st.session_state.get("step_linked") != linked:
+    linked = url_count(st.query_params.get("step"))  # an event's evidence link (?step=N): the logged step nearest N
+    if linked is not None and st.session_state.get("step_linked") != linked:  # once per link
         st.session_state["step_linked"] = linked
-        st.session_state["step"] = min(logged, key=lambda s: abs(s - int(linked)))
+        st.session_state["step"] = min(logged, key=lambda s: abs(s - linked))
     if st.session_state.get("step") not in logged:
         st.session_state["step"] = logged[-1]
     return st.select_slider("Step", logged, key="step")

@@ -27,7 +27,7 @@ from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions, events_model
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
-from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text
+from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
     FSDP_LEVELS,
     LEVELS,
@@ -152,7 +152,7 @@ def _seed_from_url(key: str, runs: pd.DataFrame, fallback) -> None:
         return
     known = set(runs["run_id"].astype(int))
     raw = st.query_params.get_all(key)
-    ids = [int(v) for v in raw if v.isdigit() and int(v) in known]
+    ids = [i for i in map(url_count, raw) if i in known]
     st.session_state[key] = ids or (fallback() if callable(fallback) else fallback)
 
 

@@ -4,7 +4,7 @@ Owns :func:`plain`, the one way a user-supplied string (run, script and file nam
 config values, tensor names, exception text, a check's problem text) reaches a Streamlit element that renders
 Markdown: alerts, captions, widget labels and help, format_func labels, metric and expander labels, toasts,
 progress text. Long or multi-line text that should keep its layout goes to ``st.code`` / ``st.text`` instead.
-Also owns the per-session Host check (:func:`host_allowed`): a DNS-rebinding page reaches the server under
+Also owns the reading of a number from the URL (:func:`url_count`), and the per-session Host check (:func:`host_allowed`): a DNS-rebinding page reaches the server under
 its own name, so a session whose ``Host`` is not loopback or a configured name is given no data.
 This module must not import the store, torch or anything that starts a process.
 """
@@ -31,6 +31,14 @@ def plain(text: object) -> str:
     emphasis, maths, colour or icon can be built from it. Line breaks are kept as hard breaks."""
     escaped = _PUNCTUATION.sub(r"\\\1", str(text))
     return escaped.replace("\r\n", "\n").replace("\n", "  \n")
+
+
+def url_count(text: str | None) -> int | None:
+    """A run id or step written in the URL (``?run=3``, ``?step=40``): ASCII digits of at most 12, else None.
+    ``str.isdigit`` alone lets "²" and a 5,000-digit string through, on which ``int`` raises."""
+    if text is None or not (text.isascii() and text.isdigit() and len(text) <= 12):
+        return None
+    return int(text)
 
 
 def terminal_text(text: str) -> str:
