@@ -23,7 +23,8 @@ def by_casting(x: torch.Tensor, scale: float, name: str) -> tuple[int, int, int]
     y = x * torch.tensor(scale, dtype=torch.float32)
     cast = y.to(DTYPES[name]).float().abs()
     finite_nonzero = torch.isfinite(x) & (x != 0)
-    # E4M3's cast saturates (448 even for inf), so its overflow is the 464 threshold; E5M2's cast gives inf
+    # past 464 E4M3's cast saturates to 448 (torch 2.13) or gives NaN (2.11): its overflow is the 464 threshold;
+    # E5M2's cast gives inf
     over = y.abs() > 464 if name == "fp8_e4m3" else torch.isinf(cast)
     return (int((finite_nonzero & (cast == 0)).sum()),
             int((finite_nonzero & (cast > 0) & (cast < fmt.min_normal)).sum()),

@@ -10,14 +10,15 @@ Categories of a value y = fp32(x * scale) about to be cast to an FP8 format, by 
 underflow (x non-zero and finite, the cast is 0), subnormal (the cast is non-zero and below min normal),
 overflow (x finite and |y| past the format's overflow rule: > 464 for E4M3, >= 61440 for E5M2). The first two
 edges are found by bisecting torch's own casts over the fp32 bit patterns (:func:`_category_edges`), so the
-counts equal torch's casting value by value; E4M3's overflow edge is the 464 threshold, because its cast
-saturates and cannot show overflow. As in :mod:`mpdiag.numerics.gradstats`' torch backend, the tensors are
+counts equal torch's casting value by value; so is the overflow edge where the cast shows it (NaN or inf),
+else (a saturating E4M3 cast) it is the 464 threshold, checked against the cast. As in :mod:`mpdiag.numerics.gradstats`' torch backend, the tensors are
 gathered into fp32 workspaces, each value keyed by one ``bucketize`` of its magnitude bits, and counted by
 one ``index_add_``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,17 +72,18 @@ def _first_bits(predicate) -> int:
 
 def _category_edges(fmt: Fp8Format) -> tuple[int, int, int]:
     """fp32 magnitude bit patterns where a cast to ``fmt`` stops being 0, stops being subnormal, and starts
-    overflowing. Found by casting, except E4M3's overflow edge (the 464 threshold: its cast saturates)."""
+    overflowing, all found by casting. Where the cast cannot show overflow (torch 2.13 saturates E4M3 casts at
+    448; 2.11 gives NaN past 464) the edge is the format's typed threshold, checked to be where saturation
+    starts."""
     _check_limits(fmt)
     nonzero = _first_bits(lambda b: _cast_magnitude(b, fmt) > 0)
     normal = _first_bits(lambda b: _cast_magnitude(b, fmt) >= fmt.min_normal)
-    if fmt.overflow_above is not None:
+    overflow = _first_bits(lambda b: not math.isfinite(_cast_magnitude(b, fmt)))
+    if overflow == INF_BITS and fmt.overflow_above is not None:
         threshold = int(torch.tensor([fmt.overflow_above]).view(torch.int32)[0])
         if _cast_magnitude(threshold, fmt) != fmt.max_finite or _cast_magnitude(threshold + 1, fmt) != fmt.max_finite:
-            raise AssertionError(f"{fmt.name}: the cast no longer saturates; decide overflow by the cast")
+            raise AssertionError(f"{fmt.name}: the cast neither saturates past {fmt.overflow_above} nor shows overflow")
         overflow = threshold + 1
-    else:
-        overflow = _first_bits(lambda b: _cast_magnitude(b, fmt) == float("inf"))
     for edge, category in ((nonzero, SUBNORMAL), (normal, NORMAL), (overflow, OVERFLOW)):
         below, at = (float(torch.tensor([b], dtype=torch.int32).view(torch.float32)[0]) for b in (edge - 1, edge))
         if fmt.category(below) != category - 1 or fmt.category(at) != category:
