@@ -6,10 +6,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "mpdiag" / "examples"
 FIXTURES = ROOT / "tests" / "fixtures"  # stores, scripts, hostile code and public training code the tests use
+#: where a device-parametrised test runs: the CPU, and the GPU where there is one (``pytest -k cuda`` picks those)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 sys.path.insert(0, str(ROOT))
 
 from mpdiag.numerics.gradstats import DeviceReadback, PendingStats  # noqa: E402

@@ -35,12 +35,14 @@ a histogram of the exponent of the blocks' dequantisation scales (floor(log2)) o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES
+from mpdiag.numerics.gradstats import DeviceReadback
 
 BLOCK_SIZE = {"mxfp8": 32, "nvfp4": 16}
 #: the element format of each recipe, as stored in the ``fmt`` column
@@ -77,13 +79,13 @@ class BlockCast:
     ``elements``: the element values in fp32 (E4M3 or E2M1 values, before the scale is applied back);
     ``block_scale``: the per-block dequantisation scale in fp32 (NaN for an MXFP8 block holding NaN);
     ``dequantized``: elements * block_scale, trimmed to the input's shape; ``tensor_scale``: NVFP4's per-tensor
-    fp32 scale (1.0 for MXFP8); ``overflow``: per value, whether x / scale is past the element format's edge."""
+    fp32 scale, a 0-d tensor on x's device (1.0 for MXFP8); ``overflow``: per value, whether x / scale is past the element format's edge."""
 
     recipe: str
     elements: torch.Tensor
     block_scale: torch.Tensor
     dequantized: torch.Tensor
-    tensor_scale: float
+    tensor_scale: torch.Tensor
     overflow: torch.Tensor
 
 
@@ -131,9 +133,12 @@ def cast_mxfp8(x: torch.Tensor, blocked: tuple[torch.Tensor, tuple[int, ...]] | 
     divisor = (biased << 23).view(torch.float32).clamp(min=F32_MIN_NORMAL)  # 255 -> inf
     y = xb / divisor
     elements = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - E8M0_BIAS).float()))
+    # 2^(biased - 127) built from its bits (2^-127, biased 0, is the fp32 subnormal 0x00400000): exact on every
+    # device, where exp2 of a subnormal result need not be
+    bits = torch.where(biased == 0, 0x00400000, biased << 23)
+    scale = torch.where(biased == 255, float("nan"), bits.view(torch.float32))
     overflow = torch.isfinite(xb) & (y.abs() > E4M3_OVERFLOW_ABOVE)
-    return BlockCast("mxfp8", elements, scale, _trim(elements * scale, shape), 1.0, overflow)
+    return BlockCast("mxfp8", elements, scale, _trim(elements * scale, shape), torch.ones((), device=x.device), overflow)
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
@@ -162,15 +167,23 @@ def cast_nvfp4(x: torch.Tensor, blocked: tuple[torch.Tensor, tuple[int, ...]] | 
     elements = round_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))
     scale = (tensor_scale * scale_e4m3).unsqueeze(-1)
     overflow = torch.isfinite(xb) & (y.abs() >= E2M1_OVERFLOW_FROM)
-    return BlockCast("nvfp4", elements, scale, _trim(elements * scale, shape), float(tensor_scale), overflow)
+    return BlockCast("nvfp4", elements, scale, _trim(elements * scale, shape), tensor_scale, overflow)
 
 
 CASTS = {"mxfp8": cast_mxfp8, "nvfp4": cast_nvfp4}
 MIN_NORMAL = {"mxfp8": float(torch.finfo(torch.float8_e4m3fn).smallest_normal), "nvfp4": E2M1_MIN_NORMAL}
 
 
-def block_stats(x: torch.Tensor, recipe: str) -> BlockStats:
-    """The counts of ``x`` cast by ``recipe`` ("mxfp8" or "nvfp4"); one readback at the end."""
+#: floor(log2) of a positive fp32 block scale lies in [-149, 127]: the scale-exponent histogram's fixed bins
+SCALE_EXPONENT_LOW, SCALE_EXPONENT_BINS = -150, 280
+_TOTALS = ("underflow", "subnormal", "overflow", "zero_blocks", "clipped_blocks", "wide_blocks", "amax",
+           "tensor_scale")
+
+
+def _counts_on_device(x: torch.Tensor, recipe: str) -> tuple[int, torch.Tensor]:
+    """(blocks, counts): the counts of ``x`` cast by ``recipe`` as one float64 vector on x's device, _TOTALS then
+    the scale-exponent histogram; nothing waits for the device (a histogram by index_add_ into fixed bins,
+    where torch.unique or bincount would read back)."""
     if recipe not in CASTS:
         raise ValueError(f"unknown block recipe {recipe!r}; expected one of {BLOCK_RECIPES}")
     blocked = _blocked(x, BLOCK_SIZE[recipe])
@@ -187,14 +200,52 @@ def block_stats(x: torch.Tensor, recipe: str) -> BlockStats:
     wide = nonzero & (block_max > block_min * DYNAMIC_RANGE[recipe])
     scale = cast.block_scale.reshape(block_max.shape)
     used = nonzero & torch.isfinite(scale) & (scale > 0)
-    _, exponent = torch.frexp(scale[used])  # scale = m * 2^e with 0.5 <= m < 1: floor(log2) = e - 1
-    exps, exp_counts = torch.unique(exponent - 1, return_counts=True)
+    _, exponent = torch.frexp(scale)  # scale = m * 2^e with 0.5 <= m < 1: floor(log2) = e - 1
+    bins = (exponent.long() - 1 - SCALE_EXPONENT_LOW).clamp(0, SCALE_EXPONENT_BINS - 1).reshape(-1)
+    histogram = torch.zeros(SCALE_EXPONENT_BINS, dtype=torch.float64, device=xb.device)
+    histogram.index_add_(0, bins, used.reshape(-1).double())
     amax = magnitude.amax()  # inf or NaN where the tensor holds one
-    totals = torch.stack([underflow.sum(), subnormal.sum(), cast.overflow.sum(), torch.tensor(scale.numel()),
-                          (~nonzero).sum(), cast.overflow.any(dim=-1).sum(), wide.sum()]).tolist()
-    return BlockStats(recipe, int(x.numel()), float(amax), cast.tensor_scale, *totals[:3], *totals[3:],
-                      scale_exponents=dict(zip(map(int, exps.tolist()), map(int, exp_counts.tolist()), strict=True)))
+    totals = torch.stack([underflow.sum(), subnormal.sum(), cast.overflow.sum(), (~nonzero).sum(),
+                          cast.overflow.any(dim=-1).sum(), wide.sum()]).double()
+    return scale.numel(), torch.cat([totals, amax.double().reshape(1), cast.tensor_scale.double().reshape(1), histogram])
 
 
-__all__ = ["BLOCK_RECIPES", "BLOCK_SIZE", "BlockCast", "BlockStats", "CASTS", "ELEMENT_FORMAT", "block_stats",
+def _stats(recipe: str, numel: int, blocks: int, values: np.ndarray) -> BlockStats:
+    totals = dict(zip(_TOTALS, values[: len(_TOTALS)].tolist(), strict=True))
+    histogram = values[len(_TOTALS):]
+    exponents = {int(SCALE_EXPONENT_LOW + b): int(histogram[b]) for b in np.flatnonzero(histogram)}
+    return BlockStats(recipe, numel, totals["amax"], totals["tensor_scale"], *(int(totals[k]) for k in _TOTALS[:3]),
+                      blocks, *(int(totals[k]) for k in _TOTALS[3:6]), scale_exponents=exponents)
+
+
+class PendingBlockStats:
+    """The block statistics of several (key, tensor, recipe) on their way to the host: one readback for all,
+    non-blocking on the GPU; :meth:`result` waits only if the copy has not completed."""
+
+    def __init__(self, items: Sequence[tuple[object, torch.Tensor, str]]):
+        self._keys, vectors = [], []
+        for key, x, recipe in items:
+            blocks, vector = _counts_on_device(x, recipe)
+            self._keys.append((key, recipe, int(x.numel()), blocks))
+            vectors.append(vector)
+        self._readback = DeviceReadback(torch.cat(vectors)) if vectors else None
+
+    def ready(self) -> bool:
+        return self._readback is None or self._readback.ready()
+
+    def result(self) -> list[tuple[object, BlockStats]]:
+        """(key, stats) in the order given."""
+        if self._readback is None:
+            return []
+        values = self._readback.numpy().reshape(len(self._keys), -1)
+        return [(key, _stats(recipe, numel, blocks, row))
+                for (key, recipe, numel, blocks), row in zip(self._keys, values, strict=True)]
+
+
+def block_stats(x: torch.Tensor, recipe: str) -> BlockStats:
+    """The counts of ``x`` cast by ``recipe`` ("mxfp8" or "nvfp4"); one readback at the end."""
+    return PendingBlockStats([(None, x, recipe)]).result()[0][1]
+
+
+__all__ = ["BLOCK_RECIPES", "BLOCK_SIZE", "BlockCast", "BlockStats", "CASTS", "PendingBlockStats", "ELEMENT_FORMAT", "block_stats",
            "cast_mxfp8", "cast_nvfp4", "round_e2m1"]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpdiag.numerics.block_scaled import ELEMENT_FORMAT, BlockStats, block_stats
+from mpdiag.numerics.block_scaled import ELEMENT_FORMAT, BlockStats, PendingBlockStats
 from mpdiag.numerics.fp8 import EXP_MIN, Fp8Stats, Fp8StatsComputer, PendingFp8Stats
 from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
 
@@ -57,15 +57,14 @@ class Fp8StepRecords:
 class PendingFp8Records:
     """A step's records on their way to the host (see :class:`mpdiag.numerics.fp8.PendingFp8Stats`)."""
 
-    def __init__(self, step: int, pending: PendingFp8Stats, capture: Fp8Capture,
-                 blocks: list[tuple[int, BlockStats]] | None = None):
-        self.step, self._pending, self._capture, self._blocks = step, pending, capture, blocks or []
+    def __init__(self, step: int, pending: PendingFp8Stats, capture: Fp8Capture, blocks: PendingBlockStats):
+        self.step, self._pending, self._capture, self._blocks = step, pending, capture, blocks
 
     def ready(self) -> bool:
-        return self._pending.ready()
+        return self._pending.ready() and self._blocks.ready()
 
     def result(self) -> Fp8StepRecords:
-        return self._capture.records(self.step, self._pending.result(), self._blocks)
+        return self._capture.records(self.step, self._pending.result(), self._blocks.result())
 
 
 class Fp8Capture:
@@ -109,25 +108,27 @@ class Fp8Capture:
         """Count the tensors captured since the last call (``loss_scale``: what the output gradients hold,
         a number or GradScaler's scale tensor) and forget them; nothing waits for the device."""
         pieces, self._pieces = self._pieces, [[] for _ in self.tensors]
-        blocks = self._block_stats(pieces, loss_scale) if self.settings.block_recipes else []
+        blocks = self._block_stats(pieces, loss_scale)
         return PendingFp8Records(step, self._computer.start(pieces, loss_scale), self, blocks)
 
-    def _block_stats(self, pieces: list[list[torch.Tensor]], loss_scale) -> list[tuple[int, BlockStats]]:
-        """(tensor index, stats) per present tensor and block recipe; the output gradients multiplied by the
-        fp32 reciprocal of the loss scale, as :class:`Fp8StatsComputer` unscales them."""
+    def _block_stats(self, pieces: list[list[torch.Tensor]], loss_scale) -> PendingBlockStats:
+        """(tensor index, stats) per present tensor and block recipe, all read back at once; the output gradients
+        multiplied by the fp32 reciprocal of the loss scale, as :class:`Fp8StatsComputer` unscales them."""
+        if not self.settings.block_recipes:
+            return PendingBlockStats([])
         factor = None
         if torch.is_tensor(loss_scale) or loss_scale != 1.0:
             scale = loss_scale if torch.is_tensor(loss_scale) else torch.tensor(float(loss_scale))
             factor = scale.reshape(()).double().reciprocal().float()
-        out = []
+        items = []
         for t, (_, role) in enumerate(self.tensors):
             if not pieces[t]:
                 continue
             rows = torch.cat([p.detach().float().reshape(-1, p.shape[-1] if p.dim() else 1) for p in pieces[t]])
             if role == "grad_output" and factor is not None:
                 rows = rows * factor.to(rows.device)
-            out += [(t, block_stats(rows, recipe)) for recipe in self.settings.block_recipes]
-        return out
+            items += [(t, rows, recipe) for recipe in self.settings.block_recipes]
+        return PendingBlockStats(items)
 
     def take(self, step: int, loss_scale: float | torch.Tensor = 1.0) -> Fp8StepRecords:
         """:meth:`start`, waiting for the records."""

@@ -12,6 +12,7 @@ import torch
 from mpdiag.numerics import block_scaled as bs
 
 pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+from conftest import DEVICES  # noqa: E402
 from ground_truth import reference_counts, reference_mxfp8, reference_nvfp4  # noqa: E402
 
 
@@ -20,7 +21,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    got, want = got.reshape(-1), want.reshape(-1)
+    got, want = got.cpu().reshape(-1), want.cpu().reshape(-1)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     mismatch = (_bits(got) != _bits(want)) & ~nan
@@ -74,10 +75,14 @@ def _edges(recipe: str) -> torch.Tensor:
     return torch.cat([x, -x])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", bs.BLOCK_RECIPES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_tensors_match_torchao_bit_for_bit(recipe, seed):
-    x = _wide_random(8, 128, seed)
+def test_random_tensors_match_torchao_bit_for_bit(recipe, seed, device):
+    """mpdiag's casts and counts on ``device`` against torchao's reference on the same device (on CUDA torch
+    divides by a CPU scalar as a multiplication by its reciprocal, which can differ in the last bit from the
+    CPU's division: each device's casts are their own truth)."""
+    x = _wide_random(8, 128, seed).to(device)
     cast = bs.CASTS[recipe](x)
     want = (reference_mxfp8 if recipe == "mxfp8" else reference_nvfp4)(x)
     _assert_same_bits(cast.elements, want[0])
@@ -90,9 +95,10 @@ def test_random_tensors_match_torchao_bit_for_bit(recipe, seed):
     assert stats.underflow > 0 and stats.subnormal > 0  # the random data reach the edges the test is about
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", bs.BLOCK_RECIPES)
-def test_edge_values_match_torchao(recipe):
-    x = _edges(recipe)
+def test_edge_values_match_torchao(recipe, device):
+    x = _edges(recipe).to(device)
     if recipe == "nvfp4":
         rows = [x[i : i + 1] for i in range(x.shape[0])]
     else:

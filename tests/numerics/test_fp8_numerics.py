@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICES
 from ground_truth import by_casting, exponent_histogram
 
 from mpdiag.numerics.fp8 import CATEGORY_EDGES, EXP_MIN, Fp8StatsComputer
@@ -73,17 +74,19 @@ def test_each_value_counted_as_its_cast_at_scale_one(grad_format):
         assert (stats.hist[t] == exponent_histogram(v)).all()
 
 
-def test_whole_range_at_random_scales_and_current_scaling():
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_range_at_random_scales_and_current_scaling(device):
     """64 tensors of random fp32 values over the whole range; delayed scales fmt_max / A with random A from
-    the previous step, current scales from each tensor's own amax."""
+    the previous step, current scales from each tensor's own amax (computed on ``device``, checked against
+    casting on the CPU)."""
     g = torch.Generator().manual_seed(1)
     tensors = [whole_range(seed).reshape(200, 200)[: 1 + t] for t, seed in enumerate(range(64))]
     tensors = [t[torch.isfinite(t).all(dim=1)] if i % 2 else t for i, t in enumerate(tensors)]  # some without inf/NaN
     formats = ["fp8_e4m3" if t % 3 else "fp8_e5m2" for t in range(64)]
     previous = (torch.rand(64, generator=g) * 60 - 30).exp2() * torch.rand(64, generator=g)
-    computer = Fp8StatsComputer(formats, Fp8Settings(recipe="both", history=1))
-    computer.start([[a.reshape(1)] for a in previous]).result()
-    stats = computer.start([[x] for x in tensors]).result()
+    computer = Fp8StatsComputer(formats, Fp8Settings(recipe="both", history=1), device=device)
+    computer.start([[a.reshape(1).to(device)] for a in previous]).result()
+    stats = computer.start([[x.to(device)] for x in tensors]).result()
     for t, (x, fmt) in enumerate(zip(tensors, formats, strict=True)):
         delayed = np.float32(FP8_FORMATS[fmt].max_finite) / np.float32(previous[t])
         assert stats.scale["delayed"][t] == delayed

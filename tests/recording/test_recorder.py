@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import disk_fills_after
+from conftest import DEVICES, disk_fills_after
 
 from mpdiag import Recorder, Store
 from mpdiag.numerics.formats import BF16, FP16
@@ -110,7 +110,7 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, devi
     return rec.run_id, truth
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", DEVICES)
 def test_scale_trajectory_matches_gradscaler_state(store_path, arrival, device):
     run_id, truth = _scaler_loop(store_path, overflow_steps={2, 3, 8}, device=device)
     steps = Store(store_path).steps(run_id)
