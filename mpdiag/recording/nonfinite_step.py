@@ -8,8 +8,8 @@ AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides
 
 Owns that check and the record of it (a JSON-ready dict). Must not write to the store (its caller hands the
 record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs a pass over the tensors
-and one synchronisation before and after each checked step, and stops after the first finding. Under FSDP2 each rank checks the shards it holds (no
-collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
+(one launch per dtype) and one synchronisation before and after each checked step, and stops after the first
+finding. Under FSDP2 each rank checks the shards it holds (no collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
 """
 
 from __future__ import annotations
@@ -78,8 +78,20 @@ class NonfiniteStepCheck:
     @staticmethod
     def _finite(values) -> bool:
         """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor): one
-        synchronisation."""
-        return bool(torch.stack([torch.isfinite(v).all().to(values[0].device) for v in local_shards(values)]).all())
+        synchronisation. One ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a sum of
+        magnitudes is inf or NaN when a value is: a per-tensor ``isfinite().all()`` was 4 operators a tensor
+        (235 isfinite calls a step for an SGD model of 78 tensors, 40 us each on an H100's host). Finite values
+        can sum past fp32's range, so a non-finite sum is confirmed tensor by tensor before it counts."""
+        shards = local_shards(values)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for v in shards:
+            groups.setdefault((v.device, v.dtype), []).append(v)
+        device = values[0].device
+        sums = [n.to(device) for (_, dtype), group in groups.items()
+                for n in torch._foreach_norm(group, 1, dtype=torch.promote_types(dtype, torch.float32))]
+        if bool(torch.stack(sums).isfinite().all()):
+            return True
+        return all(bool(torch.isfinite(v).all()) for v in shards)
 
     def after(self, step: int) -> dict | None:
         """The record of ``step`` when it made an armed check's tensors non-finite, else None (one
