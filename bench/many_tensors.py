@@ -14,7 +14,11 @@ statistics' and the record call's ratio to the yardstick (target <= 5x at 500 te
 backend's top-level operator launches per step (the GPU path, counted on the CPU with the profiler: constant in
 the number of tensors), and writes JSON.
 
-    python bench/many_tensors.py [--steps 20] [--tensors 78 200 500] [--out bench/results/many_tensors.json]
+On CUDA (``--device cuda``) every timing waits for the device's queued work, except ``record``, which is the
+time the training loop waits for the call (the statistics are read back a step later); the launches are then
+also counted as the CUDA kernels one statistics pass runs.
+
+    python bench/many_tensors.py [--steps 20] [--tensors 78 200 500] [--device cpu|cuda] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import write_result  # noqa: E402
+from common import sync, timed, write_result  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mpdiag import Recorder  # noqa: E402
@@ -65,23 +69,35 @@ def torch_backend_launches(grads: list[torch.Tensor]) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
-def measure(tensors: int, steps: int) -> dict:
+def cuda_kernels(grads: list[torch.Tensor]) -> int:
+    """CUDA kernels one statistics pass runs on the GPU (the number the CPU count above stands in for)."""
+    computer = GradStatsComputer([g.numel() for g in grads], grads[0].device)
+    computer.compute(grads, 65536.0)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        computer.compute(grads, 65536.0)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(tensors: int, steps: int, device: torch.device) -> dict:
     torch.manual_seed(0)
-    model = residual_mlp(tensors)
+    model = residual_mlp(tensors).to(device)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, 1)
+    scaler = torch.amp.GradScaler(device.type)
+    x, y = torch.randn(BATCH, WIDTH, device=device), torch.randn(BATCH, 1, device=device)
     recorder = Recorder(model, store=Path(tempfile.mkdtemp()) / "bench.db", scaler=scaler, optimizer=opt,
                         name=f"many_tensors_{tensors}")
     record_s = []
 
     def step(record: bool) -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16):
             loss = nn.functional.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
         if record:
+            sync(device)
             start = time.perf_counter()
             recorder.record(loss)
             record_s.append(time.perf_counter() - start)
@@ -93,7 +109,7 @@ def measure(tensors: int, steps: int) -> dict:
 
     step(False)
     grads = [p.grad.clone() for p in params]  # one step's gradients, kept for the statistics alone
-    computer = GradStatsComputer([g.numel() for g in grads], torch.device("cpu"))
+    computer = GradStatsComputer([g.numel() for g in grads], device)
     kinds = {"plain": lambda: step(False), "recorded": lambda: step(True),
              "statistics": lambda: computer.compute(grads, 65536.0), "yardstick": yardstick}
     times = {k: [] for k in kinds}
@@ -103,9 +119,7 @@ def measure(tensors: int, steps: int) -> dict:
     record_s.clear()
     for _ in range(steps):
         for kind, fn in kinds.items():
-            start = time.perf_counter()
-            fn()
-            times[kind].append(time.perf_counter() - start)
+            times[kind].append(timed(fn, device))
     recorder.close()
     median = {k: statistics.median(v) for k, v in times.items()}
     median["record"] = statistics.median(record_s)
@@ -115,18 +129,21 @@ def measure(tensors: int, steps: int) -> dict:
             "statistics_us_per_tensor": median["statistics"] / len(params) * 1e6,
             "statistics_over_yardstick": median["statistics"] / median["yardstick"],
             "recorded_over_plain": median["recorded"] / median["plain"],
-            "torch_backend_launches": torch_backend_launches([p.grad for p in params])}
+            "torch_backend_launches": torch_backend_launches([p.grad.cpu() for p in params]),
+            "cuda_kernels": cuda_kernels([p.grad for p in params]) if device.type == "cuda" else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tensors", type=int, nargs="+", default=[78, 200, 500])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "many_tensors.json"))
     args = parser.parse_args()
+    device = torch.device(args.device)
     results = []
     for n in args.tensors:
-        r = measure(n, args.steps)
+        r = measure(n, args.steps, device)
         m = r["median_s"]
         print(f"{r['tensors']:>4} tensors: plain {m['plain'] * 1e3:.2f} ms, recorded {m['recorded'] * 1e3:.2f} ms "
               f"({r['recorded_over_plain']:.2f}x), one _foreach_norm {m['yardstick'] * 1e3:.3f} ms")
@@ -141,7 +158,12 @@ def main() -> None:
           f"{f'<= {TARGET_OVER_YARDSTICK:g}x ({GOAL_OVER_YARDSTICK:g}x)':>17} | constant")
     targets = {"record_us_per_tensor_max": TARGET_US_PER_TENSOR, "statistics_over_yardstick_max": TARGET_OVER_YARDSTICK,
                "statistics_over_yardstick_goal": GOAL_OVER_YARDSTICK, "torch_backend_launches": "constant"}
-    write_result({"results": results, "targets": targets, "threads": torch.get_num_threads()}, args.out)
+    if device.type == "cuda":
+        print("CUDA kernels per statistics pass: " + ", ".join(f"{r['cuda_kernels']} at {r['tensors']} tensors"
+                                                              for r in results))
+    device_name = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    write_result({"device": device_name, "results": results, "targets": targets,
+                  "threads": torch.get_num_threads()}, args.out)
 
 
 if __name__ == "__main__":

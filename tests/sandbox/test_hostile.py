@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import EXAMPLES, FIXTURES, run_cli
 
 from mpdiag import Store
@@ -34,11 +35,15 @@ def limits(path: Path, phase: str) -> dict[str, str]:
 
 
 def expectations(path: Path) -> dict[str, str]:
+    """The script's ``# check:`` and ``# run:`` lines. ``# check: CUDA`` (a script that calls .cuda()) fails
+    its check only where there is no GPU; with one, the runner moves the model to the asked device: ready."""
     found = {}
     for line in path.read_text().splitlines():
         if line.startswith("# check:") or line.startswith("# run:"):
             key, _, value = line[2:].partition(":")
             found[key] = value.strip()
+    if found.get("check") == "CUDA" and torch.cuda.is_available():
+        found["check"] = "ready"
     return found
 
 
