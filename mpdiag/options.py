@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, Fp8Settings
 
 
 class ConfigError(ValueError):
@@ -297,7 +297,8 @@ class RunConfig:
                               "weight, output gradient): exponent histograms, scales and lost values (FP8 page)",
                        "flag", watch={"no_widget": _FP8_WATCH_FORM})
     fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
-                                        "both)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
+                                        "both; fp8-sim also the block-scaled mxfp8 or nvfp4, which --fp8 then "
+                                        "records beside both per-tensor recipes)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
                              watch={"no_widget": _FP8_WATCH_FORM})
     fp8_history: int = option(1024, "--fp8 and fp8-sim, delayed recipe: recorded steps of amax history", "int",
                               levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM,
@@ -357,7 +358,22 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             if self.opt_level == "fp8-sim" and self.fp8_recipe == "both":
-                raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current or delayed, not both")
+                raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current, delayed, mxfp8 or "
+                                  "nvfp4, not both")
+            if self.fp8_recipe in BLOCK_RECIPES:
+                self._check_block_recipe()
+
+    def _check_block_recipe(self) -> None:
+        """A block-scaled --fp8-recipe is simulated by fp8-sim (--fp8 records block recipes with --fp8-blocks); its
+        scales are per block, so the per-tensor recipe options apply only to what --fp8 records beside it."""
+        if self.opt_level != "fp8-sim":
+            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} is simulated by --opt-level fp8-sim; to record it at "
+                              f"{self.opt_level}, use --fp8 --fp8-blocks {self.fp8_recipe}")
+        if not self.fp8:
+            for name in ("fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2"):
+                if getattr(self, name) != OPTIONS[name].default:
+                    raise ConfigError(f"--fp8-recipe {self.fp8_recipe} scales per block and does not use "
+                                      f"{flag(name)}; drop it (with --fp8 it sets the per-tensor recipes recorded)")
 
     def fp8_settings(self) -> Fp8Settings:
         """The FP8 recipe of --fp8 and of the fp8-sim level, as the numerics take it."""

@@ -52,13 +52,15 @@ class Fp8Run:
     def recorded(self) -> str:
         """The recorded recipe and how much was recorded, in one sentence."""
         s, records = self.settings, self.records
-        recipes = "current and delayed scaling" if s.recipe == "both" else f"{s.recipe} scaling"
+        recipes = ("current and delayed scaling" if s.recipe == "both" or s.is_block else f"{s.recipe} scaling")
+        if s.is_block:  # an fp8-sim run of a block recipe: the per-tensor recipes are recorded beside it
+            recipes = f"{s.recipe.upper()} simulated; {recipes} recorded beside it"
         modules = records["module"].nunique()
         return (f"Recorded recipe: {recipes}, history {s.history:,}, margin {s.margin}, output gradients in "
                 f"{fmt_label(s.role_format('grad_output').name)}{', power-of-two scales' if s.pow2 else ''}; "
                 f"{records['step'].nunique():,} recorded steps, {modules:,} Linear module{'' if modules == 1 else 's'}"
-                + (f"; block-scaled too: {' and '.join(r.upper() for r in s.block_recipes)} (their table is at the "
-                   "end of the page)." if s.block_recipes else "."))
+                + (f"; block-scaled too: {' and '.join(r.upper() for r in s.recorded_blocks)} (their table is at "
+                   "the end of the page)." if s.recorded_blocks else "."))
 
     @property
     def findings(self) -> list[Finding]:

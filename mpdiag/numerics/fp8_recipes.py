@@ -16,7 +16,9 @@ Recipes (NVIDIA Transformer Engine's names):
 Block-scaled recipes (``block_recipes``, recorded beside the per-tensor recipe, counted by
 :mod:`mpdiag.numerics.block_scaled`): **mxfp8** (OCP MX v1.0: E4M3 elements, blocks of 32 along the last
 dimension, an E8M0 power-of-two scale per block) and **nvfp4** (E2M1 elements, blocks of 16, an E4M3 scale per
-block and an fp32 scale per tensor). The ``fp8-sim`` level and the what-if do not simulate them.
+block and an fp32 scale per tensor). The ``fp8-sim`` level simulates one (``recipe`` "mxfp8" or "nvfp4":
+:mod:`mpdiag.training.fp8_sim`); a capture with such a recipe records it as a block recipe, beside both per-tensor
+recipes. The what-if does not simulate them.
 
 A reference amax that is zero or not finite gives scale 1 (TE keeps the previous scale instead; there is no
 previous scale at a first step, and 1 keeps the rule stateless); a scale past fp32's range is clamped to the
@@ -101,7 +103,8 @@ FP32_MAX = float(np.finfo(np.float32).max)
 class Fp8Settings:
     """An FP8 recipe as the ``--fp8-*`` options give it.
 
-    ``recipe``: "current", "delayed" or "both" (both only for recording); ``history``: H, recorded steps of
+    ``recipe``: "current", "delayed" or "both" (both only for recording), or a block recipe, "mxfp8" or "nvfp4"
+    (simulated by ``fp8-sim``; recorded as a block recipe beside both per-tensor recipes); ``history``: H, recorded steps of
     amax history (delayed only); ``margin``: the delayed scale is divided by 2^margin; ``grad_format``:
     "e5m2" (HYBRID) or "e4m3" for output gradients; ``pow2``: round scales down to powers of two;
     ``bf16_modules``: names of Linear modules the ``fp8-sim`` level leaves in BF16 (a finding's fix);
@@ -118,8 +121,8 @@ class Fp8Settings:
 
     def validate(self) -> None:
         """Raise ValueError naming the option when a setting is invalid."""
-        if self.recipe not in (*RECIPES, "both"):
-            raise ValueError(f"--fp8-recipe must be current, delayed or both, got {self.recipe!r}")
+        if self.recipe not in (*RECIPES, "both", *BLOCK_RECIPES):
+            raise ValueError(f"--fp8-recipe must be current, delayed, both, mxfp8 or nvfp4, got {self.recipe!r}")
         if not isinstance(self.history, int) or self.history < 1:
             raise ValueError(f"--fp8-history must be an integer >= 1, got {self.history!r}")
         if not isinstance(self.margin, int) or not 0 <= self.margin <= 64:
@@ -138,8 +141,20 @@ class Fp8Settings:
                       "block_recipes": tuple(values.get("block_recipes", ()))})
 
     @property
+    def is_block(self) -> bool:
+        """Whether ``recipe`` is a block-scaled recipe (simulated by fp8-sim)."""
+        return self.recipe in BLOCK_RECIPES
+
+    @property
     def recipes(self) -> tuple[str, ...]:
-        return RECIPES if self.recipe == "both" else (self.recipe,)
+        """The per-tensor recipes a capture counts: both for "both" and for a block recipe."""
+        return RECIPES if self.recipe == "both" or self.is_block else (self.recipe,)
+
+    @property
+    def recorded_blocks(self) -> tuple[str, ...]:
+        """The block recipes a capture counts: ``block_recipes``, and ``recipe`` where it is one."""
+        extra = (self.recipe,) if self.is_block and self.recipe not in self.block_recipes else ()
+        return (*self.block_recipes, *extra)
 
     def role_format(self, role: str) -> Fp8Format:
         """The format a recipe casts ``role`` to: E4M3 forward, the grad format backward."""

@@ -114,7 +114,7 @@ class Fp8Capture:
     def _block_stats(self, pieces: list[list[torch.Tensor]], loss_scale) -> PendingBlockStats:
         """(tensor index, stats) per present tensor and block recipe, all read back at once; the output gradients
         multiplied by the fp32 reciprocal of the loss scale, as :class:`Fp8StatsComputer` unscales them."""
-        if not self.settings.block_recipes:
+        if not self.settings.recorded_blocks:
             return PendingBlockStats([])
         factor = None
         if torch.is_tensor(loss_scale) or loss_scale != 1.0:
@@ -127,7 +127,7 @@ class Fp8Capture:
             rows = torch.cat([p.detach().float().reshape(-1, p.shape[-1] if p.dim() else 1) for p in pieces[t]])
             if role == "grad_output" and factor is not None:
                 rows = rows * factor.to(rows.device)
-            items += [(t, rows, recipe) for recipe in self.settings.block_recipes]
+            items += [(t, rows, recipe) for recipe in self.settings.recorded_blocks]
         return PendingBlockStats(items)
 
     def take(self, step: int, loss_scale: float | torch.Tensor = 1.0) -> Fp8StepRecords:

@@ -11,6 +11,29 @@ cast would give inf). Everything stays on the device: no value is read back.
 
 The delayed history of a tensor advances at each call of its module (each forward for input and weight, each
 backward for the output gradient), as TE's does; the capture's history advances per recorded step.
+
+Block-scaled recipes (``recipe`` "mxfp8" or "nvfp4"): each GEMM's two operands are quantize-dequantized with
+:mod:`mpdiag.numerics.block_scaled`'s casts (``cast_mxfp8`` / ``cast_nvfp4``, bit for bit torchao 0.18.0's emulated
+reference casts), blocked along that GEMM's reduction dimension, as torchao's ``MXFP8Linear`` (``mx_mm``,
+``torchao.prototype.moe_training.mxfp8_linear``, ``wgrad_with_hp=False``) blocks them:
+
+* forward ``y = x W^T``: x (..., in) and W (out, in) blocked along ``in``;
+* input gradient ``dX = dY W``: dY (..., out) blocked along ``out``, and W re-blocked along ``out`` (W^T's last
+  dimension);
+* weight gradient ``dW = dY^T x``: dY^T (out, rows) and x^T (in, rows) blocked along the rows (every leading
+  dimension of x flattened), each re-cast from the high-precision tensor.
+
+So the weight is cast twice a step and the input and the output gradient twice each, as torchao's MXFP8 training
+does; what each GEMM sees is exact against ``F.linear`` / ``mm`` of the reference casts' dequantized values
+(``tests/numerics/test_fp8_sim.py``). The products are summed in FP32 as the per-tensor path does (a real MX GEMM
+accumulates in FP32 too, in its own order: sums need not match a GPU's bit for bit). The bias is added in FP32
+after the GEMM and its gradient is the high-precision dY's sum (torchao adds the bias outside ``mx_mm``). A
+dimension that is not a multiple of the block size is zero-padded per row (torchao refuses such a tensor): a zero
+changes no block's scale. NVFP4 follows the same scheme with ``cast_nvfp4`` (1x16 blocks, a per-tensor scale from
+each cast tensor's own amax); torchao 0.18.0 has no NVFP4 training linear to compare with, and what NVIDIA's NVFP4
+training recipe adds (16x16 weight blocks, random Hadamard transforms on the weight-gradient operands,
+stochastic rounding of gradients) is not simulated: round to nearest even everywhere. Nothing has state: no amax
+history, the ``--fp8-history``/``--fp8-margin``/``--fp8-grad-format``/``--fp8-pow2`` settings are not used.
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mpdiag.numerics.block_scaled import CASTS
 from mpdiag.numerics.fp8 import torch_dtype
 from mpdiag.numerics.fp8_recipes import ROLES, Fp8Format, Fp8Settings, scale_from_reference
 
@@ -96,12 +120,56 @@ def _fp8_forward(module: nn.Linear, states: dict[str, AmaxHistory], device_type:
     return types.MethodType(forward, module)
 
 
+def block_dequantized(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x`` in fp32 after ``recipe``'s block cast along its last dimension and back (block_scaled's arithmetic)."""
+    return CASTS[recipe](x.detach()).dequantized
+
+
+class _BlockLinear(torch.autograd.Function):
+    """``y = x W^T + b`` with each GEMM's operands block-quantized along its reduction dimension (module docstring);
+    x and W kept in high precision for the backward casts."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        ctx.recipe, ctx.has_bias, ctx.x_dtype = recipe, bias is not None, x.dtype
+        ctx.save_for_backward(x, weight)
+        out = F.linear(block_dequantized(x, recipe), block_dequantized(weight, recipe))
+        return out if bias is None else out + bias.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        rows = grad.detach().float().reshape(-1, grad.shape[-1])  # (rows, out)
+        x_rows = x.detach().float().reshape(-1, x.shape[-1])  # (rows, in)
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            w_by_out = block_dequantized(weight.float().t().contiguous(), recipe)  # (in, out), blocked along out
+            grad_input = (block_dequantized(rows, recipe) @ w_by_out.t()).reshape(*x.shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            g_by_rows = block_dequantized(rows.t().contiguous(), recipe)  # (out, rows), blocked along rows
+            x_by_rows = block_dequantized(x_rows.t().contiguous(), recipe)  # (in, rows), blocked along rows
+            grad_weight = (g_by_rows @ x_by_rows.t()).to(weight.dtype)
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def _block_forward(module: nn.Linear, recipe: str, device_type: str):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, enabled=False):
+            out = _BlockLinear.apply(input, self.weight, self.bias, recipe)
+        return out.to(torch.bfloat16) if torch.is_autocast_enabled(device_type) else out.to(input.dtype)
+
+    return types.MethodType(forward, module)
+
+
 def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) -> list[str]:
     """Make every Linear of ``model`` not named in ``settings.bf16_modules`` compute through FP8; returns the
-    names of the Linears changed. ``settings.recipe`` must be "current" or "delayed"."""
+    names of the Linears changed. ``settings.recipe`` must be "current", "delayed", "mxfp8" or "nvfp4"."""
     settings.validate()
     if settings.recipe == "both":
-        raise ValueError("--fp8-recipe both records two recipes; a simulated run uses one: current or delayed")
+        raise ValueError("--fp8-recipe both records two recipes; a simulated run uses one: current, delayed, mxfp8 "
+                         "or nvfp4")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(settings.bf16_modules) - set(linears))
     if unknown:
@@ -109,6 +177,10 @@ def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) 
     changed = []
     for name, module in linears.items():
         if name in settings.bf16_modules:
+            continue
+        if settings.is_block:
+            module.forward = _block_forward(module, settings.recipe, device.type)
+            changed.append(name)
             continue
         states = {role: AmaxHistory(settings.role_format(role), settings, device)
                   for role in ROLES}
