@@ -105,3 +105,23 @@ def reference_counts(x: torch.Tensor, recipe: str) -> dict:
         "blocks": int(xb.shape[0] * xb.shape[1]),
         "scale_exponents": dict(sorted(Counter(math.frexp(s)[1] - 1 for s in used).items())),
     }
+
+
+def reference_mx_linear(x: torch.Tensor, w: torch.Tensor, grad_output: torch.Tensor):
+    """torchao's MXFP8 training GEMMs (``mx_mm`` of ``torchao.prototype.moe_training.mxfp8_linear``, emulated, torch
+    casts, FLOOR scales, weight gradient in MXFP8): (output, input gradient, weight gradient) of ``x @ w.T`` with
+    ``grad_output`` flowing back. Rows and columns must be whole blocks of 32 (torchao refuses the rest)."""
+    from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+    from torchao.prototype.mx_formats.config import (
+        MXFP8Dim0CastKernelChoice,
+        MXFP8Dim1CastKernelChoice,
+        ScaleCalculationMode,
+    )
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = mx_mm.apply(x, w, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e4m3fn, 32,
+                      KernelPreference.EMULATED, MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH,
+                      ScaleCalculationMode.FLOOR, False)
+    out.backward(grad_output)
+    return out.detach(), x.grad, w.grad

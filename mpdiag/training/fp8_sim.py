@@ -24,8 +24,9 @@ reference casts), blocked along that GEMM's reduction dimension, as torchao's ``
   dimension of x flattened), each re-cast from the high-precision tensor.
 
 So the weight is cast twice a step and the input and the output gradient twice each, as torchao's MXFP8 training
-does; what each GEMM sees is exact against ``F.linear`` / ``mm`` of the reference casts' dequantized values
-(``tests/numerics/test_fp8_sim.py``). The products are summed in FP32 as the per-tensor path does (a real MX GEMM
+does; what each GEMM sees is exact against ``F.linear`` / ``mm`` of the reference casts' dequantized values, and
+the output and both gradients equal torchao's ``mx_mm`` (emulated, FLOOR scales) bit for bit on the CPU
+(``tests/numerics/test_fp8_sim_blocks.py``). The products are summed in FP32 as the per-tensor path does (a real MX GEMM
 accumulates in FP32 too, in its own order: sums need not match a GPU's bit for bit). The bias is added in FP32
 after the GEMM and its gradient is the high-precision dY's sum (torchao adds the bias outside ``mx_mm``). A
 dimension that is not a multiple of the block size is zero-padded per row (torchao refuses such a tensor): a zero

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from ground_truth import reference_mxfp8, reference_nvfp4
+from ground_truth import reference_mx_linear, reference_mxfp8, reference_nvfp4
 from torch import nn
 from torch.nn import functional as F
 
@@ -70,6 +70,23 @@ def test_block_linear_forward_and_gradients_equal_the_reference_casts_gemms(reci
         assert torch.equal(layer.bias.grad, g.sum(0))  # the high-precision dY's sum, as torchao's bias outside mx_mm
     # W blocked along in (forward) is not W blocked along out (input gradient): the re-blocking matters
     assert not torch.equal(want_dx, (reference(g, recipe) @ reference(w, recipe)).reshape(x.shape))
+
+
+def test_mxfp8_linear_equals_torchaos_mxfp8_training_gemms():
+    """torchao's own MXFP8 training matmul (mx_mm, emulated on the CPU): output, input and weight gradients equal,
+    bit for bit, on whole blocks (torchao refuses partial ones)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 32, 96, generator=g) * torch.exp2(torch.randint(-10, 6, (2, 32, 96), generator=g).float())
+    w, upstream = torch.randn(64, 96, generator=g), torch.randn(2, 32, 64, generator=g) * 1e-4
+    out, dx, dw = reference_mx_linear(x, w, upstream)
+    layer = nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    simulate_fp8(layer, Fp8Settings(recipe="mxfp8"), CPU)
+    x = x.requires_grad_()
+    mine = layer(x)
+    mine.backward(upstream)
+    assert torch.equal(mine, out) and torch.equal(x.grad, dx) and torch.equal(layer.weight.grad, dw)
 
 
 def test_block_linear_under_autocast_hands_back_bf16_and_fp32_weight_gradients():
