@@ -491,6 +491,7 @@ _CHANGE_WORDS = {
     "every": lambda v: f"statistics every {v}",
     "trace_modules": lambda v: "modules traced" if v else "modules not traced",
     "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
+    "fp8_recipe": lambda v: f"{str(v).upper()} blocks" if v in BLOCK_RECIPES else f"{v} scaling",
     "nproc": lambda v: f"{v} processes",
 }
 

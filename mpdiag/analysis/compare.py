@@ -13,6 +13,7 @@ import pandas as pd
 
 from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
+from mpdiag.options import applies
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
 #: one of the two is non-finite.
@@ -217,7 +218,9 @@ CONFIG_FIELDS = ["opt_level", "scaling", "init_scale", "loss_scale", "growth_fac
                  "growth_interval", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
                  "torch_version", "script_sha256", "batch_size", "params", "update_format", "world_size", "backend",
                  "status"]
-CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer"]
+CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer", "fp8", "fp8_recipe", "fp8_bf16_modules"]
+#: launcher options a run has only where they apply (options.applies): an FP8 recipe at fp8-sim or with --fp8
+_APPLYING_EXTRAS = {"fp8_recipe", "fp8_bf16_modules"}
 #: a run's links to other runs, by the name its row has in the table
 LINK_FIELDS = {"parent_run_id": "rerun of", "pair_run_id": "paired with (--pair twin)"}
 #: settings that are loss scales: a power of two is written 2^k
@@ -227,7 +230,8 @@ COUNT_FIELDS = {"growth_interval", "seed", "steps", "every", "batch_size", "para
 #: how the page names a setting (others: the field's name in words, "init_scale" -> "init scale")
 SETTING_LABELS = {"script_sha256": "script (sha256)", "gpu_name": "GPU", "params": "parameters",
                   "world_size": "ranks", "update_format": "format of the updated weights", "every": "statistics every",
-                  "shadow_every": "FP32 shadow every", "torch_version": "torch"}
+                  "shadow_every": "FP32 shadow every", "torch_version": "torch", "fp8": "FP8 statistics (--fp8)",
+                  "fp8_recipe": "FP8 recipe", "fp8_bf16_modules": "Linears left in BF16 (fp8-sim)"}
 
 
 def setting_label(field: str) -> str:
@@ -289,6 +293,13 @@ def _config_extra(config, field: str):
         return None
     if field == "optimizer":
         return (config.get("optimizer") or {}).get("class")
+    if field.startswith("fp8"):  # a launched run's FP8 options (a watched run keeps its FP8 settings otherwise)
+        run = config.get("run")
+        if not isinstance(run, dict) or field not in run:
+            return None
+        if field in _APPLYING_EXTRAS and not applies(field, str(run.get("opt_level")), bool(run.get("fp8"))):
+            return None
+        return run[field] if run[field] != "" else None
     for part in ("run", "watch"):
         if isinstance(config.get(part), dict) and field in config[part]:
             return config[part][field]

@@ -188,3 +188,17 @@ def test_one_render_reads_the_runs_table_once(store, monkeypatch):
     at = _page(store, monkeypatch)
     assert not at.exception, [e.value for e in at.exception]
     assert len(reads) == 1
+
+
+def test_the_fp8_recipe_is_a_setting_where_it_applies():
+    """A block-scaled fp8-sim run beside a per-tensor one and a BF16 run: the recipe is shown for the two that use
+    it, MISSING for the BF16 run (its stored default recipe applies to nothing)."""
+    runs = pd.DataFrame({"run_id": [1, 2, 3], "opt_level": ["bf16", "fp8-sim", "fp8-sim"], "config": [
+        {"run": {"opt_level": "bf16", "fp8": False, "fp8_recipe": "delayed", "fp8_bf16_modules": ""}},
+        {"run": {"opt_level": "fp8-sim", "fp8": False, "fp8_recipe": "delayed", "fp8_bf16_modules": ""}},
+        {"run": {"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "mxfp8", "fp8_bf16_modules": "head"}},
+    ]})
+    table = config_table(runs, ["#1", "#2", "#3"], only_differences=True)
+    assert table.loc["fp8_recipe"].tolist() == [MISSING, "delayed", "mxfp8"]
+    assert table.loc["fp8"].tolist() == ["no", "no", "yes"]
+    assert table.loc["fp8_bf16_modules"].tolist() == [MISSING, MISSING, "head"]

@@ -169,3 +169,12 @@ def test_an_nvfp4_run_of_an_outlier_layer_records_what_its_scales_lose(store_pat
     blocks = Store(store_path).fp8_blocks(run_id)
     assert (blocks["recipe"] == "nvfp4").all() and len(blocks)
     assert math.isfinite(float(rows["amax"].max()))
+
+
+def test_a_rerun_with_a_block_recipe_is_named_after_it():
+    from mpdiag.options import fix_text, rerun_name
+
+    before = RunConfig(opt_level="bf16").to_dict()
+    after = RunConfig(opt_level="fp8-sim", fp8_recipe="nvfp4").to_dict()
+    assert rerun_name("m.py", before, after) == "m.py ↻ fp8-sim: NVFP4 blocks"
+    assert fix_text({"opt_level": "fp8-sim", "fp8_recipe": "current"}) == "level fp8-sim, current scaling"
