@@ -14,7 +14,14 @@ import pandas as pd
 
 from mpdiag.analysis.finding import Finding
 from mpdiag.analysis.fp8_summaries import LOST_SHARE, fmt_label, number, overflows, past_threshold, percent, step_counts
-from mpdiag.numerics.fp8_recipes import FP8_FORMATS, RECIPES, Fp8Settings, delayed_reference, scale_from_reference
+from mpdiag.numerics.fp8_recipes import (
+    BLOCK_RECIPES,
+    FP8_FORMATS,
+    RECIPES,
+    Fp8Settings,
+    delayed_reference,
+    scale_from_reference,
+)
 from mpdiag.options import ConfigError, RunConfig
 
 #: the largest --fp8-margin the amax-jump finding recommends (past it, only current scaling is advised)
@@ -43,12 +50,29 @@ def recorded_settings(config: dict | None) -> Fp8Settings | None:
     return Fp8Settings.from_dict(recorded) if isinstance(recorded, dict) else None
 
 
-def lost_values(records: pd.DataFrame) -> list[Finding]:
+def holding_block_recipe(blocks: pd.DataFrame | None) -> str | None:
+    """The first recorded block-scaled recipe (BLOCK_RECIPES order: mxfp8, then nvfp4) under which no recorded
+    tensor of any Linear, at any recorded step, is past the fp8-lost-values threshold (:func:`past_threshold`,
+    the per-tensor recipes' own test); None where none was recorded or none holds. A block recipe is a whole
+    run's setting (``fp8-sim --fp8-recipe``), so it must hold everywhere to be offered."""
+    if blocks is None or blocks.empty:
+        return None
+    for recipe in BLOCK_RECIPES:
+        rows = blocks[blocks["recipe"] == recipe]
+        if len(rows) and not past_threshold(rows).any():
+            return recipe
+    return None
+
+
+def lost_values(records: pd.DataFrame, blocks: pd.DataFrame | None = None) -> list[Finding]:
     """Per module, role and recipe: a recorded step where more than LOST_SHARE of the values underflow, or
     any value overflows. The fix: current scaling where only delayed scaling loses them (or the recording
-    has no current-scaling rows), else keeping the layer in BF16 (the format cannot hold the tensor)."""
+    has no current-scaling rows); else, where a block-scaled recipe was recorded (``blocks``: the mxfp8 / nvfp4
+    rows) and holds every tensor (:func:`holding_block_recipe`), an fp8-sim rerun in it; else keeping the layer
+    in BF16 (the format cannot hold the tensor at a per-tensor scale)."""
     if records.empty:
         return []
+    block = holding_block_recipe(blocks)
     rows = records.assign(share=records["underflow"] / records["numel"].where(records["numel"] > 0))
     bad = rows[past_threshold(records)]
     counts = step_counts(records)
@@ -63,6 +87,11 @@ def lost_values(records: pd.DataFrame) -> list[Finding]:
                       + (f"; with both recipes recorded, current scaling stays under this finding's threshold here "
                          f"(at most {100 * LOST_SHARE:g} % underflow and no overflow at every recorded step)."
                          if recorded_current else "."))
+        elif block is not None:
+            fix = _fix(fp8_recipe=block)
+            advice = (f"Use the block-scaled {block.upper()} recipe: its per-block scales, recorded beside this "
+                      f"recipe, lose no more than {100 * LOST_SHARE:g} % of any recorded tensor to underflow and "
+                      f"none to overflow, in every Linear at every recorded step (else keep {module} in BF16).")
         else:
             fix = _fix(fp8_recipe=recipe, fp8_bf16_modules=module)  # one recipe: a recording may hold both
             advice = f"Keep {module} in BF16: its {role} does not fit {worst['fmt']} even at its own amax's scale."
@@ -160,11 +189,15 @@ def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp
 def fp8_findings(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
     """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order.
     Linear modules the recipe keeps in BF16 (``settings.bf16_modules``) are not cast, so they find nothing. The
-    block-scaled recipes' rows (mxfp8, nvfp4) are not judged here: their fixes are no per-tensor recipe."""
+    block-scaled recipes' rows (mxfp8, nvfp4) raise no finding of their own: they can only be a lost-values
+    finding's fix (:func:`holding_block_recipe`)."""
+    blocks = None
     if len(records):
-        records = records[~records["module"].isin(settings.bf16_modules) & records["recipe"].isin(RECIPES)]
+        records = records[~records["module"].isin(settings.bf16_modules)]
+        blocks = records[records["recipe"].isin(BLOCK_RECIPES)]
+        records = records[records["recipe"].isin(RECIPES)]
     jumps = amax_jumps(records, settings) if "delayed" in settings.recipes else []  # current scaling has none
-    return [*jumps, *lost_values(records)]
+    return [*jumps, *lost_values(records, blocks)]
 
 
-__all__ = ["LOST_SHARE", "amax_jumps", "fp8_findings", "lost_values", "recorded_settings"]
+__all__ = ["LOST_SHARE", "amax_jumps", "fp8_findings", "holding_block_recipe", "lost_values", "recorded_settings"]

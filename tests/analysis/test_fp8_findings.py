@@ -122,3 +122,21 @@ def test_fp8_findings_lists_both_rules():
     recs = records([row(0, role="input", amax=1.0), row(1, role="input", amax=100.0, overflow=20)])
     assert [f.rule for f in fp8_findings(recs, Fp8Settings())] == ["fp8-amax-jump", "fp8-lost-values"]
     assert fp8_findings(records([]), Fp8Settings()) == []
+
+
+def test_a_block_recipe_recorded_everywhere_under_the_threshold_is_offered_instead_of_bf16():
+    """Both per-tensor recipes lose head's input; MXFP8, recorded beside them, holds every tensor: the fix is an
+    fp8-sim rerun in MXFP8. Where MXFP8 clips one value anywhere (any module), NVFP4 is next; where neither holds,
+    the layer stays in BF16, as before."""
+    lost = [row(0, module="head", role="input", underflow=50), row(0, module="head", role="input", recipe="current",
+                                                                    underflow=40)]
+    holds = [row(0, module=m, role="input", recipe=r, fmt=f, underflow=3)
+             for m in ("head", "body") for r, f in (("mxfp8", "fp8_e4m3"), ("nvfp4", "fp4_e2m1"))]
+    found = fp8_findings(records(lost + holds), Fp8Settings(recipe="both", block_recipes=("mxfp8", "nvfp4")))
+    assert [f.fix for f in found] == [{"opt_level": "fp8-sim", "fp8": True, "fp8_recipe": "mxfp8"}] * 2
+    assert "block-scaled MXFP8" in found[0].recommendation
+    clipped = holds + [row(1, module="body", role="input", recipe="mxfp8", fmt="fp8_e4m3", overflow=1)]
+    assert {f.fix["fp8_recipe"] for f in fp8_findings(records(lost + clipped), Fp8Settings(recipe="both"))} == {"nvfp4"}
+    neither = clipped + [row(1, module="body", role="input", recipe="nvfp4", fmt="fp4_e2m1", underflow=500)]
+    assert [f.fix.get("fp8_bf16_modules") for f in fp8_findings(records(lost + neither), Fp8Settings(recipe="both"))] \
+        == ["head", "head"]
