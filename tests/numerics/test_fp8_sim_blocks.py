@@ -178,3 +178,14 @@ def test_a_rerun_with_a_block_recipe_is_named_after_it():
     after = RunConfig(opt_level="fp8-sim", fp8_recipe="nvfp4").to_dict()
     assert rerun_name("m.py", before, after) == "m.py ↻ fp8-sim: NVFP4 blocks"
     assert fix_text({"opt_level": "fp8-sim", "fp8_recipe": "current"}) == "level fp8-sim, current scaling"
+
+
+def test_the_fp8_page_says_a_block_recipe_was_simulated_and_what_was_recorded_beside_it():
+    import pandas as pd
+
+    from mpdiag.dashboard.fp8_model import Fp8Run
+
+    settings = RunConfig(opt_level="fp8-sim", fp8_recipe="mxfp8", fp8=True).fp8_settings()
+    page = Fp8Run(settings, pd.DataFrame({"step": [0, 1], "module": ["0", "0"]}), None, pd.DataFrame())
+    assert page.recorded.startswith("Recorded recipe: MXFP8 simulated; current and delayed scaling recorded beside it")
+    assert page.recorded.endswith("block-scaled too: MXFP8 (their table is at the end of the page).")
