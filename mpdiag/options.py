@@ -367,8 +367,8 @@ class RunConfig:
         """A block-scaled --fp8-recipe is simulated by fp8-sim (--fp8 records block recipes with --fp8-blocks); its
         scales are per block, so the per-tensor recipe options apply only to what --fp8 records beside it."""
         if self.opt_level != "fp8-sim":
-            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} is simulated by --opt-level fp8-sim; to record it at "
-                              f"{self.opt_level}, use --fp8 --fp8-blocks {self.fp8_recipe}")
+            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} is simulated by --opt-level fp8-sim only; to record "
+                              f"it, use --fp8 --fp8-blocks {self.fp8_recipe}")
         if not self.fp8:
             for name in ("fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2"):
                 if getattr(self, name) != OPTIONS[name].default:

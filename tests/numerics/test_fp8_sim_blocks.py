@@ -189,3 +189,16 @@ def test_the_fp8_page_says_a_block_recipe_was_simulated_and_what_was_recorded_be
     page = Fp8Run(settings, pd.DataFrame({"step": [0, 1], "module": ["0", "0"]}), None, pd.DataFrame())
     assert page.recorded.startswith("Recorded recipe: MXFP8 simulated; current and delayed scaling recorded beside it")
     assert page.recorded.endswith("block-scaled too: MXFP8 (their table is at the end of the page).")
+
+
+def test_the_cli_runs_a_block_recipe_and_watch_refuses_it(tmp_path, write_script):
+    from conftest import run_cli
+
+    script, db = write_script(TINY.format(outlier=1.0)), tmp_path / "cli.db"
+    done = run_cli("run", script, "--opt-level", "fp8-sim", "--fp8-recipe", "mxfp8", "--steps", "3", "--device", "cpu",
+                   "--store", db)
+    assert done.returncode == 0, done.stderr
+    run = Store(db).runs().iloc[-1]
+    assert run["opt_level"] == "fp8-sim" and Store(db).run(int(run["run_id"]))["config"]["run"]["fp8_recipe"] == "mxfp8"
+    with pytest.raises(ConfigError, match="use --fp8 --fp8-blocks nvfp4"):  # what `watch --fp8` checks its recipe with
+        RunConfig(opt_level="O0", fp8=True, fp8_recipe="nvfp4").validate()
