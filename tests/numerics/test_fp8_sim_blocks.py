@@ -126,9 +126,9 @@ def build(device):
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(16, 64, 64, generator=g)
+    ys = (xs @ torch.randn(64, 10, generator=g)).argmax(-1)  # a teacher's labels: learnable in a few steps
     xs[:, :, 5] *= OUTLIER  # one feature with huge values: every block's input shares one tensor scale (NVFP4)
-    ys = torch.randint(0, 10, (16, 64), generator=g)
-    return {{"model": model, "optimizer": lambda p: torch.optim.Adam(p, lr=1e-3),
+    return {{"model": model, "optimizer": lambda p: torch.optim.Adam(p, lr=1e-2),
             "batches": lambda step: (xs[step % 16], ys[step % 16]),
             "loss_fn": lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1])}}
 """
@@ -146,8 +146,8 @@ def test_an_mxfp8_run_trains_like_bf16_and_stores_its_recipe(store_path, write_s
     bf16 = losses(store_path, train(script, base, store_path))
     run_id = train(script, base.with_options(opt_level="fp8-sim", fp8_recipe="mxfp8"), store_path)
     mx = losses(store_path, run_id)
-    assert np.isfinite(mx).all() and mx[-1] < mx[0]
-    assert abs(mx[-1] / bf16[-1] - 1) < 0.02 and not np.array_equal(mx, bf16)
+    assert np.isfinite(mx).all() and mx[-1] < 0.9 * mx[0] and bf16[-1] < 0.9 * bf16[0]  # both learn
+    assert (np.abs(mx / bf16 - 1) < 0.02).all() and not np.array_equal(mx, bf16)  # within 2 %, every step
     assert Store(store_path).run(run_id)["config"]["run"]["fp8_recipe"] == "mxfp8"
 
 
