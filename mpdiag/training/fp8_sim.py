@@ -30,7 +30,8 @@ the output and both gradients equal torchao's ``mx_mm`` (emulated, FLOOR scales)
 accumulates in FP32 too, in its own order: sums need not match a GPU's bit for bit). The bias is added in FP32
 after the GEMM and its gradient is the high-precision dY's sum (torchao adds the bias outside ``mx_mm``). A
 dimension that is not a multiple of the block size is zero-padded per row (torchao refuses such a tensor): a zero
-changes no block's scale. NVFP4 follows the same scheme with ``cast_nvfp4`` (1x16 blocks, a per-tensor scale from
+changes no block's scale. An all-zero tensor is zeros under NVFP4 (torchao's cast gives NaN: its tensor scale
+is 0). NVFP4 follows the same scheme with ``cast_nvfp4`` (1x16 blocks, a per-tensor scale from
 each cast tensor's own amax); torchao 0.18.0 has no NVFP4 training linear to compare with, and what NVIDIA's NVFP4
 training recipe adds (16x16 weight blocks, random Hadamard transforms on the weight-gradient operands,
 stochastic rounding of gradients) is not simulated: round to nearest even everywhere. Nothing has state: no amax
@@ -122,8 +123,13 @@ def _fp8_forward(module: nn.Linear, states: dict[str, AmaxHistory], device_type:
 
 
 def block_dequantized(x: torch.Tensor, recipe: str) -> torch.Tensor:
-    """``x`` in fp32 after ``recipe``'s block cast along its last dimension and back (block_scaled's arithmetic)."""
-    return CASTS[recipe](x.detach()).dequantized
+    """``x`` in fp32 after ``recipe``'s block cast along its last dimension and back (block_scaled's arithmetic).
+    An NVFP4 tensor scale of 0 (an all-zero tensor: a zero-initialised weight, a zero gradient) gives zeros, where
+    torchao's reference (and the cast it is reproduced from) gives NaN everywhere (0 / 0); a NaN stays NaN."""
+    cast = CASTS[recipe](x.detach())
+    if recipe != "nvfp4":
+        return cast.dequantized
+    return torch.where(cast.tensor_scale == 0, torch.zeros((), device=x.device), cast.dequantized)
 
 
 class _BlockLinear(torch.autograd.Function):

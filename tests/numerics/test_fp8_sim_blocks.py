@@ -202,3 +202,18 @@ def test_the_cli_runs_a_block_recipe_and_watch_refuses_it(tmp_path, write_script
     assert run["opt_level"] == "fp8-sim" and Store(db).run(int(run["run_id"]))["config"]["run"]["fp8_recipe"] == "mxfp8"
     with pytest.raises(ConfigError, match="use --fp8 --fp8-blocks nvfp4"):  # what `watch --fp8` checks its recipe with
         RunConfig(opt_level="O0", fp8=True, fp8_recipe="nvfp4").validate()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_zero_initialised_layer_stays_finite(recipe):
+    """torchao's NVFP4 cast of an all-zero tensor is NaN (tensor scale 0, 0 / 0): the simulation gives zeros, so a
+    zero-initialised weight or a zero gradient does not end the run."""
+    assert torch.isnan(reference(torch.zeros(2, 16), "nvfp4")).all()  # the reference's own behaviour
+    layer = nn.Linear(16, 8)
+    nn.init.zeros_(layer.weight)
+    simulate_fp8(layer, Fp8Settings(recipe=recipe), CPU)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    out = layer(x)
+    assert torch.equal(out, layer.bias.detach().expand(4, 8))
+    out.backward(torch.zeros(4, 8))
+    assert torch.equal(x.grad, torch.zeros(4, 16)) and torch.equal(layer.weight.grad, torch.zeros(8, 16))
