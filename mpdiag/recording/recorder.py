@@ -180,7 +180,8 @@ class Recorder:
             (:mod:`mpdiag.recording.replay`; ``Store.replays``). Keeps a reference to every training forward's
             inputs, its random state and its output's gradient until ``record``, and reads the loss and gradient
             norm back at each ``record`` (a synchronisation on a GPU) until the replay ran. One process only
-            (not under torchrun).
+            (not under torchrun). ``replay_model``: the module whose forward calls are replayed, where ``model``
+            is not itself called (``watch``: the script's model, whose parameters ``model`` gathers).
 
     mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
 
@@ -231,6 +232,7 @@ class Recorder:
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
         replay: bool = True,
+        replay_model: torch.nn.Module | None = None,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
         launcher_names_failures: bool = False,
@@ -260,7 +262,8 @@ class Recorder:
             # the job's shape is known only now, once the process group exists
             run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
         self.run_id = self._run.run_id
-        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures, replay=replay)
+        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
+                      replay=replay_model if replay and replay_model is not None else replay)
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -313,7 +316,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool = True) -> None:
+                 watch_ranks: bool, replay: bool | torch.nn.Module = True) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -323,7 +326,8 @@ class Recorder:
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
         #: the replay of the first non-finite step (None: off, or a job of several processes)
-        self._replay = StepReplay(model) if replay and not self._dist.distributed else None
+        replayed = replay if isinstance(replay, torch.nn.Module) else model
+        self._replay = StepReplay(replayed) if replay is not False and not self._dist.distributed else None
         #: its result once it ran
         self.replayed: ReplayResult | None = None
         if watch_ranks:

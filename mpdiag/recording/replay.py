@@ -62,6 +62,9 @@ _DEVICE_TYPES = ("cpu", "cuda")
 #: under a dynamic loss scaler, gradient overflows replayed at most this many times when they turn out to be the
 #: scale's (finite at scale 1); then the replay is given up for the run
 SCALER_TRIES = 8
+#: torch's own backward, taken at import: ``watch`` wraps ``torch.autograd.backward`` to see the script's, and the
+#: replay's backward is not the script's
+_BACKWARD = torch.autograd.backward
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -184,8 +187,8 @@ class StepReplay:
 
         ``scale``: under a dynamic loss scaler, a step whose gradients alone overflowed (``trigger`` "nonfinite
         gradients") is replayed with the output gradient divided by the scale it carries: if nothing overflows
-        at scale 1, the overflow was the scale's (the scaler skips the step and lowers it, its job), the result
-        is None and the replay stays armed for a later step, at most :data:`SCALER_TRIES` times."""
+        at scale 1 (or the kept output gradient had itself overflowed at the scale: a finite loss's), the
+        overflow was the scale's (the scaler skips the step and lowers it, its job), the result is None and the replay stays armed for a later step, at most :data:`SCALER_TRIES` times."""
         kept = self._kept
         result = ReplayResult(step, trigger)
         cpu_rng = torch.get_rng_state()
@@ -246,11 +249,14 @@ class StepReplay:
                 if scale != 1.0:
                     result.note = f"backward replayed at loss scale 1 (the step's was {scale:g})"
                 if grads and _bad(_stats(_tensors(grads)).tolist(), result.format_max):
-                    offender = (LOSS, BACKWARD)
+                    if scale == 1.0:
+                        offender = (LOSS, BACKWARD)
+                    # else: the output gradient overflowed as the loss scale carried it (a finite loss): a
+                    # division cannot bring back what overflowed, and the overflow is the scale's to handle
                 elif not pairs:
                     result.note = "no gradient of the model's output was kept: the backward was not replayed"
                 else:
-                    torch.autograd.backward([o for o, _ in pairs], grads)
+                    _BACKWARD([o for o, _ in pairs], grads)
             backward = probe.rows(BACKWARD)
             if offender is None:
                 offender = _first_offender(backward, BACKWARD, result.format_max)

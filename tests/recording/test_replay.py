@@ -179,3 +179,54 @@ def test_the_replay_changes_nothing_in_the_training(tmp_path, plant):
         _, other_losses, other_weights = train(tmp_path / "b.db", 12, plant, dropout=0.2, **other)
         assert other_losses == pytest.approx(losses, nan_ok=True, rel=0, abs=0)
         assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
+
+
+WATCHED = '''
+import sys
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, sharpen):
+        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ self.v(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attn, self.head = nn.Linear(8, 8), Attention(), nn.Linear(8, 1)
+
+    def forward(self, x, sharpen=1.0):
+        return self.head(self.attn(torch.relu(self.inp(x)), sharpen)).mean()
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+for step in range(int(sys.argv[1])):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 6, 8), sharpen=1e6 if step == 37 else 1.0) ** 2
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+'''
+
+
+def test_an_unmodified_watched_script_has_its_overflow_named(tmp_path, write_script):
+    from mpdiag.training.watch import WatchConfig, watch
+
+    store = tmp_path / "s.db"
+    run_id, code = watch(WatchConfig(target=str(write_script(WATCHED, "train.py")), args=("60",)), store)
+    assert code == 0
+    found = Store(store).replays(run_id).iloc[0]
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (37, "attn", FORWARD, True)
+    assert list(Store(store).events(run_id).step) == [37]
+    assert len(Store(store).steps(run_id)) == 60
