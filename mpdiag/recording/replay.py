@@ -26,7 +26,9 @@ after it.
 
 **How**: ``copy.deepcopy`` of the eager module (``model._orig_mod`` for a ``torch.compile``'d model, so the
 replay runs eagerly with hooks that compilation would not see), its gradients cleared, a forward hook and a full
-backward hook on every module of the copy, and a tensor hook on every parameter; the kept arguments cloned (so
+backward hook on every module of the copy (its modules' ``inplace`` switches turned off: an in-place op on a
+module's output refuses full backward hooks; an in-place op in the model's own code makes the replay run again,
+forward only, and say so in its note), and a tensor hook on every parameter; the kept arguments cloned (so
 the replay cannot change the user's batch), the kept random state set, the forward run under the kept autocast
 state, then - unless the forward already produced a non-finite or overflowing value - the backward driven from
 the copy's output with the kept output gradient. The random state of the process is restored afterwards and the
@@ -196,7 +198,12 @@ class StepReplay:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the full backward hooks' notes about inputs without gradients
-                self._run(kept, result, scale)
+                try:
+                    self._run(kept, result, scale, backward=True)
+                except RuntimeError as exc:  # an in-place op on a module's output refuses full backward hooks
+                    result = ReplayResult(step, trigger)
+                    self._run(kept, result, scale, backward=False)
+                    result.note = (f"the forward only: the backward with hooks failed ({exc}"[:300] + ")")
         except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever the replay meets
             result.note = f"the replay failed: {type(exc).__name__}: {exc}"
         finally:
@@ -215,7 +222,7 @@ class StepReplay:
         self.remove()
         return result
 
-    def _run(self, kept: _Kept, result: ReplayResult, scale: float) -> None:
+    def _run(self, kept: _Kept, result: ReplayResult, scale: float, backward: bool) -> None:
         low = next((dtype for _, dtype in kept.autocast if dtype in (torch.float16, torch.bfloat16)), None)
         if low is None:
             low = next((p.dtype for p in self.eager.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
@@ -224,7 +231,10 @@ class StepReplay:
         model = copy.deepcopy(self.eager)
         for p in model.parameters():
             p.grad = None
-        probe = _Probe(model)
+        for module in model.modules():  # the copy's own: ReLU(inplace=True) on an output refuses backward hooks
+            if isinstance(getattr(module, "inplace", None), bool):
+                module.inplace = False
+        probe = _Probe(model, backward)
 
         def clone(t):
             return t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
@@ -241,7 +251,7 @@ class StepReplay:
                 output = model(*args, **kwargs)
             forward = probe.rows(FORWARD)
             offender = _first_offender(forward, FORWARD, result.format_max)
-            if offender is None:
+            if offender is None and backward:
                 outs = tree_leaves(output)
                 pairs = [(o, kept.out_grads[i]) for i, o in enumerate(outs)
                          if i in kept.out_grads and torch.is_tensor(o) and o.requires_grad]
@@ -289,13 +299,15 @@ class _Probe:
     """Hooks on every module of the copy: per forward call (completion order) and per module reached in
     backward, the absmax and non-finite count of what it produced and of what it received."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, backward: bool = True):
         self.names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
         self._forward: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
         self._backward: dict[int, list] = {}  # id(module) -> [order, module, produced tensors, received tensors]
         self._handles = []
         for _, m in model.named_modules():
             self._handles.append(m.register_forward_hook(self._on_forward, with_kwargs=True))
+            if not backward:
+                continue
             self._handles.append(m.register_full_backward_hook(self._on_backward))
             for p in m.parameters(recurse=False):
                 if p.requires_grad:

@@ -230,3 +230,68 @@ def test_an_unmodified_watched_script_has_its_overflow_named(tmp_path, write_scr
     assert (found.step, found.first_module, found.first_phase, found.reproduced) == (37, "attn", FORWARD, True)
     assert list(Store(store).events(run_id).step) == [37]
     assert len(Store(store).steps(run_id)) == 60
+
+
+class InPlace(nn.Module):
+    """A block that applies ReLU in place to its Linear's output, functionally: full backward hooks refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin(x).relu_()
+
+
+def in_place_loop(store, model, plant_step, loss_factor=1.0, gain=1.0, sharpen=1.0):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(model, store=store, optimizer=opt) as rec:
+        for step in range(6):
+            planted = step == plant_step
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, D) * (sharpen if planted else 1.0), gain if planted else 1.0)
+            (out.float() ** 2).mean().backward()
+            rec.record((out.float() ** 2).mean().detach())
+            opt.step()
+            opt.zero_grad()
+    return rec.replayed
+
+
+class ReluNet(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.a, self.act, self.block, self.gain, self.b = nn.Linear(D, D), nn.ReLU(inplace=True), block, GradGain(), \
+            nn.Linear(D, 1)
+
+    def forward(self, x, gain):
+        return self.b(self.gain(self.block(self.act(self.a(x))), gain=gain))
+
+
+def test_relu_in_place_modules_do_not_stop_the_backward_replay(tmp_path):
+    found = in_place_loop(tmp_path / "s.db", ReluNet(nn.Sequential(nn.Linear(D, D), nn.ReLU(inplace=True))), 3,
+                          gain=1e9)
+    assert (found.step, found.first_module, found.first_phase, found.reproduced, found.note) == \
+        (3, "gain", BACKWARD, True, None)
+
+
+def test_an_in_place_op_in_a_forward_falls_back_to_replaying_the_forward(tmp_path):
+    torch.manual_seed(0)
+    model = ReluNet(InPlace())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(model, store=tmp_path / "s.db", optimizer=opt) as rec:
+        for step in range(6):
+            with torch.no_grad():  # planted: block.lin's weights blown up at step 2, restored after its record
+                model.block.lin.weight.mul_(1e5 if step == 2 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, D), 1.0)
+            loss = (out.float() ** 2).mean()
+            loss.backward()
+            rec.record(loss)
+            with torch.no_grad():
+                model.block.lin.weight.div_(1e5 if step == 2 else 1.0)
+            opt.zero_grad()  # no optimizer step: the weights stay as planted
+    found = rec.replayed
+    # block.lin's fp16 output overflows to inf (its inputs finite); relu_ in InPlace refuses backward hooks
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (2, "block.lin", FORWARD, True)
+    assert found.note.startswith("the forward only")
