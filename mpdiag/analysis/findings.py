@@ -483,6 +483,7 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
             page="Modules", focus=focus)
     limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     rows = modules[(modules["step"] == step) & (modules["phase"] == phase) & (modules["module"] == name)]
+    label = f" ({rows['type'].iloc[0]})" if len(rows) else ""  # a Sequential's child is named 0, 1, ...
     if name == "(inputs)":
         what = "the step's inputs already held inf/NaN (or values past FP16's max) before any module ran"
         advice = "Check what the data loader gave at that step: a corrupted or unnormalised batch."
@@ -509,7 +510,7 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                "format's max), so the event may also need what the replay does not repeat.")
     return Finding(
         rule="nonfinite-origin", severity="error" if reproduced else "warning",
-        title=f"step {step}: the first inf/NaN was born in {name} ({phase})",
+        title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
         evidence=how + what + "." + verdict,
         recommendation=advice, page="Modules", focus=focus)
 

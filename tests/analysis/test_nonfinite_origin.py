@@ -40,7 +40,7 @@ def test_a_recorded_forward_overflow_is_named_with_its_step_phase_and_reproducti
     # the product by boost happens in Net's own code, between `scores` (finite) and `head` (fed inf): the first
     # module whose inputs were finite and output not is the root, named by its class
     assert origin.severity == "error"
-    assert origin.title == "step 9: the first inf/NaN was born in Net (forward)"
+    assert origin.title == "step 9: the first inf/NaN was born in Net (Net) in the forward"
     assert "module `Net` (Net)" in origin.evidence and "reproduced the event" in origin.evidence
     assert "held" in origin.evidence and "under FP16" in origin.evidence
     assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=9"
@@ -60,6 +60,7 @@ def test_an_overflow_past_fp16s_max_is_quoted_and_a_backward_offender_gets_backw
     assert "backward gradient reached 70000, past FP16's largest finite value 65504" in origin.evidence
     assert "output gradient were finite (absmax 3)" in origin.evidence
     assert "backward" in origin.recommendation and origin.severity == "error"
+    assert origin.title == "step 4: the first inf/NaN was born in act (Softplus) in the backward"
 
 
 def test_not_reproduced_is_a_warning_that_points_away_from_numerics():
