@@ -514,7 +514,13 @@ class Recorder:
     def _replay_if_nonfinite(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
         """Replay this step (before its optimizer step: the weights are still those it used) when it is the
         first to turn non-finite; otherwise drop what was kept of it."""
-        trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
+        try:
+            trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
+        except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
+            print(f"mpdiag: the replay is off for this run: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._replay.remove()
+            self._replay = None
+            return
         if trigger is None:
             self._replay.forget()
             return

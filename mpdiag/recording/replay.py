@@ -177,7 +177,7 @@ class StepReplay:
         if self.done or self._kept is None:
             return None
         # a float NaN is "no loss known" (``watch`` before it saw a backward), not an event
-        if torch.is_tensor(loss) and not math.isfinite(float(loss.detach().float())):
+        if torch.is_tensor(loss) and loss.numel() and not bool(torch.isfinite(loss.detach()).all()):
             return "nonfinite loss"
         if grad_norm is not None and not math.isfinite(float(grad_norm)) and (not scaled or self.stepped):
             return "nonfinite gradients"
