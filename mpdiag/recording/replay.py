@@ -201,6 +201,8 @@ class StepReplay:
                 try:
                     self._run(kept, result, scale, backward=True)
                 except RuntimeError as exc:  # an in-place op on a module's output refuses full backward hooks
+                    if isinstance(exc, torch.OutOfMemoryError):
+                        raise  # no room for a copy of the model: a second try would not find more
                     result = ReplayResult(step, trigger)
                     self._run(kept, result, scale, backward=False)
                     result.note = (f"the forward only: the backward with hooks failed ({exc}"[:300] + ")")

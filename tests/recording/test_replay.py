@@ -4,6 +4,8 @@ autocast on CPU (with a GradScaler) meets an overflow planted in one named modul
 torch.compile, a corrupted batch - and must replay that step, name that module and phase, and say it reproduced.
 The replay must not change the training: the same seeded run with and without it is bit-identical."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -295,3 +297,17 @@ def test_an_in_place_op_in_a_forward_falls_back_to_replaying_the_forward(tmp_pat
     # block.lin's fp16 output overflows to inf (its inputs finite); relu_ in InPlace refuses backward hooks
     assert (found.step, found.first_module, found.first_phase, found.reproduced) == (2, "block.lin", FORWARD, True)
     assert found.note.startswith("the forward only")
+
+
+def test_a_replay_that_cannot_copy_the_model_says_so_and_training_goes_on(tmp_path, monkeypatch):
+    import mpdiag.recording.replay as replay_module
+
+    def refuse(_):
+        raise torch.OutOfMemoryError("no room for the copy")
+
+    monkeypatch.setattr(replay_module, "copy", SimpleNamespace(deepcopy=refuse))  # the replay's copy alone
+    rec, losses, _ = train(tmp_path / "s.db", 10, at(4, {"sharpen": 1e6}))
+    assert len(losses) == 10
+    found = replayed(tmp_path / "s.db", rec)
+    assert found.step == 4 and found.first_module is None and not found.reproduced
+    assert found.note == "the replay failed: OutOfMemoryError: no room for the copy"
