@@ -534,12 +534,13 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         None if twin is None else store.histogram_totals(twin)[1].sum(axis=0))
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
-        nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         ignored,
         underflow,
         gradient_error(run, shadow, underflow),
         update_swamping(run, store.update_stats(run_id)),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
+        # after it: where the first inf/NaN was born, once scale-collapse has said what to change
+        nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, tensors, per_tensor),
         fp32_divergence(run, runs, store, shadow),
