@@ -504,6 +504,13 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                   "in BF16 (FP32's range)." if phase == "forward" else
                   f"Look at `{name}`'s backward (a custom autograd Function's in particular): it produces a gradient "
                   "FP16 cannot hold even before any loss scale. Compute it in FP32, or train in BF16 (FP32's range).")
+    note = replay["note"] if isinstance(replay["note"], str) else None
+    if note is not None and note.startswith("its weights already"):
+        what += f" - {note.replace('its weights', 'but its weights')}"
+        advice = ("The weights were inf/NaN before this step: an earlier optimizer step broke them (see "
+                  "optimizer-step-nonfinite where it was checked); the module itself is not where it began.")
+    elif note is not None:
+        what += f" ({note})"
     reproduced = bool(replay["reproduced"])
     verdict = (" The replay reproduced the event: numerics, deterministic given the step's weights, batch and "
                "random state." if reproduced else " The replay met no inf/NaN itself (only a value past the "

@@ -278,6 +278,11 @@ class StepReplay:
                          [(BACKWARD, i, *row) for i, row in enumerate(backward)]
         if offender is not None:
             result.first_module, result.first_phase = offender
+            broken = [name for name, p in model.named_parameters()
+                      if name.startswith(f"{offender[0]}.") or offender[0] == type(model).__name__ and "." not in name
+                      if not bool(torch.isfinite(p.detach()).all())]
+            if broken:  # the step's weights were already bad: an earlier optimizer step broke them
+                result.note = f"its weights already held inf/NaN before the step: {', '.join(broken[:5])}"
         result.reproduced = offender == (LOSS, BACKWARD) or any(row[3] or row[5] for row in forward + backward)
 
 

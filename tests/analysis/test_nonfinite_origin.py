@@ -76,3 +76,10 @@ def test_the_inputs_and_the_loss_are_named_as_such():
 
 def test_no_replay_no_finding():
     assert nonfinite_origin(replay(None, None).iloc[:0], MODULES.iloc[:0]) is None
+
+
+def test_weights_broken_before_the_step_point_to_an_earlier_optimizer_step():
+    origin = nonfinite_origin(replay("act", "backward", note="its weights already held inf/NaN before the step: "
+                                     "act.weight"), MODULES)
+    assert "but its weights already held inf/NaN before the step: act.weight" in origin.evidence
+    assert "earlier optimizer step" in origin.recommendation

@@ -311,3 +311,23 @@ def test_a_replay_that_cannot_copy_the_model_says_so_and_training_goes_on(tmp_pa
     found = replayed(tmp_path / "s.db", rec)
     assert found.step == 4 and found.first_module is None and not found.reproduced
     assert found.note == "the replay failed: OutOfMemoryError: no room for the copy"
+
+
+def test_weights_already_broken_are_said_in_the_note(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Recorder(model, store=tmp_path / "s.db", optimizer=opt) as rec:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.mid.weight[0, 0] = float("nan")  # as an optimizer step that broke it would leave it
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 6, D), torch.randint(0, 4, (4,)))
+            loss.backward()
+            rec.record(loss)
+            opt.step()
+            opt.zero_grad()
+    found = rec.replayed
+    assert (found.step, found.first_module, found.first_phase) == (2, "mid", FORWARD)
+    assert found.note == "its weights already held inf/NaN before the step: mid.weight"
