@@ -1,5 +1,7 @@
 """Modules: for a run recorded with ``--trace-modules``, every module's largest forward output and gradient per
-step, where the first inf/NaN appeared in each pass, and one module's magnitudes against FP16's range.
+step, where the first inf/NaN appeared in each pass, and one module's magnitudes against FP16's range; and, for
+any run whose first non-finite step the Recorder replayed, that step as a forward-then-backward strip of module
+calls with the first offender marked.
 
 Reads widgets, asks mpdiag.dashboard.modules_model for what to show and draws it with the chart layer; no store
 queries, no torch. Module names come from the user's model: they reach Markdown only through ``plain``.
@@ -28,10 +30,19 @@ def not_traced(run: pd.Series, run_id: int) -> None:
                 "then open this page on that run: it shows which module's output or gradient first went inf/NaN.")
 
 
+def replay_view(replay: modules_model.ReplayStrip | None) -> None:
+    """The replayed non-finite step, when the Recorder replayed one (traced or not)."""
+    if replay is not None:
+        st.subheader(f"Replay of step {replay.step}")
+        st.caption(plain(replay.said()))
+        ui.show_chart(charts.replay_strip(replay.rows, replay.step), width="stretch")
+
+
 def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
     model = modules_model.modules(store, run, final)
     if model.modules.empty:
+        replay_view(model.replay)
         not_traced(run, run_id)
         return
     shown = ui.findings_shown_here(store, run, "Modules", runs)
@@ -49,6 +60,7 @@ def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None
     st.caption("Gradients are at the loss scale (as the backward pass carried them): divide by the scale on the "
                "Loss scale page for the true gradient. A value past FP16's max in an FP32 module overflows the "
                "next FP16 op.")
+    replay_view(model.replay)
 
 
 ui.single_run_page("Modules", modules_view)

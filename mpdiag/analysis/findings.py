@@ -450,6 +450,78 @@ def rank_nonfinite(rank_steps: pd.DataFrame, steps: pd.DataFrame) -> Finding | N
     )
 
 
+def _amount(absmax: float, nonfinite: int, limit: float | None) -> str:
+    if nonfinite:
+        return f"held {int(nonfinite)} inf/NaN value(s)"
+    return f"reached {absmax:g}, past FP16's largest finite value {limit:g}"
+
+
+def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | None:
+    """The replay of the run's first non-finite step (:mod:`mpdiag.recording.replay`): the first module, in
+    execution order, whose forward output or backward gradient turned inf/NaN (or past FP16's max under FP16)
+    while what it received was not, and whether the replay reproduced the event. An error when it did (numerics:
+    the same weights, batch and random state give it again); a warning when it did not (the event came from
+    something a replay does not repeat)."""
+    if replays.empty:
+        return None
+    replay = replays.iloc[0]
+    step, phase, name = int(replay["step"]), replay["first_phase"], replay["first_module"]
+    how = (f"mpdiag replayed step {step} ({replay['trigger']}) on a copy of the model with a hook on every module"
+           + (f", under {replay['low_format'].upper()}" if isinstance(replay["low_format"], str) else "") + ": ")
+    focus = {"replay": step}
+    if not isinstance(name, str):
+        note = f" ({replay['note']})" if isinstance(replay["note"], str) else ""
+        return Finding(
+            rule="nonfinite-origin", severity="warning",
+            title=f"step {step}'s inf/NaN did not reproduce in a replay",
+            evidence=how + "no module's output or gradient was inf/NaN" + note + ". The event came from something "
+                     "the replay does not repeat: non-determinism (atomics, a kernel's race), the hardware, or the loss "
+                     "computed outside the model.",
+            recommendation="Rerun the same seed: if the event moves or vanishes, suspect the hardware or a "
+                           "non-deterministic kernel (torch.use_deterministic_algorithms(True) to tell); if the loss "
+                           "function is outside the model, check it for log(0) or a division by zero.",
+            page="Modules", focus=focus)
+    limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
+    rows = modules[(modules["step"] == step) & (modules["phase"] == phase) & (modules["module"] == name)]
+    label = f" ({rows['type'].iloc[0]})" if len(rows) else ""  # a Sequential's child is named 0, 1, ...
+    if name == "(inputs)":
+        what = "the step's inputs already held inf/NaN (or values past FP16's max) before any module ran"
+        advice = "Check what the data loader gave at that step: a corrupted or unnormalised batch."
+    elif name == "(loss)":
+        what = ("the gradient of the model's output, from the loss computed outside the model, was already "
+                "inf/NaN: every module was finite in the forward")
+        advice = "Check the loss function for log(0), a division by zero or an overflow in FP16."
+    else:
+        row = rows.iloc[0] if len(rows) else None
+        kind = f" ({row['type']})" if row is not None else ""
+        produced, received = ("output", "inputs") if phase == "forward" else ("gradient", "output gradient")
+        amount = _amount(row["absmax"], row["nonfinite"], limit) if row is not None else "went bad"
+        was = (f" (absmax {row['in_absmax']:g})" if row is not None and pd.notna(row["in_absmax"]) else "")
+        what = (f"module `{name}`{kind} was the first, in execution order, whose {phase} {produced} {amount} while "
+                f"its {received} were finite{was}")
+        advice = (f"Look at what `{name}` computes in its forward: keep it in FP32 (autocast(enabled=False) around "
+                  "it), scale its inputs down (attention scores: scale q by 1/sqrt(d) before the product), or train "
+                  "in BF16 (FP32's range)." if phase == "forward" else
+                  f"Look at `{name}`'s backward (a custom autograd Function's in particular): it produces a gradient "
+                  "FP16 cannot hold even before any loss scale. Compute it in FP32, or train in BF16 (FP32's range).")
+    note = replay["note"] if isinstance(replay["note"], str) else None
+    if note is not None and note.startswith("its weights already"):
+        what += f" - {note.replace('its weights', 'but its weights')}"
+        advice = ("The weights were inf/NaN before this step: an earlier optimizer step broke them (see "
+                  "optimizer-step-nonfinite where it was checked); the module itself is not where it began.")
+    elif note is not None:
+        what += f" ({note})"
+    reproduced = bool(replay["reproduced"])
+    verdict = (" The replay reproduced the event: numerics, deterministic given the step's weights, batch and "
+               "random state." if reproduced else " The replay met no inf/NaN itself (only a value past the "
+               "format's max), so the event may also need what the replay does not repeat.")
+    return Finding(
+        rule="nonfinite-origin", severity="error" if reproduced else "warning",
+        title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
+        evidence=how + what + "." + verdict,
+        recommendation=advice, page="Modules", focus=focus)
+
+
 def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> list[Finding]:
     """All findings of one run, most severe first. ``runs``: the store's runs table where the caller has read it
     (a dashboard page reads it once per render), else it is read here."""
@@ -474,6 +546,8 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         gradient_error(run, shadow, underflow),
         update_swamping(run, store.update_stats(run_id)),
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
+        # after it: where the first inf/NaN was born, once scale-collapse has said what to change
+        nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, tensors, per_tensor),
         fp32_divergence(run, runs, store, shadow),

@@ -689,6 +689,31 @@ def module_heatmap(cells: pd.DataFrame, order: list[str], width: int = 1) -> alt
     return alt.vconcat(*panels).resolve_scale(color="independent").properties(autosize=_FIT_WIDTH)
 
 
+REPLAY_COLOURS = {"finite": "#9ecae1", "above FP16's max": "#ff7f0e", "inf/NaN": "#f4c2c2",
+                  "first offender": "#d62728"}
+
+
+def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
+    """The replayed step (``modules_model.ReplayStrip.rows``) as one strip of module calls, the forward then the
+    backward, each in execution order left to right: coloured by state, the first offender circled."""
+    drawn = [s for s in REPLAY_COLOURS if s in set(rows["state"])]
+    base = alt.Chart(rows).encode(
+        x=alt.X("pos:O", title="execution order: the forward, then the backward", axis=alt.Axis(labels=False, ticks=False)),
+        y=alt.Y("phase:N", sort=["forward", "backward"], title=None),
+        tooltip=["call:N", "phase:N", alt.Tooltip("ord:Q", title="order in its phase"),
+                 alt.Tooltip("absmax:Q", format=".6g", title="largest finite |value|"),
+                 alt.Tooltip("nonfinite:Q", title="inf/NaN values"), "state:N"])
+    layers = [base.mark_rect(stroke="white").encode(
+        color=alt.Color("state:N", title=None, scale=alt.Scale(domain=drawn, range=[REPLAY_COLOURS[s] for s in drawn]),
+                        legend=alt.Legend(orient="top")))]
+    if (rows["state"] == "first offender").any():
+        layers.append(base.transform_filter("datum.state == 'first offender'").mark_point(
+            shape="circle", size=260, filled=False, color="black", strokeWidth=2.5))
+    return alt.layer(*layers).properties(
+        title=f"step {step} replayed: each module call's output (forward) and produced gradient (backward)",
+        width="container", height=90).properties(autosize=_FIT_WIDTH)
+
+
 def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
     """One module's largest |forward output| and |gradient into its output| per traced step on a log2 axis,
     FP16's max as a labelled rule, faint vertical rules where a value was inf/NaN."""

@@ -15,6 +15,50 @@ from mpdiag.analysis import module_trace
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
+#: the replay strip's states, as the chart colours them
+REPLAY_STATES = ("finite", "above FP16's max", "inf/NaN", "first offender")
+
+
+@dataclass(frozen=True)
+class ReplayStrip:
+    """The replay of the run's first non-finite step (mpdiag.recording.replay): ``rows`` every module call,
+    forward then backward, each in execution order (``pos`` along the strip), with its ``state`` (one of
+    :data:`REPLAY_STATES`); the first offender, its phase, and whether the replay reproduced the event."""
+    step: int
+    rows: pd.DataFrame
+    first_module: str | None
+    first_phase: str | None
+    reproduced: bool
+
+    def said(self) -> str:
+        where = (f"the first offender is {self.first_module} ({self.first_phase})" if self.first_module
+                 else "no module's output or gradient went inf/NaN")
+        verdict = ("reproduced the event: numerics" if self.reproduced else
+                   "did not reproduce it: non-determinism, hardware, or outside the model")
+        return (f"Step {self.step} replayed module by module ({len(self.rows):,} calls, the forward then the backward): "
+                f"{where}; the replay {verdict}.")
+
+
+def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame) -> ReplayStrip | None:
+    """The strip of the run's replayed step, or None when no step was replayed."""
+    if replays.empty:
+        return None
+    replay = replays.iloc[0]
+    step = int(replay["step"])
+    limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
+    rows = modules[modules["step"] == step].reset_index(drop=True)
+    rows = rows.assign(pos=range(len(rows)), call=rows["module"] + " (" + rows["type"] + ")")
+    above = rows["absmax"].gt(limit) if limit is not None else pd.Series(False, index=rows.index)
+    state = pd.Series("finite", index=rows.index)
+    state[above.fillna(False)] = REPLAY_STATES[1]
+    state[rows["nonfinite"] > 0] = REPLAY_STATES[2]
+    first = replay["first_module"] if isinstance(replay["first_module"], str) else None
+    phase = replay["first_phase"] if isinstance(replay["first_phase"], str) else None
+    hit = rows.index[(rows["module"] == first) & (rows["phase"] == phase)]
+    if len(hit):
+        state[hit[0]] = REPLAY_STATES[3]
+    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]))
+
 
 @dataclass(frozen=True)
 class ModulesRun:
@@ -27,6 +71,8 @@ class ModulesRun:
     default: str | None
     types: dict[str, str]
     magnitudes: pd.DataFrame | None
+    #: the replay of the run's first non-finite step, traced or not (None: none)
+    replay: ReplayStrip | None = None
 
     def said(self, shown: str) -> str:
         """How much was traced and where the first inf/NaN appeared, unless ``shown`` (the findings said at the
@@ -47,11 +93,12 @@ class ModulesRun:
 def modules(store: Store, run: pd.Series, final: bool) -> ModulesRun:
     """The Modules page's view of ``run``."""
     traced = reads.module_stats(store, int(run["run_id"]), final)
+    replay = replay_strip(*reads.replay(store, int(run["run_id"]), final))
     if traced.empty:
-        return ModulesRun(traced, [], None, None, None, {}, None)
+        return ModulesRun(traced, [], None, None, None, {}, None, replay)
     order = module_trace.module_order(traced)
     magnitudes = module_trace.magnitude_cells(traced)
     cells, width = module_trace.merge_steps(magnitudes)
     first = module_trace.first_nonfinite_modules(traced)
     return ModulesRun(traced, order, cells, width, next(iter(first.values()))["module"] if first else order[0],
-                      dict(zip(traced["module"], traced["type"], strict=True)), magnitudes)
+                      dict(zip(traced["module"], traced["type"], strict=True)), magnitudes, replay)

@@ -194,6 +194,12 @@ def fp8_blocks(store: Store, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 @cached_when_final(max_entries=32)
+def replay(store: Store, run_id: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run's replayed step and its module rows (Store.replays, Store.replay_modules)."""
+    return store.replays(run_id), store.replay_modules(run_id)
+
+
+@cached_when_final(max_entries=32)
 def module_stats(store: Store, run_id: int) -> pd.DataFrame:
     """A --trace-modules run's per-module magnitudes (Store.module_stats)."""
     return store.module_stats(run_id)

@@ -46,6 +46,7 @@ from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_sh
 from mpdiag.recording.events import EventLog
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
+from mpdiag.recording.replay import ReplayResult, StepReplay
 from mpdiag.recording.run import Run
 from mpdiag.recording.step_gradients import StepGradients
 from mpdiag.recording.tracing import ModuleTracer
@@ -173,6 +174,14 @@ class Recorder:
             the parameters, their gradients and optimizer state, and one synchronisation, before and after each
             logged optimizer step, until the first finding. ``"every step"``: check every optimizer step, logged
             or not (mpdiag's runner).
+        replay: at the first step whose loss or gradients are inf/NaN, replay that step's forward and backward
+            on a copy of the model with a hook on every module and store each module's output and gradient
+            absmax and non-finite count, naming the first module to overflow or turn non-finite
+            (:mod:`mpdiag.recording.replay`; ``Store.replays``). Keeps a reference to every training forward's
+            inputs, its random state and its output's gradient until ``record``, and reads the loss and gradient
+            norm back at each ``record`` (a synchronisation on a GPU) until the replay ran. One process only
+            (not under torchrun). ``replay_model``: the module whose forward calls are replayed, where ``model``
+            is not itself called (``watch``: the script's model, whose parameters ``model`` gathers).
 
     mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
 
@@ -222,6 +231,8 @@ class Recorder:
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
+        replay: bool = True,
+        replay_model: torch.nn.Module | None = None,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
         launcher_names_failures: bool = False,
@@ -251,7 +262,8 @@ class Recorder:
             # the job's shape is known only now, once the process group exists
             run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
         self.run_id = self._run.run_id
-        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures)
+        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
+                      replay=replay_model if replay and replay_model is not None else replay)
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -304,7 +316,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool) -> None:
+                 watch_ranks: bool, replay: bool | torch.nn.Module = True) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -313,6 +325,11 @@ class Recorder:
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
+        #: the replay of the first non-finite step (None: off, or a job of several processes)
+        replayed = replay if isinstance(replay, torch.nn.Module) else model
+        self._replay = StepReplay(replayed) if replay is not False and not self._dist.distributed else None
+        #: its result once it ran
+        self.replayed: ReplayResult | None = None
         if watch_ranks:
             self._dist.watch_for_dead_ranks(self._name_dead_rank)
         if self._tracer is not None:
@@ -382,6 +399,8 @@ class Recorder:
         def after(opt, args, kwargs):
             if ours(opt):
                 self._stepped = self._observable = True
+                if self._replay is not None:
+                    self._replay.stepped = True
                 if self._updates is not None:
                     self._updates.after()
                 self._after_optimizer_step(opt)
@@ -462,6 +481,8 @@ class Recorder:
         step = self._step
         scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
         read = gradients if gradients is not None else self._read_tensors(step, scale)
+        if self._replay is not None:
+            self._replay_if_nonfinite(step, loss, read.norm)
         state = self._with_norm(values, read.norm)
         logged = read.pending is not None
         if logged:
@@ -489,6 +510,29 @@ class Recorder:
         self._stepped = False
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
+
+    def _replay_if_nonfinite(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
+        """Replay this step (before its optimizer step: the weights are still those it used) when it is the
+        first to turn non-finite; otherwise drop what was kept of it."""
+        try:
+            trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
+        except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
+            print(f"mpdiag: the replay is off for this run: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._replay.remove()
+            self._replay = None
+            return
+        if trigger is None:
+            self._replay.forget()
+            return
+        scale = self._scaler_values(None)[0] if self.scaler is not None and trigger == "nonfinite gradients" else 1.0
+        result = self._replay.replay(step, trigger, scale=float(scale))
+        if result is None:  # the loss scale's overflow: nothing to store; armed again unless it tried enough
+            self._replay = None if not self._replay._handles else self._replay
+            return
+        self.replayed, self._replay = result, None
+        if self.events.announce is not None:
+            print(result.line(), file=sys.stderr)
+        self._writer.submit(lambda w: w.add_replay(self.run_id, result.summary_row(), result.module_rows()))
 
     def _scaler_state(self, loss: torch.Tensor | float | None) -> tuple[float | torch.Tensor, DeviceReadback]:
         """The scale now (what the gradients were computed at) as the statistics take it, and a readback of
@@ -776,7 +820,7 @@ class Recorder:
             hook.remove()
         self._step_grads.remove()
         self._dist.close()
-        for part in (self._tracer, self._fp8):
+        for part in (self._tracer, self._fp8, self._replay):
             if part is not None:
                 part.remove()
 

@@ -33,6 +33,8 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "fp8_histograms": store.fp8_histograms(run_id),
         "probes": store.probes(run_id),
         "events": store.events(run_id).assign(evidence=lambda d: d["evidence"].map(json.dumps)),
+        "replays": store.replays(run_id),
+        "replay_modules": store.replay_modules(run_id),
         "console_output": _console_output(store, run_id),
     }
 

@@ -413,6 +413,27 @@ class Store:
         df["evidence"] = [json.loads(text) for text in df["evidence"]]
         return df
 
+    def replays(self, run_id: int) -> pd.DataFrame:
+        """The run's replayed step (:mod:`mpdiag.recording.replay`; at most one): step, trigger, reproduced (bool),
+        first_module, first_phase (forward|backward; None when the replay found nothing bad), low_format,
+        format_max, note, created_at. Empty when no step was replayed, and for runs recorded before schema 13."""
+        df = self._query("SELECT step, trigger, reproduced, first_module, first_phase, low_format, format_max, note, "
+                         "created_at FROM replays WHERE run_id = ? ORDER BY step", (int(run_id),))
+        df["reproduced"] = df["reproduced"].astype(bool)
+        return df
+
+    def replay_modules(self, run_id: int, step: int | None = None) -> pd.DataFrame:
+        """Per module call of a replayed step, forward then backward, each in execution order: step, phase, ord,
+        module, type, absmax (of the finite values; NaN: none), nonfinite, in_absmax, in_nonfinite (of what the
+        call received: its inputs; in backward, its output gradient)."""
+        where, params = ("AND step = ?", (int(run_id), int(step))) if step is not None else ("", (int(run_id),))
+        df = self._query("SELECT step, phase, ord, module, type, absmax, nonfinite, in_absmax, in_nonfinite "
+                         f"FROM replay_modules WHERE run_id = ? {where} "
+                         "ORDER BY step, CASE phase WHEN 'forward' THEN 0 ELSE 1 END, ord", params)
+        for col in ("absmax", "in_absmax"):
+            df[col] = df[col].astype(float)
+        return df
+
     def events_version(self) -> tuple[int, float]:
         """(count, newest created_at) of all stored events: changes whenever an event is stored."""
         row = self._query("SELECT COUNT(*) AS n, COALESCE(MAX(created_at), 0) AS last FROM events").iloc[0]

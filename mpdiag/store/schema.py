@@ -36,7 +36,9 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 11: fp8_blocks, fp8_block_scales: the block-scaled recipes (mxfp8, nvfp4) --fp8 records (their per-tensor counts
 # are fp8_steps rows); runs recorded before have none.
 # 12: events, raised while training at the step they happen (mpdiag.recording.events); runs.status "stopped".
-SCHEMA_VERSION = 12
+# 13: replays, replay_modules: the first non-finite step replayed module by module (mpdiag.recording.replay);
+# runs recorded before have none.
+SCHEMA_VERSION = 13
 #: "stopped": training ended by --stop-on at an event, the reason in the run's error
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
@@ -152,6 +154,19 @@ _STATEMENTS = [
     run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, kind TEXT NOT NULL,
     evidence TEXT NOT NULL, created_at REAL NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, step)",
+    # the replay of a run's first non-finite step (mpdiag.recording.replay): what triggered it, whether it met a
+    # non-finite value again, the first offending module and phase, the FP16 bound checked (NULL: none); and per
+    # module call in execution order (phase forward|backward, ord within the phase), the absmax of the finite
+    # values and the non-finite count of what it produced (output; gradient of its inputs and own parameters)
+    # and of what it received (inputs; output gradient)
+    """CREATE TABLE IF NOT EXISTS replays (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id), step INTEGER NOT NULL, trigger TEXT NOT NULL,
+    reproduced INTEGER NOT NULL, first_module TEXT, first_phase TEXT, low_format TEXT, format_max REAL, note TEXT,
+    created_at REAL NOT NULL, PRIMARY KEY (run_id, step)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS replay_modules (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, phase TEXT NOT NULL, ord INTEGER NOT NULL, module TEXT NOT NULL,
+    type TEXT NOT NULL, absmax REAL, nonfinite INTEGER, in_absmax REAL, in_nonfinite INTEGER,
+    PRIMARY KEY (run_id, step, phase, ord)) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS rank_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, loss REAL, nonfinite INTEGER,
     PRIMARY KEY (run_id, step, rank)) WITHOUT ROWID""",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import sqlite3
 import time
@@ -231,6 +232,23 @@ class StoreWriter:
                 raise ValueError("an event's evidence must be a JSON object")
             checked.append((int(step), str(kind), str(evidence), float(created_at)))
         self._insert("events", run_id, checked)
+
+    def add_replay(self, run_id: int, summary: tuple, modules: list[tuple]) -> None:
+        """A replayed step (:meth:`mpdiag.recording.replay.ReplayResult.summary_row` and ``module_rows``), in one
+        transaction; a NaN absmax (nothing measured) is stored as NULL."""
+        def real(v):
+            return None if v is None or not math.isfinite(v) else float(v)
+
+        step, trigger, reproduced, first_module, first_phase, low_format, format_max, note = summary
+        rows = [(int(s), str(phase), int(order), str(module), str(kind), real(absmax), int(nonfinite), real(in_absmax),
+                 int(in_nonfinite)) for s, phase, order, module, kind, absmax, nonfinite, in_absmax, in_nonfinite
+                in modules]
+        with self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO replays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                               (int(run_id), int(step), str(trigger), int(reproduced), first_module, first_phase,
+                                low_format, real(format_max), note, time.time()))
+            self._conn.executemany("INSERT OR REPLACE INTO replay_modules VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                   [(int(run_id), *row) for row in rows])
 
     def add_rank_steps(self, run_id: int, rows: list[tuple]) -> None:
         """rows: (step, rank, loss, nonfinite); a non-finite loss and an uncounted nonfinite are stored as NULL."""

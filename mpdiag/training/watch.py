@@ -574,7 +574,10 @@ class Watcher:
                 self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
         return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
                         every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
-                        check_optimizer_step=True)
+                        check_optimizer_step=True,
+                        # the replay of the first non-finite step: the script's model, when there is one
+                        replay_model=params.roots[0][1] if len(params.roots) == 1 else None,
+                        replay=len(params.roots) == 1)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:

@@ -1,0 +1,130 @@
+"""The replay's cost on healthy steps, and the replay's own one-off time (mpdiag.recording.replay).
+
+On a healthy step the replay only keeps: a forward pre-hook on the root module keeps references to its arguments,
+the CPU (and CUDA) random state and the autocast state; a forward hook puts a tensor hook on the output that keeps
+its gradient; ``record`` reads the loss and gradient norm back (one synchronisation on a GPU) and drops what was
+kept. On the bundled transformer (small by default), fp16 autocast with GradScaler on CUDA, bf16 autocast on the
+CPU, it times, interleaved step by step so drift hits both alike, two identical seeded models, each with its own
+Recorder:
+
+* replay off - ``Recorder(replay=False)``: forward, backward and ``record``;
+* replay on  - ``Recorder(replay=True)``: the same;
+
+then, alone, the keeping per step (the two hooks and the check at ``record``, called directly 2,000 times), and
+the one-off replay: the ``record`` of a step with a planted NaN loss, which replays it. Prints medians and writes
+JSON.
+
+    python bench/replay_overhead.py [--steps 100] [--device auto] [--d-model 64 --layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from common import add_transformer_options, sync, timed, transformer_setup, write_result  # noqa: E402
+
+from mpdiag import Recorder  # noqa: E402
+from mpdiag.recording.replay import StepReplay  # noqa: E402
+
+
+def keeping_seconds(model, inputs, device, dtype, n: int = 2000) -> float:
+    """The hooks' and the check's own time per step: _before, _after (one tensor hook), triggered, forget."""
+    replay = StepReplay(model)
+    replay.remove()  # called directly below, not from a forward
+    with torch.autocast(device.type, dtype=dtype):
+        out = torch.zeros(4, device=device, requires_grad=True) * 1.0
+    loss, norm = torch.ones((), device=device), torch.ones((), device=device)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        replay._before(model, (inputs,), {})
+        replay._after(model, (inputs,), out)
+        assert replay.triggered(loss, norm, scaled=True) is None
+        replay.forget()
+    sync(device)
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_transformer_options(parser, steps=100, out="replay_overhead.json")
+    parser.set_defaults(d_model=64, layers=2)
+    args = parser.parse_args()
+    device, model, vocab, inputs, targets = transformer_setup(args)
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    tmp = Path(tempfile.mkdtemp())
+    variants = {}
+    for mode in ("off", "on"):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(device.type) if device.type == "cuda" else None
+        rec = Recorder(m, store=tmp / f"{mode}.db", name=f"replay {mode}", scaler=scaler, optimizer=opt,
+                       replay=mode == "on")
+        variants[mode] = (m, opt, scaler, rec)
+
+    def step(mode: str, poison: bool = False) -> float:
+        m, opt, scaler, rec = variants[mode]
+        sync(device)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            logits = m(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+        if poison:
+            loss = loss * float("nan")
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        own = timed(lambda: rec.record(loss), device)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        sync(device)
+        return own if poison else time.perf_counter() - start
+
+    times = {"off": [], "on": []}
+    for i in range(6 + 2 * args.steps):
+        mode = "on" if i % 2 else "off"
+        elapsed = step(mode)
+        if i >= 6:
+            times[mode].append(elapsed)
+    record_with_replay = step("on", poison=True)
+    replayed = variants["on"][3].replayed
+    for _, _, _, rec in variants.values():
+        rec.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    keep = keeping_seconds(model, inputs, device, dtype)
+    result = {
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "d_model": args.d_model, "layers": args.layers, "steps_per_variant": args.steps,
+        "median_step_seconds": med, "step_on_vs_off": med["on"] / med["off"],
+        "keeping_seconds_per_step": keep, "keeping_share_of_step": keep / med["off"],
+        "record_of_the_replayed_step_seconds": record_with_replay,
+        "replayed_modules": len(replayed.modules) if replayed is not None else 0,
+        "replay_first_module": None if replayed is None else replayed.first_module,
+    }
+    print(f"{result['device']}: transformer d_model {args.d_model}, {args.layers} layers, {args.steps} timed steps "
+          "per variant, interleaved")
+    print(f"{'variant':<40}{'median ms':>10}")
+    print(f"{'step, replay off':<40}{med['off'] * 1e3:>10.3f}")
+    print(f"{'step, replay on (keeping only)':<40}{med['on'] * 1e3:>10.3f}")
+    print(f"{'  the keeping alone, per step':<40}{keep * 1e3:>10.4f}")
+    print(f"{'record of the replayed step (one-off)':<40}{record_with_replay * 1e3:>10.3f}")
+    print(f"step with replay armed / without:      {result['step_on_vs_off']:.3f}x")
+    print(f"keeping per step / step without:       {result['keeping_share_of_step']:.2%}")
+    print(f"replay: {result['replayed_modules']} module rows, first offender {result['replay_first_module']}")
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The ``nonfinite-origin`` finding: it names the module, phase and step the replay of the first non-finite step
+found, and says whether the replay reproduced it - from a real Recorder run with a planted overflow, and on the
+replay's rows for the cases a run rarely shows (nothing reproduced, the inputs, the loss)."""
+
+import pandas as pd
+import torch
+from torch import nn
+
+from mpdiag import Recorder, Store
+from mpdiag.analysis.findings import diagnose, evidence_link, nonfinite_origin
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.scores = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, boost=1.0):
+        return self.head(self.scores(torch.relu(self.embed(x))) * boost).mean()
+
+
+def test_a_recorded_forward_overflow_is_named_with_its_step_phase_and_reproduction(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with Recorder(model, store=tmp_path / "s.db", scaler=scaler, optimizer=opt) as rec:
+        for step in range(15):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8), boost=1e6 if step == 9 else 1.0) ** 2
+            scaler.scale(loss).backward()
+            rec.record(loss)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    found = {f.rule: f for f in diagnose(Store(tmp_path / "s.db"), rec.run_id)}
+    origin = found["nonfinite-origin"]
+    # the product by boost happens in Net's own code, between `scores` (finite) and `head` (fed inf): the first
+    # module whose inputs were finite and output not is the root, named by its class
+    assert origin.severity == "error"
+    assert origin.title == "step 9: the first inf/NaN was born in Net (Net) in the forward"
+    assert "module `Net` (Net)" in origin.evidence and "reproduced the event" in origin.evidence
+    assert "held" in origin.evidence and "under FP16" in origin.evidence
+    assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=9"
+
+
+def replay(first_module, first_phase, reproduced=True, note=None):
+    return pd.DataFrame([dict(step=4, trigger="nonfinite loss", reproduced=reproduced, first_module=first_module,
+                              first_phase=first_phase, low_format="fp16", format_max=65504.0, note=note)])
+
+
+MODULES = pd.DataFrame([dict(step=4, phase="backward", ord=0, module="act", type="Softplus", absmax=70000.0,
+                             nonfinite=0, in_absmax=3.0, in_nonfinite=0)])
+
+
+def test_an_overflow_past_fp16s_max_is_quoted_and_a_backward_offender_gets_backward_advice():
+    origin = nonfinite_origin(replay("act", "backward"), MODULES)
+    assert "backward gradient reached 70000, past FP16's largest finite value 65504" in origin.evidence
+    assert "output gradient were finite (absmax 3)" in origin.evidence
+    assert "backward" in origin.recommendation and origin.severity == "error"
+    assert origin.title == "step 4: the first inf/NaN was born in act (Softplus) in the backward"
+
+
+def test_not_reproduced_is_a_warning_that_points_away_from_numerics():
+    origin = nonfinite_origin(replay(None, None, reproduced=False), MODULES.iloc[:0])
+    assert origin.severity == "warning" and "did not reproduce" in origin.title
+    assert "non-determinism" in origin.evidence
+
+
+def test_the_inputs_and_the_loss_are_named_as_such():
+    assert "data loader" in nonfinite_origin(replay("(inputs)", "forward"), MODULES.iloc[:0]).recommendation
+    assert "loss function" in nonfinite_origin(replay("(loss)", "backward"), MODULES.iloc[:0]).recommendation
+
+
+def test_no_replay_no_finding():
+    assert nonfinite_origin(replay(None, None).iloc[:0], MODULES.iloc[:0]) is None
+
+
+def test_weights_broken_before_the_step_point_to_an_earlier_optimizer_step():
+    origin = nonfinite_origin(replay("act", "backward", note="its weights already held inf/NaN before the step: "
+                                     "act.weight"), MODULES)
+    assert "but its weights already held inf/NaN before the step: act.weight" in origin.evidence
+    assert "earlier optimizer step" in origin.recommendation

@@ -1,0 +1,76 @@
+"""The Modules page's strip of the replayed non-finite step: from a Recorder run with an overflow planted in a
+named module at a known step (no module trace), the view-model lays every module call out forward then backward
+in execution order with the first offender marked, and the page draws it with that module in the chart's data."""
+
+import pandas as pd
+import pyarrow as pa
+import torch
+from app_helpers import app, texts
+from torch import nn
+
+from mpdiag import Recorder, Store
+from mpdiag.dashboard import charts, modules_model
+
+
+class Scores(nn.Module):
+    def forward(self, q, k, sharpen):
+        return (q * sharpen) @ k.transpose(-1, -2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.scores, self.head = nn.Linear(8, 8), nn.Linear(8, 8), Scores(), nn.Linear(6, 1)
+
+    def forward(self, x, sharpen=1.0):
+        return self.head(self.scores(self.q(x), self.k(x), sharpen).softmax(-1)).mean()
+
+
+def recorded(store) -> int:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Recorder(model, store=store, optimizer=opt) as rec:
+        for step in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 6, 8), sharpen=1e6 if step == 5 else 1.0) ** 2
+            loss.backward()
+            rec.record(loss)
+            opt.step()
+            opt.zero_grad()
+    return rec.run_id
+
+
+def test_the_strip_lays_out_the_forward_then_the_backward_with_the_first_offender_marked(tmp_path):
+    store = tmp_path / "s.db"
+    run_id = recorded(store)
+    run = Store(store).runs().set_index("run_id", drop=False).loc[run_id]
+    model = modules_model.modules(Store(store), run, True)
+    assert model.modules.empty  # no trace: the replay is shown all the same
+    strip = model.replay
+    assert (strip.step, strip.first_module, strip.first_phase, strip.reproduced) == (5, "scores", "forward", True)
+    rows = strip.rows
+    assert list(rows["pos"]) == list(range(len(rows)))
+    assert list(rows[rows.phase == "forward"]["module"]) == ["q", "k", "scores", "head", "Net"]
+    assert (rows["phase"] == "backward").sum() == 0  # the forward named it: no backward replayed
+    assert list(rows.loc[rows.state == "first offender", "module"]) == ["scores"]
+    assert set(rows.loc[rows.module.isin(["q", "k"]), "state"]) == {"finite"}
+    assert set(rows.loc[rows.module.isin(["head", "Net"]), "state"]) == {"inf/NaN"}  # handed on, not born there
+    assert "the first offender is scores (forward)" in strip.said()
+    spec = charts.replay_strip(rows, strip.step).to_dict()
+    assert "first offender" in str(spec)
+
+
+def test_the_modules_page_draws_the_replayed_step(tmp_path, monkeypatch):
+    store = tmp_path / "s.db"
+    run_id = recorded(store)
+    at = app("pages/7_Modules.py", store, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    said = texts(at)
+    assert [h.value for h in at.subheader] == ["Replay of step 5"]
+    assert "the first offender is scores (forward)" in said
+    frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for c in at.get("vega_lite_chart")
+              for d in c.proto.datasets]
+    strip = next(f for f in frames if "state" in f and "pos" in f)
+    assert isinstance(strip, pd.DataFrame)
+    assert list(strip.loc[strip.state == "first offender", "call"]) == ["scores (Scores)"]

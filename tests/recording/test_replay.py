@@ -1,0 +1,333 @@
+"""The replay that localises a non-finite step, against planted truth: a Recorder in a plain user loop under FP16
+autocast on CPU (with a GradScaler) meets an overflow planted in one named module at a known step - in the forward
+(attention scores), in a custom autograd Function's backward, a NaN from log(0) in the loss head, the same under
+torch.compile, a corrupted batch - and must replay that step, name that module and phase, and say it reproduced.
+The replay must not change the training: the same seeded run with and without it is bit-identical."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from mpdiag import Recorder, Store
+from mpdiag.recording.replay import BACKWARD, FORWARD, INPUTS
+
+D = 8
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x, sharpen=1.0):
+        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)  # fp16 under autocast: overflows when sharpened
+        return self.out(scores.softmax(-1) @ self.v(x))
+
+
+class BlowUp(torch.autograd.Function):
+    """Identity forward; a backward that multiplies the gradient by ``gain`` (an overflow at any loss scale)."""
+
+    @staticmethod
+    def forward(ctx, x, gain):
+        ctx.gain = gain
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.gain, None
+
+
+class GradGain(nn.Module):
+    def forward(self, x, gain=1.0):
+        return BlowUp.apply(x, gain)
+
+
+class LossHead(nn.Module):
+    """Cross-entropy written by hand: log of the softmax, so a probability that underflows to 0 gives log(0) = -inf
+    and 0 * -inf = NaN."""
+
+    def forward(self, logits, target):
+        p = logits.float().softmax(-1)
+        onehot = nn.functional.one_hot(target, logits.shape[-1]).float()
+        return -(onehot * p.log()).sum(-1).mean()
+
+
+class Net(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.drop = nn.Dropout(dropout)
+        self.attn = Attention()
+        self.mid = nn.Linear(D, D)
+        self.gain = GradGain()
+        self.logits = nn.Linear(D, 4)
+        self.loss_head = LossHead()
+
+    def forward(self, x, target, sharpen=1.0, gain=1.0, confidence=1.0):
+        h = self.drop(torch.relu(self.inp(x)))
+        h = self.gain(self.mid(self.attn(h, sharpen=sharpen)), gain=gain)
+        return self.loss_head(self.logits(h).mean(1) * confidence, target)
+
+
+def train(store, steps, plant, *, compile_=False, replay=True, dropout=0.0, record=True):
+    """A user's loop: FP16 autocast on CPU, a GradScaler; ``plant(step)`` gives the step's extra forward kwargs and
+    a factor on its batch. Returns (recorder or None, losses, final weights)."""
+    torch.manual_seed(0)
+    model = Net(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    called = torch.compile(model, backend="eager") if compile_ else model
+    rec = Recorder(called, store=store, scaler=scaler, optimizer=opt, replay=replay) if record else None
+    data = torch.Generator().manual_seed(1)
+    losses, jitter = [], torch.zeros(())
+    for step in range(steps):
+        x, y = torch.randn(4, 6, D, generator=data), torch.randint(0, 4, (4,), generator=data)
+        kwargs, factor = plant(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = called(x * factor * (1 + 0.01 * jitter), y, **kwargs)
+        scaler.scale(loss).backward()
+        jitter = torch.rand(())  # the global generator, drawn after the forward: the replay must leave it as it was
+        if rec is not None:
+            rec.record(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if rec is not None:
+        rec.close()
+    return rec, losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def at(step_planted, kwargs=None, factor=1.0):
+    return lambda step: (kwargs or {}, factor) if step == step_planted else ({}, 1.0)
+
+
+def replayed(store, rec):
+    replays = Store(store).replays(rec.run_id)
+    assert len(replays) == 1
+    return replays.iloc[0]
+
+
+def test_attention_score_overflow_in_the_forward_is_named_at_its_step(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 60, at(37, {"sharpen": 1e6}))
+    found = replayed(store, rec)
+    assert (found.step, found.trigger, found.first_module, found.first_phase) == (37, "nonfinite loss", "attn", FORWARD)
+    assert found.reproduced and found.low_format == "fp16" and found.format_max == 65504.0
+    modules = Store(store).replay_modules(rec.run_id, step=37)
+    forward = modules[modules.phase == FORWARD]
+    # execution order: a module completes after the modules it calls; attn's own inputs were finite
+    assert list(forward.module) == ["inp", "drop", "attn.q", "attn.k", "attn.v", "attn.out", "attn", "mid", "gain",
+                                    "logits", "loss_head", "Net"]
+    by_name = forward.set_index("module")
+    assert by_name.loc["attn", "nonfinite"] > 0 and by_name.loc["attn", "in_nonfinite"] == 0
+    assert by_name.loc["attn.q", "nonfinite"] == 0
+    assert (modules.phase == BACKWARD).sum() == 0  # the forward already named it: no backward replayed
+    assert list(Store(store).events(rec.run_id).step) == [37]
+
+
+def test_overflow_inside_a_custom_autograd_functions_backward_is_named_in_backward(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 30, at(21, {"gain": 1e9}))
+    found = replayed(store, rec)
+    assert (found.step, found.trigger, found.first_module, found.first_phase) == \
+        (21, "nonfinite gradients", "gain", BACKWARD)
+    assert found.reproduced
+    modules = Store(store).replay_modules(rec.run_id, step=21)
+    backward = modules[modules.phase == BACKWARD].set_index("module")
+    assert backward.loc["gain", "nonfinite"] > 0 and backward.loc["gain", "in_nonfinite"] == 0
+    assert backward.loc["logits", "nonfinite"] == 0  # reached before it, finite
+    assert backward.loc["mid", "in_nonfinite"] > 0  # it received the overflow: not where it was born
+    assert modules[modules.phase == FORWARD].nonfinite.sum() == 0
+
+
+def test_nan_from_log_of_zero_in_the_loss_head_is_named(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 40, at(30, {"confidence": 1e4}))  # logits far apart: a probability underflows to 0
+    found = replayed(store, rec)
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (30, "loss_head", FORWARD, True)
+
+
+def test_under_torch_compile_the_eager_module_is_replayed_and_named(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 45, at(37, {"sharpen": 1e6}), compile_=True)
+    found = replayed(store, rec)
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (37, "attn", FORWARD, True)
+
+
+def test_a_corrupted_batch_names_the_inputs(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 12, at(7, factor=float("nan")))
+    found = replayed(store, rec)
+    assert (found.step, found.first_module, found.first_phase) == (7, INPUTS, FORWARD)
+
+
+def test_healthy_run_replays_nothing(tmp_path):
+    store = tmp_path / "s.db"
+    rec, _, _ = train(store, 20, at(-1))
+    assert rec.replayed is None and Store(store).replays(rec.run_id).empty
+
+
+@pytest.mark.parametrize("plant", [at(5, {"sharpen": 1e6}), at(5, {"gain": 1e9})], ids=["forward", "backward"])
+def test_the_replay_changes_nothing_in_the_training(tmp_path, plant):
+    """Dropout draws random numbers in the forward the replay repeats: the replay must restore the random state,
+    and leave the weights, gradients and scaler alone; bit-identical to the same run without it and without
+    mpdiag at all."""
+    with_replay, losses, weights = train(tmp_path / "a.db", 12, plant, dropout=0.2)
+    assert with_replay.replayed is not None and with_replay.replayed.step == 5 and with_replay.replayed.reproduced
+    for other in (dict(replay=False), dict(record=False)):
+        _, other_losses, other_weights = train(tmp_path / "b.db", 12, plant, dropout=0.2, **other)
+        assert other_losses == pytest.approx(losses, nan_ok=True, rel=0, abs=0)
+        assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
+
+
+WATCHED = '''
+import sys
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, sharpen):
+        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ self.v(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attn, self.head = nn.Linear(8, 8), Attention(), nn.Linear(8, 1)
+
+    def forward(self, x, sharpen=1.0):
+        return self.head(self.attn(torch.relu(self.inp(x)), sharpen)).mean()
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+for step in range(int(sys.argv[1])):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 6, 8), sharpen=1e6 if step == 37 else 1.0) ** 2
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+'''
+
+
+def test_an_unmodified_watched_script_has_its_overflow_named(tmp_path, write_script):
+    from mpdiag.training.watch import WatchConfig, watch
+
+    store = tmp_path / "s.db"
+    run_id, code = watch(WatchConfig(target=str(write_script(WATCHED, "train.py")), args=("60",)), store)
+    assert code == 0
+    found = Store(store).replays(run_id).iloc[0]
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (37, "attn", FORWARD, True)
+    assert list(Store(store).events(run_id).step) == [37]
+    assert len(Store(store).steps(run_id)) == 60
+
+
+class InPlace(nn.Module):
+    """A block that applies ReLU in place to its Linear's output, functionally: full backward hooks refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin(x).relu_()
+
+
+def in_place_loop(store, model, plant_step, loss_factor=1.0, gain=1.0, sharpen=1.0):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(model, store=store, optimizer=opt) as rec:
+        for step in range(6):
+            planted = step == plant_step
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, D) * (sharpen if planted else 1.0), gain if planted else 1.0)
+            (out.float() ** 2).mean().backward()
+            rec.record((out.float() ** 2).mean().detach())
+            opt.step()
+            opt.zero_grad()
+    return rec.replayed
+
+
+class ReluNet(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.a, self.act, self.block, self.gain, self.b = nn.Linear(D, D), nn.ReLU(inplace=True), block, GradGain(), \
+            nn.Linear(D, 1)
+
+    def forward(self, x, gain):
+        return self.b(self.gain(self.block(self.act(self.a(x))), gain=gain))
+
+
+def test_relu_in_place_modules_do_not_stop_the_backward_replay(tmp_path):
+    found = in_place_loop(tmp_path / "s.db", ReluNet(nn.Sequential(nn.Linear(D, D), nn.ReLU(inplace=True))), 3,
+                          gain=1e9)
+    assert (found.step, found.first_module, found.first_phase, found.reproduced, found.note) == \
+        (3, "gain", BACKWARD, True, None)
+
+
+def test_an_in_place_op_in_a_forward_falls_back_to_replaying_the_forward(tmp_path):
+    torch.manual_seed(0)
+    model = ReluNet(InPlace())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(model, store=tmp_path / "s.db", optimizer=opt) as rec:
+        for step in range(6):
+            with torch.no_grad():  # planted: block.lin's weights blown up at step 2, restored after its record
+                model.block.lin.weight.mul_(1e5 if step == 2 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, D), 1.0)
+            loss = (out.float() ** 2).mean()
+            loss.backward()
+            rec.record(loss)
+            with torch.no_grad():
+                model.block.lin.weight.div_(1e5 if step == 2 else 1.0)
+            opt.zero_grad()  # no optimizer step: the weights stay as planted
+    found = rec.replayed
+    # block.lin's fp16 output overflows to inf (its inputs finite); relu_ in InPlace refuses backward hooks
+    assert (found.step, found.first_module, found.first_phase, found.reproduced) == (2, "block.lin", FORWARD, True)
+    assert found.note.startswith("the forward only")
+
+
+def test_a_replay_that_cannot_copy_the_model_says_so_and_training_goes_on(tmp_path, monkeypatch):
+    import mpdiag.recording.replay as replay_module
+
+    def refuse(_):
+        raise torch.OutOfMemoryError("no room for the copy")
+
+    monkeypatch.setattr(replay_module, "copy", SimpleNamespace(deepcopy=refuse))  # the replay's copy alone
+    rec, losses, _ = train(tmp_path / "s.db", 10, at(4, {"sharpen": 1e6}))
+    assert len(losses) == 10
+    found = replayed(tmp_path / "s.db", rec)
+    assert found.step == 4 and found.first_module is None and not found.reproduced
+    assert found.note == "the replay failed: OutOfMemoryError: no room for the copy"
+
+
+def test_weights_already_broken_are_said_in_the_note(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Recorder(model, store=tmp_path / "s.db", optimizer=opt) as rec:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.mid.weight[0, 0] = float("nan")  # as an optimizer step that broke it would leave it
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 6, D), torch.randint(0, 4, (4,)))
+            loss.backward()
+            rec.record(loss)
+            opt.step()
+            opt.zero_grad()
+    found = rec.replayed
+    assert (found.step, found.first_module, found.first_phase) == (2, "mid", FORWARD)
+    assert found.note == "its weights already held inf/NaN before the step: mid.weight"
