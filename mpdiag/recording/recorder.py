@@ -179,7 +179,9 @@ class Recorder:
             absmax and non-finite count, naming the first module to overflow or turn non-finite
             (:mod:`mpdiag.recording.replay`; ``Store.replays``). Keeps a reference to every training forward's
             inputs, its random state and its output's gradient until ``record``, and reads the loss and gradient
-            norm back at each ``record`` (a synchronisation on a GPU) until the replay ran. One process only
+            norm back at each ``record`` until the replay ran. On a GPU that read is a synchronisation: ``None``
+            (the default) replays there only when a GradScaler is in use (whose ``step`` synchronises anyway),
+            ``True`` everywhere, ``False`` nowhere. One process only
             (not under torchrun). ``replay_model``: the module whose forward calls are replayed, where ``model``
             is not itself called (``watch``: the script's model, whose parameters ``model`` gathers).
 
@@ -231,7 +233,7 @@ class Recorder:
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
-        replay: bool = True,
+        replay: bool | None = None,
         replay_model: torch.nn.Module | None = None,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
@@ -263,7 +265,9 @@ class Recorder:
             run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
         self.run_id = self._run.run_id
         self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay_model if replay and replay_model is not None else replay)
+                      replay=replay_model if replay is not False and replay_model is not None else replay)
+        #: replay on a GPU without a GradScaler too (``replay=True``), at a synchronisation a step
+        self._replay_unscaled_gpu = replay is True
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -316,7 +320,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool | torch.nn.Module = True) -> None:
+                 watch_ranks: bool, replay: bool | torch.nn.Module | None = None) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -513,7 +517,11 @@ class Recorder:
 
     def _replay_if_nonfinite(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
         """Replay this step (before its optimizer step: the weights are still those it used) when it is the
-        first to turn non-finite; otherwise drop what was kept of it."""
+        first to turn non-finite; otherwise drop what was kept of it. On a GPU without a GradScaler (and without
+        ``replay=True``) nothing is read: the check would be the step's only synchronisation."""
+        if self.device.type == "cuda" and self.scaler is None and not self._replay_unscaled_gpu:
+            self._replay.forget()
+            return
         try:
             trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
         except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead

@@ -577,7 +577,7 @@ class Watcher:
                         check_optimizer_step=True,
                         # the replay of the first non-finite step: the script's model, when there is one
                         replay_model=params.roots[0][1] if len(params.roots) == 1 else None,
-                        replay=len(params.roots) == 1)
+                        replay=None if len(params.roots) == 1 else False)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:
