@@ -18,8 +18,9 @@ inside it) is replayed as it is then, not as the forward saw it; with gradient a
 micro-batch is replayed; a model whose forward draws random numbers on another generator (a ``torch.Generator``
 of its own) is not replayed with the same draws.
 
-**When**: at ``record``, the step's loss and global gradient norm are read back (one synchronisation on a GPU),
-until the replay has run. The step is replayed when the loss is non-finite, or the gradients are and either no
+**When**: at ``record``, the step's loss and global gradient norm are read back until the replay has run (on a
+GPU a synchronisation, so there the Recorder asks only when a GradScaler is in use, whose ``step`` synchronises
+anyway, unless ``Recorder(replay=True)``). The step is replayed when the loss is non-finite, or the gradients are and either no
 loss scaler is used or an optimizer step has already been taken (a dynamic scaler's first steps overflow on
 purpose while it finds its scale: those are not what the replay is for). Once per run: the hooks are removed
 after it.
