@@ -481,9 +481,25 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                            "non-deterministic kernel (torch.use_deterministic_algorithms(True) to tell); if the loss "
                            "function is outside the model, check it for log(0) or a division by zero.",
             page="Modules", focus=focus)
-    limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     rows = modules[(modules["step"] == step) & (modules["phase"] == phase) & (modules["module"] == name)]
     label = f" ({rows['type'].iloc[0]})" if len(rows) else ""  # a Sequential's child is named 0, 1, ...
+    what, advice = _origin_said(replay, rows.iloc[0] if len(rows) else None, label)
+    reproduced = bool(replay["reproduced"])
+    verdict = (" The replay reproduced the event: numerics, deterministic given the step's weights, batch and "
+               "random state." if reproduced else " The replay met no inf/NaN itself (only a value past the "
+               "format's max), so the event may also need what the replay does not repeat.")
+    return Finding(
+        rule="nonfinite-origin", severity="error" if reproduced else "warning",
+        title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
+        evidence=how + what + "." + verdict,
+        recommendation=advice, page="Modules", focus=focus)
+
+
+def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[str, str]:
+    """(what the replay found, what to do) for :func:`nonfinite_origin`: the first offender's stored ``row``
+    (None for the step's inputs or the loss), ``label`` its module type in brackets."""
+    phase, name = replay["first_phase"], replay["first_module"]
+    limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     if name == "(inputs)":
         what = "the step's inputs already held inf/NaN (or values past FP16's max) before any module ran"
         advice = "Check what the data loader gave at that step: a corrupted or unnormalised batch."
@@ -492,12 +508,10 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                 "inf/NaN: every module was finite in the forward")
         advice = "Check the loss function for log(0), a division by zero or an overflow in FP16."
     else:
-        row = rows.iloc[0] if len(rows) else None
-        kind = f" ({row['type']})" if row is not None else ""
         produced, received = ("output", "inputs") if phase == "forward" else ("gradient", "output gradient")
         amount = _amount(row["absmax"], row["nonfinite"], limit) if row is not None else "went bad"
         was = (f" (absmax {row['in_absmax']:g})" if row is not None and pd.notna(row["in_absmax"]) else "")
-        what = (f"module `{name}`{kind} was the first, in execution order, whose {phase} {produced} {amount} while "
+        what = (f"module `{name}`{label} was the first, in execution order, whose {phase} {produced} {amount} while "
                 f"its {received} were finite{was}")
         advice = (f"Look at what `{name}` computes in its forward: keep it in FP32 (autocast(enabled=False) around "
                   "it), scale its inputs down (attention scores: scale q by 1/sqrt(d) before the product), or train "
@@ -511,15 +525,7 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                   "optimizer-step-nonfinite where it was checked); the module itself is not where it began.")
     elif note is not None:
         what += f" ({note})"
-    reproduced = bool(replay["reproduced"])
-    verdict = (" The replay reproduced the event: numerics, deterministic given the step's weights, batch and "
-               "random state." if reproduced else " The replay met no inf/NaN itself (only a value past the "
-               "format's max), so the event may also need what the replay does not repeat.")
-    return Finding(
-        rule="nonfinite-origin", severity="error" if reproduced else "warning",
-        title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
-        evidence=how + what + "." + verdict,
-        recommendation=advice, page="Modules", focus=focus)
+    return what, advice
 
 
 def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> list[Finding]:
