@@ -711,7 +711,7 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
             shape="circle", size=260, filled=False, color="black", strokeWidth=2.5))
     return alt.layer(*layers).properties(
         title=f"step {step} replayed: each module call's output (forward) and produced gradient (backward)",
-        width="container", height=90).properties(autosize=_FIT_WIDTH)
+        width="container", height=160).properties(autosize=_FIT_WIDTH)
 
 
 def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:

@@ -179,11 +179,12 @@ class Recorder:
             absmax and non-finite count, naming the first module to overflow or turn non-finite
             (:mod:`mpdiag.recording.replay`; ``Store.replays``). Keeps a reference to every training forward's
             inputs, its random state and its output's gradient until ``record``, and reads the loss and gradient
-            norm back at each ``record`` until the replay ran. On a GPU that read is a synchronisation: ``None``
-            (the default) replays there only when a GradScaler is in use (whose ``step`` synchronises anyway),
-            ``True`` everywhere, ``False`` nowhere. One process only
-            (not under torchrun). ``replay_model``: the module whose forward calls are replayed, where ``model``
-            is not itself called (``watch``: the script's model, whose parameters ``model`` gathers).
+            norm back at each ``record`` until the replay ran. Off by default (``False``): its two hooks sit on
+            ``model`` itself, so a ``torch.save(model)`` of the whole module would carry them into the checkpoint
+            (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
+            the model): on, but on a GPU only when a GradScaler is in use (the read is a synchronisation there,
+            and GradScaler's ``step`` synchronises anyway); ``True``: on everywhere. One process only
+            (not under torchrun).
 
     mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
 
@@ -233,8 +234,7 @@ class Recorder:
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
-        replay: bool | None = None,
-        replay_model: torch.nn.Module | None = None,
+        replay: bool | None = False,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
         launcher_names_failures: bool = False,
@@ -265,7 +265,7 @@ class Recorder:
             run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
         self.run_id = self._run.run_id
         self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay_model if replay is not False and replay_model is not None else replay)
+                      replay=replay is not False)
         #: replay on a GPU without a GradScaler too (``replay=True``), at a synchronisation a step
         self._replay_unscaled_gpu = replay is True
 
@@ -320,7 +320,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool | torch.nn.Module | None = None) -> None:
+                 watch_ranks: bool, replay: bool = False) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -330,8 +330,7 @@ class Recorder:
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
         #: the replay of the first non-finite step (None: off, or a job of several processes)
-        replayed = replay if isinstance(replay, torch.nn.Module) else model
-        self._replay = StepReplay(replayed) if replay is not False and not self._dist.distributed else None
+        self._replay = StepReplay(model) if replay is not False and not self._dist.distributed else None
         #: its result once it ran
         self.replayed: ReplayResult | None = None
         if watch_ranks:

@@ -60,7 +60,7 @@ STORED_PREFIX = "sha256:"
 #: store writer methods a run child may call, each with the run id as its first argument
 ALLOWED_CALLS = frozenset({"create_run", "update_run", "add_tensors", "write_batch", "add_modules",
                            "add_module_steps", "add_update_steps", "add_shadow_steps", "end_run", "add_events",
-                           "set_optimizer_step_nonfinite"})
+                           "set_optimizer_step_nonfinite", "add_replay"})
 
 
 def max_concurrent_runs() -> int:

@@ -575,9 +575,9 @@ class Watcher:
         return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
                         every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
                         check_optimizer_step=True,
-                        # the replay of the first non-finite step: the script's model, when there is one
-                        replay_model=params.roots[0][1] if len(params.roots) == 1 else None,
-                        replay=None if len(params.roots) == 1 else False)
+                        # no replay: its hooks on the script's model would travel in the script's own
+                        # torch.save(model) checkpoints (word_language_model's torch.load refused them)
+                        replay=False)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:

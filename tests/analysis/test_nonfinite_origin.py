@@ -26,7 +26,7 @@ def test_a_recorded_forward_overflow_is_named_with_its_step_phase_and_reproducti
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    with Recorder(model, store=tmp_path / "s.db", scaler=scaler, optimizer=opt) as rec:
+    with Recorder(model, store=tmp_path / "s.db", scaler=scaler, optimizer=opt, replay=True) as rec:
         for step in range(15):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(4, 8), boost=1e6 if step == 9 else 1.0) ** 2

@@ -30,7 +30,7 @@ def recorded(store) -> int:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with Recorder(model, store=store, optimizer=opt) as rec:
+    with Recorder(model, store=store, optimizer=opt, replay=True) as rec:
         for step in range(8):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(2, 6, 8), sharpen=1e6 if step == 5 else 1.0) ** 2
