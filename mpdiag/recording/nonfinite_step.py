@@ -78,10 +78,11 @@ class NonfiniteStepCheck:
     @staticmethod
     def _finite(values) -> bool:
         """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor): one
-        synchronisation. One ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a sum of
-        magnitudes is inf or NaN when a value is: a per-tensor ``isfinite().all()`` was 4 operators a tensor
-        (235 isfinite calls a step for an SGD model of 78 tensors, 40 us each on an H100's host). Finite values
-        can sum past fp32's range, so a non-finite sum is confirmed tensor by tensor before it counts."""
+        synchronisation. One ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a
+        sum of magnitudes is inf or NaN when a value is: a per-tensor ``isfinite().all()`` was 4 operators a tensor
+        (the profiler on an H100's host: 705 isfinite calls in 3 steps of an SGD model of 78 tensors, 97 us each
+        with their children). Finite values can sum past fp32's range, so a non-finite sum is confirmed tensor by
+        tensor before it counts."""
         shards = local_shards(values)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for v in shards:

@@ -264,10 +264,11 @@ class Recorder:
             # the job's shape is known only now, once the process group exists
             run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
         self.run_id = self._run.run_id
+        # replay=None (the runner's): off on a GPU without a GradScaler, where its read of the loss and norm
+        # would be the step's only synchronisation (GradScaler's step synchronises anyway)
+        sync_free = self.device.type != "cuda" or self.scaler is not None
         self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay is not False)
-        #: replay on a GPU without a GradScaler too (``replay=True``), at a synchronisation a step
-        self._replay_unscaled_gpu = replay is True
+                      replay=replay is True or (replay is None and sync_free))
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -330,7 +331,7 @@ class Recorder:
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
         #: the replay of the first non-finite step (None: off, or a job of several processes)
-        self._replay = StepReplay(model) if replay is not False and not self._dist.distributed else None
+        self._replay = StepReplay(model) if replay and not self._dist.distributed else None
         #: its result once it ran
         self.replayed: ReplayResult | None = None
         if watch_ranks:
@@ -516,11 +517,7 @@ class Recorder:
 
     def _replay_if_nonfinite(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
         """Replay this step (before its optimizer step: the weights are still those it used) when it is the
-        first to turn non-finite; otherwise drop what was kept of it. On a GPU without a GradScaler (and without
-        ``replay=True``) nothing is read: the check would be the step's only synchronisation."""
-        if self.device.type == "cuda" and self.scaler is None and not self._replay_unscaled_gpu:
-            self._replay.forget()
-            return
+        first to turn non-finite; otherwise drop what was kept of it."""
         try:
             trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
         except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
