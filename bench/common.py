@@ -60,3 +60,31 @@ def timed(fn, device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
+
+
+def bf16_step(model, optimizer, inputs, targets, vocab: int, device, recorder=None):
+    """One AdamW step of the bundled transformer under BF16 autocast (``recorder.record`` before the optimizer
+    step, where given); returns the loss."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(inputs)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+    loss.backward()
+    if recorder is not None:
+        recorder.record(loss)
+    optimizer.step()
+    return loss
+
+
+def interleaved_times(step, names, steps: int, device, warm: int = 3) -> dict[str, list[float]]:
+    """Seconds of ``step(name)`` per name, the names taken round-robin so drift hits all alike; ``warm`` rounds
+    first, untimed."""
+    times = {name: [] for name in names}
+    for i in range(steps + warm):
+        for name in names:
+            elapsed = timed(lambda name=name: step(name), device)
+            if i >= warm:
+                times[name].append(elapsed)
+    return times

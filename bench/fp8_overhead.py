@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import add_transformer_options, timed, transformer_setup, write_result  # noqa: E402
+from common import add_transformer_options, bf16_step, interleaved_times, transformer_setup, write_result  # noqa: E402
 
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, Fp8Settings  # noqa: E402
 from mpdiag.recording.recorder import Recorder  # noqa: E402
@@ -49,24 +49,10 @@ def main() -> None:
                      "fp8": Recorder(models["fp8"], store, optimizer=optimizers["fp8"], fp8=Fp8Settings(recipe="both")),
                      "blocks": Recorder(models["blocks"], store, optimizer=optimizers["blocks"],
                                         fp8=Fp8Settings(recipe="both", block_recipes=BLOCK_RECIPES))}
-        times = {name: [] for name in models}
-
         def step(name):
-            model, opt = models[name], optimizers[name]
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
-            loss.backward()
-            if name in recorders:
-                recorders[name].record(loss)
-            opt.step()
+            bf16_step(models[name], optimizers[name], inputs, targets, vocab, device, recorders.get(name))
 
-        for i in range(args.steps + 3):
-            for name in models:
-                elapsed = timed(lambda name=name: step(name), device)
-                if i >= 3:
-                    times[name].append(elapsed)
+        times = interleaved_times(step, list(models), args.steps, device)
         capture = recorders["fp8"]._fp8
         linears, workspace = len(capture.modules), capture.workspace_bytes
         for recorder in recorders.values():

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import add_transformer_options, timed, transformer_setup, write_result  # noqa: E402
+from common import add_transformer_options, bf16_step, interleaved_times, transformer_setup, write_result  # noqa: E402
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings  # noqa: E402
 from mpdiag.training.fp8_sim import simulate_fp8  # noqa: E402
@@ -46,24 +46,12 @@ def main() -> None:
         if name != "bf16":
             linears = len(simulate_fp8(model, Fp8Settings(recipe=name), device))
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
-    times = {name: [] for name in models}
     losses = {}
 
     def step(name):
-        model, opt = models[name], optimizers[name]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses[name] = float(loss.detach())
+        losses[name] = float(bf16_step(models[name], optimizers[name], inputs, targets, vocab, device).detach())
 
-    for i in range(args.steps + 3):
-        for name in models:
-            elapsed = timed(lambda name=name: step(name), device)
-            if i >= 3:
-                times[name].append(elapsed)
+    times = interleaved_times(step, list(models), args.steps, device)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
