@@ -693,9 +693,14 @@ REPLAY_COLOURS = {"finite": "#9ecae1", "above FP16's max": "#ff7f0e", "inf/NaN":
                   "first offender": "#d62728"}
 
 
+#: the replay strip names its cells up to this many module calls
+REPLAY_NAMED_CALLS = 40
+
+
 def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
     """The replayed step (``modules_model.ReplayStrip.rows``) as one strip of module calls, the forward then the
-    backward, each in execution order left to right: coloured by state, the first offender circled."""
+    backward, each in execution order left to right: coloured by state, the first offender outlined, each call
+    named in its cell (up to REPLAY_NAMED_CALLS)."""
     drawn = [s for s in REPLAY_COLOURS if s in set(rows["state"])]
     base = alt.Chart(rows).encode(
         x=alt.X("pos:O", title="execution order: the forward, then the backward", axis=alt.Axis(labels=False, ticks=False)),
@@ -707,8 +712,12 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
         color=alt.Color("state:N", title=None, scale=alt.Scale(domain=drawn, range=[REPLAY_COLOURS[s] for s in drawn]),
                         legend=alt.Legend(orient="top")))]
     if (rows["state"] == "first offender").any():
-        layers.append(base.transform_filter("datum.state == 'first offender'").mark_point(
-            shape="circle", size=260, filled=False, color="black", strokeWidth=2.5))
+        layers.append(base.transform_filter("datum.state == 'first offender'").mark_rect(
+            filled=False, stroke="black", strokeWidth=3))  # outlined, so the name inside stays readable
+    if len(rows) <= REPLAY_NAMED_CALLS:  # each cell named; past that the names would overlap (tooltips name them)
+        layers.append(base.mark_text(angle=270, fontSize=10).encode(
+            text="call:N", color=alt.condition("datum.state == 'first offender'", alt.value("white"),
+                                               alt.value("#222"))))
     return alt.layer(*layers).properties(
         title=f"step {step} replayed: each module call's output (forward) and produced gradient (backward)",
         width="container", height=160).properties(autosize=_FIT_WIDTH)

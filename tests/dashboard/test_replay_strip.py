@@ -59,6 +59,9 @@ def test_the_strip_lays_out_the_forward_then_the_backward_with_the_first_offende
     assert "the first offender is scores (forward)" in strip.said()
     spec = charts.replay_strip(rows, strip.step).to_dict()
     assert "first offender" in str(spec)
+    # each cell names its module call (a first-time user reads which one without hovering)
+    named = [layer for layer in spec["layer"] if layer["mark"]["type"] == "text"]
+    assert len(named) == 1 and named[0]["encoding"]["text"]["field"] == "call"
 
 
 def test_the_modules_page_draws_the_replayed_step(tmp_path, monkeypatch):
