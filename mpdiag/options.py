@@ -93,7 +93,8 @@ RUN, WATCH = "run", "watch"
 
 @dataclass(frozen=True)
 class Option:
-    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
+    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, events (``--stop-on``'s text,
+    :class:`StopOn`), flag, run_id.
 
     Bounds: ``above`` / ``below`` exclusive, ``minimum`` / ``maximum`` inclusive; floats must also be finite.
     ``choices``: the levels a ``level`` option takes. ``no_flag`` / ``no_widget`` say why the option has no
@@ -130,6 +131,8 @@ class Option:
             return "auto, cpu, cuda or cuda:N"
         if self.kind == "text":
             return "text"
+        if self.kind == "events":
+            return "nonfinite, spike or skips:N (N >= 1), comma-separated"
         if self.kind == "flag":
             return "true or false"
         if self.kind in ("int", "run_id"):
@@ -150,6 +153,11 @@ class Option:
             return isinstance(value, str) and DEVICE_PATTERN.fullmatch(value) is not None
         if self.kind == "text":
             return isinstance(value, str)
+        if self.kind == "events":
+            try:
+                return isinstance(value, str) and StopOn.parse(value) is not None
+            except ConfigError:
+                return False
         if self.kind == "flag":
             return isinstance(value, bool)
         if self.kind in ("int", "run_id"):
@@ -206,8 +214,10 @@ class StopOn:
 
 _STOP_ON_HELP = ("end the training cleanly (status stopped, the reason stored) at an event: nonfinite, spike or "
                  "skips:N (N skipped steps in a row), comma-separated; default: never")
-_STOP_ON_FORM = ("the forms' runs record events without stopping on them: `mpdiag run --stop-on` and "
-                 "`mpdiag watch --stop-on` stop")
+_STOP_ON_WIDGET = {"label": "Stop the training at",
+                   "help": "End the training cleanly at the first of these events (the run reads 'stopped', the "
+                           "reason stored, nothing lost); every event is recorded either way. Skipped steps: N "
+                           "skipped optimizer steps in a row."}
 
 
 #: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
@@ -321,7 +331,7 @@ class RunConfig:
                         minimum=1)
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
                            "text")
-    stop_on: str = option("", _STOP_ON_HELP, "text", watch=True, no_widget=_STOP_ON_FORM)
+    stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=tuple(_STOP_ON_WIDGET.items()))
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
