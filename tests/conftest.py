@@ -61,6 +61,30 @@ def gallery_runs(tmp_path_factory):
     return store, ids
 
 
+PLAN_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def plan_runs(tmp_path_factory):
+    """The precision plan's planted model (tests/fixtures/scripts/plan_planted.py) recorded once at O0 with every
+    FP8 recipe (both per-tensor recipes, MXFP8 and NVFP4; every 4th step), its plan verified
+    (mpdiag.analysis.plan_verify.verify: the source is its own FP32 reference) and an all-FP8 rerun (fp8-sim,
+    current scaling everywhere): a namespace of store, source, reference, rounds and all_fp8."""
+    from types import SimpleNamespace
+
+    from mpdiag.analysis.plan_verify import verify
+    from mpdiag.training.runner import RunConfig, rerun, train
+    from mpdiag.training.script import ModelScript
+
+    store = tmp_path_factory.mktemp("plan") / "runs.db"
+    config = RunConfig(opt_level="O0", steps=PLAN_STEPS, every=4, device="cpu", fp8=True, fp8_recipe="both",
+                       fp8_blocks="mxfp8,nvfp4")
+    source = train(ModelScript.from_path(FIXTURES / "scripts" / "plan_planted.py"), config, store)
+    reference, rounds = verify(store, source)
+    all_fp8 = rerun(store, source, opt_level="fp8-sim", fp8=False, fp8_recipe="current")
+    return SimpleNamespace(store=store, source=source, reference=reference, rounds=rounds, all_fp8=all_fp8)
+
+
 @pytest.fixture(params=["at once", "late"])
 def arrival(request, monkeypatch):
     """Values that reach the host at once (the CPU), or only when the Recorder waits for them at close (a

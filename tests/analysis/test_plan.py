@@ -1,0 +1,99 @@
+"""The precision plan (mpdiag.analysis.plan) and its verification (mpdiag.analysis.plan_verify), held-out style:
+a model with planted FP8-hostile Linears keeps exactly those in higher precision, its rerun tracks FP32 and an
+all-FP8 rerun does not; a healthy model puts every Linear in FP8. The counts a plan states are checked against
+torch's own FP8 cast of the recomputed input, never against mpdiag's numbers."""
+
+import json
+
+import pytest
+import torch
+from conftest import EXAMPLES, FIXTURES, run_cli
+
+from mpdiag.analysis.plan import FP8_CLASS, PLAN_LOST_SHARE, next_promotion, plan_run, tracks
+from mpdiag.store import Store
+from mpdiag.training.runner import RunConfig, train
+from mpdiag.training.script import ModelScript
+
+
+def test_the_planted_layers_and_only_they_stay_in_higher_precision(plan_runs):
+    plan = plan_run(Store(plan_runs.store), plan_runs.source)
+    choices = {layer.layer: layer.choice for layer in plan.layers}
+    assert choices["outlier"] in ("bf16", "fp32") and choices["tiny"] in ("bf16", "fp32")
+    assert choices["head"] in FP8_CLASS
+    assert plan.run_precision == "bf16"  # the 2^-40 gradients fit no FP16 loss scale
+
+
+def test_the_outlier_layers_evidence_is_torchs_cast_count(plan_runs):
+    """The plan names the worst recorded step of the outlier Linear's input under current scaling and how many
+    of its values underflow: recomputed here from the script's own batch and torch's float8_e4m3fn cast."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planted", FIXTURES / "scripts" / "plan_planted.py")
+    planted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planted)
+    from mpdiag.examples.data import digits
+
+    x, y, _, _ = digits(torch.device("cpu"))
+    store = Store(plan_runs.store)
+    counts = {}
+    for step in sorted(store.fp8(plan_runs.source)["step"].unique()):
+        inputs = planted.batch_at(x, y, int(step))[0]
+        scale = torch.tensor(448.0) / inputs.abs().amax()  # current scaling: E4M3's largest over the amax, fp32
+        cast = (inputs * scale).to(torch.float8_e4m3fn).float()
+        counts[int(step)] = (int(((cast == 0) & (inputs != 0)).sum()), inputs.numel())
+    worst = max(counts, key=lambda s: counts[s][0])  # the first step of the largest count
+    assert counts[worst][0] > PLAN_LOST_SHARE * counts[worst][1]
+    said = plan_run(store, plan_runs.source).layers
+    outlier = next(layer for layer in said if layer.layer == "outlier")
+    assert f"worst input at step {worst}: {counts[worst][0]:,} of {counts[worst][1]:,} underflow" \
+        in outlier.rejected["current"]
+
+
+def test_the_plans_rerun_tracks_fp32_and_an_all_fp8_rerun_does_not(plan_runs):
+    store = Store(plan_runs.store)
+    assert plan_runs.reference == plan_runs.source  # an O0 source is its own reference
+    first = plan_runs.rounds[0]
+    assert len(plan_runs.rounds) == 1 and first.tracked, first.said
+    run = store.run(first.run_id)
+    assert int(run["parent_run_id"]) == plan_runs.source and run["opt_level"] == "fp8-sim"
+    assert run["config"]["run"]["fp8_modules"] == first.plan.module_flag()
+    tracked, rel, said = tracks(store.steps(plan_runs.reference), store.steps(plan_runs.all_fp8))
+    assert not tracked and rel > 0.05, said
+
+
+def test_a_healthy_model_puts_every_linear_in_fp8_and_the_accounts_add_up(tmp_path):
+    store = tmp_path / "runs.db"
+    config = RunConfig(opt_level="O0", steps=12, every=4, device="cpu", fp8=True, fp8_recipe="both")
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store)
+    plan = plan_run(Store(store), run_id)
+    assert [layer.choice in ("delayed", "current") for layer in plan.layers] == [True] * 3, plan.module_flag()
+    # the 16Ψ account by hand: an FP8 weight 1 byte, its BF16 gradient 2, an FP32 master 4, two moments
+    tensors = Store(store).tensors(run_id)
+    weights = int(tensors.loc[tensors["name"].str.endswith("weight"), "numel"].sum())
+    rest = int(tensors["numel"].sum()) - weights
+    moment = {"bf16": 2, "fp8": 1, "fp32": 4}[plan.moment_format]
+    assert plan.memory["bytes"]["fp32"] == 16 * (weights + rest)
+    assert plan.memory["bytes"]["plan"] == weights * (1 + 2 + 4 + 2 * moment) + rest * (2 + 2 + 4 + 2 * moment)
+    # a failed round promotes the FP8 Linear whose evidence came closest to the threshold, to BF16
+    layer = next_promotion(plan)
+    assert layer == max(plan.layers, key=lambda one: one.worst_share).layer
+    promoted = plan.promoted(layer)
+    assert dict(pair.split("=") for pair in promoted.module_flag().split(","))[layer] == "bf16"
+    assert promoted.memory["bytes"]["plan"] > plan.memory["bytes"]["plan"]
+
+
+def test_the_command_prints_the_plan_and_refuses_a_run_without_fp8_statistics(plan_runs):
+    done = run_cli("plan", plan_runs.source, "--json", "--store", plan_runs.store)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert {layer["layer"]: layer["choice"] for layer in said["layers"]}["outlier"] == "bf16"
+    refused = run_cli("plan", plan_runs.all_fp8, "--store", plan_runs.store)
+    assert refused.returncode == 2 and "recorded no FP8 statistics" in refused.stderr
+
+
+@pytest.mark.parametrize("modules", ["head=current,head=bf16", "head=fp4", "head"])
+def test_fp8_modules_is_checked_before_training(modules):
+    from mpdiag.options import ConfigError
+
+    with pytest.raises(ConfigError, match="--fp8-modules"):
+        RunConfig(opt_level="fp8-sim", fp8_modules=modules).validate()
