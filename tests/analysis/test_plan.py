@@ -97,3 +97,27 @@ def test_fp8_modules_is_checked_before_training(modules):
 
     with pytest.raises(ConfigError, match="--fp8-modules"):
         RunConfig(opt_level="fp8-sim", fp8_modules=modules).validate()
+
+
+def test_docs_state_the_plans_thresholds_with_the_codes_values():
+    """docs/plan.md's thresholds table is generated from plan.py's constants (the docs hook), and the rules
+    written by hand state the same numbers."""
+    import sys
+
+    from conftest import ROOT
+
+    from mpdiag.analysis import plan
+
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        from findings_thresholds import PLAN_MARKER, PLAN_MODULES, thresholds_table
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "hooks"))
+    page = (ROOT / "docs" / "plan.md").read_text()
+    assert PLAN_MARKER in page
+    for name in ("PLAN_LOST_SHARE", "BF16_GRAD_LOST_SHARE", "MOMENT_LOST_SHARE", "TRACK_RTOL", "TRACK_WINDOW",
+                 "MAX_ROUNDS"):
+        assert f"| `{name}` |" in thresholds_table(PLAN_MODULES), name
+    for name in ("PLAN_LOST_SHARE", "BF16_GRAD_LOST_SHARE", "MOMENT_LOST_SHARE", "TRACK_RTOL"):
+        assert f"`{name}` ({getattr(plan, name):.0%}".replace("%", " %") in page, name
+    assert f"`MAX_ROUNDS` ({plan.MAX_ROUNDS})" in page
