@@ -47,6 +47,10 @@ ELEMENT_BYTES = {"nvfp4": 0.5 + 1 / 16, "delayed": 1.0, "current": 1.0, "mxfp8":
                  "fp32": 4.0, "fp16": 2.0, "fp8": 1.0}
 LABELS = {"nvfp4": "NVFP4", "delayed": "FP8 delayed", "current": "FP8 current", "mxfp8": "MXFP8", "bf16": "BF16",
           "fp32": "FP32", "fp16": "FP16", "fp8": "FP8 (E4M3)"}
+#: how Transformer Engine names each choice (``transformer_engine.common.recipe``), for the plan's config
+TE_RECIPES = {"nvfp4": "NVFP4BlockScaling()", "delayed": "DelayedScaling()", "current": "Float8CurrentScaling()",
+              "mxfp8": "MXFP8BlockScaling()", "bf16": "none: outside fp8_autocast, under BF16 autocast",
+              "fp32": "none: outside fp8_autocast and autocast (FP32)"}
 #: the moments of the optimizers whose state is known by their class (others: measured from the stored bytes)
 MOMENTS_BY_CLASS = {"Adam": 2, "AdamW": 2}
 FP8_CLASS = ("nvfp4", "delayed", "current", "mxfp8")
@@ -106,6 +110,14 @@ class Plan:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def config_text(self) -> str:
+        """The plan as a config a user can take: the mpdiag flags of its rerun, then a Transformer-Engine-style
+        recipe per module."""
+        lines = [f"# mpdiag: rerun it\n--opt-level fp8-sim --fp8-modules {self.module_flag()}",
+                 "# Transformer Engine style: the recipe each Linear runs under"]
+        lines += [f"{layer.layer}: {TE_RECIPES[layer.choice]}" for layer in self.layers]
+        return "\n".join(lines)
 
     def promoted(self, layer: str) -> Plan:
         """This plan with ``layer`` moved to BF16 (a verify round broke training), its accounts recomputed."""
@@ -314,6 +326,18 @@ def tracks(reference: pd.DataFrame, steps: pd.DataFrame) -> tuple[bool, float, s
     verdict = "tracks" if rel <= TRACK_RTOL else "does not track"
     return rel <= TRACK_RTOL, rel, (f"{verdict} FP32: mean loss over the last {len(window)} steps {mine:.5g} against "
                                    f"{ref:.5g}, {rel:.2%} apart (TRACK_RTOL {TRACK_RTOL:.0%})")
+
+
+def after_round(plan: Plan, ran: str, tracked: bool) -> Plan | None:
+    """The plan of the next verify round from ``plan`` (the source's) and the last round's ``--fp8-modules``
+    (``ran``) and outcome: the Linears that round ran in BF16 but ``plan`` did not were promoted before it;
+    a failed round promotes one more (:func:`next_promotion`). None when the round tracked or none is left."""
+    ran_in = dict(pair.split("=", 1) for pair in ran.split(",") if "=" in pair)
+    for layer in plan.layers:
+        if ran_in.get(layer.layer) == "bf16" and layer.choice != "bf16":
+            plan = plan.promoted(layer.layer)
+    layer = None if tracked else next_promotion(plan)
+    return None if layer is None else plan.promoted(layer)
 
 
 def next_promotion(plan: Plan) -> str | None:
