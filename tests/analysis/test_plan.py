@@ -61,6 +61,33 @@ def test_the_plans_rerun_tracks_fp32_and_an_all_fp8_rerun_does_not(plan_runs):
     assert not tracked and rel > 0.05, said
 
 
+def test_a_round_that_breaks_training_promotes_the_layer_and_the_next_round_tracks(plan_runs, monkeypatch, tmp_path):
+    """A plan wrongly optimistic about both planted Linears (FP8 current, the outlier's evidence closest to the
+    threshold): round 1 reruns it and does not track FP32; the outlier is promoted to BF16; round 2 tracks (the
+    tiny gradients' loss does not move the loss). Each round is a rerun linked to the source. On a copy of the
+    session's store, whose runs other tests count."""
+    import sqlite3
+    from contextlib import closing
+    from dataclasses import replace
+
+    from mpdiag.analysis import plan_verify
+
+    store = tmp_path / "runs.db"
+    with closing(sqlite3.connect(plan_runs.store)) as source, closing(sqlite3.connect(store)) as copy:
+        source.backup(copy)
+    honest = plan_run(Store(store), plan_runs.source)
+    shares = {"outlier": 0.5, "tiny": 0.3}
+    optimistic = replace(honest, layers=[replace(layer, choice="current", worst_share=shares[layer.layer])
+                                         if layer.layer in shares else layer for layer in honest.layers])
+    monkeypatch.setattr(plan_verify, "plan_run", lambda store, run_id: optimistic)
+    reference, rounds = plan_verify.verify(store, plan_runs.source)
+    assert reference == plan_runs.source
+    assert [r.tracked for r in rounds] == [False, True] and rounds[0].promoted == "outlier", [r.said for r in rounds]
+    assert rounds[1].plan.module_flag() == "head=current,outlier=bf16,tiny=current"
+    runs = Store(store).runs().set_index("run_id")
+    assert [int(runs.loc[r.run_id, "parent_run_id"]) for r in rounds] == [plan_runs.source] * 2
+
+
 def test_a_healthy_model_puts_every_linear_in_fp8_and_the_accounts_add_up(tmp_path):
     store = tmp_path / "runs.db"
     config = RunConfig(opt_level="O0", steps=12, every=4, device="cpu", fp8=True, fp8_recipe="both")
