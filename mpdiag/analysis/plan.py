@@ -54,6 +54,8 @@ TE_RECIPES = {"nvfp4": "NVFP4BlockScaling()", "delayed": "DelayedScaling()", "cu
 #: the moments of the optimizers whose state is known by their class (others: measured from the stored bytes)
 MOMENTS_BY_CLASS = {"Adam": 2, "AdamW": 2}
 FP8_CLASS = ("nvfp4", "delayed", "current", "mxfp8")
+#: bytes per element of an optimizer state dtype as the runner records it (others: taken as FP32)
+STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -165,8 +167,10 @@ def run_precision(opt_level: str, hist: np.ndarray, activation_max: float | None
     histogram summed over tensors and logged steps, and the largest finite module output recorded
     (``--trace-modules``; None: not recorded). FP16 needs both: a scale that fits the gradients
     (findings.recommended_scale, the gradient-underflow finding's rule) and outputs below FP16's largest."""
+    if not hist.sum():
+        return "bf16", None, "the gradients' histograms are not recorded (no logged step): BF16, FP32's range"
     complete = opt_level not in FP16_LEVELS  # an FP16 run's histograms lack what it flushed to zero
-    k = recommended_scale(hist, complete=complete) if hist.sum() else None
+    k = recommended_scale(hist, complete=complete)
     if k is None:
         return "bf16", None, (f"no loss scale fits the gradients in FP16 (every scale that avoids overflow leaves "
                               f"more than LOW_RANGE_SHARE {LOW_RANGE_SHARE:.0%} underflowing or subnormal): BF16")
@@ -186,8 +190,10 @@ def moment_format(per_tensor: np.ndarray) -> tuple[str, str]:
     histogram (rows: tensors; column i: binade EXP_MIN + i). The moments are not recorded: m is judged by g's
     binades, v by g²'s (twice the exponent). FP8 (E4M3 at a per-tensor scale) keeps the binades within its span
     below the tensor's largest; BF16 keeps them within its absolute range. The worst tensor decides."""
-    bins = np.arange(per_tensor.shape[1]) + EXP_MIN if per_tensor.size else np.arange(0)
-    totals = per_tensor.sum(axis=1)
+    totals = per_tensor.sum(axis=1) if per_tensor.size else np.zeros(0)
+    if not totals.sum():
+        return "fp32", "the moments are not recorded, nor the gradients' histograms they would be judged by: FP32"
+    bins = np.arange(per_tensor.shape[1]) + EXP_MIN
     spans = {"fp8": FP8_E4M3.max_exponent - FP8_E4M3.min_subnormal_exponent}
 
     def lost(fmt: str, power: int) -> float:
@@ -274,7 +280,7 @@ def build_plan(run: pd.Series, records: pd.DataFrame, tensors: pd.DataFrame, tot
         notes.append("no block-scaled recipe was recorded: --fp8-blocks mxfp8,nvfp4 records them")
     outputs = module_stats["fwd_absmax"] if len(module_stats) else None
     activation_max = float(np.nanmax(outputs.to_numpy())) if outputs is not None and outputs.notna().any() else None
-    precision, k, run_said = run_precision(str(run["opt_level"]), hist.sum(axis=0) if hist.size else np.zeros(1),
+    precision, k, run_said = run_precision(str(run["opt_level"]), hist.sum(axis=0) if hist.size else np.zeros(0),
                                            activation_max)
     moments, moment, moment_said = _moments(run, hist)
     if moments is None:
@@ -288,14 +294,15 @@ def build_plan(run: pd.Series, records: pd.DataFrame, tensors: pd.DataFrame, tot
 
 def _moments(run: pd.Series, hist: np.ndarray) -> tuple[int | None, str | None, str]:
     """(moments per parameter, their format, evidence): the count from the optimizer's class where it fixes it,
-    else from the optimizer state's stored bytes (whole FP32 tensors per parameter); None where neither is
-    recorded."""
+    else from the optimizer state's stored bytes (whole tensors of its recorded dtype per parameter); None where
+    neither is recorded."""
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     optimizer = config.get("optimizer") or {}
     state = run.get("model_state") if isinstance(run.get("model_state"), dict) else {}
     moments = MOMENTS_BY_CLASS.get(optimizer.get("class"))
     if moments is None and state.get("params"):
-        moments = int(state.get("optimizer_state", 0) // (4 * state["params"]))
+        size = STATE_BYTES.get(str(optimizer.get("state_dtype")), 4)
+        moments = int(state.get("optimizer_state", 0) // (size * state["params"]))
     if moments is None:
         return None, None, "the optimizer and its state are not recorded"
     if moments == 0:

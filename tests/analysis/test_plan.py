@@ -148,3 +148,21 @@ def test_docs_state_the_plans_thresholds_with_the_codes_values():
     for name in ("PLAN_LOST_SHARE", "BF16_GRAD_LOST_SHARE", "MOMENT_LOST_SHARE", "TRACK_RTOL"):
         assert f"`{name}` ({getattr(plan, name):.0%}".replace("%", " %") in page, name
     assert f"`MAX_ROUNDS` ({plan.MAX_ROUNDS})" in page
+
+
+def test_what_is_not_recorded_is_said_not_guessed():
+    """No gradient histograms (no logged step): the run stays BF16 and the moments FP32, each saying why; FP16
+    is refused while the module outputs' range is unknown, even where a loss scale fits the gradients."""
+    import numpy as np
+
+    from mpdiag.analysis.plan import moment_format, run_precision
+    from mpdiag.numerics.formats import EXP_MIN, N_EXP_BINS
+
+    assert run_precision("O0", np.zeros(0), None)[0::2] == ("bf16", "the gradients' histograms are not recorded "
+                                                                     "(no logged step): BF16, FP32's range")
+    assert moment_format(np.zeros((0, N_EXP_BINS)))[0] == "fp32"
+    hist = np.zeros(N_EXP_BINS, dtype=np.int64)
+    hist[-10 - EXP_MIN] = 1000  # every gradient in 2^-10: fits FP16 at 2^16
+    assert run_precision("O0", hist, None)[:2] == ("bf16", None)
+    assert run_precision("O0", hist, 10.0)[:2] == ("fp16", 16)
+    assert run_precision("O0", hist, 70000.0)[:2] == ("bf16", None)
