@@ -88,12 +88,16 @@ def test_a_round_that_breaks_training_promotes_the_layer_and_the_next_round_trac
     assert [int(runs.loc[r.run_id, "parent_run_id"]) for r in rounds] == [plan_runs.source] * 2
 
 
-def test_a_healthy_model_puts_every_linear_in_fp8_and_the_accounts_add_up(tmp_path):
+def test_a_healthy_model_puts_every_linear_in_fp8_its_rerun_confirms_it_and_the_accounts_add_up(tmp_path):
+    from mpdiag.analysis.plan_verify import verify
+
     store = tmp_path / "runs.db"
     config = RunConfig(opt_level="O0", steps=12, every=4, device="cpu", fp8=True, fp8_recipe="both")
     run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store)
     plan = plan_run(Store(store), run_id)
     assert [layer.choice in ("delayed", "current") for layer in plan.layers] == [True] * 3, plan.module_flag()
+    _, rounds = verify(store, run_id)
+    assert len(rounds) == 1 and rounds[0].tracked, rounds[0].said
     # the 16Ψ account by hand: an FP8 weight 1 byte, its BF16 gradient 2, an FP32 master 4, two moments
     tensors = Store(store).tensors(run_id)
     weights = int(tensors.loc[tensors["name"].str.endswith("weight"), "numel"].sum())
