@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 import subprocess
@@ -64,6 +65,19 @@ def gallery_runs(tmp_path_factory):
 PLAN_STEPS = 24
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread while the block runs: the plan tests' models are a few 64-wide Linears, whose matmuls
+    took 14 ms each on two busy cores with torch's default threads and well under 1 ms on one (measured: a
+    24-step run 4.6 s against 0.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def plan_runs(tmp_path_factory):
     """The precision plan's planted model (tests/fixtures/scripts/plan_planted.py) recorded once at O0 with every
@@ -79,9 +93,10 @@ def plan_runs(tmp_path_factory):
     store = tmp_path_factory.mktemp("plan") / "runs.db"
     config = RunConfig(opt_level="O0", steps=PLAN_STEPS, every=4, device="cpu", fp8=True, fp8_recipe="both",
                        fp8_blocks="mxfp8,nvfp4")
-    source = train(ModelScript.from_path(FIXTURES / "scripts" / "plan_planted.py"), config, store)
-    reference, rounds = verify(store, source)
-    all_fp8 = rerun(store, source, opt_level="fp8-sim", fp8=False, fp8_recipe="current")
+    with one_thread():
+        source = train(ModelScript.from_path(FIXTURES / "scripts" / "plan_planted.py"), config, store)
+        reference, rounds = verify(store, source)
+        all_fp8 = rerun(store, source, opt_level="fp8-sim", fp8=False, fp8_recipe="current")
     return SimpleNamespace(store=store, source=source, reference=reference, rounds=rounds, all_fp8=all_fp8)
 
 
