@@ -15,6 +15,17 @@ from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
 
+def copied(store, folder):
+    """A copy of the session's store in ``folder``: a test that adds runs must not change what others count."""
+    import sqlite3
+    from contextlib import closing
+
+    path = folder / "runs.db"
+    with closing(sqlite3.connect(store)) as source, closing(sqlite3.connect(path)) as copy:
+        source.backup(copy)
+    return path
+
+
 def test_the_planted_layers_and_only_they_stay_in_higher_precision(plan_runs):
     plan = plan_run(Store(plan_runs.store), plan_runs.source)
     choices = {layer.layer: layer.choice for layer in plan.layers}
@@ -66,15 +77,11 @@ def test_a_round_that_breaks_training_promotes_the_layer_and_the_next_round_trac
     threshold): round 1 reruns it and does not track FP32; the outlier is promoted to BF16; round 2 tracks (the
     tiny gradients' loss does not move the loss). Each round is a rerun linked to the source. On a copy of the
     session's store, whose runs other tests count."""
-    import sqlite3
-    from contextlib import closing
     from dataclasses import replace
 
     from mpdiag.analysis import plan_verify
 
-    store = tmp_path / "runs.db"
-    with closing(sqlite3.connect(plan_runs.store)) as source, closing(sqlite3.connect(store)) as copy:
-        source.backup(copy)
+    store = copied(plan_runs.store, tmp_path)
     honest = plan_run(Store(store), plan_runs.source)
     shares = {"outlier": 0.5, "tiny": 0.3}
     optimistic = replace(honest, layers=[replace(layer, choice="current", worst_share=shares[layer.layer])
@@ -122,6 +129,19 @@ def test_the_command_prints_the_plan_and_refuses_a_run_without_fp8_statistics(pl
     assert {layer["layer"]: layer["choice"] for layer in said["layers"]}["outlier"] == "bf16"
     refused = run_cli("plan", plan_runs.all_fp8, "--store", plan_runs.store)
     assert refused.returncode == 2 and "recorded no FP8 statistics" in refused.stderr
+
+
+def test_plan_verify_on_the_command_line_reruns_the_plan_and_says_it_tracks(plan_runs, tmp_path, capsys):
+    from mpdiag.cli import main
+
+    store = copied(plan_runs.store, tmp_path)
+    with one_thread():
+        assert main(["plan", str(plan_runs.source), "--verify", "--store", str(store)]) == 0
+    said = capsys.readouterr().out
+    new = int(Store(store).runs()["run_id"].max())
+    assert f"round 1: run {new} tracks FP32" in said
+    assert f"verified: run {new} tracks FP32 run {plan_runs.source}; take it: --opt-level fp8-sim --fp8-modules " \
+           "head=current,outlier=bf16,tiny=bf16" in said
 
 
 @pytest.mark.parametrize("modules", ["head=current,head=bf16", "head=fp4", "head"])
