@@ -70,7 +70,6 @@ class LayerChoice:
     rejected: dict[str, str]
     worst_share: float
     weight_numel: int
-    bias_numel: int
     gemm_numel: int  # operand elements of one step's three GEMMs (each operand counted once per GEMM reading it)
 
     def gemm_bytes(self, choice: str | None = None) -> float:
@@ -251,9 +250,9 @@ def _with_accounts(plan: Plan, params: int) -> Plan:
 
 
 def build_plan(run: pd.Series, records: pd.DataFrame, tensors: pd.DataFrame, totals: pd.DataFrame,
-               hist_tensors: list[str], hist: np.ndarray, module_stats: pd.DataFrame) -> Plan:
+               hist: np.ndarray, module_stats: pd.DataFrame) -> Plan:
     """The plan of run ``run`` (Store.runs' row) from Store.fp8 (``records``), Store.tensors, Store.tensor_totals,
-    Store.histogram_totals (``hist_tensors``, ``hist``) and Store.module_stats. Raises ValueError when the run
+    Store.histogram_totals' counts (``hist``: a row per tensor) and Store.module_stats. Raises ValueError when the run
     recorded no FP8 statistics: a Linear's plan needs them (``--fp8``)."""
     if records.empty:
         raise ValueError(f"run {int(run['run_id'])} recorded no FP8 statistics: record one with --fp8 (and "
@@ -273,7 +272,7 @@ def build_plan(run: pd.Series, records: pd.DataFrame, tensors: pd.DataFrame, tot
         sizes = dict(zip(sizes["role"], sizes["numel"], strict=False))
         layers.append(LayerChoice(layer, choice, evidence, rejected, worst,
                                   int(numel.get(f"{layer}.weight", sizes.get("weight", 0))),
-                                  int(numel.get(f"{layer}.bias", 0)), 2 * sum(int(sizes.get(r, 0)) for r in ROLES)))
+                                  2 * sum(int(sizes.get(r, 0)) for r in ROLES)))
     if not set(RECIPES) <= set(records["recipe"]):
         notes.append("only one per-tensor FP8 recipe was recorded: --fp8-recipe both records current and delayed")
     if not records["recipe"].isin(BLOCK_RECIPES).any():
@@ -313,9 +312,9 @@ def _moments(run: pd.Series, hist: np.ndarray) -> tuple[int | None, str | None, 
 
 def plan_run(store, run_id: int) -> Plan:
     """:func:`build_plan` of a stored run (``store``: a :class:`mpdiag.store.Store`)."""
-    names, hist = store.histogram_totals(run_id)
+    _, hist = store.histogram_totals(run_id)
     return build_plan(store.run(run_id), store.fp8(run_id), store.tensors(run_id), store.tensor_totals(run_id),
-                      names, hist, store.module_stats(run_id))
+                      hist, store.module_stats(run_id))
 
 
 def tracks(reference: pd.DataFrame, steps: pd.DataFrame) -> tuple[bool, float, str]:
