@@ -30,8 +30,8 @@ def verify_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
         ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
     if view.next_options is None:
-        st.caption("Verified: the last round tracks FP32." if len(view.rounds) and view.rounds["verdict"].iloc[-1]
-                   .startswith("tracks") else "No further round: the rounds are spent or one is still going.")
+        st.caption("Verified: the last round tracks FP32." if view.verified else
+                   "No further round: the rounds are spent or one is still going.")
         return
     st.caption(plain(f"{view.next_what}: a normal rerun of run #{int(run['run_id'])}, listed on Compare and "
                      "judged on its own Findings page; nothing starts before you confirm."))

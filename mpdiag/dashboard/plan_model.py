@@ -47,6 +47,7 @@ class PlanView:
     #: next verify round; None when the plan is verified, the rounds are spent or a round is still going
     next_options: dict | None
     next_what: str
+    verified: bool = False  # the last round finished and tracks FP32
 
     def run_said(self) -> str:
         plan = self.plan
@@ -108,6 +109,7 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
         if next_plan is None:
             break
     count, name = len(rows), str(run["name"]).split(RERUN_MARK)[0]
+    verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
     what = ""
     if reference is None:
         next_options, what = {"opt_level": "O0", "fp8": False}, "Run the FP32 reference (an O0 rerun) first"
@@ -117,4 +119,4 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
         what = f"Verify: rerun the plan (round {count + 1} of at most {MAX_ROUNDS})"
     return PlanView(plan, None, table, memory, gemm, pd.DataFrame(rows),
                     pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(), domain, reference,
-                    next_options, what)
+                    next_options, what, verified)
