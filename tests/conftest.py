@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 import subprocess
@@ -59,6 +60,44 @@ def gallery_runs(tmp_path_factory):
         ids[path.stem] = tuple(train(script, RunConfig(steps=GALLERY_STEPS, device="cpu").with_options(**options),
                                      store) for options in (module.FAILING, module.FIXED))
     return store, ids
+
+
+PLAN_STEPS = 24
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread while the block runs: the plan tests' models are a few 64-wide Linears, whose matmuls
+    took 14 ms each on two busy cores with torch's default threads and well under 1 ms on one (measured: a
+    24-step run 4.6 s against 0.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def plan_runs(tmp_path_factory):
+    """The precision plan's planted model (tests/fixtures/scripts/plan_planted.py) recorded once at O0 with every
+    FP8 recipe (both per-tensor recipes, MXFP8 and NVFP4; every 4th step), its plan verified
+    (mpdiag.analysis.plan_verify.verify: the source is its own FP32 reference) and an all-FP8 rerun (fp8-sim,
+    current scaling everywhere): a namespace of store, source, reference, rounds and all_fp8."""
+    from types import SimpleNamespace
+
+    from mpdiag.analysis.plan_verify import verify
+    from mpdiag.training.runner import RunConfig, rerun, train
+    from mpdiag.training.script import ModelScript
+
+    store = tmp_path_factory.mktemp("plan") / "runs.db"
+    config = RunConfig(opt_level="O0", steps=PLAN_STEPS, every=4, device="cpu", fp8=True, fp8_recipe="both",
+                       fp8_blocks="mxfp8,nvfp4")
+    with one_thread():
+        source = train(ModelScript.from_path(FIXTURES / "scripts" / "plan_planted.py"), config, store)
+        reference, rounds = verify(store, source)
+        all_fp8 = rerun(store, source, opt_level="fp8-sim", fp8=False, fp8_recipe="current")
+    return SimpleNamespace(store=store, source=source, reference=reference, rounds=rounds, all_fp8=all_fp8)
 
 
 @pytest.fixture(params=["at once", "late"])

@@ -30,7 +30,7 @@ from mpdiag.training.script import ModelScript
 
 pytestmark = pytest.mark.slow
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py", "pages/8_Plan.py"]
 GALLERY = sorted(path.stem for path in EXAMPLES.glob("gallery_*.py"))
 
 FAILS_AT_STEP_3 = """
