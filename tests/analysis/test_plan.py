@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import EXAMPLES, FIXTURES, one_thread, run_cli
+from conftest import EXAMPLES, FIXTURES, run_cli
 
 from mpdiag.analysis.plan import FP8_CLASS, PLAN_LOST_SHARE, next_promotion, plan_run, tracks
 from mpdiag.store import Store
@@ -87,8 +87,7 @@ def test_a_round_that_breaks_training_promotes_the_layer_and_the_next_round_trac
     optimistic = replace(honest, layers=[replace(layer, choice="current", worst_share=shares[layer.layer])
                                          if layer.layer in shares else layer for layer in honest.layers])
     monkeypatch.setattr(plan_verify, "plan_run", lambda store, run_id: optimistic)
-    with one_thread():
-        reference, rounds = plan_verify.verify(store, plan_runs.source)
+    reference, rounds = plan_verify.verify(store, plan_runs.source)
     assert reference == plan_runs.source
     assert [r.tracked for r in rounds] == [False, True] and rounds[0].promoted == "outlier", [r.said for r in rounds]
     assert rounds[1].plan.module_flag() == "head=current,outlier=bf16,tiny=current"
@@ -101,11 +100,10 @@ def test_a_healthy_model_puts_every_linear_in_fp8_its_rerun_confirms_it_and_the_
 
     store = tmp_path / "runs.db"
     config = RunConfig(opt_level="O0", steps=12, every=4, device="cpu", fp8=True, fp8_recipe="both")
-    with one_thread():
-        run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store)
-        plan = plan_run(Store(store), run_id)
-        assert [layer.choice in ("delayed", "current") for layer in plan.layers] == [True] * 3, plan.module_flag()
-        _, rounds = verify(store, run_id)
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store)
+    plan = plan_run(Store(store), run_id)
+    assert [layer.choice in ("delayed", "current") for layer in plan.layers] == [True] * 3, plan.module_flag()
+    _, rounds = verify(store, run_id)
     assert len(rounds) == 1 and rounds[0].tracked, rounds[0].said
     # the 16Ψ account by hand: an FP8 weight 1 byte, its BF16 gradient 2, an FP32 master 4, two moments
     tensors = Store(store).tensors(run_id)
@@ -135,8 +133,7 @@ def test_plan_verify_on_the_command_line_reruns_the_plan_and_says_it_tracks(plan
     from mpdiag.cli import main
 
     store = copied(plan_runs.store, tmp_path)
-    with one_thread():
-        assert main(["plan", str(plan_runs.source), "--verify", "--store", str(store)]) == 0
+    assert main(["plan", str(plan_runs.source), "--verify", "--store", str(store)]) == 0
     said = capsys.readouterr().out
     new = int(Store(store).runs()["run_id"].max())
     assert f"round 1: run {new} tracks FP32" in said
