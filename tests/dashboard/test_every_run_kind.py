@@ -278,9 +278,9 @@ def test_home_shows_a_running_runs_progress_without_a_planned_total(kinds, monke
 
 URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_scale.py": "Loss_scale",
              "pages/3_Compare.py": "Compare", "pages/5_Findings.py": "Findings", "pages/6_FP8.py": "FP8",
-             "pages/7_Modules.py": "Modules"}
+             "pages/7_Modules.py": "Modules", "pages/8_Plan.py": "Plan"}
 SINGLE_RUN_PAGES = {"pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/5_Findings.py", "pages/6_FP8.py",
-                    "pages/7_Modules.py"}  # a "Run" selector; Compare picks several, the home page none
+                    "pages/7_Modules.py", "pages/8_Plan.py"}  # a "Run" selector; Compare picks several, the home page none
 
 
 @pytest.fixture(scope="module")
