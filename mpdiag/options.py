@@ -233,10 +233,12 @@ FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_forma
 
 def option(default: Any, help: str, kind: str, watch: bool | Mapping[str, Any] = False, **details) -> Any:
     """A RunConfig field whose metadata is its :class:`Option`. ``watch``: the option is also ``mpdiag watch``'s
-    (True), or a mapping of what differs under watch (Option fields; ``widget`` as a mapping too)."""
+    (True), or a mapping of what differs under watch (Option fields). ``widget`` (in ``details`` and in ``watch``):
+    the form's hints as a mapping: label, help in the form's words, and number_input's bounds and placeholder."""
     differs = dict(watch) if isinstance(watch, Mapping) else {}
-    if "widget" in differs:
-        differs["widget"] = tuple(differs["widget"].items())
+    for hints in (differs, details):  # the form's hints, given as a mapping, held as pairs (an Option is frozen)
+        if "widget" in hints:
+            hints["widget"] = tuple(hints["widget"].items())
     modes = (RUN, WATCH) if watch is not False else (RUN,)
     return field(default=default, metadata={"option": Option(default, help, kind, modes=modes,
                                                              watch=tuple(differs.items()), **details)})
@@ -252,6 +254,8 @@ _WATCH_LEVEL_WIDGET = {
               "(mpdiag run) can do."}
 _SHADOW_HELP = ("every N steps, compare each tensor's gradient with an FP32 computation on the same weights and "
                 "batch (0: off)")
+_FP8_HELP = ("record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, weight, output "
+             "gradient): exponent histograms, scales and lost values (FP8 page)")
 #: why the watch form has no FP8 widgets: it records no FP8 statistics
 _FP8_WATCH_FORM = "the watch form records no FP8 statistics: `mpdiag watch --fp8` does"
 
@@ -275,37 +279,44 @@ class RunConfig:
                                                  "max_value": 2.0**64, "placeholder": "the script's",
                                                  "help": "Every GradScaler the script creates starts at this scale "
                                                          "(empty: the script's own)."}})
-    growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1)
+    growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1,
+                                  widget={"label": "Growth factor"})
     backoff_factor: float = option(0.5, "dynamic scale backoff factor", "float", levels=SCALING_LEVELS,
-                                   above=0, below=1)
+                                   above=0, below=1, widget={"label": "Backoff factor"})
     growth_interval: int = option(2000, "clean steps before the dynamic scale grows", "int", levels=SCALING_LEVELS,
-                                  minimum=1)
+                                  minimum=1, widget={"label": "Growth interval", "max_value": 1_000_000})
     min_scale: float | None = option(None, "lower bound of the dynamic scale", "float", levels=SCALING_LEVELS,
-                                     above=0)
+                                     above=0, widget={"label": "Min scale", "placeholder": "none"})
     max_scale: float | None = option(None, "upper bound of the dynamic scale", "float", levels=SCALING_LEVELS,
-                                     above=0)
-    steps: int = option(200, "training steps", "int", minimum=1)
+                                     above=0, widget={"label": "Max scale", "placeholder": "none"})
+    steps: int = option(200, "training steps", "int", minimum=1, widget={"label": "Steps", "max_value": 1_000_000})
     # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
-    seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1)
+    seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1,
+                       widget={"label": "Seed"})
     every: int = option(1, "record tensor statistics every N steps", "int", minimum=1,
-                        watch={"widget": {"label": "Tensor statistics every N steps", "max_value": 1_000_000}})
+                        widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000}, watch=True)
     shadow_every: int = option(
         0, _SHADOW_HELP, "int", minimum=0,
+        widget={"label": "FP32 shadow every N steps (0: off)", "max_value": 1_000_000,
+                "help": "Every N steps, recompute the gradients in FP32 on the same weights and batch and store each "
+                        "tensor's relative error and cosine (Findings page). Costs one FP32 forward and backward per "
+                        "shadow step."},
         watch={"help": "every N steps, also compute the step's gradients in FP32 and store how far the recorded ones "
                        "are from them (default 0: never)",
                "widget": {"label": "FP32 shadow every N steps", "max_value": 1_000_000,
-                          "help": _SHADOW_HELP + " Under watch: the model's forward is replayed in FP32 from the "
-                                  "gradient its outputs received (step 0 is never compared). 0: off."}})
+                          "help": _SHADOW_HELP + ". Under watch: the model's forward is replayed in FP32 from the "
+                                  "gradient its outputs received (step 0 is never compared)."}})
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]", "device")
     name: str | None = option(None, "display name of the run", "text",
                               watch={"help": "display name of the run (default: the script's file name)",
                                      "no_widget": "a watched run is named after its command, a rerun after its "
                                                   "parent and what changed"})
     trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
-                                        "first inf/NaN", "flag", watch={"widget": {"label": "Trace modules"}})
-    fp8: bool = option(False, "record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, "
-                              "weight, output gradient): exponent histograms, scales and lost values (FP8 page)",
-                       "flag", watch={"no_widget": _FP8_WATCH_FORM})
+                                        "first inf/NaN", "flag", widget={"label": "Trace modules"}, watch=True)
+    fp8: bool = option(False, _FP8_HELP, "flag", watch={"no_widget": _FP8_WATCH_FORM},
+                       widget={"label": "Record FP8 statistics (FP8 page)",
+                               "help": _FP8_HELP + ", under the default recipe (delayed scaling, history 1024, E4M3 "
+                                                   "forward, E5M2 output gradients)."})
     fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
                                         "both; fp8-sim also the block-scaled mxfp8 or nvfp4, which --fp8 then "
                                         "records beside both per-tensor recipes)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
@@ -331,10 +342,10 @@ class RunConfig:
                                   f"{', '.join(MODULE_RECIPES)}); the others take --fp8-recipe (what `mpdiag plan "
                                   "--verify` reruns)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
-                        minimum=1)
+                        minimum=1, widget={"label": "Processes (data parallel, launched like torchrun)", "max_value": 64})
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
                            "text")
-    stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=tuple(_STOP_ON_WIDGET.items()))
+    stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=_STOP_ON_WIDGET)
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
