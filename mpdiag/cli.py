@@ -132,27 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "the FP32 reference; promote a Linear and rerun while the loss does not track FP32 (at most "
                       f"{MAX_ROUNDS} rounds)")
     _store_arg(plan)
-    runs = sub.add_parser("runs", help="list the runs in the store (filter by --tag, --status, --script); rename, "
-                          "tag, untag, note or delete one", description="Without an action: list the runs.")
-    _runs_filters(runs)
-    _store_arg(runs)
-    actions = runs.add_subparsers(dest="action", metavar="{list,rename,tag,untag,note,delete}")
-    listing = actions.add_parser("list", help="list the runs (the default)")
-    _runs_filters(listing, inner=True)
-    for name, helps, extra in (
-        ("rename", "give a run a new name", [("name", {"help": "the new name (quote it if it has spaces)"})]),
-        ("tag", "add tags to a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
-        ("untag", "remove tags from a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
-        ("note", "set a run's note (\"\" clears it)", [("text", {"help": "the note (quote it)"})]),
-        ("delete", "delete a run and every row recorded for it (asks first)", []),
-    ):
-        action = actions.add_parser(name, help=helps, description=helps)
-        action.add_argument("run_id", type=int)
-        for arg, kwargs in extra:
-            action.add_argument(arg, **kwargs)
-        if name == "delete":
-            action.add_argument("--yes", action="store_true", help="do not ask (needed when not at a terminal)")
-        _store_arg(action, inner=True)
+    _runs_parser(sub)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
     rerun.add_argument("run_id", type=int)
     _run_options(rerun, inherit=True)
@@ -174,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501)")
     _store_arg(dashboard)
     return parser
+
+
+def _runs_parser(sub) -> None:
+    """``runs``: list the runs (filtered), or act on one (rename, tag, untag, note, delete)."""
+    runs = sub.add_parser("runs", help="list the runs in the store (filter by --tag, --status, --script); rename, "
+                          "tag, untag, note or delete one", description="Without an action: list the runs.")
+    _runs_filters(runs)
+    _store_arg(runs)
+    actions = runs.add_subparsers(dest="action", metavar="{list,rename,tag,untag,note,delete}")
+    listing = actions.add_parser("list", help="list the runs (the default)")
+    _runs_filters(listing, inner=True)
+    for name, helps, extra in (
+        ("rename", "give a run a new name", [("name", {"help": "the new name (quote it if it has spaces)"})]),
+        ("tag", "add tags to a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("untag", "remove tags from a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("note", "set a run's note (\"\" clears it)", [("text", {"help": "the note (quote it)"})]),
+        ("delete", "delete a run and every row recorded for it (asks first)", []),
+    ):
+        action = actions.add_parser(name, help=helps, description=helps)
+        action.add_argument("run_id", type=int)
+        for arg, kwargs in extra:
+            action.add_argument(arg, **kwargs)
+        if name == "delete":
+            action.add_argument("--yes", action="store_true", help="do not ask (needed when not at a terminal)")
+        _store_arg(action, inner=True)
 
 
 def _options(args: argparse.Namespace) -> dict:
