@@ -184,7 +184,12 @@ class Recorder:
             (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
             the model): on, but on a GPU only when a GradScaler is in use (the read is a synchronisation there,
             and GradScaler's ``step`` synchronises anyway); ``True``: on everywhere. One process only
-            (not under torchrun).
+            (not under torchrun). ``watch`` passes ``None`` too, with ``replay_model``, and hides the two hooks
+            from pickling and deep copies of the script's modules for its lifetime
+            (:func:`mpdiag.recording.replay.reduce_ex_without_replay_hooks`).
+        replay_model: the module whose training forwards the replay keeps and repeats, when it is not ``model``
+            (``watch``: ``model`` is a view over the script's parameters that is never called; this is the model
+            the script calls). None: ``model``.
 
     mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
 
@@ -235,6 +240,7 @@ class Recorder:
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
         replay: bool | None = False,
+        replay_model: torch.nn.Module | None = None,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
         launcher_names_failures: bool = False,
@@ -268,7 +274,7 @@ class Recorder:
         # would be the step's only synchronisation (GradScaler's step synchronises anyway)
         sync_free = self.device.type != "cuda" or self.scaler is not None
         self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay is True or (replay is None and sync_free))
+                      replay=replay is True or (replay is None and sync_free), replay_model=replay_model)
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -321,7 +327,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool = False) -> None:
+                 watch_ranks: bool, replay: bool = False, replay_model: torch.nn.Module | None = None) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -331,7 +337,7 @@ class Recorder:
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
         #: the replay of the first non-finite step (None: off, or a job of several processes)
-        self._replay = StepReplay(model) if replay and not self._dist.distributed else None
+        self._replay = StepReplay(model if replay_model is None else replay_model) if replay and not self._dist.distributed else None
         #: its result once it ran
         self.replayed: ReplayResult | None = None
         if watch_ranks:

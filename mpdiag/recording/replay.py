@@ -287,6 +287,34 @@ class StepReplay:
         result.reproduced = offender == (LOSS, BACKWARD) or any(row[3] or row[5] for row in forward + backward)
 
 
+#: a module's forward-hook tables (and their companions keyed by the same handle ids, which are unique per process)
+_FORWARD_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                        "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _replay_hook_ids(state: dict) -> set[int]:
+    return {key for name in ("_forward_pre_hooks", "_forward_hooks") for key, hook in (state.get(name) or {}).items()
+            if isinstance(getattr(hook, "__self__", None), StepReplay)}
+
+
+def reduce_ex_without_replay_hooks(module: torch.nn.Module, protocol: int):
+    """``torch.nn.Module.__reduce_ex__`` while ``watch`` runs a script: ``object.__reduce_ex__`` (which honours a
+    class's own ``__reduce__`` and ``__getstate__``), with the forward hooks of a :class:`StepReplay` left out of
+    the state it returns. Pickling (``torch.save(model)``) and ``copy.deepcopy`` both take a module's state from
+    here, so a script's checkpoint or EMA copy of its model carries nothing of mpdiag's, and
+    ``torch.load(weights_only=True)`` meets only the script's own classes. The module itself keeps its hooks; a
+    module without them (every module but the watched model's root) returns its state untouched, uncopied."""
+    reduced = object.__reduce_ex__(module, protocol)
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+    ours = _replay_hook_ids(state) if isinstance(state, dict) else None
+    if not ours:
+        return reduced
+    state = {name: (type(table)((k, v) for k, v in table.items() if k not in ours)
+                    if name in _FORWARD_HOOK_TABLES and isinstance(table, dict) else table)
+             for name, table in state.items()}
+    return (*reduced[:2], state, *reduced[3:])
+
+
 def _bad(values, limit: float | None) -> bool:
     absmax, nonfinite = values
     return nonfinite > 0 or (limit is not None and not math.isnan(absmax) and absmax > limit)

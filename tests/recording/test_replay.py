@@ -8,100 +8,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fixtures.scripts.replay_planted import D, GradGain, Net, at  # the planted faults, shared with the watched tests
+from fixtures.scripts.replay_planted import train as planted_train
 from torch import nn
 
 from mpdiag import Recorder, Store
 from mpdiag.recording.replay import BACKWARD, FORWARD, INPUTS
 
-D = 8
 
+def train(store, steps, plant, *, replay=True, record=True, **options):
+    """The planted loop (FP16 autocast on the CPU, a GradScaler) recorded by a Recorder in the user's loop, or
+    (``record=False``) without mpdiag. Returns (recorder or None, losses, final weights)."""
+    def recorder(called, scaler, opt):
+        return Recorder(called, store=store, scaler=scaler, optimizer=opt, replay=replay) if record else None
 
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.out = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x, sharpen=1.0):
-        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)  # fp16 under autocast: overflows when sharpened
-        return self.out(scores.softmax(-1) @ self.v(x))
-
-
-class BlowUp(torch.autograd.Function):
-    """Identity forward; a backward that multiplies the gradient by ``gain`` (an overflow at any loss scale)."""
-
-    @staticmethod
-    def forward(ctx, x, gain):
-        ctx.gain = gain
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.gain, None
-
-
-class GradGain(nn.Module):
-    def forward(self, x, gain=1.0):
-        return BlowUp.apply(x, gain)
-
-
-class LossHead(nn.Module):
-    """Cross-entropy written by hand: log of the softmax, so a probability that underflows to 0 gives log(0) = -inf
-    and 0 * -inf = NaN."""
-
-    def forward(self, logits, target):
-        p = logits.float().softmax(-1)
-        onehot = nn.functional.one_hot(target, logits.shape[-1]).float()
-        return -(onehot * p.log()).sum(-1).mean()
-
-
-class Net(nn.Module):
-    def __init__(self, dropout=0.0):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.drop = nn.Dropout(dropout)
-        self.attn = Attention()
-        self.mid = nn.Linear(D, D)
-        self.gain = GradGain()
-        self.logits = nn.Linear(D, 4)
-        self.loss_head = LossHead()
-
-    def forward(self, x, target, sharpen=1.0, gain=1.0, confidence=1.0):
-        h = self.drop(torch.relu(self.inp(x)))
-        h = self.gain(self.mid(self.attn(h, sharpen=sharpen)), gain=gain)
-        return self.loss_head(self.logits(h).mean(1) * confidence, target)
-
-
-def train(store, steps, plant, *, compile_=False, replay=True, dropout=0.0, record=True):
-    """A user's loop: FP16 autocast on CPU, a GradScaler; ``plant(step)`` gives the step's extra forward kwargs and
-    a factor on its batch. Returns (recorder or None, losses, final weights)."""
-    torch.manual_seed(0)
-    model = Net(dropout)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    called = torch.compile(model, backend="eager") if compile_ else model
-    rec = Recorder(called, store=store, scaler=scaler, optimizer=opt, replay=replay) if record else None
-    data = torch.Generator().manual_seed(1)
-    losses, jitter = [], torch.zeros(())
-    for step in range(steps):
-        x, y = torch.randn(4, 6, D, generator=data), torch.randint(0, 4, (4,), generator=data)
-        kwargs, factor = plant(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = called(x * factor * (1 + 0.01 * jitter), y, **kwargs)
-        scaler.scale(loss).backward()
-        jitter = torch.rand(())  # the global generator, drawn after the forward: the replay must leave it as it was
-        if rec is not None:
-            rec.record(loss)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if rec is not None:
-        rec.close()
-    return rec, losses, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def at(step_planted, kwargs=None, factor=1.0):
-    return lambda step: (kwargs or {}, factor) if step == step_planted else ({}, 1.0)
+    return planted_train(steps, plant, recorder=recorder, **options)
 
 
 def replayed(store, rec):
@@ -183,45 +104,6 @@ def test_the_replay_changes_nothing_in_the_training(tmp_path, plant):
         assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
 
 
-WATCHED = '''
-import sys
-import torch
-from torch import nn
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x, sharpen):
-        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)
-        return scores.softmax(-1) @ self.v(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.attn, self.head = nn.Linear(8, 8), Attention(), nn.Linear(8, 1)
-
-    def forward(self, x, sharpen=1.0):
-        return self.head(self.attn(torch.relu(self.inp(x)), sharpen)).mean()
-
-
-torch.manual_seed(0)
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-for step in range(int(sys.argv[1])):
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.randn(4, 6, 8), sharpen=1e6 if step == 37 else 1.0) ** 2
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-'''
-
-
 def test_a_default_recorder_leaves_the_model_picklable_as_the_user_saves_it(tmp_path):
     """torch.save of the whole model under a default Recorder holds nothing of mpdiag's: torch.load with
     weights_only=True (the default) takes it back, allowing only the model's own classes."""
@@ -236,20 +118,6 @@ def test_a_default_recorder_leaves_the_model_picklable_as_the_user_saves_it(tmp_
         loaded = torch.load(buffer)
     assert torch.equal(loaded[0].weight, model[0].weight)
     rec.close()
-
-
-def test_watch_puts_no_replay_hooks_on_the_scripts_model(tmp_path, write_script):
-    """Under watch the replay is off: its hooks on the script's model would travel in the script's own
-    torch.save(model) checkpoints (word_language_model's torch.load(weights_only=True) refused them). The event is
-    still caught at its step."""
-    from mpdiag.training.watch import WatchConfig, watch
-
-    store = tmp_path / "s.db"
-    run_id, code = watch(WatchConfig(target=str(write_script(WATCHED, "train.py")), args=("60",)), store)
-    assert code == 0
-    assert Store(store).replays(run_id).empty
-    assert list(Store(store).events(run_id).step) == [37]
-    assert len(Store(store).steps(run_id)) == 60
 
 
 class InPlace(nn.Module):
