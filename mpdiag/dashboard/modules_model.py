@@ -39,11 +39,13 @@ class ReplayStrip:
                 f"{where}; the replay {verdict}.")
 
 
-def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame) -> ReplayStrip | None:
-    """The strip of the run's replayed step, or None when no step was replayed."""
+def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None = None) -> ReplayStrip | None:
+    """The strip of the run's replayed step ``step`` (a link's ``?replay=``), else of its first replayed step;
+    None when no step was replayed."""
     if replays.empty:
         return None
-    replay = replays.iloc[0]
+    named = replays[replays["step"] == step]
+    replay = named.iloc[0] if len(named) else replays.iloc[0]
     step = int(replay["step"])
     limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     rows = modules[modules["step"] == step].reset_index(drop=True)
@@ -90,10 +92,10 @@ class ModulesRun:
         return module_trace.module_table(self.modules)
 
 
-def modules(store: Store, run: pd.Series, final: bool) -> ModulesRun:
-    """The Modules page's view of ``run``."""
+def modules(store: Store, run: pd.Series, final: bool, replay_step: int | None = None) -> ModulesRun:
+    """The Modules page's view of ``run``, its replay strip that of ``replay_step`` where it was replayed."""
     traced = reads.module_stats(store, int(run["run_id"]), final)
-    replay = replay_strip(*reads.replay(store, int(run["run_id"]), final))
+    replay = replay_strip(*reads.replay(store, int(run["run_id"]), final), step=replay_step)
     if traced.empty:
         return ModulesRun(traced, [], None, None, None, {}, None, replay)
     order = module_trace.module_order(traced)
