@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis import module_trace
+from mpdiag.analysis.findings import SPIKE_TRIGGER
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
@@ -23,14 +24,20 @@ REPLAY_STATES = ("finite", "above FP16's max", "inf/NaN", "first offender")
 class ReplayStrip:
     """The replay of the run's first non-finite step (mpdiag.recording.replay): ``rows`` every module call,
     forward then backward, each in execution order (``pos`` along the strip), with its ``state`` (one of
-    :data:`REPLAY_STATES`); the first offender, its phase, and whether the replay reproduced the event."""
+    :data:`REPLAY_STATES`); the first offender, its phase, and whether the replay reproduced the event;
+    ``spike``: the replay of a loss spike (forward only, beside the previous step's batch), ``note`` what it found."""
     step: int
     rows: pd.DataFrame
     first_module: str | None
     first_phase: str | None
     reproduced: bool
+    spike: bool = False
+    note: str | None = None
 
     def said(self) -> str:
+        if self.spike:
+            return (f"Step {self.step}'s loss spike replayed module by module, forward only ({len(self.rows):,} calls), "
+                    f"and step {self.step - 1}'s batch on the same copy: {self.note or 'nothing was found'}.")
         where = (f"the first offender is {self.first_module} ({self.first_phase})" if self.first_module
                  else "no module's output or gradient went inf/NaN")
         verdict = ("reproduced the event: numerics" if self.reproduced else
@@ -59,7 +66,8 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None 
     hit = rows.index[(rows["module"] == first) & (rows["phase"] == phase)]
     if len(hit):
         state[hit[0]] = REPLAY_STATES[3]
-    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]))
+    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]),
+                       replay["trigger"] == SPIKE_TRIGGER, replay["note"] if isinstance(replay["note"], str) else None)
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,18 @@ def test_the_findings_link_opens_the_modules_page_on_the_replay_above_the_trace(
     assert [h.value for h in linked.subheader] == ["Replay of step 5", "Modules, forward order"]
     unlinked = app("pages/7_Modules.py", store, monkeypatch, run=str(run_id))
     assert [h.value for h in unlinked.subheader] == ["Modules, forward order", "Replay of step 5"]
+
+
+def test_a_loss_spikes_strip_says_what_the_replay_found_in_its_words():
+    replays = pd.DataFrame([dict(step=40, trigger="loss spike", reproduced=True, first_module="boost",
+                                 first_phase="forward", low_format="bf16", format_max=None,
+                                 note="boost's output at step 40 was 86.6x its output on step 39's batch")])
+    modules = pd.DataFrame([dict(step=s, phase="forward", ord=i, module=m, type=t, absmax=a, nonfinite=0,
+                                 in_absmax=1.0, in_nonfinite=0)
+                            for s, scale in ((39, 1.0), (40, 86.6)) for i, (m, t, a) in
+                            enumerate([("embed", "Linear", 1.0), ("boost", "Boost", 1.8 * scale)])])
+    strip = modules_model.replay_strip(replays, modules)
+    assert list(strip.rows["module"]) == ["embed", "boost"]  # the spike step's calls, not the previous step's
+    assert list(strip.rows["state"]) == ["finite", "first offender"]
+    assert strip.said() == ("Step 40's loss spike replayed module by module, forward only (2 calls), and step 39's "
+                            "batch on the same copy: boost's output at step 40 was 86.6x its output on step 39's batch.")

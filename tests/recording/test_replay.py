@@ -13,6 +13,7 @@ from fixtures.scripts.replay_planted import train as planted_train
 from torch import nn
 
 from mpdiag import Recorder, Store
+from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.recording.replay import BACKWARD, FORWARD, INPUTS
 
 
@@ -91,15 +92,20 @@ def test_healthy_run_replays_nothing(tmp_path):
     assert rec.replayed is None and Store(store).replays(rec.run_id).empty
 
 
-@pytest.mark.parametrize("plant", [at(5, {"sharpen": 1e6}), at(5, {"gain": 1e9})], ids=["forward", "backward"])
-def test_the_replay_changes_nothing_in_the_training(tmp_path, plant):
+@pytest.mark.parametrize("step, kwargs, factor, steps, spike", [(5, {"sharpen": 1e6}, 1.0, 12, False),
+                                                                (5, {"gain": 1e9}, 1.0, 12, False),
+                                                                (40, {}, 1e3, 42, True)],
+                         ids=["forward", "backward", "spike"])
+def test_the_replay_changes_nothing_in_the_training(tmp_path, step, kwargs, factor, steps, spike):
     """Dropout draws random numbers in the forward the replay repeats: the replay must restore the random state,
     and leave the weights, gradients and scaler alone; bit-identical to the same run without it and without
-    mpdiag at all."""
-    with_replay, losses, weights = train(tmp_path / "a.db", 12, plant, dropout=0.2)
-    assert with_replay.replayed is not None and with_replay.replayed.step == 5 and with_replay.replayed.reproduced
+    mpdiag at all (a spike's replay runs two forwards, and keeps the previous step's batch a step longer)."""
+    plant = at(step, kwargs, factor)
+    with_replay, losses, weights = train(tmp_path / "a.db", steps, plant, dropout=0.2, spike=spike)
+    replayed = with_replay.spike_replayed if spike else with_replay.replayed
+    assert replayed is not None and replayed.step == step and replayed.reproduced
     for other in (dict(replay=False), dict(record=False)):
-        _, other_losses, other_weights = train(tmp_path / "b.db", 12, plant, dropout=0.2, **other)
+        _, other_losses, other_weights = train(tmp_path / "b.db", steps, plant, dropout=0.2, spike=spike, **other)
         assert other_losses == pytest.approx(losses, nan_ok=True, rel=0, abs=0)
         assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
 
@@ -217,3 +223,44 @@ def test_weights_already_broken_are_said_in_the_note(tmp_path):
     found = rec.replayed
     assert (found.step, found.first_module, found.first_phase) == (2, "mid", FORWARD)
     assert found.note == "its weights already held inf/NaN before the step: mid.weight"
+
+
+def spiked(store, plant):
+    """The planted loop's finite twin (BF16, no scaler; tests/fixtures/scripts/replay_planted.py's ``--spike``),
+    45 steps, a spike planted at step 40 (the loss-spike rule needs 32 losses before it)."""
+    rec, losses, _ = train(store, 45, plant, spike=True)
+    replays = Store(store).replays(rec.run_id)
+    assert len(replays) == 1 and rec.replayed is None
+    return rec, losses, replays.iloc[0], Store(store).replay_modules(rec.run_id)
+
+
+def test_a_loss_spike_from_one_corrupted_batch_names_the_inputs(tmp_path):
+    """One batch a thousand times larger at step 40: the loss spikes (finite) and the replay of steps 39 and 40 on
+    one copy says the batch was already about 1000x larger before any module ran."""
+    rec, losses, found, modules = spiked(tmp_path / "s.db", at(40, factor=1e3))
+    assert losses[40] > 50 * max(losses[:40])  # planted: a spike, finite
+    assert (found.step, found.trigger, found.first_module, found.first_phase, found.reproduced) == \
+        (40, "loss spike", INPUTS, FORWARD, True)
+    assert list(Store(tmp_path / "s.db").events(rec.run_id).query("kind == 'loss-spike'").step) == [40]
+    root = modules[modules.module == "SpikeNet"].set_index("step")
+    batch_ratio = root.loc[40, "in_absmax"] / root.loc[39, "in_absmax"]
+    assert 1e3 / 1.5 < batch_ratio < 1e3 * 1.5  # planted x1000; two random batches' absmax differ by less than 1.5x
+    assert found.note.startswith(f"the batch at step 40 was already {batch_ratio:.3g}x larger than the step before")
+    # the replayed spike step's loss is the loss the training computed
+    assert root.loc[40, "absmax"] == pytest.approx(losses[40], rel=1e-6)
+    origin = next(f for f in diagnose(Store(tmp_path / "s.db"), rec.run_id) if f.rule == "loss-spike-origin")
+    assert origin.title == "step 40's loss spike came in with its batch"
+    assert f"forwards of step 40 (a loss spike) and of step 39 on one copy of the model with step 40's weights: " \
+           f"{found.note}." in origin.evidence
+    assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=40"
+    assert not any(f.rule == "nonfinite-origin" for f in diagnose(Store(tmp_path / "s.db"), rec.run_id))
+
+
+def test_a_loss_spike_born_in_a_module_names_that_module(tmp_path):
+    """``boost`` multiplies its output by 100 at step 40, its inputs unchanged: named, with its rise."""
+    _, _, found, modules = spiked(tmp_path / "s.db", at(40, {"boost": 100.0}))
+    assert (found.step, found.first_module, found.first_phase) == (40, "boost", FORWARD)
+    boost = modules[modules.module == "boost"].set_index("step")
+    rise = boost.loc[40, "absmax"] / boost.loc[39, "absmax"]
+    assert 100 / 1.5 < rise < 100 * 1.5  # planted x100 on the output of two different batches
+    assert found.note.startswith(f"boost's output at step 40 was {rise:.3g}x its output on step 39's batch")

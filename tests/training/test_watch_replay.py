@@ -2,7 +2,7 @@
 (tests/fixtures/scripts/replay_planted.py, FP16 autocast on the CPU with a GradScaler): each planted fault is
 replayed at its step and its module named - an attention-score overflow at step 37 of 60 (forward), an overflow in
 a custom autograd Function's backward at step 21 (backward), a NaN from log(0) in the loss head, the first under
-torch.compile too. The replay's two hooks on the script's model stay out of the script's own checkpoints and
+torch.compile too, and a loss spike from one batch a thousand times larger (its BF16 twin, no scaler). The replay's two hooks on the script's model stay out of the script's own checkpoints and
 copies of it, and the watched training is bit-identical to the same script run without mpdiag."""
 
 import json
@@ -14,7 +14,7 @@ import torch
 from conftest import FIXTURES
 
 from mpdiag import Store
-from mpdiag.recording.replay import BACKWARD, FORWARD
+from mpdiag.recording.replay import BACKWARD, FORWARD, INPUTS
 from mpdiag.training.watch import WatchConfig, watch
 
 SCRIPT = FIXTURES / "scripts" / "replay_planted.py"
@@ -34,7 +34,8 @@ def watched(tmp_path, *args):
     (("30", "gain=1e9", "21"), 21, "nonfinite gradients", "gain", BACKWARD),
     (("40", "confidence=1e4", "30"), 30, "nonfinite loss", "loss_head", FORWARD),
     (("40", "sharpen=1e6", "37", "--compile"), 37, "nonfinite loss", "attn", FORWARD),
-], ids=["attention-forward", "function-backward", "log0-loss-head", "attention-compiled"])
+    (("45", "batch=1e3", "40", "--spike"), 40, "loss spike", INPUTS, FORWARD),
+], ids=["attention-forward", "function-backward", "log0-loss-head", "attention-compiled", "corrupted-batch-spike"])
 def test_a_planted_fault_in_a_watched_script_is_named_at_its_step(tmp_path, args, step, trigger, module, phase):
     store, run_id, _ = watched(tmp_path, *args)
     replays = store.replays(run_id)
@@ -43,8 +44,10 @@ def test_a_planted_fault_in_a_watched_script_is_named_at_its_step(tmp_path, args
     assert (found.step, found.trigger, found.first_module, found.first_phase, bool(found.reproduced)) == \
         (step, trigger, module, phase, True)
     assert len(store.steps(run_id)) == int(args[0])
-    if trigger == "nonfinite loss":  # an overflowed gradient is the scaler's to skip: no event, the replay still
-        assert list(store.events(run_id).query("kind == 'nonfinite'").step) == [step]
+    # an overflowed gradient is the scaler's to skip: no event, the replay still
+    event = {"nonfinite loss": "nonfinite", "loss spike": "loss-spike"}.get(trigger)
+    if event is not None:
+        assert list(store.events(run_id).query(f"kind == '{event}'").step) == [step]
 
 
 def test_the_scripts_checkpoints_and_copies_carry_no_mpdiag_hook(tmp_path):
