@@ -432,6 +432,8 @@ def _spike_offender(step: int, previous: list[tuple], current: list[tuple], batc
     if batch >= SPIKE_FACTOR:
         return INPUTS, (f"the batch at step {step} was already {batch:.3g}x larger than the step before (absmax "
                         f"{batch_now:.4g} against {batch_before:.4g}), before any module ran")
+    # a batch of integer ids has no magnitude: its ratio is unknown, and not said
+    batch_said = "" if math.isnan(batch) else f"the batch was {batch:.3g}x"
     seen: dict[str, int] = {}
     before = {}
     for name, _, absmax, _, in_absmax, _ in previous:
@@ -448,12 +450,15 @@ def _spike_offender(step: int, previous: list[tuple], current: list[tuple], batc
         if out >= SPIKE_FACTOR and not inp >= SPIKE_FACTOR:
             received = "" if math.isnan(inp) else f" while its inputs were {inp:.3g}x"
             return name, (f"{name}'s output at step {step} was {out:.3g}x its output on step {step - 1}'s batch "
-                          f"(absmax {absmax:.4g} against {out_before:.4g}){received}; the batch was {batch:.3g}x")
+                          f"(absmax {absmax:.4g} against {out_before:.4g}){received}"
+                          + (f"; {batch_said}" if batch_said else ""))
         if not out <= largest[1]:
             largest = (name, out)
+    seen_said = "; ".join(([f"largest rise: {largest[0]}, {largest[1]:.3g}x"] if largest[0] is not None else [])
+                          + ([batch_said] if batch_said else []))
     return None, (f"no module's output was {SPIKE_FACTOR:g}x its output on step {step - 1}'s batch while its inputs "
-                  f"rose less (largest rise: {largest[0]}, {largest[1]:.3g}x; the batch {batch:.3g}x): the spike came "
-                  "from outside the model (the loss function, the targets) or from a rise spread over many modules")
+                  f"rose less{f' ({seen_said})' if seen_said else ''}: the spike came from outside the model (the loss "
+                  "function, the targets) or from a rise spread over many modules")
 
 
 def _first_offender(rows: list[tuple], phase: str, limit: float | None) -> tuple[str, str] | None:

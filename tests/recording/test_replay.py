@@ -264,3 +264,15 @@ def test_a_loss_spike_born_in_a_module_names_that_module(tmp_path):
     rise = boost.loc[40, "absmax"] / boost.loc[39, "absmax"]
     assert 100 / 1.5 < rise < 100 * 1.5  # planted x100 on the output of two different batches
     assert found.note.startswith(f"boost's output at step 40 was {rise:.3g}x its output on step 39's batch")
+
+
+def test_a_spike_in_a_batch_of_token_ids_is_named_at_its_embedding():
+    """Integer ids have no magnitude to compare (their ratio is unknown, and not said): the first module whose
+    output rose 10x while its inputs did not - the embedding, when the batch is to blame - is named."""
+    from mpdiag.recording.replay import _spike_offender
+
+    nan = float("nan")
+    previous = [("tok", "Embedding", 1.0, 0, nan, 0), ("head", "Linear", 2.0, 0, 1.0, 0), ("LM", "LM", 2.0, 0, nan, 0)]
+    current = [("tok", "Embedding", 30.0, 0, nan, 0), ("head", "Linear", 60.0, 0, 30.0, 0), ("LM", "LM", 60.0, 0, nan, 0)]
+    assert _spike_offender(5, previous, current, nan, nan) == \
+        ("tok", "tok's output at step 5 was 30x its output on step 4's batch (absmax 30 against 1)")
