@@ -1,8 +1,9 @@
 """Modules: for a run recorded with ``--trace-modules``, every module's largest forward output and gradient per
 step, where the first inf/NaN appeared in each pass, and one module's magnitudes against FP16's range; and, for
-any run whose first non-finite step the Recorder replayed, that step as a forward-then-backward strip of module
-calls with the first offender marked: first on the page when the URL names it (``?replay=STEP``, the link of the
-finding ``nonfinite-origin``), else below the trace.
+any run whose first non-finite step (or first loss spike) the Recorder replayed, that step as a
+forward-then-backward strip of module calls with the first offender marked: first on the page when the URL names
+it (``?replay=STEP``, the link of the findings ``nonfinite-origin`` and ``loss-spike-origin``), else below the
+trace.
 
 Reads widgets, asks mpdiag.dashboard.modules_model for what to show and draws it with the chart layer; no store
 queries, no torch. Module names come from the user's model: they reach Markdown only through ``plain``.
@@ -32,7 +33,7 @@ def not_traced(run: pd.Series, run_id: int) -> None:
 
 
 def replay_view(replay: modules_model.ReplayStrip | None) -> None:
-    """The replayed non-finite step, when the Recorder replayed one (traced or not)."""
+    """The replayed step (non-finite, or a loss spike's), when the Recorder replayed one (traced or not)."""
     if replay is not None:
         st.subheader(f"Replay of step {replay.step}")
         st.caption(plain(replay.said()))
