@@ -86,10 +86,12 @@ def test_a_corrupted_batch_names_the_inputs(tmp_path):
     assert (found.step, found.first_module, found.first_phase) == (7, INPUTS, FORWARD)
 
 
-def test_healthy_run_replays_nothing(tmp_path):
+@pytest.mark.parametrize("steps, spike", [(20, False), (45, True)], ids=["fp16", "bf16-past-the-spike-window"])
+def test_healthy_run_replays_nothing(tmp_path, steps, spike):
+    """Nothing planted: no replay, also past the 32 losses the spike rule needs."""
     store = tmp_path / "s.db"
-    rec, _, _ = train(store, 20, at(-1))
-    assert rec.replayed is None and Store(store).replays(rec.run_id).empty
+    rec, _, _ = train(store, steps, at(-1), spike=spike)
+    assert rec.replayed is None and rec.spike_replayed is None and Store(store).replays(rec.run_id).empty
 
 
 @pytest.mark.parametrize("step, kwargs, factor, steps, spike", [(5, {"sharpen": 1e6}, 1.0, 12, False),
