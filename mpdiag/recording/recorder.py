@@ -182,9 +182,9 @@ class Recorder:
             (:mod:`mpdiag.recording.replay`; ``Store.replays``; the results are :attr:`replayed` and
             :attr:`spike_replayed`). Keeps a reference to every training forward's inputs, its random state and
             its output's gradient until ``record``, and the previous step's inputs and random state one step
-            longer, and reads the loss and gradient norm back at each ``record`` until both replays ran. Off by default (``False``): its two hooks sit on
-            ``model`` itself, so a ``torch.save(model)`` of the whole module would carry them into the checkpoint
-            (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
+            longer, and reads the loss and gradient norm back at each ``record`` until both replays ran. Off by
+            default (``False``): its two hooks sit on ``model`` itself, so a ``torch.save(model)`` of the whole
+            module would carry them into the checkpoint (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
             the model): on, but on a GPU only when a GradScaler is in use (the read is a synchronisation there,
             and GradScaler's ``step`` synchronises anyway); ``True``: on everywhere. One process only
             (not under torchrun). ``watch`` passes ``None`` too, with ``replay_model``, and hides the two hooks
@@ -341,7 +341,8 @@ class Recorder:
         self._hooks = self._install_step_hooks()
         #: the replay of the first non-finite step and of the first loss spike (None: off, both done, or a job of
         #: several processes)
-        self._replay = StepReplay(model if replay_model is None else replay_model) if replay and not self._dist.distributed else None
+        replayed = model if replay_model is None else replay_model
+        self._replay = StepReplay(replayed) if replay and not self._dist.distributed else None
         #: their results once they ran
         self.replayed: ReplayResult | None = None
         self.spike_replayed: ReplayResult | None = None
