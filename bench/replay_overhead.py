@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import add_transformer_options, sync, timed, transformer_setup, write_result  # noqa: E402
+from common import add_transformer_options, print_medians, sync, timed, transformer_setup, write_result  # noqa: E402
 
 from mpdiag import Recorder  # noqa: E402
 from mpdiag.recording.replay import StepReplay  # noqa: E402
@@ -134,12 +134,10 @@ def main() -> None:
     }
     print(f"{result['device']}: transformer d_model {args.d_model}, {args.layers} layers, {args.steps} timed steps "
           "per variant, interleaved")
-    print(f"{'variant':<40}{'median ms':>10}")
-    print(f"{'step, replay off':<40}{med['off'] * 1e3:>10.3f}")
-    print(f"{'step, replay on (keeping only)':<40}{med['on'] * 1e3:>10.3f}")
-    print(f"{'  the keeping alone, per step':<40}{keep * 1e3:>10.4f}")
-    print(f"{'record of the spike replay (one-off)':<40}{record_with_spike_replay * 1e3:>10.3f}")
-    print(f"{'record of the replayed step (one-off)':<40}{record_with_replay * 1e3:>10.3f}")
+    print_medians([("step, replay off", med["off"]), ("step, replay on (keeping only)", med["on"]),
+                   ("  the keeping alone, per step", keep, 4),
+                   ("record of the spike replay (one-off)", record_with_spike_replay),
+                   ("record of the replayed step (one-off)", record_with_replay)])
     print(f"step with replay armed / without:      {result['step_on_vs_off']:.3f}x")
     print(f"keeping per step / step without:       {result['keeping_share_of_step']:.2%}")
     print(f"replay: {result['replayed_modules']} module rows, first offender {result['replay_first_module']}")

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, Fp8Settings
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, MODULE_RECIPES, Fp8Settings
 
 
 class ConfigError(ValueError):
@@ -93,7 +93,8 @@ RUN, WATCH = "run", "watch"
 
 @dataclass(frozen=True)
 class Option:
-    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
+    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, events (``--stop-on``'s text,
+    :class:`StopOn`), flag, run_id.
 
     Bounds: ``above`` / ``below`` exclusive, ``minimum`` / ``maximum`` inclusive; floats must also be finite.
     ``choices``: the levels a ``level`` option takes. ``no_flag`` / ``no_widget`` say why the option has no
@@ -130,6 +131,8 @@ class Option:
             return "auto, cpu, cuda or cuda:N"
         if self.kind == "text":
             return "text"
+        if self.kind == "events":
+            return "nonfinite, spike or skips:N (N >= 1), comma-separated"
         if self.kind == "flag":
             return "true or false"
         if self.kind in ("int", "run_id"):
@@ -150,6 +153,11 @@ class Option:
             return isinstance(value, str) and DEVICE_PATTERN.fullmatch(value) is not None
         if self.kind == "text":
             return isinstance(value, str)
+        if self.kind == "events":
+            try:
+                return isinstance(value, str) and StopOn.parse(value) is not None
+            except ConfigError:
+                return False
         if self.kind == "flag":
             return isinstance(value, bool)
         if self.kind in ("int", "run_id"):
@@ -206,8 +214,10 @@ class StopOn:
 
 _STOP_ON_HELP = ("end the training cleanly (status stopped, the reason stored) at an event: nonfinite, spike or "
                  "skips:N (N skipped steps in a row), comma-separated; default: never")
-_STOP_ON_FORM = ("the forms' runs record events without stopping on them: `mpdiag run --stop-on` and "
-                 "`mpdiag watch --stop-on` stop")
+_STOP_ON_WIDGET = {"label": "Stop the training at",
+                   "help": "End the training cleanly at the first of these events (the run reads 'stopped', the "
+                           "reason stored, nothing lost); every event is recorded either way. Skipped steps: N "
+                           "skipped optimizer steps in a row."}
 
 
 #: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
@@ -317,11 +327,14 @@ class RunConfig:
                              no_widget=_FP8_FORM, watch={"no_widget": _FP8_WATCH_FORM})
     fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
                                    levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_modules: str = option("", "fp8-sim: a recipe per Linear, comma-separated NAME=RECIPE (RECIPE: "
+                                  f"{', '.join(MODULE_RECIPES)}); the others take --fp8-recipe (what `mpdiag plan "
+                                  "--verify` reruns)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
                         minimum=1)
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
                            "text")
-    stop_on: str = option("", _STOP_ON_HELP, "text", watch=True, no_widget=_STOP_ON_FORM)
+    stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=tuple(_STOP_ON_WIDGET.items()))
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
@@ -379,9 +392,13 @@ class RunConfig:
         """The FP8 recipe of --fp8 and of the fp8-sim level, as the numerics take it."""
         modules = tuple(name.strip() for name in self.fp8_bf16_modules.split(",") if name.strip())
         blocks = tuple(name.strip() for name in self.fp8_blocks.split(",") if name.strip())
+        pairs = [item.strip().partition("=") for item in self.fp8_modules.split(",") if item.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ValueError(f"--fp8-modules takes NAME=RECIPE pairs, comma-separated; got {self.fp8_modules!r}")
         return Fp8Settings(recipe=self.fp8_recipe, history=self.fp8_history, margin=self.fp8_margin,
                            grad_format=self.fp8_grad_format, pow2=self.fp8_pow2, bf16_modules=modules,
-                           block_recipes=blocks)
+                           block_recipes=blocks,
+                           module_recipes=tuple((name.strip(), recipe.strip()) for name, _, recipe in pairs))
 
     def fp32_twin(self, name: str | None = None) -> RunConfig:
         """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss
@@ -492,6 +509,7 @@ _CHANGE_WORDS = {
     "trace_modules": lambda v: "modules traced" if v else "modules not traced",
     "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
     "fp8_recipe": lambda v: f"{str(v).upper()} blocks" if v in BLOCK_RECIPES else f"{v} scaling",
+    "fp8_modules": lambda v: f"a recipe per Linear ({len([p for p in str(v).split(',') if p.strip()])})",
     "nproc": lambda v: f"{v} processes",
 }
 

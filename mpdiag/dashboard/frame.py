@@ -38,8 +38,10 @@ from mpdiag.options import (
     ConfigError,
     Option,
     RunConfig,
+    StopOn,
     rerun_name,
 )
+from mpdiag.recording.events import SKIP_STREAK
 from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
 from mpdiag.store.schema import older_version
@@ -383,7 +385,8 @@ def download_section(store: Store, run: pd.Series) -> None:
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
-             "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel"}
+             "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel",
+             "stop_on": "stop_on"}
 DEVICES = ["auto", "cpu", "cuda"]
 
 
@@ -419,8 +422,34 @@ def _watch_widget(column, spec: Option, value, key: str):
         return column.checkbox(label, bool(value), key=key, help=help_text)
     if spec.kind == "int":
         return int(column.number_input(label, spec.minimum, hints["max_value"], int(value), key=key, help=help_text))
+    if spec.kind == "events":
+        return stop_on_widget(column, value, key, label, help_text)
     number = column.number_input(label, value=value, format="%g", key=key, help=help_text, **hints)
     return None if number is None else float(number)
+
+
+#: the events --stop-on names, as a form offers them
+STOP_EVENTS = {"nonfinite": "a non-finite loss or gradient", "spike": "a loss or gradient-norm spike",
+               "skips": "skipped steps in a row"}
+
+
+def stop_on_widget(container, value: str, key: str, label: str, help_text: str, disabled: str = "") -> str:
+    """``--stop-on`` as a form sets it: the events that end the training, and how many skipped steps in a row
+    when skips is one; returns its text (:class:`mpdiag.options.StopOn`). ``disabled``: why it cannot be set."""
+    stop = StopOn.parse(value)
+    picked = container.multiselect(label, list(STOP_EVENTS), [name for name in STOP_EVENTS if getattr(stop, name)
+                                                              not in (False, None)],
+                                   format_func=STOP_EVENTS.get, key=f"{key}_off" if disabled else key,
+                                   help=help_text + disabled,
+                                   disabled=bool(disabled), placeholder="never (record events only)")
+    if disabled:
+        return ""
+    words = [name for name in picked if name != "skips"]
+    if "skips" in picked:
+        streak = container.number_input("Skipped steps in a row", 1, 1_000_000, stop.skips or SKIP_STREAK,
+                                        key=f"{key}_skips", help="How many skipped optimizer steps in a row stop it.")
+        words.append(f"skips:{int(streak)}")
+    return ",".join(words)
 
 
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
@@ -511,6 +540,10 @@ def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: p
                                     help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
                                     + (". Disabled: one process has nothing to parallelize; set Processes "
                                        "above 1." if more["nproc"] == 1 else ""))
+    hints = dict(OPTIONS["stop_on"].widget)
+    more["stop_on"] = stop_on_widget(st, base.stop_on if not several else "", key["stop_on"], hints["label"],
+                                     hints["help"], disabled=" Disabled: every process would have to stop at the "
+                                     "same step; set Processes back to 1." if several else "")
     typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
                           key=key["name"], max_chars=MAX_NAME_CHARS,
                           help="Empty: the script's file name; a rerun: its parent's name and what changed.")

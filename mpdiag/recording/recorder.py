@@ -41,6 +41,7 @@ from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.events import EventLog
@@ -235,10 +236,10 @@ class Recorder:
         name: str | None = None,
         scaler=None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-        every: int = 1,
+        every: int = OPTIONS["every"].default,
         config: dict[str, Any] | None = None,
         *,
-        trace_modules: bool = False,
+        trace_modules: bool = OPTIONS["trace_modules"].default,
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
