@@ -130,6 +130,22 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
     assert compare.query_params["runs"] == [str(run["run_id"]), str(run["run_id"] + 1)]
 
 
+def test_a_torchrun_job_raises_its_events_at_the_step(tmp_path):
+    """Events while training under torchrun (rank 0's Recorder judges the job's step rows as they complete): a
+    loss scale far too high (1e30: every FP16 gradient overflows) skips every step, and the SKIP_STREAK-th skip
+    in a row is a skips event, stored at its step and said on stderr."""
+    from mpdiag.recording.events import SKIP_STREAK
+
+    store_path = tmp_path / "runs.db"
+    done = _mpdiag_run(store_path, "--steps", "6", "--opt-level", "O1", "--init-scale", "1e30")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    store = Store(store_path)
+    run_id = int(store.runs().iloc[0]["run_id"])
+    assert store.steps(run_id)["skipped"].tolist() == [1] * 6
+    assert [(int(s), k) for s, k in store.events(run_id)[["step", "kind"]].values] == [(SKIP_STREAK - 1, "skips")]
+    assert f"mpdiag: event at step {SKIP_STREAK - 1}: skips" in done.stderr
+
+
 def _page(path: str, store_path, run_id: int | None = None, **query):
     """A page rendered by AppTest on ``store_path`` (optionally ``?run=run_id`` and other query parameters),
     checked for exceptions."""
