@@ -131,9 +131,10 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
 
 
 def test_a_torchrun_job_raises_its_events_at_the_step(tmp_path):
-    """Events while training under torchrun (rank 0's Recorder judges the job's step rows as they complete): a
-    loss scale far too high (1e30: every FP16 gradient overflows) skips every step, and the SKIP_STREAK-th skip
-    in a row is a skips event, stored at its step and said on stderr."""
+    """Events while training under torchrun (rank 0's Recorder judges the job's step rows as they complete): the
+    script's planted inf at step 2 is the first non-finite loss, and with a loss scale far too high (1e30: every
+    FP16 gradient overflows) every step is skipped, so the SKIP_STREAK-th skip in a row is a skips event; each
+    stored at its step and said on stderr."""
     from mpdiag.recording.events import SKIP_STREAK
 
     store_path = tmp_path / "runs.db"
@@ -142,7 +143,9 @@ def test_a_torchrun_job_raises_its_events_at_the_step(tmp_path):
     store = Store(store_path)
     run_id = int(store.runs().iloc[0]["run_id"])
     assert store.steps(run_id)["skipped"].tolist() == [1] * 6
-    assert [(int(s), k) for s, k in store.events(run_id)[["step", "kind"]].values] == [(SKIP_STREAK - 1, "skips")]
+    events = [(int(s), k) for s, k in store.events(run_id)[["step", "kind"]].values]
+    assert events == [(2, "nonfinite"), (SKIP_STREAK - 1, "skips")]
+    assert "mpdiag: event at step 2: nonfinite: first non-finite loss" in done.stderr
     assert f"mpdiag: event at step {SKIP_STREAK - 1}: skips" in done.stderr
 
 
