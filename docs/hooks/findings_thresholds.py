@@ -11,8 +11,8 @@ import inspect
 
 MARKER = "<!-- findings-thresholds -->"
 MODULES = ("mpdiag.analysis.findings", "mpdiag.analysis.fp8_summaries", "mpdiag.analysis.fp8_findings")
-#: docs/events.md's table, likewise, from the event rules' constants
-EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events",)
+#: docs/events.md's table, likewise, from the event rules' and the retention's constants
+EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events", "mpdiag.recording.retention")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -252,6 +252,23 @@ def blank_steps_text(blank: pd.DataFrame, logged: int) -> str:
             + "; ".join(parts) + ".")
 
 
+def kept_steps_text(kept: pd.DataFrame, every) -> str | None:
+    """The sentence under the gradient heatmap saying why its columns have gaps: statistics stored every ``every``
+    steps (the run's --every) and, named with their reasons, the steps kept for an anomaly (``kept``:
+    Store.kept_steps; mpdiag.recording.retention); None when every step was stored."""
+    if every is None or pd.isna(every) or int(every) <= 1:
+        return None
+    anomalies = kept[~kept["reason"].isin(("every", "before", "after"))]
+    text = f"Statistics are stored every {int(every):,} steps; the columns between them are not stored"
+    if anomalies.empty:
+        return text + "."
+    around = kept.loc[kept["reason"].isin(("before", "after")), "step"].nunique()
+    parts = [f"{reason} at step{'s' if len(group) > 1 else ''} {_step_list(group['step'])}"
+             for reason, group in anomalies.groupby("reason", sort=False)]
+    return (text + ", except where something happened: " + "; ".join(parts)
+            + (f", and {around:,} step{'s' if around > 1 else ''} next to them" if around else "") + ".")
+
+
 def histogram_grid(index: pd.DataFrame, counts: np.ndarray, order: list[str], fmt: str = "fp16",
                    log2_scale: float = 0.0, limit: int | None = None) -> tuple[pd.DataFrame, list[str], list[str]]:
     """Every tensor's exponent histogram at one step, for small multiples: (bars, drawn, empty).

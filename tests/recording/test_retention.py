@@ -1,6 +1,7 @@
 """Anomaly-preserving retention against planted truth: a real Recorder loop with --every 5 whose gradients overflow
 FP16 at step 7 (between two multiples) stores that step, with the steps around it, exactly as torch's own casts
-count it, says why each step was kept, and the fp16-overflow finding names it; and the rules' edges on rows (a
+count it, says why each step was kept, and the fp16-overflow finding and the Gradients page's heatmap caption
+name it; and the rules' edges on rows (a
 streak keeps its first step, not all of them). Ground truth: torch's casts of the gradients captured in the loop."""
 
 import numpy as np
@@ -9,6 +10,7 @@ from ground_truth import exponent_histogram
 
 from mpdiag import Recorder, Store
 from mpdiag.analysis.findings import diagnose
+from mpdiag.dashboard import gradients_model
 from mpdiag.recording.retention import Retention
 from mpdiag.store import StepRow
 
@@ -45,6 +47,11 @@ def test_an_overflow_between_multiples_of_every_is_stored_exactly_with_its_neigh
     finding = next(f for f in diagnose(store, rec.run_id) if f.rule == "fp16-overflow")
     assert finding.title.endswith(f"first at step {PLANTED}") and "kept: overflow" in finding.evidence
     assert set(finding.tensors) == set(overflowing)
+    runs = store.runs()
+    model = gradients_model.gradients(store, runs[runs["run_id"] == rec.run_id].iloc[0], True, runs)
+    shown = model.tensor(model.ranking("fp16", at_scale=False), overflowing[0], show_bf16=False)
+    assert shown.kept == (f"Statistics are stored every {EVERY} steps; the columns between them are not stored, "
+                          f"except where something happened: overflow at step {PLANTED}, and 2 steps next to them.")
 
 
 def _rows(skipped, scale):
