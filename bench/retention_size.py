@@ -68,7 +68,7 @@ def measure(steps: int, tensors: int, plant: int) -> dict:
     times = {name: [] for name in loops}
     for index in range(steps):
         for name in loops:
-            times[name].append(timed(lambda name=name: step(name, index), device))
+            times[name].append(timed(lambda name=name, index=index: step(name, index), device))
     result = {"steps": steps, "every": EVERY, "planted_overflow_at": plant, "variants": {}}
     for name, (model, _, _, recorder, path) in loops.items():
         recorder.close()

@@ -27,6 +27,7 @@ from mpdiag.store import (
     decode_hist,
     encode_hist,
 )
+from mpdiag.store.export import run_tables
 
 DATA = ROOT / "tests" / "fixtures" / "data"
 
@@ -369,4 +370,5 @@ def test_schema_13_store_migrates_to_14_keeping_every_row_and_reads_its_logged_s
                            kept=[(1, "overflow"), (0, "before"), (0, "every")])
     store = Store(path)
     assert store.kept_steps(run_id).values.tolist() == [[0, "before"], [0, "every"], [1, "overflow"]]
+    pd.testing.assert_frame_equal(run_tables(store, run_id)["kept_steps"], store.kept_steps(run_id))  # exported
     assert store.logged_steps(run_id) == [0, 1]  # the kept steps' rows are marked logged
