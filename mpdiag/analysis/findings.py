@@ -328,6 +328,7 @@ def fp16_overflow(run: pd.Series, first: pd.DataFrame, kept: pd.DataFrame) -> Fi
         recommendation=("This run would overflow at that step in FP16 without a loss scale below 1; BF16 holds these "
                         "values (FP32's exponent range)."),
         tensors=worst["tensor"].tolist(),
+        focus={"step": step},  # the Gradients page opens at that step
     )
 
 

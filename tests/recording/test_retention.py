@@ -9,7 +9,7 @@ import torch
 from ground_truth import exponent_histogram
 
 from mpdiag import Recorder, Store
-from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.dashboard import gradients_model
 from mpdiag.recording.retention import Retention
 from mpdiag.store import StepRow
@@ -47,6 +47,7 @@ def test_an_overflow_between_multiples_of_every_is_stored_exactly_with_its_neigh
     finding = next(f for f in diagnose(store, rec.run_id) if f.rule == "fp16-overflow")
     assert finding.title.endswith(f"first at step {PLANTED}") and "kept: overflow" in finding.evidence
     assert set(finding.tensors) == set(overflowing)
+    assert evidence_link(finding, rec.run_id).endswith(f"&step={PLANTED}")  # the Gradients page at that step
     runs = store.runs()
     model = gradients_model.gradients(store, runs[runs["run_id"] == rec.run_id].iloc[0], True, runs)
     shown = model.tensor(model.ranking("fp16", at_scale=False), overflowing[0], show_bf16=False)
