@@ -8,9 +8,10 @@ when it is a multiple of ``every`` (reason ``every``) or when something happened
 * ``skipped``: the optimizer step was skipped (the loss scaler backed off), the first of a streak;
 * ``scale-change``: the loss scale after the step's update differs from the scale it ran at, the first of a streak;
 * ``overflow``: a tensor's values that overflow FP16 or BF16 at the loss scale in use went from none to some, or
-  their share of the tensor rose by :data:`SHARE_JUMP` or more since the step before;
+  their share of the tensor rose by :data:`SHARE_JUMP` or more (and :data:`MIN_JUMP_VALUES` values) since the step
+  before;
 * ``underflow``: the share of a tensor's values that underflow FP16 or BF16 at that scale rose by :data:`SHARE_JUMP`
-  or more since the step before;
+  or more (and :data:`MIN_JUMP_VALUES` values) since the step before;
 * ``loss-spike``, ``grad-norm-spike``: the spike events of :mod:`mpdiag.recording.events` (their thresholds);
 * ``before``, ``after``: the :data:`AROUND` step(s) before and after a step kept for one of the reasons above.
 
@@ -19,7 +20,7 @@ converted into rows, never computed again) until the next step's row and statist
 builds rows only for the steps :meth:`Retention.decide` returns. "Where the step before held none" makes a lasting
 state (a diverged run's NaN at every step, a streak of skips) keep its first step, not all of them.
 
-Owns the rules and their thresholds (quoted by docs/cli.md); must not read tensors, build rows or write the store.
+Owns the rules and their thresholds (quoted by docs/events.md); must not read tensors, build rows or write the store.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from mpdiag.recording.events import GRAD_NORM_SPIKE, LOSS_SPIKE
 EVERY, NONFINITE, SKIPPED, SCALE_CHANGE, OVERFLOW, UNDERFLOW, BEFORE, AFTER = (
     "every", "nonfinite", "skipped", "scale-change", "overflow", "underflow", "before", "after")
 #: an overflow or underflow share (of a tensor's values, in FP16 or BF16 at the loss scale in use) that rose by
-#: this much (absolute: 0.01 is one percentage point) since the step before is a jump
+#: this much (absolute: 0.01 is one percentage point) since the step before is a jump ...
 SHARE_JUMP = 0.01
+#: ... when at least this many more values moved there (one value of a 4-element bias is no jump)
+MIN_JUMP_VALUES = 64
 #: steps kept on each side of a step kept for an anomaly
 AROUND = 1
 #: the formats whose overflow and underflow shares are watched (FP8's underflow moves with every step)
@@ -97,12 +100,16 @@ class Retention:
             over, under = counts[f"{fmt}_overflow_at_scale"], counts[f"{fmt}_underflow_at_scale"]
             over_share, under_share = over / size, under / size
             before_over, before_under = self._overflow[f, tensor_ids], self._underflow[f, tensor_ids]
-            if (((over > 0) & (before_over == 0)) | (over_share - before_over >= SHARE_JUMP)).any():
+            if (((over > 0) & (before_over == 0)) | self._jumped(over_share - before_over, size)).any():
                 found.add(OVERFLOW)
-            if (under_share - before_under >= SHARE_JUMP).any():
+            if self._jumped(under_share - before_under, size).any():
                 found.add(UNDERFLOW)
             self._overflow[f, tensor_ids], self._underflow[f, tensor_ids] = over_share, under_share
         self._add(step, found)
+
+    @staticmethod
+    def _jumped(rise: np.ndarray, size: np.ndarray) -> np.ndarray:
+        return (rise >= SHARE_JUMP) & (rise * size >= MIN_JUMP_VALUES)
 
     def _add(self, step: int, found: set[str]) -> None:
         if found:

@@ -61,18 +61,33 @@ def _rows(skipped, scale):
             for s, (sk, sc) in enumerate(zip(skipped, scale, strict=True))]
 
 
+def _kept(rows, numel, underflow=None):
+    """(step, reasons) of the steps a Retention(every=10) keeps of ``rows``; ``underflow``: per step, the FP16
+    underflow count of each tensor (else none)."""
+    retention = Retention(every=10, numel=numel)
+    zeros = np.zeros(len(numel), dtype=np.int64)
+    kept = []
+    for row in rows:
+        counts = {name: zeros for name in ("nan", "posinf", "neginf")}
+        counts |= {f"{fmt}_{kind}_at_scale": zeros for fmt in ("fp16", "bf16") for kind in ("overflow", "underflow")}
+        if underflow is not None:
+            counts["fp16_underflow_at_scale"] = np.array(underflow[row.step])
+        retention.see_row(row, [])
+        retention.see_stats(row.step, np.arange(len(numel)), counts, row.step)
+        kept += [(step, reasons) for step, _, reasons in retention.decide(row.step)]
+    return kept + [(step, reasons) for step, _, reasons in retention.decide(None)]
+
+
 def test_a_streak_of_skips_keeps_its_first_step_and_its_neighbours_only():
     skipped = [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
     scale = [8.0, 8.0, 8.0, 8.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    retention = Retention(every=10, numel=[4])
-    counts = {name: np.zeros(1, dtype=np.int64) for name in ("nan", "posinf", "neginf")}
-    counts |= {f"{fmt}_{kind}_at_scale": np.zeros(1, dtype=np.int64) for fmt in ("fp16", "bf16")
-               for kind in ("overflow", "underflow")}
-    kept = []
-    for row in _rows(skipped, scale):
-        retention.see_row(row, [])
-        retention.see_stats(row.step, np.array([0]), counts, row.step)
-        kept += [(step, reasons) for step, _, reasons in retention.decide(row.step)]
-    kept += [(step, reasons) for step, _, reasons in retention.decide(None)]
-    assert kept == [(0, ["every"]), (2, ["before"]), (3, ["scale-change", "skipped"]), (4, ["after"]),
-                    (10, ["every"])]
+    assert _kept(_rows(skipped, scale), [4]) == [(0, ["every"]), (2, ["before"]), (3, ["scale-change", "skipped"]),
+                                                 (4, ["after"]), (10, ["every"])]
+
+
+def test_an_underflow_jump_counts_when_enough_values_moved_not_one_value_of_a_small_tensor():
+    """A 4-element bias with one value more underflowing (25 points, 1 value) is no jump; a 10,000-element weight
+    with 200 more (2 points, 200 values) is."""
+    underflow = [[0, 100], [0, 100], [1, 100], [0, 100], [0, 300], [0, 300], [0, 300]] + [[0, 300]] * 5
+    assert _kept(_rows([0] * 12, [1.0] * 12), [4, 10_000], underflow) == [
+        (0, ["every"]), (3, ["before"]), (4, ["underflow"]), (5, ["after"]), (10, ["every"])]
