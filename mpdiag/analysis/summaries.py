@@ -12,6 +12,7 @@ import pandas as pd
 
 from mpdiag.analysis.run_choice import script_names
 from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
+from mpdiag.recording.retention import AFTER, BEFORE, EVERY
 
 #: Largest number of marks one chart sends to the browser.
 MAX_MARKS = 20_000
@@ -258,11 +259,11 @@ def kept_steps_text(kept: pd.DataFrame, every) -> str | None:
     Store.kept_steps; mpdiag.recording.retention); None when every step was stored."""
     if every is None or pd.isna(every) or int(every) <= 1:
         return None
-    anomalies = kept[~kept["reason"].isin(("every", "before", "after"))]
+    anomalies = kept[~kept["reason"].isin((EVERY, BEFORE, AFTER))]
     text = f"Statistics are stored every {int(every):,} steps; the columns between them are not stored"
     if anomalies.empty:
         return text + "."
-    around = kept.loc[kept["reason"].isin(("before", "after")), "step"].nunique()
+    around = kept.loc[kept["reason"].isin((BEFORE, AFTER)), "step"].nunique()
     parts = [f"{reason} at step{'s' if len(group) > 1 else ''} {_step_list(group['step'])}"
              for reason, group in anomalies.groupby("reason", sort=False)]
     return (text + ", except where something happened: " + "; ".join(parts)

@@ -117,10 +117,10 @@ class Retention:
 
     def decide(self, through: int | None) -> list[tuple[int, Any, list[str]]]:
         """(step, held, reasons) of the held steps now decided and kept, in step order; the others are dropped.
-        ``through``: the last step whose row and statistics have both arrived (a step is decided once its next
-        one has); None: the run ended, decide every held step."""
+        ``through``: the last step whose row and statistics have both arrived (a step is decided once the AROUND
+        steps after it have); None: the run ended, decide every held step."""
         kept = []
-        for step in sorted(s for s in self._held if through is None or s < through):
+        for step in sorted(s for s in self._held if through is None or s + AROUND <= through):
             held = self._held.pop(step)
             reasons = self.reasons(step)
             if reasons:
