@@ -1,4 +1,4 @@
-"""What every benchmark here shares: where results go and how they are written."""
+"""What every benchmark here shares: where results go and how they are written and printed."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ def write_result(result: dict, out: str | Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=float))
     print(f"wrote {out}")
+
+
+def print_medians(rows: list[tuple], width: int = 40) -> None:
+    """A bench's medians as a table: rows of (variant, seconds) or (variant, seconds, decimals), printed in ms."""
+    print(f"{'variant':<{width}}{'median ms':>10}")
+    for variant, seconds, *decimals in rows:
+        print(f"{variant:<{width}}{seconds * 1e3:>10.{decimals[0] if decimals else 3}f}")
 
 
 def sync(device) -> None:

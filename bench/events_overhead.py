@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import add_transformer_options, timed, transformer_setup, write_result  # noqa: E402
+from common import add_transformer_options, print_medians, timed, transformer_setup, write_result  # noqa: E402
 
 from mpdiag import Recorder  # noqa: E402
 from mpdiag.recording.events import SPIKE_WINDOW, EventLog  # noqa: E402
@@ -95,10 +95,8 @@ def main() -> None:
         "events_raised_on_this_healthy_run": events,
     }
     print(f"{result['device']}: {result['tensors']} tensors, {args.steps} timed steps per variant, interleaved")
-    print(f"{'variant':<36}{'median ms':>10}")
-    print(f"{'Recorder.record, events off':<36}{med['events_off'] * 1e3:>10.3f}")
-    print(f"{'Recorder.record, events on':<36}{med['events_on'] * 1e3:>10.3f}")
-    print(f"{'  the five rules alone, per row':<36}{per_row * 1e3:>10.4f}")
+    print_medians([("Recorder.record, events off", med["events_off"]), ("Recorder.record, events on", med["events_on"]),
+                   ("  the five rules alone, per row", per_row, 4)], width=36)
     print(f"record with events / without:       {result['record_events_on_vs_off']:.3f}x")
     print(f"rules per row / record without:     {result['rules_share_of_record']:.2%}")
     print(f"events raised on this healthy run:  {events or 'none'}")

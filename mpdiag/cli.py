@@ -1,4 +1,4 @@
-"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|runs|export|dashboard``; ``runs`` lists,
+"""Command line: ``python -m mpdiag run|rerun|watch|check|diagnose|plan|runs|export|dashboard``; ``runs`` lists,
 renames, tags, notes and deletes runs (through the store's writer, one method per action).
 
 Exit codes: 0 success, 1 the run failed (its error is printed and stored), 2 bad options or input (one line
@@ -27,6 +27,7 @@ import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
 from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.plan import LABELS, MAX_ROUNDS, Plan, plan_run
 from mpdiag.analysis.run_choice import select_runs
 from mpdiag.options import (
     ALL_LEVELS,
@@ -123,27 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--no-probe", action="store_true",
                           help="skip the scale-linearity probe (it reruns one batch of the stored script in a child)")
     _store_arg(diagnose)
-    runs = sub.add_parser("runs", help="list the runs in the store (filter by --tag, --status, --script); rename, "
-                          "tag, untag, note or delete one", description="Without an action: list the runs.")
-    _runs_filters(runs)
-    _store_arg(runs)
-    actions = runs.add_subparsers(dest="action", metavar="{list,rename,tag,untag,note,delete}")
-    listing = actions.add_parser("list", help="list the runs (the default)")
-    _runs_filters(listing, inner=True)
-    for name, helps, extra in (
-        ("rename", "give a run a new name", [("name", {"help": "the new name (quote it if it has spaces)"})]),
-        ("tag", "add tags to a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
-        ("untag", "remove tags from a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
-        ("note", "set a run's note (\"\" clears it)", [("text", {"help": "the note (quote it)"})]),
-        ("delete", "delete a run and every row recorded for it (asks first)", []),
-    ):
-        action = actions.add_parser(name, help=helps, description=helps)
-        action.add_argument("run_id", type=int)
-        for arg, kwargs in extra:
-            action.add_argument(arg, **kwargs)
-        if name == "delete":
-            action.add_argument("--yes", action="store_true", help="do not ask (needed when not at a terminal)")
-        _store_arg(action, inner=True)
+    plan = sub.add_parser("plan", help="a precision plan: the cheapest precision for each Linear, the run and the "
+                          "optimizer state that a run recorded with --fp8 allows, with evidence and savings")
+    plan.add_argument("run_id", type=int)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--verify", action="store_true", help="rerun the plan (fp8-sim, a recipe per Linear) beside "
+                      "the FP32 reference; promote a Linear and rerun while the loss does not track FP32 (at most "
+                      f"{MAX_ROUNDS} rounds)")
+    _store_arg(plan)
+    _runs_parser(sub)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
     rerun.add_argument("run_id", type=int)
     _run_options(rerun, inherit=True)
@@ -165,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501)")
     _store_arg(dashboard)
     return parser
+
+
+def _runs_parser(sub) -> None:
+    """``runs``: list the runs (filtered), or act on one (rename, tag, untag, note, delete)."""
+    runs = sub.add_parser("runs", help="list the runs in the store (filter by --tag, --status, --script); rename, "
+                          "tag, untag, note or delete one", description="Without an action: list the runs.")
+    _runs_filters(runs)
+    _store_arg(runs)
+    actions = runs.add_subparsers(dest="action", metavar="{list,rename,tag,untag,note,delete}")
+    listing = actions.add_parser("list", help="list the runs (the default)")
+    _runs_filters(listing, inner=True)
+    for name, helps, extra in (
+        ("rename", "give a run a new name", [("name", {"help": "the new name (quote it if it has spaces)"})]),
+        ("tag", "add tags to a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("untag", "remove tags from a run", [("tags", {"nargs": "+", "metavar": "TAG"})]),
+        ("note", "set a run's note (\"\" clears it)", [("text", {"help": "the note (quote it)"})]),
+        ("delete", "delete a run and every row recorded for it (asks first)", []),
+    ):
+        action = actions.add_parser(name, help=helps, description=helps)
+        action.add_argument("run_id", type=int)
+        for arg, kwargs in extra:
+            action.add_argument(arg, **kwargs)
+        if name == "delete":
+            action.add_argument("--yes", action="store_true", help="do not ask (needed when not at a terminal)")
+        _store_arg(action, inner=True)
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -303,6 +317,65 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         elif f.fix:
             print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(f.fix)}")
     return 0
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 1e6:,.3f} MB"
+
+
+def plan_text(plan: Plan) -> str:
+    """A plan as ``mpdiag plan`` prints it: the run, the optimizer, each Linear with its evidence and the cheaper
+    choices it rejected, the savings, what was not recorded and the rerun that takes it."""
+    scale = f", dynamic loss scaling from 2^{plan.loss_scale_log2}" if plan.loss_scale_log2 is not None else ""
+    lines = [f"run: {LABELS[plan.run_precision]}{scale}", f"  evidence: {plan.run_evidence}",
+             f"optimizer moments: {LABELS.get(plan.moment_format, 'none') if plan.moments else 'none'}",
+             f"  evidence: {plan.moment_evidence}"]
+    for layer in plan.layers:
+        lines.append(f"{layer.layer}: {LABELS[layer.choice]}")
+        lines.append(f"  evidence: {layer.evidence}")
+        lines += [f"  not {LABELS[recipe]}: {why}" for recipe, why in layer.rejected.items()]
+    memory, gemm = plan.memory["bytes"], plan.gemm
+    lines.append(f"memory (16Ψ account, Ψ = {plan.memory['params']:,}): FP32 {_megabytes(memory['fp32'])}, mixed "
+                 f"precision {_megabytes(memory['mixed'])}, plan {_megabytes(memory['plan'])}")
+    lines.append(f"Linear GEMM operands per step: FP32 {_megabytes(gemm['fp32'])}, BF16 {_megabytes(gemm['bf16'])}, "
+                 f"plan {_megabytes(gemm['plan'])}")
+    lines += [f"not recorded: {note}" for note in plan.notes]
+    lines.append(f"take it: python -m mpdiag rerun {plan.run_id} --opt-level fp8-sim --fp8-modules "
+                 f"{plan.module_flag()}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    store = Store(args.store, create=False)
+    try:
+        plan = plan_run(store, args.run_id)
+    except ValueError as exc:
+        return _refuse(str(exc))
+    if args.json and not args.verify:
+        print(json.dumps(plan.as_dict(), indent=2))
+        return 0
+    run = store.run(args.run_id)
+    if not args.json:
+        print(f"plan for run {args.run_id} ({printable(run['name'])}, {run['opt_level']}):\n{plan_text(plan)}")
+    if not args.verify:
+        return 0
+    from mpdiag.analysis.plan_verify import verify
+
+    reference, rounds = verify(store.path, args.run_id, progress=_progress(int(run["steps"])))
+    if args.json:
+        print(json.dumps({"plan": plan.as_dict(), "reference_run_id": reference,
+                          "rounds": [{"run_id": r.run_id, "tracked": r.tracked, "rel_diff": r.rel_diff, "said": r.said,
+                                      "promoted": r.promoted, "fp8_modules": r.plan.module_flag()} for r in rounds]},
+                         indent=2))
+        return 0
+    for number, done in enumerate(rounds, 1):
+        then = f"; promoted {done.promoted} to BF16" if done.promoted else ""
+        print(f"round {number}: run {done.run_id} {done.said}{then}")
+    final = rounds[-1]
+    print(f"verified: run {final.run_id} tracks FP32 run {reference}; take it: --opt-level fp8-sim --fp8-modules "
+          f"{final.plan.module_flag()}" if final.tracked else
+          f"not verified in {len(rounds)} rounds: the last plan does not track FP32 run {reference}")
+    return 0 if final.tracked else 1
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -493,7 +566,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "rerun": cmd_rerun, "runs": cmd_runs,
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "plan": cmd_plan, "rerun": cmd_rerun, "runs": cmd_runs,
             "export": cmd_export, "watch": cmd_watch, "dashboard": cmd_dashboard}
 
 

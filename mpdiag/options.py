@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, Fp8Settings
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, MODULE_RECIPES, Fp8Settings
 
 
 class ConfigError(ValueError):
@@ -93,7 +93,8 @@ RUN, WATCH = "run", "watch"
 
 @dataclass(frozen=True)
 class Option:
-    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, flag, run_id.
+    """One option. ``kind`` is one of: int, float, loss_scale, level, device, text, events (``--stop-on``'s text,
+    :class:`StopOn`), flag, run_id.
 
     Bounds: ``above`` / ``below`` exclusive, ``minimum`` / ``maximum`` inclusive; floats must also be finite.
     ``choices``: the levels a ``level`` option takes. ``no_flag`` / ``no_widget`` say why the option has no
@@ -130,6 +131,8 @@ class Option:
             return "auto, cpu, cuda or cuda:N"
         if self.kind == "text":
             return "text"
+        if self.kind == "events":
+            return "nonfinite, spike or skips:N (N >= 1), comma-separated"
         if self.kind == "flag":
             return "true or false"
         if self.kind in ("int", "run_id"):
@@ -150,6 +153,11 @@ class Option:
             return isinstance(value, str) and DEVICE_PATTERN.fullmatch(value) is not None
         if self.kind == "text":
             return isinstance(value, str)
+        if self.kind == "events":
+            try:
+                return isinstance(value, str) and StopOn.parse(value) is not None
+            except ConfigError:
+                return False
         if self.kind == "flag":
             return isinstance(value, bool)
         if self.kind in ("int", "run_id"):
@@ -206,8 +214,10 @@ class StopOn:
 
 _STOP_ON_HELP = ("end the training cleanly (status stopped, the reason stored) at an event: nonfinite, spike or "
                  "skips:N (N skipped steps in a row), comma-separated; default: never")
-_STOP_ON_FORM = ("the forms' runs record events without stopping on them: `mpdiag run --stop-on` and "
-                 "`mpdiag watch --stop-on` stop")
+_STOP_ON_WIDGET = {"label": "Stop the training at",
+                   "help": "End the training cleanly at the first of these events (the run reads 'stopped', the "
+                           "reason stored, nothing lost); every event is recorded either way. Skipped steps: N "
+                           "skipped optimizer steps in a row."}
 
 
 #: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
@@ -223,10 +233,12 @@ FP8_RECIPE_OPTIONS = ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_grad_forma
 
 def option(default: Any, help: str, kind: str, watch: bool | Mapping[str, Any] = False, **details) -> Any:
     """A RunConfig field whose metadata is its :class:`Option`. ``watch``: the option is also ``mpdiag watch``'s
-    (True), or a mapping of what differs under watch (Option fields; ``widget`` as a mapping too)."""
+    (True), or a mapping of what differs under watch (Option fields). ``widget`` (in ``details`` and in ``watch``):
+    the form's hints as a mapping: label, help in the form's words, and number_input's bounds and placeholder."""
     differs = dict(watch) if isinstance(watch, Mapping) else {}
-    if "widget" in differs:
-        differs["widget"] = tuple(differs["widget"].items())
+    for hints in (differs, details):  # the form's hints, given as a mapping, held as pairs (an Option is frozen)
+        if "widget" in hints:
+            hints["widget"] = tuple(hints["widget"].items())
     modes = (RUN, WATCH) if watch is not False else (RUN,)
     return field(default=default, metadata={"option": Option(default, help, kind, modes=modes,
                                                              watch=tuple(differs.items()), **details)})
@@ -242,6 +254,8 @@ _WATCH_LEVEL_WIDGET = {
               "(mpdiag run) can do."}
 _SHADOW_HELP = ("every N steps, compare each tensor's gradient with an FP32 computation on the same weights and "
                 "batch (0: off)")
+_FP8_HELP = ("record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, weight, output "
+             "gradient): exponent histograms, scales and lost values (FP8 page)")
 #: why the watch form has no FP8 widgets: it records no FP8 statistics
 _FP8_WATCH_FORM = "the watch form records no FP8 statistics: `mpdiag watch --fp8` does"
 
@@ -265,38 +279,45 @@ class RunConfig:
                                                  "max_value": 2.0**64, "placeholder": "the script's",
                                                  "help": "Every GradScaler the script creates starts at this scale "
                                                          "(empty: the script's own)."}})
-    growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1)
+    growth_factor: float = option(2.0, "dynamic scale growth factor", "float", levels=SCALING_LEVELS, above=1,
+                                  widget={"label": "Growth factor"})
     backoff_factor: float = option(0.5, "dynamic scale backoff factor", "float", levels=SCALING_LEVELS,
-                                   above=0, below=1)
+                                   above=0, below=1, widget={"label": "Backoff factor"})
     growth_interval: int = option(2000, "clean steps before the dynamic scale grows", "int", levels=SCALING_LEVELS,
-                                  minimum=1)
+                                  minimum=1, widget={"label": "Growth interval", "max_value": 1_000_000})
     min_scale: float | None = option(None, "lower bound of the dynamic scale", "float", levels=SCALING_LEVELS,
-                                     above=0)
+                                     above=0, widget={"label": "Min scale", "placeholder": "none"})
     max_scale: float | None = option(None, "upper bound of the dynamic scale", "float", levels=SCALING_LEVELS,
-                                     above=0)
-    steps: int = option(200, "training steps", "int", minimum=1)
+                                     above=0, widget={"label": "Max scale", "placeholder": "none"})
+    steps: int = option(200, "training steps", "int", minimum=1, widget={"label": "Steps", "max_value": 1_000_000})
     # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
-    seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1)
+    seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1,
+                       widget={"label": "Seed"})
     every: int = option(1, "store tensor statistics every N steps, and at the steps where something happened "
                            "and the steps next to them (docs/events.md)", "int", minimum=1,
-                        watch={"widget": {"label": "Tensor statistics every N steps", "max_value": 1_000_000}})
+                        widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000}, watch=True)
     shadow_every: int = option(
         0, _SHADOW_HELP, "int", minimum=0,
+        widget={"label": "FP32 shadow every N steps (0: off)", "max_value": 1_000_000,
+                "help": "Every N steps, recompute the gradients in FP32 on the same weights and batch and store each "
+                        "tensor's relative error and cosine (Findings page). Costs one FP32 forward and backward per "
+                        "shadow step."},
         watch={"help": "every N steps, also compute the step's gradients in FP32 and store how far the recorded ones "
                        "are from them (default 0: never)",
                "widget": {"label": "FP32 shadow every N steps", "max_value": 1_000_000,
-                          "help": _SHADOW_HELP + " Under watch: the model's forward is replayed in FP32 from the "
-                                  "gradient its outputs received (step 0 is never compared). 0: off."}})
+                          "help": _SHADOW_HELP + ". Under watch: the model's forward is replayed in FP32 from the "
+                                  "gradient its outputs received (step 0 is never compared)."}})
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]", "device")
     name: str | None = option(None, "display name of the run", "text",
                               watch={"help": "display name of the run (default: the script's file name)",
                                      "no_widget": "a watched run is named after its command, a rerun after its "
                                                   "parent and what changed"})
     trace_modules: bool = option(False, "record each module's output and gradient absmax per step, to locate the "
-                                        "first inf/NaN", "flag", watch={"widget": {"label": "Trace modules"}})
-    fp8: bool = option(False, "record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, "
-                              "weight, output gradient): exponent histograms, scales and lost values (FP8 page)",
-                       "flag", watch={"no_widget": _FP8_WATCH_FORM})
+                                        "first inf/NaN", "flag", widget={"label": "Trace modules"}, watch=True)
+    fp8: bool = option(False, _FP8_HELP, "flag", watch={"no_widget": _FP8_WATCH_FORM},
+                       widget={"label": "Record FP8 statistics (FP8 page)",
+                               "help": _FP8_HELP + ", under the default recipe (delayed scaling, history 1024, E4M3 "
+                                                   "forward, E5M2 output gradients)."})
     fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
                                         "both; fp8-sim also the block-scaled mxfp8 or nvfp4, which --fp8 then "
                                         "records beside both per-tensor recipes)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
@@ -318,11 +339,14 @@ class RunConfig:
                              no_widget=_FP8_FORM, watch={"no_widget": _FP8_WATCH_FORM})
     fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
                                    levels=("fp8-sim",), no_widget=_FP8_FORM)
+    fp8_modules: str = option("", "fp8-sim: a recipe per Linear, comma-separated NAME=RECIPE (RECIPE: "
+                                  f"{', '.join(MODULE_RECIPES)}); the others take --fp8-recipe (what `mpdiag plan "
+                                  "--verify` reruns)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
-                        minimum=1)
+                        minimum=1, widget={"label": "Processes (data parallel, launched like torchrun)", "max_value": 64})
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
                            "text")
-    stop_on: str = option("", _STOP_ON_HELP, "text", watch=True, no_widget=_STOP_ON_FORM)
+    stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=_STOP_ON_WIDGET)
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
         no_flag="set by `rerun RUN_ID` from its argument", no_widget="set by the rerun form from the picked run")
@@ -380,9 +404,13 @@ class RunConfig:
         """The FP8 recipe of --fp8 and of the fp8-sim level, as the numerics take it."""
         modules = tuple(name.strip() for name in self.fp8_bf16_modules.split(",") if name.strip())
         blocks = tuple(name.strip() for name in self.fp8_blocks.split(",") if name.strip())
+        pairs = [item.strip().partition("=") for item in self.fp8_modules.split(",") if item.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ValueError(f"--fp8-modules takes NAME=RECIPE pairs, comma-separated; got {self.fp8_modules!r}")
         return Fp8Settings(recipe=self.fp8_recipe, history=self.fp8_history, margin=self.fp8_margin,
                            grad_format=self.fp8_grad_format, pow2=self.fp8_pow2, bf16_modules=modules,
-                           block_recipes=blocks)
+                           block_recipes=blocks,
+                           module_recipes=tuple((name.strip(), recipe.strip()) for name, _, recipe in pairs))
 
     def fp32_twin(self, name: str | None = None) -> RunConfig:
         """The O0 twin of this (mixed-precision) run for ``--pair``: same seed, steps and recording, no loss
@@ -493,6 +521,7 @@ _CHANGE_WORDS = {
     "trace_modules": lambda v: "modules traced" if v else "modules not traced",
     "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
     "fp8_recipe": lambda v: f"{str(v).upper()} blocks" if v in BLOCK_RECIPES else f"{v} scaling",
+    "fp8_modules": lambda v: f"a recipe per Linear ({len([p for p in str(v).split(',') if p.strip()])})",
     "nproc": lambda v: f"{v} processes",
 }
 

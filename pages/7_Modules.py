@@ -1,7 +1,9 @@
 """Modules: for a run recorded with ``--trace-modules``, every module's largest forward output and gradient per
 step, where the first inf/NaN appeared in each pass, and one module's magnitudes against FP16's range; and, for
-any run whose first non-finite step the Recorder replayed, that step as a forward-then-backward strip of module
-calls with the first offender marked.
+any run whose first non-finite step (or first loss spike) the Recorder replayed, that step as a
+forward-then-backward strip of module calls with the first offender marked: first on the page when the URL names
+it (``?replay=STEP``, the link of the findings ``nonfinite-origin`` and ``loss-spike-origin``), else below the
+trace.
 
 Reads widgets, asks mpdiag.dashboard.modules_model for what to show and draws it with the chart layer; no store
 queries, no torch. Module names come from the user's model: they reach Markdown only through ``plain``.
@@ -12,7 +14,7 @@ import streamlit as st
 
 from mpdiag.dashboard import charts, modules_model
 from mpdiag.dashboard import frame as ui
-from mpdiag.dashboard.untrusted import plain
+from mpdiag.dashboard.untrusted import plain, url_count
 
 
 def not_traced(run: pd.Series, run_id: int) -> None:
@@ -31,7 +33,7 @@ def not_traced(run: pd.Series, run_id: int) -> None:
 
 
 def replay_view(replay: modules_model.ReplayStrip | None) -> None:
-    """The replayed non-finite step, when the Recorder replayed one (traced or not)."""
+    """The replayed step (non-finite, or a loss spike's), when the Recorder replayed one (traced or not)."""
     if replay is not None:
         st.subheader(f"Replay of step {replay.step}")
         st.caption(plain(replay.said()))
@@ -40,9 +42,11 @@ def replay_view(replay: modules_model.ReplayStrip | None) -> None:
 
 def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     run_id = int(run["run_id"])
-    model = modules_model.modules(store, run, final)
-    if model.modules.empty:
+    named = url_count(st.query_params.get("replay"))
+    model = modules_model.modules(store, run, final, replay_step=named)
+    if named is not None or model.modules.empty:  # a link to the replay opens on it, above any trace
         replay_view(model.replay)
+    if model.modules.empty:
         not_traced(run, run_id)
         return
     shown = ui.findings_shown_here(store, run, "Modules", runs)
@@ -60,7 +64,8 @@ def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None
     st.caption("Gradients are at the loss scale (as the backward pass carried them): divide by the scale on the "
                "Loss scale page for the true gradient. A value past FP16's max in an FP32 module overflows the "
                "next FP16 op.")
-    replay_view(model.replay)
+    if named is None:
+        replay_view(model.replay)
 
 
 ui.single_run_page("Modules", modules_view)

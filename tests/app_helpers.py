@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from mpdiag import Store
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py", "pages/8_Plan.py"]
 TIMEOUT = 30
 
 

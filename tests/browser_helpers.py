@@ -58,7 +58,12 @@ class Server:
             self.proc.kill()
 
 
-def settle(page, text=None, timeout=60_000, wait_ms=1500):
+#: every Altair chart on the page has been drawn (its canvas or svg exists)
+CHARTS_DRAWN = """() => [...document.querySelectorAll("[data-testid='stVegaLiteChart']")]
+    .every(el => el.querySelector('canvas, svg.marks'))"""
+
+
+def settle(page, text=None, timeout=60_000, wait_ms=300):
     """Wait for the app to finish running its script (and for ``text`` to appear), then ``wait_ms`` for the
     charts to draw."""
     # the script has run to its end once (right after goto the app reads "initial", then "running")
@@ -69,6 +74,9 @@ def settle(page, text=None, timeout=60_000, wait_ms=1500):
     page.wait_for_function(
         "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
     )
+    # every chart element holds its drawing (Vega draws after the element exists), then ``wait_ms`` for the
+    # drawings to take their final size
+    page.wait_for_function(CHARTS_DRAWN, timeout=timeout)
     page.wait_for_timeout(wait_ms)
 
 

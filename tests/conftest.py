@@ -6,7 +6,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+
+# torch on one thread in the tests and in every process they start (they inherit it): the suite runs as two xdist
+# workers on CI's two cores, each worker's torch spinning threads of its own beside the other's and beside the
+# runs they start. Measured on two busy cores: the bundled transformer_lm, 15 recorded steps at O1, 15-19 s of CPU
+# (21-40 s wall) on torch's default threads against 10-11 s (14-18 s wall) on one; a 24-step run of the plan's
+# 64-wide model 4.6 s against 0.5 s. The numbers tested do not depend on it: each is checked against ground truth
+# computed in the same process. Set OMP_NUM_THREADS to run the tests on more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "mpdiag" / "examples"
@@ -59,6 +67,30 @@ def gallery_runs(tmp_path_factory):
         ids[path.stem] = tuple(train(script, RunConfig(steps=GALLERY_STEPS, device="cpu").with_options(**options),
                                      store) for options in (module.FAILING, module.FIXED))
     return store, ids
+
+
+PLAN_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def plan_runs(tmp_path_factory):
+    """The precision plan's planted model (tests/fixtures/scripts/plan_planted.py) recorded once at O0 with every
+    FP8 recipe (both per-tensor recipes, MXFP8 and NVFP4; every 4th step), its plan verified
+    (mpdiag.analysis.plan_verify.verify: the source is its own FP32 reference) and an all-FP8 rerun (fp8-sim,
+    current scaling everywhere): a namespace of store, source, reference, rounds and all_fp8."""
+    from types import SimpleNamespace
+
+    from mpdiag.analysis.plan_verify import verify
+    from mpdiag.training.runner import RunConfig, rerun, train
+    from mpdiag.training.script import ModelScript
+
+    store = tmp_path_factory.mktemp("plan") / "runs.db"
+    config = RunConfig(opt_level="O0", steps=PLAN_STEPS, every=4, device="cpu", fp8=True, fp8_recipe="both",
+                       fp8_blocks="mxfp8,nvfp4")
+    source = train(ModelScript.from_path(FIXTURES / "scripts" / "plan_planted.py"), config, store)
+    reference, rounds = verify(store, source)
+    all_fp8 = rerun(store, source, opt_level="fp8-sim", fp8=False, fp8_recipe="current")
+    return SimpleNamespace(store=store, source=source, reference=reference, rounds=rounds, all_fp8=all_fp8)
 
 
 @pytest.fixture(params=["at once", "late"])

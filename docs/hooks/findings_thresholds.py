@@ -1,4 +1,5 @@
 """MkDocs hook: the findings' thresholds in docs/findings.md (where the page says ``<!-- findings-thresholds -->``),
+the event rules' in docs/events.md and the precision plan's in docs/plan.md,
 generated at build time from the constants the rules read (each module-level constant with a ``#:`` comment in
 mpdiag/analysis/findings.py and the FP8 rules' modules): the value the code uses and what the comment says it
 means, so the page cannot state a threshold the code does not have."""
@@ -11,13 +12,18 @@ import inspect
 
 MARKER = "<!-- findings-thresholds -->"
 MODULES = ("mpdiag.analysis.findings", "mpdiag.analysis.fp8_summaries", "mpdiag.analysis.fp8_findings")
-#: docs/events.md's table, likewise, from the event rules' and the retention's constants
-EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events", "mpdiag.recording.retention")
+#: docs/events.md's table, likewise, from the event rules', the replay's and the retention's constants
+EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events", "mpdiag.recording.replay",
+                                                               "mpdiag.recording.retention")
+#: docs/plan.md's table, likewise, from the precision plan's constants
+PLAN_MARKER, PLAN_MODULES = "<!-- plan-thresholds -->", ("mpdiag.analysis.plan",)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if EVENTS_MARKER in markdown:
         markdown = markdown.replace(EVENTS_MARKER, thresholds_table(EVENTS_MODULES))
+    if PLAN_MARKER in markdown:
+        markdown = markdown.replace(PLAN_MARKER, thresholds_table(PLAN_MODULES))
     if MARKER not in markdown:
         return markdown
     return markdown.replace(MARKER, thresholds_table())

@@ -218,9 +218,9 @@ CONFIG_FIELDS = ["opt_level", "scaling", "init_scale", "loss_scale", "growth_fac
                  "growth_interval", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
                  "torch_version", "script_sha256", "batch_size", "params", "update_format", "world_size", "backend",
                  "status"]
-CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer", "fp8", "fp8_recipe", "fp8_bf16_modules"]
+CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer", "fp8", "fp8_recipe", "fp8_bf16_modules", "fp8_modules"]
 #: launcher options a run has only where they apply (options.applies): an FP8 recipe at fp8-sim or with --fp8
-_APPLYING_EXTRAS = {"fp8_recipe", "fp8_bf16_modules"}
+_APPLYING_EXTRAS = {"fp8_recipe", "fp8_bf16_modules", "fp8_modules"}
 #: a run's links to other runs, by the name its row has in the table
 LINK_FIELDS = {"parent_run_id": "rerun of", "pair_run_id": "paired with (--pair twin)"}
 #: settings that are loss scales: a power of two is written 2^k
@@ -231,7 +231,8 @@ COUNT_FIELDS = {"growth_interval", "seed", "steps", "every", "batch_size", "para
 SETTING_LABELS = {"script_sha256": "script (sha256)", "gpu_name": "GPU", "params": "parameters",
                   "world_size": "ranks", "update_format": "format of the updated weights", "every": "statistics every",
                   "shadow_every": "FP32 shadow every", "torch_version": "torch", "fp8": "FP8 statistics (--fp8)",
-                  "fp8_recipe": "FP8 recipe", "fp8_bf16_modules": "Linears left in BF16 (fp8-sim)"}
+                  "fp8_recipe": "FP8 recipe", "fp8_bf16_modules": "Linears left in BF16 (fp8-sim)",
+                  "fp8_modules": "a recipe per Linear (fp8-sim)"}
 
 
 def setting_label(field: str) -> str:

@@ -480,12 +480,17 @@ def _amount(absmax: float, nonfinite: int, limit: float | None) -> str:
     return f"reached {absmax:g}, past FP16's largest finite value {limit:g}"
 
 
+#: the stored trigger of a loss spike's replay (mpdiag.recording.replay.LOSS_SPIKE_TRIGGER; analysis imports no torch)
+SPIKE_TRIGGER = "loss spike"
+
+
 def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | None:
     """The replay of the run's first non-finite step (:mod:`mpdiag.recording.replay`): the first module, in
     execution order, whose forward output or backward gradient turned inf/NaN (or past FP16's max under FP16)
     while what it received was not, and whether the replay reproduced the event. An error when it did (numerics:
     the same weights, batch and random state give it again); a warning when it did not (the event came from
     something a replay does not repeat)."""
+    replays = replays[replays["trigger"] != SPIKE_TRIGGER]
     if replays.empty:
         return None
     replay = replays.iloc[0]
@@ -517,6 +522,36 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
         title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
         evidence=how + what + "." + verdict,
         recommendation=advice, page="Modules", focus=focus)
+
+
+def loss_spike_origin(replays: pd.DataFrame) -> Finding | None:
+    """The replay of the run's first loss spike (:mod:`mpdiag.recording.replay`): its step's and the previous
+    step's batches run forward on one copy of the model, and what first grew by the replay's factor - the batch
+    itself, or a module whose output did while its inputs did not - in the replay's own words and numbers (its
+    note). A warning: a spike is a symptom the training may recover from."""
+    spikes = replays[replays["trigger"] == SPIKE_TRIGGER]
+    if spikes.empty:
+        return None
+    replay = spikes.iloc[0]
+    step, name = int(replay["step"]), replay["first_module"]
+    found = replay["note"] if isinstance(replay["note"], str) else "nothing was found"
+    if name == "(inputs)":
+        title = f"step {step}'s loss spike came in with its batch"
+        advice = ("Check what the data loader gave at that step: a corrupted, unnormalised or mislabelled batch. "
+                  "Filter or clip such batches before the model sees them.")
+    elif isinstance(name, str):
+        title = f"step {step}'s loss spike began in {name}"
+        advice = (f"Look at what `{name}` computes for that batch: a product or an exponential that grows with "
+                  "its inputs' scale (normalise before it, clip its output), or weights an earlier step made large.")
+    else:
+        title = f"step {step}'s loss spike was not localised in the model"
+        advice = ("Check the loss function and the targets at that step; a rise spread over many modules points "
+                  "at the weights (the learning rate, the previous updates) rather than one module.")
+    return Finding(
+        rule="loss-spike-origin", severity="warning", title=title,
+        evidence=(f"mpdiag replayed the forwards of step {step} (a loss spike) and of step {step - 1} on one copy of "
+                  f"the model with step {step}'s weights: {found}."),
+        recommendation=advice, page="Modules", focus={"replay": step})
 
 
 def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[str, str]:
@@ -578,6 +613,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         # after it: where the first inf/NaN was born, once scale-collapse has said what to change
         nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
+        loss_spike_origin(store.replays(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, tensors, per_tensor),
         fp16_overflow(run, store.first_overflow(run_id, "fp16"), store.kept_steps(run_id)),

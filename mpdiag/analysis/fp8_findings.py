@@ -188,12 +188,12 @@ def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp
 
 def fp8_findings(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
     """Every FP8 finding of a run recorded with ``settings``: amax jumps, then lost values, in record order.
-    Linear modules the recipe keeps in BF16 (``settings.bf16_modules``) are not cast, so they find nothing. The
-    block-scaled recipes' rows (mxfp8, nvfp4) raise no finding of their own: they can only be a lost-values
+    Linear modules the recipe keeps in BF16 or FP32 (``settings.high_precision_modules``) are not cast, so they
+    find nothing. The block-scaled recipes' rows (mxfp8, nvfp4) raise no finding of their own: they can only be a lost-values
     finding's fix (:func:`holding_block_recipe`)."""
     blocks = None
     if len(records):
-        records = records[~records["module"].isin(settings.bf16_modules)]
+        records = records[~records["module"].isin(settings.high_precision_modules)]
         blocks = records[records["recipe"].isin(BLOCK_RECIPES)]
         records = records[records["recipe"].isin(RECIPES)]
     jumps = amax_jumps(records, settings) if "delayed" in settings.recipes else []  # current scaling has none

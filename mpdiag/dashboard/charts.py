@@ -740,3 +740,21 @@ def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
     chart = alt.layer(lines, rule, text)
     return _with_nonfinite_rules(chart, one.assign(value=one["absmax"].where(one["state"] != "inf/NaN", np.nan)),
                                  "value", colour).properties(height=260, autosize=_FIT_WIDTH)
+
+
+#: the Plan page's bars: the reference configurations grey, the plan in the first run colour
+PLAN_BAR_COLOURS = {"FP32": "#9e9e9e", "mixed precision (16Ψ)": "#c7c7c7", "BF16": "#c7c7c7", "plan": RUN_COLOURS[0]}
+
+
+def plan_bytes(df: pd.DataFrame, title: str) -> alt.LayerChart:
+    """Predicted megabytes under each configuration (``df``: configuration, MB; the plan last), one horizontal bar
+    each, labelled with its value at its end (the axis runs 30 % past the longest bar, so the label fits)."""
+    colour = alt.Color("configuration:N", legend=None, scale=alt.Scale(
+        domain=df["configuration"].tolist(), range=[PLAN_BAR_COLOURS.get(c, "#c7c7c7") for c in df["configuration"]]))
+    y = alt.Y("configuration:N", sort=None, title=None, axis=alt.Axis(labelLimit=220))
+    bars = alt.Chart(df).mark_bar().encode(
+        y=y, x=alt.X("MB:Q", title="MB", axis=alt.Axis(format=PLAIN_FORMAT),
+                     scale=alt.Scale(domain=[0, 1.3 * float(df["MB"].max() or 1)])),
+        color=colour, tooltip=["configuration:N", alt.Tooltip("MB:Q", format=",.6~g")])
+    labels = alt.Chart(df).mark_text(align="left", dx=4).encode(y=y, x="MB:Q", text=alt.Text("MB:Q", format=",.4~g"))
+    return _fit(alt.layer(bars, labels).properties(height=150, title=title))

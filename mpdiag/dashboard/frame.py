@@ -38,8 +38,10 @@ from mpdiag.options import (
     ConfigError,
     Option,
     RunConfig,
+    StopOn,
     rerun_name,
 )
+from mpdiag.recording.events import SKIP_STREAK
 from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
 from mpdiag.store.schema import older_version
@@ -383,7 +385,8 @@ def download_section(store: Store, run: pd.Series) -> None:
 FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "device", "shadow_every": "shadow",
              "loss_scale": "mode", "init_scale": "init", "growth_interval": "growth", "growth_factor": "growth_factor",
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
-             "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel"}
+             "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel",
+             "stop_on": "stop_on"}
 DEVICES = ["auto", "cpu", "cuda"]
 
 
@@ -399,28 +402,64 @@ def watch_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     ``trace_modules``."""
     base = parent["config"]["watch"] if parent is not None else {}
     shown = {name: spec for name, spec in WATCH_OPTIONS.items() if spec.no_widget is None}
-    chosen = {name: _watch_widget(column, spec, base.get(name, spec.default), f"{prefix}_watch_{FORM_KEYS[name]}")
-              for column, (name, spec) in zip(st.columns(len(shown)), shown.items(), strict=True)}
+    # two a row: the form also stands in the Runs page's half-width rerun panel, where six in a row broke their
+    # labels into syllables
+    names, chosen = list(shown), {}
+    for row in range(0, len(names), 2):
+        for column, name in zip(st.columns(2), names[row:row + 2], strict=False):
+            chosen[name] = option_widget(column, shown[name], base.get(name, shown[name].default),
+                                         f"{prefix}_watch_{FORM_KEYS[name]}")
     # an optional option left empty: "default" tells a rerun to clear the parent's value, None keeps the script's
     return {name: (UNSET if base.get(name) is not None else None) if value is None else value
             for name, value in chosen.items()}
 
 
-def _watch_widget(column, spec: Option, value, key: str):
-    """The widget of one watch option, by its kind, with the table's widget hints; returns its value (None: an
-    optional option left to the script)."""
+def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
+    """The widget of one option in either form (``spec`` as its mode reads it, :meth:`Option.in_mode`), by its
+    kind, labelled and bounded by the table's widget hints; returns its value (None: an optional option left unset;
+    under watch, a level left to the script). ``disabled``: why it does nothing here; it then shows and returns the
+    table's default under a key of its own (what was set before stays for when it is enabled again)."""
     hints = dict(spec.widget)
-    label, help_text = hints.pop("label"), hints.pop("help", spec.help)
+    label, help_text = hints.pop("label"), hints.pop("help", spec.help) + (f" Disabled: {disabled}" if disabled else "")
+    if disabled:
+        key, value = f"{key}_off", spec.default
     if spec.kind == "level":
         levels = [AS_RECORDED, *spec.choices]
-        level = column.selectbox(label, levels, index=levels.index(value or AS_RECORDED), key=key, help=help_text)
+        level = container.selectbox(label, levels, index=levels.index(value or AS_RECORDED), key=key, help=help_text)
         return None if level == AS_RECORDED else level
     if spec.kind == "flag":
-        return column.checkbox(label, bool(value), key=key, help=help_text)
+        return container.checkbox(label, bool(value), key=key, help=help_text, disabled=bool(disabled))
     if spec.kind == "int":
-        return int(column.number_input(label, spec.minimum, hints["max_value"], int(value), key=key, help=help_text))
-    number = column.number_input(label, value=value, format="%g", key=key, help=help_text, **hints)
+        return int(container.number_input(label, spec.minimum, hints.get("max_value", spec.maximum), int(value),
+                                          key=key, help=help_text, disabled=bool(disabled)))
+    if spec.kind == "events":
+        return stop_on_widget(container, value, key, label, help_text, disabled=bool(disabled))
+    number = container.number_input(label, value=None if value is None else float(value), format="%g", key=key,
+                                    help=help_text, disabled=bool(disabled), **hints)
     return None if number is None else float(number)
+
+
+#: the events --stop-on names, as a form offers them
+STOP_EVENTS = {"nonfinite": "a non-finite loss or gradient", "spike": "a loss or gradient-norm spike",
+               "skips": "skipped steps in a row"}
+
+
+def stop_on_widget(container, value: str, key: str, label: str, help_text: str, disabled: bool = False) -> str:
+    """``--stop-on`` as a form sets it: the events that end the training, and how many skipped steps in a row
+    when skips is one; returns its text (:class:`mpdiag.options.StopOn`)."""
+    stop = StopOn.parse(value)
+    picked = container.multiselect(label, list(STOP_EVENTS), [name for name in STOP_EVENTS if getattr(stop, name)
+                                                              not in (False, None)],
+                                   format_func=STOP_EVENTS.get, key=key, help=help_text, disabled=disabled,
+                                   placeholder="never")
+    if disabled:
+        return ""
+    words = [name for name in picked if name != "skips"]
+    if "skips" in picked:
+        streak = container.number_input("Skipped steps in a row", 1, 1_000_000, stop.skips or SKIP_STREAK,
+                                        key=f"{key}_skips", help="How many skipped optimizer steps in a row stop it.")
+        words.append(f"skips:{int(streak)}")
+    return ",".join(words)
 
 
 def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
@@ -440,7 +479,7 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     # their widget's value is read ahead from the session)
     several = int(st.session_state.get(key["nproc"], base.nproc)) > 1
     chosen = _level_and_length(key, base)
-    chosen["shadow_every"] = _shadow_every(key, base, several)
+    chosen["shadow_every"] = _widget("shadow_every", key, base, disabled=ONE_PROCESS if several else "")
     if LEVELS[chosen["opt_level"]].scales_loss:
         chosen.update(_scaling_options(key, base, chosen["opt_level"]))
     else:
@@ -455,8 +494,13 @@ def run_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     return _validated(base, chosen, pair, parent)
 
 
-def _one_process(several: bool) -> str:
-    return " Disabled: it records one process's tensors; set Processes back to 1." if several else ""
+#: why a widget is disabled while several processes train
+ONE_PROCESS = "it records one process's tensors; set Processes back to 1."
+
+
+def _widget(name: str, key: dict[str, str], base: RunConfig, container=st, disabled: str = ""):
+    """Option ``name``'s widget in the run form (:func:`option_widget`), its value ``base``'s."""
+    return option_widget(container, OPTIONS[name], getattr(base, name), key[name], disabled)
 
 
 def _level_and_length(key: dict[str, str], base: RunConfig) -> dict:
@@ -466,10 +510,8 @@ def _level_and_length(key: dict[str, str], base: RunConfig) -> dict:
     chosen = {"opt_level": cols[0].selectbox(
         "Opt level", levels, index=levels.index(base.opt_level), key=key["opt_level"],
         help="\n".join(f"{k}: {v.summary}" for k, v in LEVELS.items()))}
-    chosen["steps"] = int(cols[1].number_input("Steps", OPTIONS["steps"].minimum, 1_000_000, base.steps,
-                                               key=key["steps"], help=OPTIONS["steps"].help))
-    chosen["seed"] = int(cols[2].number_input("Seed", OPTIONS["seed"].minimum, OPTIONS["seed"].maximum, base.seed,
-                                              key=key["seed"], help=OPTIONS["seed"].help))
+    chosen["steps"] = _widget("steps", key, base, cols[1])
+    chosen["seed"] = _widget("seed", key, base, cols[2])
     devices = DEVICES + ([base.device] if base.device not in DEVICES else [])
     chosen["device"] = cols[3].selectbox(
         "Device", devices, index=devices.index(base.device), key=key["device"],
@@ -478,39 +520,20 @@ def _level_and_length(key: dict[str, str], base: RunConfig) -> dict:
     return chosen
 
 
-def _shadow_every(key: dict[str, str], base: RunConfig, several: bool) -> int:
-    """The FP32 shadow's period: 0 (shown disabled) when several processes train."""
-    if several:
-        st.number_input("FP32 shadow every N steps (0: off)", value=0, disabled=True, key=f"{key['shadow_every']}_off",
-                        help="Compares one process's gradients with FP32." + _one_process(several))
-        return 0
-    return int(st.number_input(
-        "FP32 shadow every N steps (0: off)", OPTIONS["shadow_every"].minimum, 1_000_000, base.shadow_every,
-        key=key["shadow_every"],
-        help="Every N steps, recompute the gradients in FP32 on the same weights and batch and store each tensor's "
-             "relative error and cosine (Findings page). Costs one FP32 forward and backward per shadow step."))
-
-
 def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: pd.Series | None,
                   chosen: dict) -> dict | None:
     """The "More options" expander: statistics period, module trace, FP8, processes and parallelism, and the
     run's name (None, after saying why, when the typed name is refused)."""
-    more = {"every": int(st.number_input("Tensor statistics every N steps", OPTIONS["every"].minimum, 1_000_000,
-                                         base.every, key=key["every"], help=OPTIONS["every"].help))}
-    more["trace_modules"] = st.checkbox("Trace modules", base.trace_modules, key=key["trace_modules"],
-                                        help=OPTIONS["trace_modules"].help)
-    more["fp8"] = st.checkbox("Record FP8 statistics (FP8 page)", base.fp8 and not several,
-                              key=key["fp8"] if not several else f"{key['fp8']}_off", disabled=several,
-                              help=OPTIONS["fp8"].help + ", under the default recipe (delayed scaling, "
-                              "history 1024, E4M3 forward, E5M2 output gradients)." + _one_process(several))
-    more["nproc"] = int(st.number_input("Processes (data parallel, launched like torchrun)",
-                                        OPTIONS["nproc"].minimum, 64, base.nproc, key=key["nproc"],
-                                        help=OPTIONS["nproc"].help))
+    more = {name: _widget(name, key, base) for name in ("every", "trace_modules")}
+    more["fp8"] = _widget("fp8", key, base, disabled=ONE_PROCESS if several else "")
+    more["nproc"] = _widget("nproc", key, base)
     more["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
                                     key=key["parallel"], disabled=more["nproc"] == 1,
                                     help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
                                     + (". Disabled: one process has nothing to parallelize; set Processes "
                                        "above 1." if more["nproc"] == 1 else ""))
+    more["stop_on"] = _widget("stop_on", key, base, disabled="every process would have to stop at the same step; "
+                                                              "set Processes back to 1." if several else "")
     typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
                           key=key["name"], max_chars=MAX_NAME_CHARS,
                           help="Empty: the script's file name; a rerun: its parent's name and what changed.")
@@ -579,16 +602,6 @@ def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
     if mode != "dynamic" and LEVELS[level].default_scaling != "dynamic":
         return options  # the level's own static scale: no dynamic settings to show
     options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale, key["init_scale"])
-    cols = st.columns(5)
-    options["growth_interval"] = int(cols[0].number_input(
-        "Growth interval", OPTIONS["growth_interval"].minimum, 1_000_000, base.growth_interval,
-        key=key["growth_interval"], help=OPTIONS["growth_interval"].help))
-    options["growth_factor"] = cols[1].number_input("Growth factor", value=float(base.growth_factor),
-                                                    key=key["growth_factor"], help=OPTIONS["growth_factor"].help)
-    options["backoff_factor"] = cols[2].number_input("Backoff factor", value=float(base.backoff_factor),
-                                                     key=key["backoff_factor"], help=OPTIONS["backoff_factor"].help)
-    options["min_scale"] = cols[3].number_input("Min scale (optional)", value=base.min_scale, key=key["min_scale"],
-                                                help=OPTIONS["min_scale"].help)
-    options["max_scale"] = cols[4].number_input("Max scale (optional)", value=base.max_scale, key=key["max_scale"],
-                                                help=OPTIONS["max_scale"].help)
+    names = ("growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale")
+    options.update({name: _widget(name, key, base, column) for name, column in zip(names, st.columns(5), strict=True)})
     return options

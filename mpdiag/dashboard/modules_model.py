@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis import module_trace
+from mpdiag.analysis.findings import SPIKE_TRIGGER
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
@@ -23,14 +24,20 @@ REPLAY_STATES = ("finite", "above FP16's max", "inf/NaN", "first offender")
 class ReplayStrip:
     """The replay of the run's first non-finite step (mpdiag.recording.replay): ``rows`` every module call,
     forward then backward, each in execution order (``pos`` along the strip), with its ``state`` (one of
-    :data:`REPLAY_STATES`); the first offender, its phase, and whether the replay reproduced the event."""
+    :data:`REPLAY_STATES`); the first offender, its phase, and whether the replay reproduced the event;
+    ``spike``: the replay of a loss spike (forward only, beside the previous step's batch), ``note`` what it found."""
     step: int
     rows: pd.DataFrame
     first_module: str | None
     first_phase: str | None
     reproduced: bool
+    spike: bool = False
+    note: str | None = None
 
     def said(self) -> str:
+        if self.spike:
+            return (f"Step {self.step}'s loss spike replayed module by module, forward only ({len(self.rows):,} calls), "
+                    f"and step {self.step - 1}'s batch on the same copy: {self.note or 'nothing was found'}.")
         where = (f"the first offender is {self.first_module} ({self.first_phase})" if self.first_module
                  else "no module's output or gradient went inf/NaN")
         verdict = ("reproduced the event: numerics" if self.reproduced else
@@ -39,11 +46,13 @@ class ReplayStrip:
                 f"{where}; the replay {verdict}.")
 
 
-def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame) -> ReplayStrip | None:
-    """The strip of the run's replayed step, or None when no step was replayed."""
+def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None = None) -> ReplayStrip | None:
+    """The strip of the run's replayed step ``step`` (a link's ``?replay=``), else of its first replayed step;
+    None when no step was replayed."""
     if replays.empty:
         return None
-    replay = replays.iloc[0]
+    named = replays[replays["step"] == step]
+    replay = named.iloc[0] if len(named) else replays.iloc[0]
     step = int(replay["step"])
     limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     rows = modules[modules["step"] == step].reset_index(drop=True)
@@ -57,7 +66,8 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame) -> ReplayStrip | 
     hit = rows.index[(rows["module"] == first) & (rows["phase"] == phase)]
     if len(hit):
         state[hit[0]] = REPLAY_STATES[3]
-    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]))
+    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]),
+                       replay["trigger"] == SPIKE_TRIGGER, replay["note"] if isinstance(replay["note"], str) else None)
 
 
 @dataclass(frozen=True)
@@ -90,10 +100,10 @@ class ModulesRun:
         return module_trace.module_table(self.modules)
 
 
-def modules(store: Store, run: pd.Series, final: bool) -> ModulesRun:
-    """The Modules page's view of ``run``."""
+def modules(store: Store, run: pd.Series, final: bool, replay_step: int | None = None) -> ModulesRun:
+    """The Modules page's view of ``run``, its replay strip that of ``replay_step`` where it was replayed."""
     traced = reads.module_stats(store, int(run["run_id"]), final)
-    replay = replay_strip(*reads.replay(store, int(run["run_id"]), final))
+    replay = replay_strip(*reads.replay(store, int(run["run_id"]), final), step=replay_step)
     if traced.empty:
         return ModulesRun(traced, [], None, None, None, {}, None, replay)
     order = module_trace.module_order(traced)

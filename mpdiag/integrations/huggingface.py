@@ -16,6 +16,7 @@ import sys
 
 from transformers import TrainerCallback
 
+from mpdiag.options import WATCH_OPTIONS
 from mpdiag.store import DEFAULT_STORE
 from mpdiag.training.watch import WatchConfig, WatchSession
 
@@ -24,8 +25,10 @@ class MpdiagTrainerCallback(TrainerCallback):
     """Records ``trainer.train()`` into ``store`` (default ``MPDIAG_STORE`` or ``mpdiag_runs.db``) as run ``name``
     (default: the script's file name), with watch's ``every``, ``trace_modules`` and ``shadow_every``."""
 
-    def __init__(self, store: str | os.PathLike | None = None, name: str | None = None, every: int = 1, *,
-                 trace_modules: bool = False, shadow_every: int = 0):
+    def __init__(self, store: str | os.PathLike | None = None, name: str | None = None,
+                 every: int = WATCH_OPTIONS["every"].default, *,
+                 trace_modules: bool = WATCH_OPTIONS["trace_modules"].default,
+                 shadow_every: int = WATCH_OPTIONS["shadow_every"].default):
         self.store = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
         self.config = dict(name=name, every=every, trace_modules=trace_modules, shadow_every=shadow_every)
         self.session: WatchSession | None = None

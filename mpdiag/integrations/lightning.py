@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
+from mpdiag.options import OPTIONS
 from mpdiag.recording.recorder import Recorder
 from mpdiag.training.watch import WatchSession
 
@@ -27,8 +28,9 @@ class MpdiagCallback(pl.Callback):
     """Records the fit into ``store`` (default ``MPDIAG_STORE`` or ``mpdiag_runs.db``) as run ``name`` (default:
     the LightningModule's class name); ``every``, ``trace_modules`` and ``fp8`` as the Recorder takes them."""
 
-    def __init__(self, store: str | os.PathLike | None = None, name: str | None = None, every: int = 1, *,
-                 trace_modules: bool = False, fp8: Fp8Settings | None = None):
+    def __init__(self, store: str | os.PathLike | None = None, name: str | None = None,
+                 every: int = OPTIONS["every"].default, *, trace_modules: bool = OPTIONS["trace_modules"].default,
+                 fp8: Fp8Settings | None = None):
         self.store, self.name, self.every, self.trace_modules, self.fp8 = store, name, every, trace_modules, fp8
         self.recorder: Recorder | None = None
         self._loss: torch.Tensor | None = None  # the unscaled loss back-propagated since the previous step

@@ -97,6 +97,9 @@ RECIPES = ("current", "delayed")
 #: the block-scaled recipes --fp8 can record beside RECIPES (their arithmetic: mpdiag.numerics.block_scaled)
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
 FP32_MAX = float(np.finfo(np.float32).max)
+#: what fp8-sim keeps a Linear in instead of casting it, and every recipe a Linear can be given (--fp8-modules)
+HIGH_PRECISION = ("bf16", "fp32")
+MODULE_RECIPES = (*RECIPES, *BLOCK_RECIPES, *HIGH_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ class Fp8Settings:
     amax history (delayed only); ``margin``: the delayed scale is divided by 2^margin; ``grad_format``:
     "e5m2" (HYBRID) or "e4m3" for output gradients; ``pow2``: round scales down to powers of two;
     ``bf16_modules``: names of Linear modules the ``fp8-sim`` level leaves in BF16 (a finding's fix);
-    ``block_recipes``: block-scaled recipes (BLOCK_RECIPES) the capture also records, counted exactly.
+    ``block_recipes``: block-scaled recipes (BLOCK_RECIPES) the capture also records, counted exactly;
+    ``module_recipes``: (Linear name, recipe) pairs by which ``fp8-sim`` gives a module its own recipe, one of
+    MODULE_RECIPES (a precision plan's rerun, :mod:`mpdiag.analysis.plan`); the others take ``recipe``.
     """
 
     recipe: str = "delayed"
@@ -118,6 +123,7 @@ class Fp8Settings:
     pow2: bool = False
     bf16_modules: tuple[str, ...] = ()
     block_recipes: tuple[str, ...] = ()
+    module_recipes: tuple[tuple[str, str], ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the option when a setting is invalid."""
@@ -132,13 +138,30 @@ class Fp8Settings:
         unknown = [r for r in self.block_recipes if r not in BLOCK_RECIPES]
         if unknown or len(set(self.block_recipes)) != len(self.block_recipes):
             raise ValueError(f"--fp8-blocks must name mxfp8 and/or nvfp4, each once, got {list(self.block_recipes)!r}")
+        names = [name for name, _ in self.module_recipes]
+        wrong = [f"{name}={recipe}" for name, recipe in self.module_recipes if recipe not in MODULE_RECIPES]
+        if wrong or len(set(names)) != len(names):
+            raise ValueError(f"--fp8-modules takes NAME=RECIPE, each name once, RECIPE one of "
+                             f"{', '.join(MODULE_RECIPES)}; got {', '.join(wrong) or 'a name twice'}")
 
     @classmethod
     def from_dict(cls, values: dict) -> Fp8Settings:
         """Settings stored as ``dataclasses.asdict`` JSON (a Recorder's or watch's run config): the module list
         comes back as a list."""
         return cls(**{**values, "bf16_modules": tuple(values.get("bf16_modules", ())),
-                      "block_recipes": tuple(values.get("block_recipes", ()))})
+                      "block_recipes": tuple(values.get("block_recipes", ())),
+                      "module_recipes": tuple(tuple(pair) for pair in values.get("module_recipes", ()))})
+
+    def module_recipe(self, name: str) -> str:
+        """The recipe fp8-sim gives Linear ``name``: "bf16" for one in ``bf16_modules``, its own from
+        ``module_recipes``, else ``recipe``."""
+        return "bf16" if name in self.bf16_modules else dict(self.module_recipes).get(name, self.recipe)
+
+    @property
+    def high_precision_modules(self) -> tuple[str, ...]:
+        """The Linears fp8-sim does not cast at all (kept in BF16 or FP32)."""
+        named = (*self.bf16_modules, *(name for name, _ in self.module_recipes))
+        return tuple(dict.fromkeys(n for n in named if self.module_recipe(n) in HIGH_PRECISION))
 
     @property
     def is_block(self) -> bool:

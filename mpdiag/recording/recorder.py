@@ -41,12 +41,13 @@ from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
+from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.events import EventLog
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
-from mpdiag.recording.replay import ReplayResult, StepReplay
+from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, NONFINITE_GRADIENTS, ReplayResult, StepReplay
 from mpdiag.recording.retention import Retention
 from mpdiag.recording.run import Run
 from mpdiag.recording.step_gradients import StepGradients
@@ -181,15 +182,23 @@ class Recorder:
             or not (mpdiag's runner).
         replay: at the first step whose loss or gradients are inf/NaN, replay that step's forward and backward
             on a copy of the model with a hook on every module and store each module's output and gradient
-            absmax and non-finite count, naming the first module to overflow or turn non-finite
-            (:mod:`mpdiag.recording.replay`; ``Store.replays``). Keeps a reference to every training forward's
-            inputs, its random state and its output's gradient until ``record``, and reads the loss and gradient
-            norm back at each ``record`` until the replay ran. Off by default (``False``): its two hooks sit on
-            ``model`` itself, so a ``torch.save(model)`` of the whole module would carry them into the checkpoint
-            (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
+            absmax and non-finite count, naming the first module to overflow or turn non-finite; and at the
+            first loss spike (the ``loss-spike`` event's rule), replay the forwards of that step's and the previous
+            step's batches on one copy, naming the batch or the first module whose output jumped
+            (:mod:`mpdiag.recording.replay`; ``Store.replays``; the results are :attr:`replayed` and
+            :attr:`spike_replayed`). Keeps a reference to every training forward's inputs, its random state and
+            its output's gradient until ``record``, and the previous step's inputs and random state one step
+            longer, and reads the loss and gradient norm back at each ``record`` until both replays ran. Off by
+            default (``False``): its two hooks sit on ``model`` itself, so a ``torch.save(model)`` of the whole
+            module would carry them into the checkpoint (and ``torch.load(weights_only=True)`` refuse it). ``None`` (mpdiag's runner, whose scripts never pickle
             the model): on, but on a GPU only when a GradScaler is in use (the read is a synchronisation there,
             and GradScaler's ``step`` synchronises anyway); ``True``: on everywhere. One process only
-            (not under torchrun).
+            (not under torchrun). ``watch`` passes ``None`` too, with ``replay_model``, and hides the two hooks
+            from pickling and deep copies of the script's modules for its lifetime
+            (:func:`mpdiag.recording.replay.reduce_ex_without_replay_hooks`).
+        replay_model: the module whose training forwards the replay keeps and repeats, when it is not ``model``
+            (``watch``: ``model`` is a view over the script's parameters that is never called; this is the model
+            the script calls). None: ``model``.
         retain_anomalies: ``False``: store (and compute) the statistics of the multiples of ``every`` only, as
             mpdiag did before it kept anomalies (the cheaper choice where a step's statistics cost much).
 
@@ -234,14 +243,15 @@ class Recorder:
         name: str | None = None,
         scaler=None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-        every: int = 1,
+        every: int = OPTIONS["every"].default,
         config: dict[str, Any] | None = None,
         *,
-        trace_modules: bool = False,
+        trace_modules: bool = OPTIONS["trace_modules"].default,
         update_format: str | None = None,
         fp8: Fp8Settings | None = None,
         check_optimizer_step: bool | str = True,
         replay: bool | None = False,
+        replay_model: torch.nn.Module | None = None,
         retain_anomalies: bool = True,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
@@ -277,7 +287,7 @@ class Recorder:
         # would be the step's only synchronisation (GradScaler's step synchronises anyway)
         sync_free = self.device.type != "cuda" or self.scaler is not None
         self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay is True or (replay is None and sync_free))
+                      replay=replay is True or (replay is None and sync_free), replay_model=replay_model)
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -332,7 +342,7 @@ class Recorder:
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
     def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool = False) -> None:
+                 watch_ranks: bool, replay: bool = False, replay_model: torch.nn.Module | None = None) -> None:
         """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
         so a store that cannot be opened leaves no hook behind."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
@@ -341,10 +351,13 @@ class Recorder:
         self._tracer = ModuleTracer(model) if trace_modules else None
         self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
         self._hooks = self._install_step_hooks()
-        #: the replay of the first non-finite step (None: off, or a job of several processes)
-        self._replay = StepReplay(model) if replay and not self._dist.distributed else None
-        #: its result once it ran
+        #: the replay of the first non-finite step and of the first loss spike (None: off, both done, or a job of
+        #: several processes)
+        replayed = model if replay_model is None else replay_model
+        self._replay = StepReplay(replayed) if replay and not self._dist.distributed else None
+        #: their results once they ran
         self.replayed: ReplayResult | None = None
+        self.spike_replayed: ReplayResult | None = None
         if watch_ranks:
             self._dist.watch_for_dead_ranks(self._name_dead_rank)
         if self._tracer is not None:
@@ -497,7 +510,7 @@ class Recorder:
         scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
         read = gradients if gradients is not None else self._read_tensors(step, scale)
         if self._replay is not None:
-            self._replay_if_nonfinite(step, loss, read.norm)
+            self._replay_if_triggered(step, loss, read.norm)
         state = self._with_norm(values, read.norm)
         if read.pending is not None:
             self._unread_stats.append(_UnreadStats(step, read))
@@ -528,11 +541,12 @@ class Recorder:
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
 
-    def _replay_if_nonfinite(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
+    def _replay_if_triggered(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
         """Replay this step (before its optimizer step: the weights are still those it used) when it is the
-        first to turn non-finite; otherwise drop what was kept of it."""
+        first to turn non-finite, or the first loss spike; otherwise what was kept of it becomes the previous
+        step's."""
         try:
-            trigger = self._replay.triggered(loss, norm, scaled=self.scaler is not None)
+            trigger = self._replay.triggered(step, loss, norm, scaled=self.scaler is not None)
         except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
             print(f"mpdiag: the replay is off for this run: {type(exc).__name__}: {exc}", file=sys.stderr)
             self._replay.remove()
@@ -541,12 +555,16 @@ class Recorder:
         if trigger is None:
             self._replay.forget()
             return
-        scale = self._scaler_values(None)[0] if self.scaler is not None and trigger == "nonfinite gradients" else 1.0
+        scale = self._scaler_values(None)[0] if self.scaler is not None and trigger == NONFINITE_GRADIENTS else 1.0
         result = self._replay.replay(step, trigger, scale=float(scale))
-        if result is None:  # the loss scale's overflow: nothing to store; armed again unless it tried enough
-            self._replay = None if not self._replay._handles else self._replay
+        if not self._replay.armed:  # both replays done, or the loss scale's overflows tried enough
+            self._replay = None
+        if result is None:  # the loss scale's overflow: nothing to store
             return
-        self.replayed, self._replay = result, None
+        if trigger == LOSS_SPIKE_TRIGGER:
+            self.spike_replayed = result
+        else:
+            self.replayed = result
         if self.events.announce is not None:
             print(result.line(), file=sys.stderr)
         self._writer.submit(lambda w: w.add_replay(self.run_id, result.summary_row(), result.module_rows()))

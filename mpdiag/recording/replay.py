@@ -1,10 +1,12 @@
-"""Replay to localise: the step that turned non-finite, run again on a copy of the model with a hook on every module.
+"""Replay to localise: the step that turned non-finite, or whose loss spiked, run again on a copy of the model with
+a hook on every module.
 
 This module owns :class:`StepReplay`: what the Recorder keeps of every training forward so a step can be replayed
 (the kept references, the random state, the autocast state, the output's gradient), the rule that decides when a
-step is replayed (:meth:`StepReplay.triggered`), the replay itself and the rule naming its first offender
-(:class:`ReplayResult`). Must not write to the store (the Recorder hands the result to its writer) nor change the
-user's training in any way.
+step is replayed (:meth:`StepReplay.triggered`), the replay itself and the rules naming its first offender
+(:class:`ReplayResult`), and how ``watch`` keeps its hooks out of the script's pickles and copies
+(:func:`reduce_ex_without_replay_hooks`). Must not write to the store (the Recorder hands the result to its writer)
+nor change the user's training in any way.
 
 **What is kept, at every training forward** (a forward of the model's root module with gradients enabled; a
 forward under ``no_grad`` - an evaluation - keeps nothing and leaves the kept one alone): a *reference* to the
@@ -13,17 +15,21 @@ holding the batch a little longer, until the step's ``record``), the CPU random 
 once CUDA is initialised) at the start of that forward, the autocast state (device types, dtype), and, from a
 tensor hook on the root's output tensors, the gradient that flowed into them in the real backward (the loss is
 computed outside the model, so this is what drives the replayed backward). Everything kept is dropped at each
-``record``. Limits: an input the script modifies in place after the forward (or the model modifies in place
-inside it) is replayed as it is then, not as the forward saw it; with gradient accumulation only the step's last
+``record``, except the step's inputs and random state, kept one step longer as the *previous* step's (its output
+gradient dropped) for a loss spike's comparison. Limits: an input the script modifies in place after the forward
+(or the model modifies in place inside it, or a script refilling one batch buffer every step) is replayed as it is
+then, not as the forward saw it; with gradient accumulation only the step's last
 micro-batch is replayed; a model whose forward draws random numbers on another generator (a ``torch.Generator``
 of its own) is not replayed with the same draws.
 
-**When**: at ``record``, the step's loss and global gradient norm are read back until the replay has run (on a
+**When**: at ``record``, the step's loss and global gradient norm are read back until both replays have run (on a
 GPU a synchronisation, so there the Recorder asks only when a GradScaler is in use, whose ``step`` synchronises
 anyway, unless ``Recorder(replay=True)``). The step is replayed when the loss is non-finite, or the gradients are and either no
 loss scaler is used or an optimizer step has already been taken (a dynamic scaler's first steps overflow on
-purpose while it finds its scale: those are not what the replay is for). Once per run: the hooks are removed
-after it.
+purpose while it finds its scale: those are not what the replay is for). And at the first loss spike: the
+loss-spike event's own rule (:class:`mpdiag.recording.events.SpikeRule`, fed the loss read at ``record``; the
+event itself is raised a step later, when the step's row completes, after its optimizer update), when the previous
+step's inputs are kept. Once per run each: the hooks are removed after both.
 
 **How**: ``copy.deepcopy`` of the eager module (``model._orig_mod`` for a ``torch.compile``'d model, so the
 replay runs eagerly with hooks that compilation would not see), its gradients cleared, a forward hook and a full
@@ -45,6 +51,17 @@ it was passed on. Inputs already bad name ``(inputs)``; an output gradient bad a
 outside the model names ``(loss)``. The replay *reproduced* the event when it met a non-finite value: then the
 fault is numerics, deterministic given the weights, batch and random state; when it met none, the event came
 from something the replay does not repeat (non-determinism, a kernel's race, hardware) or from outside the model.
+
+**A loss spike** is finite, so it has no bad value to find: the forwards of the previous step's batch and of the
+spike step's run, forward only and without gradients, on the same copy (the spike step's weights, each batch with
+its own random state), and each module call's output absmax is compared with the same call's on the previous batch
+(calls matched by module and the how-manieth call of it). The first offender (:func:`_spike_offender`) is
+``(inputs)`` when the batch's floating-point tensors' absmax is at least :data:`SPIKE_FACTOR` times the previous
+batch's; else the first module call, in completion order, whose output absmax is at least that many times its
+previous one while its inputs' absmax rose less (a batch of integer ids has no magnitude to compare: there the
+embedding is the first module whose inputs did not rise); else none, said with the largest rise seen. Its note says
+what was found in numbers ("the batch at step N was already X× larger than the step before (absmax a against b)");
+*reproduced* means an offender was found. Both forwards' rows are stored, the previous one's under step N-1.
 """
 
 from __future__ import annotations
@@ -59,8 +76,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from mpdiag.recording.events import LOSS_SPIKE, SpikeRule
+
 FORWARD, BACKWARD = "forward", "backward"
 INPUTS, LOSS = "(inputs)", "(loss)"
+NONFINITE_LOSS, NONFINITE_GRADIENTS, LOSS_SPIKE_TRIGGER = "nonfinite loss", "nonfinite gradients", "loss spike"
+#: a loss spike's first offender: the first module call whose output absmax is at least this many times the same
+#: call's on the previous step's batch, replayed on the same copy, while what it received rose less than that
+SPIKE_FACTOR = 10.0
 _DEVICE_TYPES = ("cpu", "cuda")
 #: under a dynamic loss scaler, gradient overflows replayed at most this many times when they turn out to be the
 #: scale's (finite at scale 1); then the replay is given up for the run
@@ -103,7 +126,8 @@ class ReplayResult:
     """A replayed step: ``modules`` rows (phase, order, module name, type, absmax, nonfinite, in_absmax,
     in_nonfinite) in execution order; the first offender (``first_module``, ``first_phase``; None when nothing was
     bad); ``reproduced``; the FP16 bound checked (``format_max``, None without one); ``note``: why the replay
-    could not run or what it could not do."""
+    could not run or what it could not do, and for a loss spike what it found, in numbers; ``previous``: a loss
+    spike's replay of the previous step's batch, the same rows, stored under step ``step - 1``."""
 
     step: int
     trigger: str
@@ -114,6 +138,7 @@ class ReplayResult:
     low_format: str | None = None
     format_max: float | None = None
     note: str | None = None
+    previous: list[tuple] = field(default_factory=list)
 
     def summary_row(self) -> tuple:
         """(step, trigger, reproduced, first_module, first_phase, low_format, format_max, note) for the writer."""
@@ -122,9 +147,11 @@ class ReplayResult:
 
     def module_rows(self) -> list[tuple]:
         """(step, phase, order, module, type, absmax, nonfinite, in_absmax, in_nonfinite) for the writer."""
-        return [(self.step, *row) for row in self.modules]
+        return [(self.step, *row) for row in self.modules] + [(self.step - 1, *row) for row in self.previous]
 
     def line(self) -> str:
+        if self.trigger == LOSS_SPIKE_TRIGGER:
+            return f"mpdiag: replay of the loss spike at step {self.step}: {self.note}"
         if self.first_module is None:
             return f"mpdiag: replay of step {self.step}: no non-finite value reproduced" + (
                 f" ({self.note})" if self.note else "")
@@ -133,15 +160,21 @@ class ReplayResult:
 
 
 class StepReplay:
-    """Keeps what a step's replay needs at every training forward of ``model``; :meth:`replay` runs it once."""
+    """Keeps what a step's replay needs at every training forward of ``model``; :meth:`replay` runs it, at most
+    once for a non-finite step and once for a loss spike."""
 
     def __init__(self, model: torch.nn.Module):
         self.root = model
         self.eager = getattr(model, "_orig_mod", model)
         self._kept: _Kept | None = None
+        #: the previous step's (its output gradient dropped): what a loss spike's step is compared with
+        self._previous: _Kept | None = None
         self.stepped = False  # an optimizer step was taken (a dynamic scaler has found its scale)
-        self.done = False
+        self.nonfinite_done = self.spike_done = False
         self.scaler_tries = 0  # steps replayed whose overflow was the loss scale's
+        #: the events' loss-spike rule, fed the loss read at ``record``: the event is raised from the same values
+        #: a step later (its row completes then), when the step's optimizer update is already applied
+        self._spikes = SpikeRule(LOSS_SPIKE, 1, "loss")
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.register_forward_hook(self._after)]
 
@@ -162,26 +195,42 @@ class StepReplay:
                 t.register_hook(lambda g, i=i: kept.out_grads.__setitem__(i, g))
 
     def forget(self) -> None:
-        """The step was recorded: drop what was kept of it."""
-        self._kept = None
+        """The step was recorded and not replayed: what was kept of it becomes the previous step's, without its
+        output gradient (a spike's replay runs the forward only)."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.out_grads.clear()
+        self._previous = None if self.spike_done else kept
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._kept = None
+        self._kept = self._previous = None
 
     # -- when -----------------------------------------------------------------------------------------------
-    def triggered(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | None, scaled: bool) -> str | None:
-        """Why this step is replayed ("nonfinite loss", "nonfinite gradients") or None; ``scaled``: a loss scaler
-        is in use. Reads the loss and the norm back (a synchronisation on a GPU)."""
-        if self.done or self._kept is None:
-            return None
+    def triggered(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | None,
+                  scaled: bool) -> str | None:
+        """Why step ``step`` is replayed (:data:`NONFINITE_LOSS`, :data:`NONFINITE_GRADIENTS`,
+        :data:`LOSS_SPIKE_TRIGGER`) or None; ``scaled``: a loss scaler is in use. Reads the loss and the norm back
+        (a synchronisation on a GPU); the loss of every step feeds the spike rule."""
         # a float NaN is "no loss known" (``watch`` before it saw a backward), not an event
-        if torch.is_tensor(loss) and loss.numel() and not bool(torch.isfinite(loss.detach()).all()):
-            return "nonfinite loss"
-        if grad_norm is not None and not math.isfinite(float(grad_norm)) and (not scaled or self.stepped):
-            return "nonfinite gradients"
+        value = float(loss.detach().reshape(-1)[0]) if torch.is_tensor(loss) and loss.numel() == 1 else None
+        spiked = value is not None and not self.spike_done and self._spikes.see((step, value)) is not None
+        if self._kept is None:
+            return None
+        if not self.nonfinite_done:
+            if torch.is_tensor(loss) and loss.numel() and not (
+                    math.isfinite(value) if value is not None else bool(torch.isfinite(loss.detach()).all())):
+                return NONFINITE_LOSS
+            if grad_norm is not None and not math.isfinite(float(grad_norm)) and (not scaled or self.stepped):
+                return NONFINITE_GRADIENTS
+        if spiked and self._previous is not None:
+            return LOSS_SPIKE_TRIGGER
         return None
 
     # -- the replay -----------------------------------------------------------------------------------------
@@ -191,7 +240,9 @@ class StepReplay:
         ``scale``: under a dynamic loss scaler, a step whose gradients alone overflowed (``trigger`` "nonfinite
         gradients") is replayed with the output gradient divided by the scale it carries: if nothing overflows
         at scale 1 (or the kept output gradient had itself overflowed at the scale: a finite loss's), the
-        overflow was the scale's (the scaler skips the step and lowers it, its job), the result is None and the replay stays armed for a later step, at most :data:`SCALER_TRIES` times."""
+        overflow was the scale's (the scaler skips the step and lowers it, its job), the result is None and the
+        replay stays armed for a later step, at most :data:`SCALER_TRIES` times. A loss spike replays the
+        forwards of this step's and the previous step's batches (:meth:`_spike`)."""
         kept = self._kept
         result = ReplayResult(step, trigger)
         cpu_rng = torch.get_rng_state()
@@ -199,59 +250,102 @@ class StepReplay:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the full backward hooks' notes about inputs without gradients
-                try:
-                    self._run(kept, result, scale, backward=True)
-                except RuntimeError as exc:  # an in-place op on a module's output refuses full backward hooks
-                    if isinstance(exc, torch.OutOfMemoryError):
-                        raise  # no room for a copy of the model: a second try would not find more
-                    result = ReplayResult(step, trigger)
-                    self._run(kept, result, scale, backward=False)
-                    result.note = (f"the forward only: the backward with hooks failed ({exc}"[:300] + ")")
+                if trigger == LOSS_SPIKE_TRIGGER:
+                    self._spike(self._previous, kept, result)
+                else:
+                    result = self._nonfinite(kept, result, scale)
         except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever the replay meets
             result.note = f"the replay failed: {type(exc).__name__}: {exc}"
         finally:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+        self._kept = self._previous = None  # the next step's previous is not this replayed one
         failed = result.note is not None and result.note.startswith("the replay failed")
-        if scale != 1.0 and result.first_module is None and not failed:
+        if trigger == LOSS_SPIKE_TRIGGER:
+            self.spike_done = True
+        elif scale != 1.0 and result.first_module is None and not failed:
             self.scaler_tries += 1
-            self._kept = None
-            if self.scaler_tries < SCALER_TRIES:
-                return None
+            if self.scaler_tries >= SCALER_TRIES:
+                self.nonfinite_done = True
+            result = None
+        else:
+            self.nonfinite_done = True
+        if self.nonfinite_done and self.spike_done:
             self.remove()
-            return None
-        self.done = True
-        self.remove()
         return result
 
-    def _run(self, kept: _Kept, result: ReplayResult, scale: float, backward: bool) -> None:
+    def _nonfinite(self, kept: _Kept, result: ReplayResult, scale: float) -> ReplayResult:
+        try:
+            self._run(kept, result, scale, backward=True)
+        except RuntimeError as exc:  # an in-place op on a module's output refuses full backward hooks
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise  # no room for a copy of the model: a second try would not find more
+            result = ReplayResult(result.step, result.trigger)
+            self._run(kept, result, scale, backward=False)
+            result.note = (f"the forward only: the backward with hooks failed ({exc}"[:300] + ")")
+        return result
+
+    def _format(self, kept: _Kept, result: ReplayResult) -> None:
         low = next((dtype for _, dtype in kept.autocast if dtype in (torch.float16, torch.bfloat16)), None)
         if low is None:
             low = next((p.dtype for p in self.eager.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
         result.low_format = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(low)
         result.format_max = torch.finfo(torch.float16).max if low is torch.float16 else None
+
+    def _copy(self) -> torch.nn.Module:
         model = copy.deepcopy(self.eager)
         for p in model.parameters():
             p.grad = None
         for module in model.modules():  # the copy's own: ReLU(inplace=True) on an output refuses backward hooks
             if isinstance(getattr(module, "inplace", None), bool):
                 module.inplace = False
-        probe = _Probe(model, backward)
+        return model
 
+    @staticmethod
+    def _forward(model: torch.nn.Module, kept: _Kept, grad: bool = True):
+        """``model`` called on clones of the kept arguments (the replay cannot change the user's batch) with the
+        kept random and autocast state."""
         def clone(t):
-            return t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+            return t.detach().clone().requires_grad_(t.requires_grad and grad) if torch.is_tensor(t) else t
 
         args, kwargs = tree_map(clone, kept.args), tree_map(clone, kept.kwargs)
         torch.set_rng_state(kept.cpu_rng)
         if kept.cuda_rng is not None:
             torch.cuda.set_rng_state_all(kept.cuda_rng)
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype in kept.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+            return model(*args, **kwargs)
+
+    def _spike(self, previous: _Kept, kept: _Kept, result: ReplayResult) -> None:
+        """A loss spike: the previous step's batch and this step's, forward only, on the same copy (this step's
+        weights), and the first offender by :func:`_spike_offender`."""
+        self._format(kept, result)
+        model = self._copy()
+        probe = _Probe(model, backward=False)
+        rows = []
         try:
-            with contextlib.ExitStack() as stack:
-                for device_type, dtype in kept.autocast:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                stack.enter_context(torch.enable_grad())
-                output = model(*args, **kwargs)
+            for one in (previous, kept):
+                probe.reset()
+                self._forward(model, one, grad=False)
+                rows.append(probe.rows(FORWARD))
+        finally:
+            probe.remove()
+        result.previous = [(FORWARD, i, *row) for i, row in enumerate(rows[0])]
+        result.modules = [(FORWARD, i, *row) for i, row in enumerate(rows[1])]
+        batches = [_stats(_tensors((one.args, one.kwargs))).tolist()[0] for one in (previous, kept)]
+        offender, result.note = _spike_offender(result.step, *rows, *batches)
+        if offender is not None:
+            result.first_module, result.first_phase, result.reproduced = offender, FORWARD, True
+
+    def _run(self, kept: _Kept, result: ReplayResult, scale: float, backward: bool) -> None:
+        self._format(kept, result)
+        model = self._copy()
+        probe = _Probe(model, backward)
+        try:
+            output = self._forward(model, kept)
             forward = probe.rows(FORWARD)
             offender = _first_offender(forward, FORWARD, result.format_max)
             if offender is None and backward:
@@ -287,9 +381,84 @@ class StepReplay:
         result.reproduced = offender == (LOSS, BACKWARD) or any(row[3] or row[5] for row in forward + backward)
 
 
+#: a module's forward-hook tables (and their companions keyed by the same handle ids, which are unique per process)
+_FORWARD_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                        "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _replay_hook_ids(state: dict) -> set[int]:
+    return {key for name in ("_forward_pre_hooks", "_forward_hooks") for key, hook in (state.get(name) or {}).items()
+            if isinstance(getattr(hook, "__self__", None), StepReplay)}
+
+
+def reduce_ex_without_replay_hooks(module: torch.nn.Module, protocol: int):
+    """``torch.nn.Module.__reduce_ex__`` while ``watch`` runs a script: ``object.__reduce_ex__`` (which honours a
+    class's own ``__reduce__`` and ``__getstate__``), with the forward hooks of a :class:`StepReplay` left out of
+    the state it returns. Pickling (``torch.save(model)``) and ``copy.deepcopy`` both take a module's state from
+    here, so a script's checkpoint or EMA copy of its model carries nothing of mpdiag's, and
+    ``torch.load(weights_only=True)`` meets only the script's own classes. The module itself keeps its hooks; a
+    module without them (every module but the watched model's root) returns its state untouched, uncopied."""
+    reduced = object.__reduce_ex__(module, protocol)
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+    ours = _replay_hook_ids(state) if isinstance(state, dict) else None
+    if not ours:
+        return reduced
+    state = {name: (type(table)((k, v) for k, v in table.items() if k not in ours)
+                    if name in _FORWARD_HOOK_TABLES and isinstance(table, dict) else table)
+             for name, table in state.items()}
+    return (*reduced[:2], state, *reduced[3:])
+
+
 def _bad(values, limit: float | None) -> bool:
     absmax, nonfinite = values
     return nonfinite > 0 or (limit is not None and not math.isnan(absmax) and absmax > limit)
+
+
+def _ratio(now: float, before: float) -> float:
+    """How many times ``before`` ``now`` is; NaN where either is unknown (no floating-point tensor)."""
+    if math.isnan(now) or math.isnan(before):
+        return math.nan
+    return now / before if before > 0 else (math.inf if now > 0 else 1.0)
+
+
+def _spike_offender(step: int, previous: list[tuple], current: list[tuple], batch_before: float,
+                    batch_now: float) -> tuple[str | None, str]:
+    """A loss spike's first offender and what was found, in words: ``(inputs)`` when the batch's floating-point
+    tensors' absmax is :data:`SPIKE_FACTOR` times the previous step's; else the first module call, in completion
+    order, whose output absmax is that many times the same call's on the previous batch (calls matched by module
+    and the how-manieth call of it) while its inputs' rose less (a batch of integer ids has no magnitude: its
+    embedding is the first module whose inputs did not rise); else None, with the largest rise seen."""
+    batch = _ratio(batch_now, batch_before)
+    if batch >= SPIKE_FACTOR:
+        return INPUTS, (f"the batch at step {step} was already {batch:.3g}x larger than the step before (absmax "
+                        f"{batch_now:.4g} against {batch_before:.4g}), before any module ran")
+    # a batch of integer ids has no magnitude: its ratio is unknown, and not said
+    batch_said = "" if math.isnan(batch) else f"the batch was {batch:.3g}x"
+    seen: dict[str, int] = {}
+    before = {}
+    for name, _, absmax, _, in_absmax, _ in previous:
+        seen[name] = seen.get(name, 0) + 1
+        before[(name, seen[name])] = (absmax, in_absmax)
+    seen.clear()
+    largest = (None, math.nan)
+    for name, _, absmax, _, in_absmax, _ in current:
+        seen[name] = seen.get(name, 0) + 1
+        if (name, seen[name]) not in before:
+            continue  # a call the previous batch did not make (data-dependent control flow)
+        out_before, in_before = before[(name, seen[name])]
+        out, inp = _ratio(absmax, out_before), _ratio(in_absmax, in_before)
+        if out >= SPIKE_FACTOR and not inp >= SPIKE_FACTOR:
+            received = "" if math.isnan(inp) else f" while its inputs were {inp:.3g}x"
+            return name, (f"{name}'s output at step {step} was {out:.3g}x its output on step {step - 1}'s batch "
+                          f"(absmax {absmax:.4g} against {out_before:.4g}){received}"
+                          + (f"; {batch_said}" if batch_said else ""))
+        if not out <= largest[1]:
+            largest = (name, out)
+    seen_said = "; ".join(([f"largest rise: {largest[0]}, {largest[1]:.3g}x"] if largest[0] is not None else [])
+                          + ([batch_said] if batch_said else []))
+    return None, (f"no module's output was {SPIKE_FACTOR:g}x its output on step {step - 1}'s batch while its inputs "
+                  f"rose less{f' ({seen_said})' if seen_said else ''}: the spike came from outside the model (the loss "
+                  "function, the targets) or from a rise spread over many modules")
 
 
 def _first_offender(rows: list[tuple], phase: str, limit: float | None) -> tuple[str, str] | None:
@@ -320,6 +489,10 @@ class _Probe:
             for p in m.parameters(recurse=False):
                 if p.requires_grad:
                     self._handles.append(p.register_hook(self._on_param(m)))
+
+    def reset(self) -> None:
+        """Forget the forward calls seen (a spike's replay runs two forwards on the same copy)."""
+        self._forward.clear()
 
     def _on_forward(self, module, args, kwargs, output):
         self._forward.append((module, _stats(_tensors(output)), _stats(_tensors((args, kwargs)))))

@@ -435,7 +435,8 @@ class Store:
         return df
 
     def replays(self, run_id: int) -> pd.DataFrame:
-        """The run's replayed step (:mod:`mpdiag.recording.replay`; at most one): step, trigger, reproduced (bool),
+        """The run's replayed steps (:mod:`mpdiag.recording.replay`; at most two: the first non-finite step's, and
+        the first loss spike's, trigger "loss spike"): step, trigger, reproduced (bool),
         first_module, first_phase (forward|backward; None when the replay found nothing bad), low_format,
         format_max, note, created_at. Empty when no step was replayed, and for runs recorded before schema 13."""
         df = self._query("SELECT step, trigger, reproduced, first_module, first_phase, low_format, format_max, note, "
@@ -446,7 +447,8 @@ class Store:
     def replay_modules(self, run_id: int, step: int | None = None) -> pd.DataFrame:
         """Per module call of a replayed step, forward then backward, each in execution order: step, phase, ord,
         module, type, absmax (of the finite values; NaN: none), nonfinite, in_absmax, in_nonfinite (of what the
-        call received: its inputs; in backward, its output gradient)."""
+        call received: its inputs; in backward, its output gradient). A loss spike's replay also stores the
+        forward of the previous step's batch, under that step."""
         where, params = ("AND step = ?", (int(run_id), int(step))) if step is not None else ("", (int(run_id),))
         df = self._query("SELECT step, phase, ord, module, type, absmax, nonfinite, in_absmax, in_nonfinite "
                          f"FROM replay_modules WHERE run_id = ? {where} "

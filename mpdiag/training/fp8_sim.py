@@ -36,10 +36,14 @@ each cast tensor's own amax); torchao 0.18.0 has no NVFP4 training linear to com
 training recipe adds (16x16 weight blocks, random Hadamard transforms on the weight-gradient operands,
 stochastic rounding of gradients) is not simulated: round to nearest even everywhere. Nothing has state: no amax
 history, the ``--fp8-history``/``--fp8-margin``/``--fp8-grad-format``/``--fp8-pow2`` settings are not used.
+
+A recipe per Linear (``--fp8-modules``, a precision plan's rerun): each Linear takes its own recipe among the four,
+or stays in BF16 (as ``--fp8-bf16-modules``), or computes in FP32 with autocast off inside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -48,7 +52,7 @@ from torch.nn import functional as F
 
 from mpdiag.numerics.block_scaled import CASTS
 from mpdiag.numerics.fp8 import torch_dtype
-from mpdiag.numerics.fp8_recipes import ROLES, Fp8Format, Fp8Settings, scale_from_reference
+from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, ROLES, Fp8Format, Fp8Settings, scale_from_reference
 
 
 class AmaxHistory:
@@ -170,9 +174,21 @@ def _block_forward(module: nn.Linear, recipe: str, device_type: str):
     return types.MethodType(forward, module)
 
 
+def _fp32_forward(module: nn.Linear, device_type: str):
+    """The Linear in FP32 under the run's BF16 autocast (a plan's "fp32" recipe): its input cast up, autocast
+    off inside it, its output handed back as autocast would hand a BF16 Linear's."""
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, enabled=False):
+            out = F.linear(input.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return out.to(torch.bfloat16) if torch.is_autocast_enabled(device_type) else out.to(input.dtype)
+
+    return types.MethodType(forward, module)
+
+
 def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) -> list[str]:
-    """Make every Linear of ``model`` not named in ``settings.bf16_modules`` compute through FP8; returns the
-    names of the Linears changed. ``settings.recipe`` must be "current", "delayed", "mxfp8" or "nvfp4"."""
+    """Make every Linear of ``model`` compute through its recipe (``settings.module_recipe``: "current",
+    "delayed", "mxfp8" or "nvfp4"; "bf16" leaves it as the BF16 level runs it, "fp32" computes it in FP32);
+    returns the names of the Linears cast to FP8 or FP4. ``settings.recipe`` must not be "both"."""
     settings.validate()
     if settings.recipe == "both":
         raise ValueError("--fp8-recipe both records two recipes; a simulated run uses one: current, delayed, mxfp8 "
@@ -181,16 +197,22 @@ def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) 
     unknown = sorted(set(settings.bf16_modules) - set(linears))
     if unknown:
         raise ValueError(f"--fp8-bf16-modules names no Linear module: {', '.join(unknown)}")
+    unknown = sorted({name for name, _ in settings.module_recipes} - set(linears))
+    if unknown:
+        raise ValueError(f"--fp8-modules names no Linear module: {', '.join(unknown)}")
     changed = []
     for name, module in linears.items():
-        if name in settings.bf16_modules:
+        recipe = settings.module_recipe(name)
+        if recipe == "bf16":
             continue
-        if settings.is_block:
-            module.forward = _block_forward(module, settings.recipe, device.type)
-            changed.append(name)
+        if recipe == "fp32":
+            module.forward = _fp32_forward(module, device.type)
             continue
-        states = {role: AmaxHistory(settings.role_format(role), settings, device)
-                  for role in ROLES}
-        module.forward = _fp8_forward(module, states, device.type)
+        if recipe in BLOCK_RECIPES:
+            module.forward = _block_forward(module, recipe, device.type)
+        else:
+            own = dataclasses.replace(settings, recipe=recipe)
+            states = {role: AmaxHistory(own.role_format(role), own, device) for role in ROLES}
+            module.forward = _fp8_forward(module, states, device.type)
         changed.append(name)
     return changed

@@ -213,8 +213,8 @@ def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.d
 def _recorder(run: Run, model, optimizer, policy: PrecisionPolicy, config: RunConfig,
               job: distributed.RankJob | None) -> Recorder:
     """The run's Recorder: FP32 master weights (O2) as what the optimizer updates, the optimizer-step check at
-    every step, the dead-rank watch left to mpdiag's launcher, the replay of the first inf/NaN step where it
-    costs no synchronisation (the script's model is mpdiag's to run: nothing pickles it with the hooks)."""
+    every step, the dead-rank watch left to mpdiag's launcher, the replays of the first inf/NaN step and the first
+    loss spike where they cost no synchronisation (the script's model is mpdiag's to run: nothing pickles it with the hooks)."""
     sharded = job is not None and job.parallel == "fsdp"  # update tracking reads whole weights
     return Recorder(
         model, run=run, scaler=policy.scaler, optimizer=optimizer, every=config.every,

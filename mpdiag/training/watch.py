@@ -2,8 +2,9 @@
 
 This module owns the interception: for the watch's lifetime it hooks torch's global optimizer step hooks and
 patches GradScaler (``__init__``, ``scale``, ``step``; whether ``unscale_`` ran the Recorder reads from its state), autocast's
-``__init__``, ``torch.autograd.backward`` and the gradient-clipping functions, and restores every one of them
-afterwards. It must not compute statistics itself: every number goes through the
+``__init__``, ``torch.autograd.backward``, the gradient-clipping functions and ``nn.Module.__reduce_ex__`` (so the
+replay's two hooks on the script's model stay out of its ``torch.save(model)`` and ``copy.deepcopy(model)``), and
+restores every one of them afterwards. It must not compute statistics itself: every number goes through the
 :class:`mpdiag.recording.recorder.Recorder`, fed at the moment a step's gradients are complete.
 
 A step is one ``scaler.step(optimizer)`` call, or one ``optimizer.step()`` where no scaler steps it; several
@@ -58,6 +59,7 @@ from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, scaler_run_fields
+from mpdiag.recording.replay import reduce_ex_without_replay_hooks
 from mpdiag.recording.run import Run
 from mpdiag.training.watch_shadow import WatchShadow
 
@@ -211,6 +213,18 @@ class OptimizedParameters(nn.Module):
         self.roots = roots  # (name prefix, outermost module holding some of the parameters, wrappers undone)
         self._wrappers = list(wrappers)  # DDP around a root: how the Recorder knows the job is DDP
 
+    def called(self) -> nn.Module | None:
+        """The module the script calls for its forward, whose steps the replay keeps and repeats: the one root,
+        or the ``torch.compile`` wrapper around it where the script made one (hooks on the module inside would be
+        traced into the compiled graph); None when the optimizers' parameters sit in several models (a GAN's:
+        which forward made the loss is not known)."""
+        if len(self.roots) != 1:
+            return None
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        root = self.roots[0][1]
+        return next((m for m in gc.get_objects() if type(m) is OptimizedModule and m._orig_mod is root), root)
+
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         return iter(self._named_params)
 
@@ -258,6 +272,12 @@ class _Patches:
         self._undo: list[Callable[[], None]] = []
 
     def set(self, owner, name: str, value) -> None:
+        """Replace ``owner.name``; a class's attribute it only inherits (``nn.Module.__reduce_ex__``, object's) is
+        deleted again on restore."""
+        if isinstance(owner, type) and name not in owner.__dict__:
+            setattr(owner, name, value)
+            self._undo.append(lambda: delattr(owner, name))
+            return
         old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         setattr(owner, name, value)
         self._undo.append(lambda: setattr(owner, name, old))
@@ -319,6 +339,8 @@ class Watcher:
         self._watch_grad_scalers(level)
         self._watch_backward()
         self._watch_gradient_clipping()
+        # the replay's hooks sit on the script's model from the first step: out of its pickles and deep copies
+        self._patches.set(nn.Module, "__reduce_ex__", reduce_ex_without_replay_hooks)
         if level is not None:
             self._set_autocast_level(level)
         if self.config.shadow_every:
@@ -572,12 +594,13 @@ class Watcher:
                 self.shadow = WatchShadow(list(params.named_parameters()), [root for _, root in params.roots])
             except Exception as exc:  # noqa: BLE001 - e.g. a module deepcopy cannot copy: recorded, not raised
                 self._shadow_error = f"The FP32 shadow could not copy the model: {type(exc).__name__}: {exc}"
+        called = params.called()
+        # the replay as under mpdiag run (on a GPU only with a GradScaler), on the model the script calls; its
+        # hooks on that model are kept out of the script's torch.save(model) and deepcopy(model) by install's
+        # nn.Module.__reduce_ex__ (word_language_model's torch.load(weights_only=True) refused them once)
         return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
                         every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
-                        check_optimizer_step=True,
-                        # no replay: its hooks on the script's model would travel in the script's own
-                        # torch.save(model) checkpoints (word_language_model's torch.load refused them)
-                        replay=False)
+                        check_optimizer_step=True, replay=None if called is not None else False, replay_model=called)
 
     # -- the script ----------------------------------------------------------------------------------------
     def run_script(self) -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mpdiag import Recorder, Store
-from mpdiag.analysis.findings import diagnose, evidence_link, nonfinite_origin
+from mpdiag.analysis.findings import diagnose, evidence_link, loss_spike_origin, nonfinite_origin
 
 
 class Net(nn.Module):
@@ -83,3 +83,15 @@ def test_weights_broken_before_the_step_point_to_an_earlier_optimizer_step():
                                      "act.weight"), MODULES)
     assert "but its weights already held inf/NaN before the step: act.weight" in origin.evidence
     assert "earlier optimizer step" in origin.recommendation
+
+
+def test_a_loss_spikes_replay_is_its_own_finding_and_never_nonfinite_origin():
+    spike = replay(None, None, reproduced=False, note="no module's output was 10x its output on step 3's batch")
+    spike["trigger"] = "loss spike"
+    assert nonfinite_origin(spike, MODULES) is None
+    found = loss_spike_origin(spike)
+    assert (found.rule, found.severity, found.page, found.focus) == ("loss-spike-origin", "warning", "Modules",
+                                                                     {"replay": 4})
+    assert found.title == "step 4's loss spike was not localised in the model"
+    assert found.evidence.endswith(": no module's output was 10x its output on step 3's batch.")
+    assert loss_spike_origin(replay("act", "backward")) is None  # a non-finite step's replay is not a spike's

@@ -30,7 +30,7 @@ from mpdiag.training.script import ModelScript
 
 pytestmark = pytest.mark.slow
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/7_Modules.py", "pages/8_Plan.py"]
 GALLERY = sorted(path.stem for path in EXAMPLES.glob("gallery_*.py"))
 
 FAILS_AT_STEP_3 = """
@@ -278,9 +278,9 @@ def test_home_shows_a_running_runs_progress_without_a_planned_total(kinds, monke
 
 URL_PATHS = {"app.py": "", "pages/1_Gradients.py": "Gradients", "pages/2_Loss_scale.py": "Loss_scale",
              "pages/3_Compare.py": "Compare", "pages/5_Findings.py": "Findings", "pages/6_FP8.py": "FP8",
-             "pages/7_Modules.py": "Modules"}
+             "pages/7_Modules.py": "Modules", "pages/8_Plan.py": "Plan"}
 SINGLE_RUN_PAGES = {"pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/5_Findings.py", "pages/6_FP8.py",
-                    "pages/7_Modules.py"}  # a "Run" selector; Compare picks several, the home page none
+                    "pages/7_Modules.py", "pages/8_Plan.py"}  # a "Run" selector; Compare picks several, the home page none
 
 
 @pytest.fixture(scope="module")
@@ -297,12 +297,31 @@ def chromium(kinds):
         yield server, page, console
 
 
+def views(page_file: str, runs: dict, partner: dict) -> list[tuple[str, dict | None]]:
+    """What the browser sweep opens on a page: (what it shows, the query opening it by URL or None when the
+    page's own run picker chooses it). The home page reads no ?run= (it lists every kind in its table and live
+    panels): one load. A single-run page is opened once by its URL and every other kind is chosen in its picker,
+    as a user switches runs (no reload: ~1.5 s of the browser's CPU a kind saved). Compare shows four runs at
+    once, kinds and their partners together, each kind in one selection: a load of Compare costs the most."""
+    if page_file == "app.py":
+        return [("every kind", {})]
+    if page_file == "pages/3_Compare.py":
+        ids = list(runs.items())
+        groups = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+        return [(" + ".join(kind for kind, _ in group), {"runs": [str(run_id) for _, run_id in group]
+                                                          + ([] if len(group) > 1 else [str(partner.get(group[0][1], 1))])})
+                for group in groups]
+    return [(kind, page_query(page_file, run_id, partner) if i == 0 else None)
+            for i, (kind, run_id) in enumerate(runs.items())]
+
+
 @pytest.mark.browser
 @pytest.mark.parametrize("page_file", list(URL_PATHS))
 def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
     """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
-    drawn past its element; one screenshot per kind of run on each page (artifacts/screenshots/kinds/).
-    One test a page, so that each stays well inside the per-test timeout on CI's two cores."""
+    drawn past its element, for every kind of run. With MPDIAG_SCREENSHOTS=1, one full-page screenshot per view
+    (artifacts/screenshots/kinds/) to look at. One test a page, so that each stays well inside the per-test timeout
+    on CI's two cores."""
     from browser_helpers import SHOTS, charts_fit, choose_run, settle
 
     _, runs, partner = kinds
@@ -313,21 +332,14 @@ def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
     # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
     # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
     benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
-    # the home page reads no ?run= (it lists every kind in its table and live panels): one load shows them all
-    kinds_shown = {"every kind": None}.items() if page_file == "app.py" else runs.items()
-    # a single-run page is opened once by its URL; every other kind is then chosen in the page's own run
-    # picker, as a user switches runs (no reload of the page: ~1.5 s of the browser's CPU a kind saved)
-    opened = False
-    for kind, run_id in kinds_shown:
+    for shown, query in views(page_file, runs, partner):
         console.clear()
-        if opened and page_file in SINGLE_RUN_PAGES:
-            choose_run(page, run_id)
+        if query is None:
+            choose_run(page, runs[shown])
         else:
-            query = page_query(page_file, run_id, partner) if run_id is not None else {}
             page.goto(f"{server.url}/{path}?" + "&".join(f"{k}={v}" for k, vs in query.items()
                                                          for v in (vs if isinstance(vs, list) else [vs])))
-            settle(page, wait_ms=300)
-            opened = True
+            settle(page)
         found = []
         if page.locator("[data-testid='stException']").count():
             found.append(page.locator("[data-testid='stException']").first.inner_text()[:300])
@@ -339,9 +351,10 @@ def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
         found += [f"console: {text[:200]}" for text in said]
         found += charts_fit(page)
         if found:
-            problems[kind] = found
-        page.screenshot(path=str(shots / f"{kind.replace(' ', '_').replace('^', '')}-{path or 'home'}.png"),
-                        full_page=True)
+            problems[shown] = found
+        if os.environ.get("MPDIAG_SCREENSHOTS"):
+            name = re.sub(r"[^\w+-]+", "_", shown)[:120]
+            page.screenshot(path=str(shots / f"{name}-{path or 'home'}.png"), full_page=True)
     assert not problems, problems
 
 

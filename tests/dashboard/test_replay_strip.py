@@ -1,6 +1,8 @@
 """The Modules page's strip of the replayed non-finite step: from a Recorder run with an overflow planted in a
 named module at a known step (no module trace), the view-model lays every module call out forward then backward
-in execution order with the first offender marked, and the page draws it with that module in the chart's data."""
+in execution order with the first offender marked, and the page draws it with that module in the chart's data; Findings' link to it (``?replay=STEP``) opens the page on that replay, above the trace."""
+
+from urllib.parse import parse_qsl, urlsplit
 
 import pandas as pd
 import pyarrow as pa
@@ -9,6 +11,7 @@ from app_helpers import app, texts
 from torch import nn
 
 from mpdiag import Recorder, Store
+from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.dashboard import charts, modules_model
 
 
@@ -26,11 +29,11 @@ class Net(nn.Module):
         return self.head(self.scores(self.q(x), self.k(x), sharpen).softmax(-1)).mean()
 
 
-def recorded(store) -> int:
+def recorded(store, trace_modules=False) -> int:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with Recorder(model, store=store, optimizer=opt, replay=True) as rec:
+    with Recorder(model, store=store, optimizer=opt, replay=True, trace_modules=trace_modules) as rec:
         for step in range(8):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(2, 6, 8), sharpen=1e6 if step == 5 else 1.0) ** 2
@@ -77,3 +80,33 @@ def test_the_modules_page_draws_the_replayed_step(tmp_path, monkeypatch):
     strip = next(f for f in frames if "state" in f and "pos" in f)
     assert isinstance(strip, pd.DataFrame)
     assert list(strip.loc[strip.state == "first offender", "call"]) == ["scores (Scores)"]
+
+
+def test_the_findings_link_opens_the_modules_page_on_the_replay_above_the_trace(tmp_path, monkeypatch):
+    store = tmp_path / "s.db"
+    run_id = recorded(store, trace_modules=True)
+    origin = next(f for f in diagnose(Store(store), run_id) if f.rule == "nonfinite-origin")
+    link = urlsplit(evidence_link(origin, run_id))
+    assert link.path == "/Modules"
+    query = dict(parse_qsl(link.query))
+    assert query == {"run": str(run_id), "replay": "5"}
+    linked = app("pages/7_Modules.py", store, monkeypatch, **query)
+    assert not linked.exception, [e.value for e in linked.exception]
+    assert [h.value for h in linked.subheader] == ["Replay of step 5", "Modules, forward order"]
+    unlinked = app("pages/7_Modules.py", store, monkeypatch, run=str(run_id))
+    assert [h.value for h in unlinked.subheader] == ["Modules, forward order", "Replay of step 5"]
+
+
+def test_a_loss_spikes_strip_says_what_the_replay_found_in_its_words():
+    replays = pd.DataFrame([dict(step=40, trigger="loss spike", reproduced=True, first_module="boost",
+                                 first_phase="forward", low_format="bf16", format_max=None,
+                                 note="boost's output at step 40 was 86.6x its output on step 39's batch")])
+    modules = pd.DataFrame([dict(step=s, phase="forward", ord=i, module=m, type=t, absmax=a, nonfinite=0,
+                                 in_absmax=1.0, in_nonfinite=0)
+                            for s, scale in ((39, 1.0), (40, 86.6)) for i, (m, t, a) in
+                            enumerate([("embed", "Linear", 1.0), ("boost", "Boost", 1.8 * scale)])])
+    strip = modules_model.replay_strip(replays, modules)
+    assert list(strip.rows["module"]) == ["embed", "boost"]  # the spike step's calls, not the previous step's
+    assert list(strip.rows["state"]) == ["finite", "first offender"]
+    assert strip.said() == ("Step 40's loss spike replayed module by module, forward only (2 calls), and step 39's "
+                            "batch on the same copy: boost's output at step 40 was 86.6x its output on step 39's batch.")

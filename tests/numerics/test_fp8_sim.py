@@ -86,6 +86,29 @@ def test_options_are_checked_before_training():
     assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
 
 
+def test_a_recipe_per_linear_computes_as_that_recipe_alone_and_fp32_as_torch_in_fp32():
+    """--fp8-modules: a Linear given "current" computes exactly as under --fp8-recipe current; one given "fp32"
+    computes F.linear in FP32 under the BF16 autocast (its output then handed back in BF16); "bf16" is left as is."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    mixed, alone = (nn.Sequential(*(nn.Linear(4, 4) for _ in range(3))) for _ in range(2))
+    for model in (mixed, alone):
+        model.load_state_dict(base.state_dict())
+    assert simulate_fp8(mixed, Fp8Settings(module_recipes=(("0", "current"), ("1", "fp32"), ("2", "bf16"))), CPU) \
+        == ["0"]
+    simulate_fp8(alone, Fp8Settings(recipe="current"), CPU)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = mixed[0](x)
+        assert torch.equal(first, alone[0](x))
+        second = mixed[1](first)
+        assert "forward" not in vars(mixed[2])
+    expected = torch.nn.functional.linear(first.float(), base[1].weight, base[1].bias).to(torch.bfloat16)
+    assert second.dtype == torch.bfloat16 and torch.equal(second, expected)
+    with pytest.raises(ValueError, match="--fp8-modules names no Linear"):
+        simulate_fp8(nn.Sequential(nn.Linear(2, 2)), Fp8Settings(module_recipes=(("head", "fp32"),)), CPU)
+
+
 def train(level: str, steps: int, fp8: Fp8Settings | None = None, capture: Fp8Settings | None = None):
     """The runner's loop, bare: losses per step and, with ``capture``, the FP8 records of every step."""
     seed_everything(0)

@@ -8,100 +8,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fixtures.scripts.replay_planted import D, GradGain, Net, at  # the planted faults, shared with the watched tests
+from fixtures.scripts.replay_planted import train as planted_train
 from torch import nn
 
 from mpdiag import Recorder, Store
+from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.recording.replay import BACKWARD, FORWARD, INPUTS
 
-D = 8
 
+def train(store, steps, plant, *, replay=True, record=True, **options):
+    """The planted loop (FP16 autocast on the CPU, a GradScaler) recorded by a Recorder in the user's loop, or
+    (``record=False``) without mpdiag. Returns (recorder or None, losses, final weights)."""
+    def recorder(called, scaler, opt):
+        return Recorder(called, store=store, scaler=scaler, optimizer=opt, replay=replay) if record else None
 
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.out = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x, sharpen=1.0):
-        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)  # fp16 under autocast: overflows when sharpened
-        return self.out(scores.softmax(-1) @ self.v(x))
-
-
-class BlowUp(torch.autograd.Function):
-    """Identity forward; a backward that multiplies the gradient by ``gain`` (an overflow at any loss scale)."""
-
-    @staticmethod
-    def forward(ctx, x, gain):
-        ctx.gain = gain
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.gain, None
-
-
-class GradGain(nn.Module):
-    def forward(self, x, gain=1.0):
-        return BlowUp.apply(x, gain)
-
-
-class LossHead(nn.Module):
-    """Cross-entropy written by hand: log of the softmax, so a probability that underflows to 0 gives log(0) = -inf
-    and 0 * -inf = NaN."""
-
-    def forward(self, logits, target):
-        p = logits.float().softmax(-1)
-        onehot = nn.functional.one_hot(target, logits.shape[-1]).float()
-        return -(onehot * p.log()).sum(-1).mean()
-
-
-class Net(nn.Module):
-    def __init__(self, dropout=0.0):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.drop = nn.Dropout(dropout)
-        self.attn = Attention()
-        self.mid = nn.Linear(D, D)
-        self.gain = GradGain()
-        self.logits = nn.Linear(D, 4)
-        self.loss_head = LossHead()
-
-    def forward(self, x, target, sharpen=1.0, gain=1.0, confidence=1.0):
-        h = self.drop(torch.relu(self.inp(x)))
-        h = self.gain(self.mid(self.attn(h, sharpen=sharpen)), gain=gain)
-        return self.loss_head(self.logits(h).mean(1) * confidence, target)
-
-
-def train(store, steps, plant, *, compile_=False, replay=True, dropout=0.0, record=True):
-    """A user's loop: FP16 autocast on CPU, a GradScaler; ``plant(step)`` gives the step's extra forward kwargs and
-    a factor on its batch. Returns (recorder or None, losses, final weights)."""
-    torch.manual_seed(0)
-    model = Net(dropout)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    called = torch.compile(model, backend="eager") if compile_ else model
-    rec = Recorder(called, store=store, scaler=scaler, optimizer=opt, replay=replay) if record else None
-    data = torch.Generator().manual_seed(1)
-    losses, jitter = [], torch.zeros(())
-    for step in range(steps):
-        x, y = torch.randn(4, 6, D, generator=data), torch.randint(0, 4, (4,), generator=data)
-        kwargs, factor = plant(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = called(x * factor * (1 + 0.01 * jitter), y, **kwargs)
-        scaler.scale(loss).backward()
-        jitter = torch.rand(())  # the global generator, drawn after the forward: the replay must leave it as it was
-        if rec is not None:
-            rec.record(loss)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if rec is not None:
-        rec.close()
-    return rec, losses, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def at(step_planted, kwargs=None, factor=1.0):
-    return lambda step: (kwargs or {}, factor) if step == step_planted else ({}, 1.0)
+    return planted_train(steps, plant, recorder=recorder, **options)
 
 
 def replayed(store, rec):
@@ -164,62 +86,30 @@ def test_a_corrupted_batch_names_the_inputs(tmp_path):
     assert (found.step, found.first_module, found.first_phase) == (7, INPUTS, FORWARD)
 
 
-def test_healthy_run_replays_nothing(tmp_path):
+@pytest.mark.parametrize("steps, spike", [(20, False), (45, True)], ids=["fp16", "bf16-past-the-spike-window"])
+def test_healthy_run_replays_nothing(tmp_path, steps, spike):
+    """Nothing planted: no replay, also past the 32 losses the spike rule needs."""
     store = tmp_path / "s.db"
-    rec, _, _ = train(store, 20, at(-1))
-    assert rec.replayed is None and Store(store).replays(rec.run_id).empty
+    rec, _, _ = train(store, steps, at(-1), spike=spike)
+    assert rec.replayed is None and rec.spike_replayed is None and Store(store).replays(rec.run_id).empty
 
 
-@pytest.mark.parametrize("plant", [at(5, {"sharpen": 1e6}), at(5, {"gain": 1e9})], ids=["forward", "backward"])
-def test_the_replay_changes_nothing_in_the_training(tmp_path, plant):
+@pytest.mark.parametrize("step, kwargs, factor, steps, spike", [(5, {"sharpen": 1e6}, 1.0, 12, False),
+                                                                (5, {"gain": 1e9}, 1.0, 12, False),
+                                                                (40, {}, 1e3, 42, True)],
+                         ids=["forward", "backward", "spike"])
+def test_the_replay_changes_nothing_in_the_training(tmp_path, step, kwargs, factor, steps, spike):
     """Dropout draws random numbers in the forward the replay repeats: the replay must restore the random state,
     and leave the weights, gradients and scaler alone; bit-identical to the same run without it and without
-    mpdiag at all."""
-    with_replay, losses, weights = train(tmp_path / "a.db", 12, plant, dropout=0.2)
-    assert with_replay.replayed is not None and with_replay.replayed.step == 5 and with_replay.replayed.reproduced
+    mpdiag at all (a spike's replay runs two forwards, and keeps the previous step's batch a step longer)."""
+    plant = at(step, kwargs, factor)
+    with_replay, losses, weights = train(tmp_path / "a.db", steps, plant, dropout=0.2, spike=spike)
+    replayed = with_replay.spike_replayed if spike else with_replay.replayed
+    assert replayed is not None and replayed.step == step and replayed.reproduced
     for other in (dict(replay=False), dict(record=False)):
-        _, other_losses, other_weights = train(tmp_path / "b.db", 12, plant, dropout=0.2, **other)
+        _, other_losses, other_weights = train(tmp_path / "b.db", steps, plant, dropout=0.2, spike=spike, **other)
         assert other_losses == pytest.approx(losses, nan_ok=True, rel=0, abs=0)
         assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
-
-
-WATCHED = '''
-import sys
-import torch
-from torch import nn
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x, sharpen):
-        scores = (self.q(x) * sharpen) @ self.k(x).transpose(-1, -2)
-        return scores.softmax(-1) @ self.v(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.attn, self.head = nn.Linear(8, 8), Attention(), nn.Linear(8, 1)
-
-    def forward(self, x, sharpen=1.0):
-        return self.head(self.attn(torch.relu(self.inp(x)), sharpen)).mean()
-
-
-torch.manual_seed(0)
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-for step in range(int(sys.argv[1])):
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.randn(4, 6, 8), sharpen=1e6 if step == 37 else 1.0) ** 2
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-'''
 
 
 def test_a_default_recorder_leaves_the_model_picklable_as_the_user_saves_it(tmp_path):
@@ -236,20 +126,6 @@ def test_a_default_recorder_leaves_the_model_picklable_as_the_user_saves_it(tmp_
         loaded = torch.load(buffer)
     assert torch.equal(loaded[0].weight, model[0].weight)
     rec.close()
-
-
-def test_watch_puts_no_replay_hooks_on_the_scripts_model(tmp_path, write_script):
-    """Under watch the replay is off: its hooks on the script's model would travel in the script's own
-    torch.save(model) checkpoints (word_language_model's torch.load(weights_only=True) refused them). The event is
-    still caught at its step."""
-    from mpdiag.training.watch import WatchConfig, watch
-
-    store = tmp_path / "s.db"
-    run_id, code = watch(WatchConfig(target=str(write_script(WATCHED, "train.py")), args=("60",)), store)
-    assert code == 0
-    assert Store(store).replays(run_id).empty
-    assert list(Store(store).events(run_id).step) == [37]
-    assert len(Store(store).steps(run_id)) == 60
 
 
 class InPlace(nn.Module):
@@ -349,3 +225,56 @@ def test_weights_already_broken_are_said_in_the_note(tmp_path):
     found = rec.replayed
     assert (found.step, found.first_module, found.first_phase) == (2, "mid", FORWARD)
     assert found.note == "its weights already held inf/NaN before the step: mid.weight"
+
+
+def spiked(store, plant):
+    """The planted loop's finite twin (BF16, no scaler; tests/fixtures/scripts/replay_planted.py's ``--spike``),
+    45 steps, a spike planted at step 40 (the loss-spike rule needs 32 losses before it)."""
+    rec, losses, _ = train(store, 45, plant, spike=True)
+    replays = Store(store).replays(rec.run_id)
+    assert len(replays) == 1 and rec.replayed is None
+    return rec, losses, replays.iloc[0], Store(store).replay_modules(rec.run_id)
+
+
+def test_a_loss_spike_from_one_corrupted_batch_names_the_inputs(tmp_path):
+    """One batch a thousand times larger at step 40: the loss spikes (finite) and the replay of steps 39 and 40 on
+    one copy says the batch was already about 1000x larger before any module ran."""
+    rec, losses, found, modules = spiked(tmp_path / "s.db", at(40, factor=1e3))
+    assert losses[40] > 50 * max(losses[:40])  # planted: a spike, finite
+    assert (found.step, found.trigger, found.first_module, found.first_phase, found.reproduced) == \
+        (40, "loss spike", INPUTS, FORWARD, True)
+    assert list(Store(tmp_path / "s.db").events(rec.run_id).query("kind == 'loss-spike'").step) == [40]
+    root = modules[modules.module == "SpikeNet"].set_index("step")
+    batch_ratio = root.loc[40, "in_absmax"] / root.loc[39, "in_absmax"]
+    assert 1e3 / 1.5 < batch_ratio < 1e3 * 1.5  # planted x1000; two random batches' absmax differ by less than 1.5x
+    assert found.note.startswith(f"the batch at step 40 was already {batch_ratio:.3g}x larger than the step before")
+    # the replayed spike step's loss is the loss the training computed
+    assert root.loc[40, "absmax"] == pytest.approx(losses[40], rel=1e-6)
+    origin = next(f for f in diagnose(Store(tmp_path / "s.db"), rec.run_id) if f.rule == "loss-spike-origin")
+    assert origin.title == "step 40's loss spike came in with its batch"
+    assert f"forwards of step 40 (a loss spike) and of step 39 on one copy of the model with step 40's weights: " \
+           f"{found.note}." in origin.evidence
+    assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=40"
+    assert not any(f.rule == "nonfinite-origin" for f in diagnose(Store(tmp_path / "s.db"), rec.run_id))
+
+
+def test_a_loss_spike_born_in_a_module_names_that_module(tmp_path):
+    """``boost`` multiplies its output by 100 at step 40, its inputs unchanged: named, with its rise."""
+    _, _, found, modules = spiked(tmp_path / "s.db", at(40, {"boost": 100.0}))
+    assert (found.step, found.first_module, found.first_phase) == (40, "boost", FORWARD)
+    boost = modules[modules.module == "boost"].set_index("step")
+    rise = boost.loc[40, "absmax"] / boost.loc[39, "absmax"]
+    assert 100 / 1.5 < rise < 100 * 1.5  # planted x100 on the output of two different batches
+    assert found.note.startswith(f"boost's output at step 40 was {rise:.3g}x its output on step 39's batch")
+
+
+def test_a_spike_in_a_batch_of_token_ids_is_named_at_its_embedding():
+    """Integer ids have no magnitude to compare (their ratio is unknown, and not said): the first module whose
+    output rose 10x while its inputs did not - the embedding, when the batch is to blame - is named."""
+    from mpdiag.recording.replay import _spike_offender
+
+    nan = float("nan")
+    previous = [("tok", "Embedding", 1.0, 0, nan, 0), ("head", "Linear", 2.0, 0, 1.0, 0), ("LM", "LM", 2.0, 0, nan, 0)]
+    current = [("tok", "Embedding", 30.0, 0, nan, 0), ("head", "Linear", 60.0, 0, 30.0, 0), ("LM", "LM", 60.0, 0, nan, 0)]
+    assert _spike_offender(5, previous, current, nan, nan) == \
+        ("tok", "tok's output at step 5 was 30x its output on step 4's batch (absmax 30 against 1)")

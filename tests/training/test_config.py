@@ -72,7 +72,8 @@ def _watch_form():
 
 def test_every_watch_option_has_a_widget_built_from_its_entry_or_says_why_not():
     at = AppTest.from_function(_watch_form, default_timeout=30).run()
-    widgets = {w.key: w for kind in ("selectbox", "number_input", "checkbox", "text_input") for w in getattr(at, kind)}
+    widgets = {w.key: w for kind in ("selectbox", "number_input", "checkbox", "text_input", "multiselect")
+               for w in getattr(at, kind)}
     shown = [name for name, spec in WATCH_OPTIONS.items() if not spec.no_widget]
     assert set(widgets) == {f"t_watch_{FORM_KEYS[name]}" for name in shown}
     for name in shown:
@@ -94,7 +95,8 @@ def test_watch_refuses_what_the_table_refuses_naming_the_flag(name, tmp_path):
     spec = WATCH_OPTIONS[name]
     script = tmp_path / "train.py"
     script.write_text("")
-    bad = {"int": (spec.minimum or 0) - 1, "float": spec.above, "level": "O9", "flag": "yes", "text": 5}[spec.kind]
+    bad = {"int": (spec.minimum or 0) - 1, "float": spec.above, "level": "O9", "flag": "yes", "text": 5,
+           "events": "nan"}[spec.kind]
     assert not spec.accepts(bad)
     with pytest.raises(ConfigError, match=re.escape(flag(name))):
         WatchConfig(target=str(script), **{name: bad}).validate()
@@ -114,11 +116,42 @@ def test_every_option_has_a_widget_in_the_run_form_or_says_why_not(tmp_path, mon
     monkeypatch.setenv("MPDIAG_STORE", str(tmp_path / "form.db"))
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=30).run()
     assert at.selectbox(key="new_level").value == "O1"  # a level with a dynamic scale: every widget is shown
-    keys = {w.key for kind in ("selectbox", "number_input", "radio", "select_slider", "checkbox", "text_input")
+    keys = {w.key for kind in ("selectbox", "number_input", "radio", "select_slider", "checkbox", "text_input",
+                               "multiselect")
             for w in getattr(at, kind)}
     without = {name for name, spec in OPTIONS.items() if spec.no_widget}
     assert set(FORM_KEYS) == set(OPTIONS) - without
     assert {f"new_{suffix}" for suffix in FORM_KEYS.values()} <= keys
+
+
+def _run_form():
+    import streamlit as st
+
+    from mpdiag.dashboard.frame import run_options_form
+
+    st.session_state["options"] = run_options_form("t")
+
+
+@pytest.mark.parametrize("form, key", [(_run_form, "t_stop_on"), (_watch_form, "t_watch_stop_on")])
+def test_both_forms_set_stop_on_as_the_command_line_takes_it(form, key):
+    """--stop-on from a form: the events picked, skips with its count, in the text StopOn parses (the CLI's)."""
+    at = AppTest.from_function(form, default_timeout=30).run()
+    assert at.session_state["options"].get("stop_on", "") == ""  # default: never stop, only record
+    at.multiselect(key=key).set_value(["nonfinite", "skips"]).run()
+    assert at.number_input(key=f"{key}_skips").value == 5  # the events' own streak until changed
+    at.number_input(key=f"{key}_skips").set_value(3).run()
+    assert at.session_state["options"]["stop_on"] == "nonfinite,skips:3"
+    assert RunConfig(stop_on="nonfinite,skips:3").validate() is None
+
+
+def test_the_run_form_disables_stop_on_for_several_processes():
+    at = AppTest.from_function(_run_form, default_timeout=30).run()
+    at.multiselect(key="t_stop_on").set_value(["spike"]).run()
+    assert at.session_state["options"]["stop_on"] == "spike"
+    at.number_input(key="t_nproc").set_value(2).run()
+    stop = at.multiselect(key="t_stop_on_off")
+    assert stop.disabled and "every process would have to stop" in stop.help
+    assert "stop_on" not in at.session_state["options"] and not at.error
 
 
 def test_the_form_refuses_a_bad_combination_before_anything_starts(tmp_path, monkeypatch):

@@ -124,3 +124,25 @@ def test_both_commands_exit_3_saying_why_and_print_one_line_per_event(tmp_path):
     assert watched.returncode == STOPPED_EXIT_CODE, watched.stderr
     assert watched.stderr.count("mpdiag: event at step") == 1 and "mpdiag watch: stopped: --stop-on" in watched.stderr
     assert [r["status"] for _, r in Store(db).runs().iterrows()] == ["stopped", "stopped"]
+
+
+def test_a_run_the_app_starts_with_stop_on_ends_stopped_under_its_supervisor(tmp_path, monkeypatch):
+    """The forms' --stop-on reaches the supervised child (mpdiag.sandbox.launch), which may end its run as
+    stopped: the run reads stopped with the reason, its steps kept, and the supervisor reports no failure."""
+    import time
+
+    from mpdiag.sandbox.launch import launch, run_job
+
+    db = tmp_path / "runs.db"
+    monkeypatch.setenv("MPDIAG_STORE", str(db))
+    proc = launch(run_job(str(EXAMPLES / f"{OVERFLOW}.py"),
+                          {"opt_level": "O1", "steps": 8, "device": "cpu",
+                           "stop_on": "skips:2"}), db)
+    deadline = time.time() + 120
+    while proc.is_alive() and time.time() < deadline:
+        time.sleep(0.3)
+    run = Store(db).run(proc.run_ids()[0])
+    assert run["status"] == "stopped", (run["status"], run["error"], proc.log_tail())
+    assert run["error"].startswith("--stop-on skips:2: skips at step 1:"), run["error"]
+    assert Store(db).steps(run["run_id"])["step"].tolist() == [0, 1, 2]  # as under `mpdiag run`: the next record
+    assert _events(Store(db), run["run_id"]) == [(0, NONFINITE), (1, SKIPS)]

@@ -1,0 +1,122 @@
+"""The Plan page's view-model: what pages/8_Plan.py shows of a run's precision plan (mpdiag.analysis.plan): the
+per-Linear table with its evidence and savings, the run's and the moments' choices, the predicted bytes, the
+config to take, and the verify rounds found among the run's reruns (each against the FP32 reference: predicted
+against measured, the loss curves overlaid), with the next round's options. No widgets and no drawing here.
+Texts are unescaped: the page passes them through ``plain`` or shows them as code (Linear names are the user's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from mpdiag.analysis.compare import reference_run
+from mpdiag.analysis.plan import (
+    FP8_CLASS,
+    LABELS,
+    MAX_ROUNDS,
+    TRACK_RTOL,
+    Plan,
+    after_round,
+    plan_run,
+    tracks,
+)
+from mpdiag.analysis.plan_verify import ROUND_LABEL
+from mpdiag.dashboard import reads
+from mpdiag.options import RERUN_MARK
+from mpdiag.store import Store
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics)."""
+
+    plan: Plan | None
+    missing: str | None
+    table: pd.DataFrame
+    memory: pd.DataFrame  # configuration, MB: the 16Ψ account
+    gemm: pd.DataFrame  # configuration, MB: one step's Linear GEMM operands
+    rounds: pd.DataFrame  # one row per verify round found
+    curves: pd.DataFrame  # run (label), step, loss: the FP32 reference and every round
+    domain: list[str]
+    reference_id: int | None
+    #: the rerun the page offers next, and what it is in words: the FP32 reference when there is none, else the
+    #: next verify round; None when the plan is verified, the rounds are spent or a round is still going
+    next_options: dict | None
+    next_what: str
+    verified: bool = False  # the last round finished and tracks FP32
+
+    def run_said(self) -> str:
+        plan = self.plan
+        scale = f", dynamic loss scaling from 2^{plan.loss_scale_log2}" if plan.loss_scale_log2 is not None else ""
+        return f"Run: {LABELS[plan.run_precision]}{scale}. Evidence: {plan.run_evidence}."
+
+    def moments_said(self) -> str:
+        plan = self.plan
+        fmt = LABELS[plan.moment_format] if plan.moment_format else "no format to choose"
+        return f"Optimizer moments: {fmt}. Evidence: {plan.moment_evidence}."
+
+
+def _bytes(parts: dict[str, float], names: dict[str, str]) -> pd.DataFrame:
+    return pd.DataFrame({"configuration": list(names.values()), "MB": [parts[k] / MB for k in names]})
+
+
+def verify_rounds(runs: pd.DataFrame, source: int) -> pd.DataFrame:
+    """The source's reruns that ran a plan (fp8-sim with ``--fp8-modules``), oldest first."""
+    ran = runs["config"].map(lambda c: ((c or {}).get("run") or {}).get("fp8_modules") or "")
+    mine = runs[(runs["parent_run_id"] == source) & (runs["opt_level"] == "fp8-sim") & (ran != "")]
+    return mine.assign(fp8_modules=ran[mine.index]).sort_values("run_id")
+
+
+def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
+    run_id = int(run["run_id"])
+    try:
+        plan = plan_run(store, run_id)
+    except ValueError as exc:
+        empty = pd.DataFrame()
+        return PlanView(None, str(exc), empty, empty, empty, empty, empty, [], None, None, "")
+    table = plan.table().assign(rejected=["; ".join(f"not {LABELS[k]}: {v}" for k, v in layer.rejected.items())
+                                          for layer in plan.layers])
+    table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)
+    table["GEMM bytes saved per step"] = table["GEMM bytes saved per step"].round().astype(int)
+    memory = _bytes(plan.memory["bytes"], {"fp32": "FP32", "mixed": "mixed precision (16Ψ)", "plan": "plan"})
+    gemm = _bytes(plan.gemm, {"fp32": "FP32", "bf16": "BF16", "plan": "plan"})
+    reference = run_id if run["opt_level"] == "O0" else reference_run(runs, run_id)
+    found = verify_rounds(runs, run_id)
+    rows, curves, domain = [], [], []
+    if reference is not None:
+        reference_run_row = runs[runs["run_id"] == reference].iloc[0]
+        reference_steps = reads.steps(store, reference, reads.is_final(reference_run_row))
+        domain.append(f"#{reference} FP32 reference")
+        curves.append(reference_steps[["step", "loss"]].assign(run=domain[-1]))
+    next_plan, next_options = plan, None
+    for number, (_, done) in enumerate(found.iterrows(), 1):
+        steps = reads.steps(store, int(done["run_id"]), reads.is_final(done))
+        tracked, rel, said = tracks(curves[0], steps) if curves else (False, float("nan"), "no FP32 reference")
+        finished = done["status"] == "finished"
+        fp8 = sum(1 for pair in done["fp8_modules"].split(",") if pair.split("=")[-1] in FP8_CLASS)
+        rows.append({"round": number, "run": int(done["run_id"]), "status": done["status"],
+                     "FP8/FP4 Linears": fp8,
+                     "predicted": f"tracks FP32 within {TRACK_RTOL:.0%}",
+                     "measured": rel, "verdict": said if finished else f"{done['status']}: {said}"})
+        if len(domain) < 4:  # the chart layer's four run colours: the reference and three rounds
+            domain.append(f"#{int(done['run_id'])} round {number}")
+            curves.append(steps[["step", "loss"]].assign(run=domain[-1]))
+        next_plan = after_round(plan, done["fp8_modules"], tracked) if finished else None
+        if next_plan is None:
+            break
+    count, name = len(rows), str(run["name"]).split(RERUN_MARK)[0]
+    verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
+    what = ""
+    if reference is None:
+        next_options, what = {"opt_level": "O0", "fp8": False}, "Run the FP32 reference (an O0 rerun) first"
+    elif next_plan is not None and count < MAX_ROUNDS:
+        next_options = {"opt_level": "fp8-sim", "fp8": False, "fp8_recipe": "delayed", "fp8_bf16_modules": "",
+                        "fp8_modules": next_plan.module_flag(), "name": f"{name}{RERUN_MARK}{ROUND_LABEL} {count + 1}"}
+        what = f"Verify: rerun the plan (round {count + 1} of at most {MAX_ROUNDS})"
+    return PlanView(plan, None, table, memory, gemm, pd.DataFrame(rows),
+                    pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(), domain, reference,
+                    next_options, what, verified)

@@ -1,0 +1,69 @@
+"""Plan: the cheapest precision each Linear of a run can take, the run's and the moments' precision, each with its
+evidence and predicted savings, the config to take, and its verification: reruns of the plan beside the FP32
+reference, predicted against measured, the loss curves overlaid.
+
+Reads widgets, asks mpdiag.dashboard.plan_model for what to show, draws it with the chart layer and starts what
+mpdiag.dashboard.actions starts; no store queries, no torch. A verify round reruns the run's stored script, so it
+needs a confirmed click; opening the page starts nothing. Linear and run names are the user's: they reach
+Markdown only through ``plain``, and the table and the config are shown as data and code.
+"""
+
+import pandas as pd
+import streamlit as st
+
+from mpdiag.dashboard import actions, charts, plan_model
+from mpdiag.dashboard import frame as ui
+from mpdiag.dashboard.untrusted import plain
+
+
+def verify_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
+    st.subheader("Verify")
+    if not view.rounds.empty:
+        st.dataframe(view.rounds, hide_index=True, width="stretch", column_config={
+            "measured": st.column_config.NumberColumn(
+                "measured: loss vs FP32", format="percent",
+                help="Mean loss over the last quarter of the steps, relative to the FP32 reference's"),
+            "predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in a "
+                                                          "recipe that holds, so the loss tracks FP32"),
+            "verdict": st.column_config.TextColumn(width="large")})
+    if len(view.curves):
+        st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
+        ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
+    if view.next_options is None:
+        st.caption("Verified: the last round tracks FP32." if view.verified else
+                   "No further round: the rounds are spent or one is still going.")
+        return
+    st.caption(plain(f"{view.next_what}: a normal rerun of run #{int(run['run_id'])}, listed on Compare and "
+                     "judged on its own Findings page; nothing starts before you confirm."))
+    action = actions.pending(f"{view.next_what} of run #{int(run['run_id'])}", run["script_path"] or run["name"],
+                             run["script_sha256"], view.next_options)
+    if actions.confirmed(view.next_what, f"plan_verify_{int(run['run_id'])}", action, type="primary"):
+        actions.start_rerun(store, int(run["run_id"]), view.next_options, f"{view.next_what} (run #{int(run['run_id'])})")
+        st.rerun()
+
+
+def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
+    view = plan_model.plan_view(store, run, runs)
+    if view.plan is None:
+        st.info(plain(view.missing))
+        return
+    st.markdown(plain(view.run_said()))
+    st.markdown(plain(view.moments_said()))
+    for note in view.plan.notes:
+        st.caption(plain(f"Not recorded: {note}."))
+    st.subheader("Linears")
+    st.dataframe(view.table, hide_index=True, width="stretch", column_config={
+        "evidence": st.column_config.TextColumn(width="large", help="The counts and named thresholds that decided "
+                                                                    "it (docs/plan.md)"),
+        "rejected": st.column_config.TextColumn(width="large", help="Each cheaper choice and why it did not hold"),
+        "memory saved (bytes)": st.column_config.NumberColumn(format="%,d", help="Against FP32, by the 16Ψ account"),
+        "GEMM bytes saved per step": st.column_config.NumberColumn(format="%,d", help="Operand bytes against FP32")})
+    left, right = st.columns(2)
+    ui.show_chart_in(left, charts.plan_bytes(view.memory, "model state, 16Ψ account (MB)"), width="stretch")
+    ui.show_chart_in(right, charts.plan_bytes(view.gemm, "Linear GEMM operands per step (MB)"), width="stretch")
+    st.caption("Take it: the rerun's flags and a Transformer-Engine-style recipe per Linear.")
+    st.code(view.plan.config_text(), language="text")
+    verify_section(store, run, view)
+
+
+ui.single_run_page("Plan", plan_page)

@@ -1,0 +1,53 @@
+"""The Plan page under AppTest on the planted model's store (conftest.plan_runs): the plan's table, savings and
+config, the verify round against FP32 with readable charts, the next round offered only on a confirmed click,
+and a run without FP8 statistics told how to get them."""
+
+from app_helpers import app, confirm, texts
+from chart_check import page_chart_problems
+from conftest import imports_torch
+
+from mpdiag import Store
+from mpdiag.analysis.plan import plan_run
+from mpdiag.dashboard import actions, plan_model
+
+
+def test_the_page_shows_the_plan_its_savings_and_the_verified_round(plan_runs, monkeypatch):
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.source))
+    assert not at.exception, [e.value for e in at.exception]
+    said = texts(at)
+    assert "Run: BF16." in said and "Optimizer moments: BF16." in said and "Verified: the last round tracks FP32." in said
+    table = at.dataframe[0].value
+    assert dict(zip(table["layer"], table["choice"], strict=True)) == {"head": "FP8 current", "outlier": "BF16",
+                                                                       "tiny": "BF16"}
+    rounds = at.dataframe[1].value
+    assert rounds["run"].tolist() == [plan_runs.rounds[0].run_id] and rounds["verdict"].iloc[0].startswith("tracks")
+    assert "--fp8-modules head=current,outlier=bf16,tiny=bf16" in said and "Float8CurrentScaling()" in said
+    assert len(at.get("arrow_vega_lite_chart") or at.get("vega_lite_chart")) == 3  # memory, GEMM bytes, losses
+    assert not page_chart_problems(at)
+
+
+def test_the_next_round_is_offered_and_starts_only_on_a_confirmed_click(plan_runs, monkeypatch):
+    """Without its verify round, the source offers round 1 with the plan's recipes; a click arms it, the
+    confirmation starts it (the launch itself is the Findings page's, tested there)."""
+    store = Store(plan_runs.store)
+    runs = store.runs()
+    runs = runs[runs["run_id"] != plan_runs.rounds[0].run_id]
+    view = plan_model.plan_view(store, runs[runs["run_id"] == plan_runs.source].iloc[0], runs)
+    assert view.next_options["fp8_modules"] == plan_run(store, plan_runs.source).module_flag()
+    assert view.next_options["name"].endswith("↻ plan round 1")
+    started = []
+    monkeypatch.setattr(actions, "start_rerun", lambda store, run_id, options, what: started.append((run_id, options)))
+    monkeypatch.setattr(plan_model, "verify_rounds", lambda runs, source: runs.iloc[0:0].assign(fp8_modules=""))
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.source))
+    assert not started
+    confirm(at, f"plan_verify_{plan_runs.source}")
+    assert started == [(plan_runs.source, view.next_options)]
+
+
+def test_a_run_without_fp8_statistics_says_how_to_record_them(plan_runs, monkeypatch):
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.all_fp8))
+    assert not at.exception and "recorded no FP8 statistics: record one with --fp8" in texts(at)
+
+
+def test_the_view_model_does_not_import_torch():
+    assert not imports_torch("import mpdiag.dashboard.plan_model")
