@@ -293,7 +293,8 @@ class RunConfig:
     # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
     seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1,
                        widget={"label": "Seed"})
-    every: int = option(1, "record tensor statistics every N steps", "int", minimum=1,
+    every: int = option(1, "store tensor statistics every N steps, and at the steps where something happened "
+                           "and the steps next to them (docs/events.md)", "int", minimum=1,
                         widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000}, watch=True)
     shadow_every: int = option(
         0, _SHADOW_HELP, "int", minimum=0,

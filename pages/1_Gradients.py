@@ -64,6 +64,8 @@ def heatmap(shown: TensorView, logged: list[int]):
         st.caption(plain("Not drawn, to keep the data readable: " + "; ".join(shown.off) + "."))
     if shown.blank is not None:
         st.caption(plain(shown.blank))
+    if shown.kept is not None:
+        st.caption(plain(shown.kept))
     return clicked
 
 

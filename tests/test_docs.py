@@ -165,7 +165,8 @@ def test_docs_pages_that_code_points_to_exist():
 
 
 def test_the_events_thresholds_are_the_codes():
-    """docs/events.md's thresholds table is generated from the constants the event rules read."""
+    """docs/events.md's thresholds table is generated from the constants the event rules and the retention of
+    anomalous steps read."""
     sys.path.insert(0, str(DOCS / "hooks"))
     try:
         from findings_thresholds import EVENTS_MARKER, EVENTS_MODULES, thresholds_table
@@ -174,5 +175,5 @@ def test_the_events_thresholds_are_the_codes():
     assert EVENTS_MARKER in (DOCS / "events.md").read_text()
     table = thresholds_table(EVENTS_MODULES)
     for name in ("SKIP_STREAK", "SCALE_FLOOR", "SPIKE_WINDOW", "SPIKE_SIGMAS", "SPIKE_MIN_VALUES", "SPIKE_MIN_RISE",
-                 "MAX_PER_KIND"):
+                 "MAX_PER_KIND", "SHARE_JUMP", "MIN_JUMP_VALUES", "AROUND"):
         assert f"| `{name}` |" in table, name

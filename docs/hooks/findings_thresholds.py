@@ -12,8 +12,9 @@ import inspect
 
 MARKER = "<!-- findings-thresholds -->"
 MODULES = ("mpdiag.analysis.findings", "mpdiag.analysis.fp8_summaries", "mpdiag.analysis.fp8_findings")
-#: docs/events.md's table, likewise, from the event rules' and the replay's constants
-EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events", "mpdiag.recording.replay")
+#: docs/events.md's table, likewise, from the event rules', the replay's and the retention's constants
+EVENTS_MARKER, EVENTS_MODULES = "<!-- events-thresholds -->", ("mpdiag.recording.events", "mpdiag.recording.replay",
+                                                               "mpdiag.recording.retention")
 #: docs/plan.md's table, likewise, from the precision plan's constants
 PLAN_MARKER, PLAN_MODULES = "<!-- plan-thresholds -->", ("mpdiag.analysis.plan",)
 

@@ -308,6 +308,30 @@ def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray)
     )
 
 
+def fp16_overflow(run: pd.Series, first: pd.DataFrame, kept: pd.DataFrame) -> Finding | None:
+    """Runs without loss scaling (FP32, BF16, a loop without a GradScaler): the first stored step at which
+    gradient values exceed FP16's largest value (``first``: Store.first_overflow for fp16), and why that step's
+    statistics were kept (``kept``: Store.kept_steps; with --every N such a step is kept even between two multiples
+    of N). With a loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot)."""
+    if first.empty or run["scaling"] != "none":
+        return None
+    step = int(first["step"].iloc[0])
+    why = kept.loc[kept["step"] == step, "reason"].tolist()
+    worst = first.sort_values("overflow", ascending=False)
+    return Finding(
+        rule="fp16-overflow", severity="info",
+        title=f"Gradient values exceed FP16's range, first at step {step:,}",
+        evidence=(f"At step {step:,}" + (f" (statistics kept: {', '.join(why)})" if why else "") + ", "
+                  + "; ".join(f"{t}: {int(n):,} values" for t, n in zip(worst["tensor"][:5], worst["overflow"][:5],
+                                                                          strict=True))
+                  + f" cast to inf in FP16 (its largest value is {FP16.max_finite:g})."),
+        recommendation=("This run would overflow at that step in FP16 without a loss scale below 1; BF16 holds these "
+                        "values (FP32's exponent range)."),
+        tensors=worst["tensor"].tolist(),
+        focus={"step": step},  # the Gradients page opens at that step
+    )
+
+
 def scale_ignored(run: pd.Series, probe: dict | None) -> Finding | None:
     """From the stored scale-linearity probe: tensors whose gradients do not scale with the loss scale."""
     if run["scaling"] == "none" or not probe or not probe.get("ok") or not probe["failing"]:
@@ -592,6 +616,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         loss_spike_origin(store.replays(run_id)),
         dead_gradients(run, totals),
         needs_bf16_range(run, tensors, per_tensor),
+        fp16_overflow(run, store.first_overflow(run_id, "fp16"), store.kept_steps(run_id)),
         fp32_divergence(run, runs, store, shadow),
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]

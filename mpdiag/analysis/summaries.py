@@ -12,6 +12,7 @@ import pandas as pd
 
 from mpdiag.analysis.run_choice import script_names
 from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
+from mpdiag.recording.retention import AFTER, BEFORE, EVERY
 
 #: Largest number of marks one chart sends to the browser.
 MAX_MARKS = 20_000
@@ -250,6 +251,23 @@ def blank_steps_text(blank: pd.DataFrame, logged: int) -> str:
         parts.append(f"{what[reason]} at step{'s' if len(group) > 1 else ''} {_step_list(group['step'])}{note}")
     return (f"Blank columns ({len(blank):,} of {logged:,} logged steps): nothing to place on the exponent axis, "
             + "; ".join(parts) + ".")
+
+
+def kept_steps_text(kept: pd.DataFrame, every) -> str | None:
+    """The sentence under the gradient heatmap saying why its columns have gaps: statistics stored every ``every``
+    steps (the run's --every) and, named with their reasons, the steps kept for an anomaly (``kept``:
+    Store.kept_steps; mpdiag.recording.retention); None when every step was stored."""
+    if every is None or pd.isna(every) or int(every) <= 1:
+        return None
+    anomalies = kept[~kept["reason"].isin((EVERY, BEFORE, AFTER))]
+    text = f"Statistics are stored every {int(every):,} steps; the columns between them are not stored"
+    if anomalies.empty:
+        return text + "."
+    around = kept.loc[kept["reason"].isin((BEFORE, AFTER)), "step"].nunique()
+    parts = [f"{reason} at step{'s' if len(group) > 1 else ''} {_step_list(group['step'])}"
+             for reason, group in anomalies.groupby("reason", sort=False)]
+    return (text + ", except where something happened: " + "; ".join(parts)
+            + (f", and {around:,} step{'s' if around > 1 else ''} next to them" if around else "") + ".")
 
 
 def histogram_grid(index: pd.DataFrame, counts: np.ndarray, order: list[str], fmt: str = "fp16",

@@ -63,6 +63,8 @@ class TensorView:
     off: list[str]
     blank: str | None
     empty: str | None
+    #: why the heatmap has gaps: which steps the run stored (--every N, and around anomalies); None: every step
+    kept: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class GradientsRun:
     twin_totals: pd.DataFrame | None
     #: how many steps the FP32 shadow compared (the flushed text says what they add)
     shadow_steps: int
+    #: why each logged step was kept (Store.kept_steps)
+    kept: pd.DataFrame | None = None
 
     @property
     def run_id(self) -> int:
@@ -153,18 +157,19 @@ class GradientsRun:
         index, counts = reads.tensor_histograms(self.store, self.run_id, tensor, self.final)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
+        kept = None if self.kept is None else summaries.kept_steps_text(self.kept, self.run["every"])
         if not len(cells):
             return TensorView(tensor, index, counts, line, cells, None, None, title, [], None, empty=(
                 f"{tensor}: no finite non-zero value of |{what}| at any logged step (every value was 0, NaN or "
                 f"inf{', or the loss scale was 0' if at_scale else ''}), so there is nothing to place on the "
-                "exponent axis. The counts below say what it held."))
+                "exponent axis. The counts below say what it held."), kept=kept)
         lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
         drawn, extent, off = summaries.heatmap_view(cells, lines)
         blank = summaries.blank_steps(index, counts, self.steps,
                                       reads.tensor_over_steps(self.store, self.run_id, tensor, self.final),
                                       at_scale=at_scale)
         return TensorView(tensor, index, counts, line, cells, drawn, extent, title, off,
-                          summaries.blank_steps_text(blank, len(self.logged)) if len(blank) else None, None)
+                          summaries.blank_steps_text(blank, len(self.logged)) if len(blank) else None, None, kept)
 
     def at_step(self, ranking: Ranking, shown: TensorView, step: int) -> StepView:
         """The tensor at one logged step: the histogram in the shown view, and the exact shares of S·g at the step's
@@ -282,4 +287,5 @@ def gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> 
     return GradientsRun(store, run, final, reads.logged_steps(store, run_id, final),
                         reads.tensor_totals(store, run_id, final), reads.steps(store, run_id, final), twin,
                         reads.twin_totals(store, twin),
-                        int(reads.shadow_stats(store, run_id, final)["step"].nunique()))
+                        int(reads.shadow_stats(store, run_id, final)["step"].nunique()),
+                        reads.kept_steps(store, run_id, final))

@@ -132,6 +132,12 @@ def logged_steps(store: Store, run_id: int) -> list[int]:
 
 
 @cached_when_final()
+def kept_steps(store: Store, run_id: int) -> pd.DataFrame:
+    """Why each logged step's statistics were kept (Store.kept_steps)."""
+    return store.kept_steps(run_id)
+
+
+@cached_when_final()
 def tensor_totals(store: Store, run_id: int) -> pd.DataFrame:
     """Per tensor, counts summed over every logged step (Store.tensor_totals)."""
     return store.tensor_totals(run_id)

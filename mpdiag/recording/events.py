@@ -244,12 +244,16 @@ class EventLog:
             announce = print_event
         self.__init__(stop_on if stop_on is not None else self.stop_on, announce or self.announce, self.grads_read)
 
-    def see(self, row) -> None:
-        """Feed one completed step row (a StepRow or a tuple in its order) to every rule."""
+    def see(self, row) -> list[str]:
+        """Feed one completed step row (a StepRow or a tuple in its order) to every rule; returns the kinds of the
+        events it raised (stored or only counted), which the Recorder's retention keeps the step for."""
+        raised = []
         for rule in self.rules:
             event = rule.see(row)
             if event is not None:
                 self._raise(rule, event)
+                raised.append(event.kind)
+        return raised
 
     def _raise(self, rule, event: Event) -> None:
         count = self.counts[event.kind] = self.counts.get(event.kind, 0) + 1

@@ -48,6 +48,7 @@ from mpdiag.recording.events import EventLog
 from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, NONFINITE_GRADIENTS, ReplayResult, StepReplay
+from mpdiag.recording.retention import Retention
 from mpdiag.recording.run import Run
 from mpdiag.recording.step_gradients import StepGradients
 from mpdiag.recording.tracing import ModuleTracer
@@ -153,8 +154,12 @@ class Recorder:
             ``is_enabled()``), or None when the loss is not scaled.
         optimizer: the optimizer whose ``step`` marks a completed step. When None, any optimizer holding
             one of ``model``'s parameters counts.
-        every: record tensor statistics every ``every`` steps (scalars are recorded every step: the loss, the
-            scale, whether the step was skipped, its time, and the three below).
+        every: store tensor statistics every ``every`` steps, and at the steps where something happened and
+            the steps next to them (scalars are recorded every step: the loss, the scale, whether the step was
+            skipped, its time, and the three below). With ``every`` above 1 the statistics are still computed at
+            every step, so that an anomaly between two multiples is kept: :mod:`mpdiag.recording.retention` says
+            which steps are kept and why (``Store.kept_steps``). The update counts, the optimizer-step check
+            and ``fp8`` stay at the multiples of ``every``.
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
             settings, stored with the run.
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
@@ -194,6 +199,8 @@ class Recorder:
         replay_model: the module whose training forwards the replay keeps and repeats, when it is not ``model``
             (``watch``: ``model`` is a view over the script's parameters that is never called; this is the model
             the script calls). None: ``model``.
+        retain_anomalies: ``False``: store (and compute) the statistics of the multiples of ``every`` only, as
+            mpdiag did before it kept anomalies (the cheaper choice where a step's statistics cost much).
 
     mpdiag's runner and ``watch`` pass, instead of ``store``, ``name`` and ``config``:
 
@@ -245,6 +252,7 @@ class Recorder:
         check_optimizer_step: bool | str = True,
         replay: bool | None = False,
         replay_model: torch.nn.Module | None = None,
+        retain_anomalies: bool = True,
         run: Run | None = None,
         update_targets: Sequence[torch.Tensor] | None = None,
         launcher_names_failures: bool = False,
@@ -255,6 +263,7 @@ class Recorder:
             raise ValueError("a Recorder given a run takes no store, name or config: the run has them")
         self._start(model, scaler, optimizer, every, update_format, update_targets,
                     check_optimizer_step=check_optimizer_step)
+        self._retention = Retention(every, [p.numel() for _, p in self._params], anomalies=retain_anomalies)
         if run is None:
             if fp8 is not None:
                 fp8.validate()  # before a run row exists
@@ -317,6 +326,8 @@ class Recorder:
         self._fp8_rows: tuple[list[tuple], ...] = ([], [], [], [])  # records, histograms, blocks, block scales
         self._step_rows: list[tuple] = []
         self._tensor_rows_buf: list[tuple] = []
+        self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
+        self._rows_through: int | None = None  # the last step whose row is complete
         self._update_rows: list[tuple] = []
         self._last_flush = time.monotonic()
         self._last_record = self._started = time.perf_counter()
@@ -501,10 +512,11 @@ class Recorder:
         if self._replay is not None:
             self._replay_if_triggered(step, loss, read.norm)
         state = self._with_norm(values, read.norm)
-        logged = read.pending is not None
-        if logged:
+        if read.pending is not None:
             self._unread_stats.append(_UnreadStats(step, read))
             self._unscale_by = read.unscale_by
+        # the update counts and the optimizer-step check: at the multiples of every, where statistics always are
+        logged = read.pending is not None and step % self.every == 0
         self._step_grads.next_step()
         self._update_step = step if logged and self._updates is not None else None
         checked = (logged and self._check_steps or self._check_steps == EVERY_STEP) \
@@ -518,7 +530,8 @@ class Recorder:
                 self._unread_fp8.append(self._fp8.start(step, scale))
             else:
                 self._fp8.skip()
-        row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), int(logged),
+        # logged (index 8) stays 0 here: the writer sets it once the retention keeps the step
+        row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), 0,
                self._learning_rate(), None, now - self._started]
         self._unread_steps.append((row, state))
         self._read_arrived(wait=False)
@@ -637,7 +650,7 @@ class Recorder:
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
         norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by
-        if not fresh or step % self.every != 0:
+        if not fresh or not self._retention.computes(step):
             return GradientRead(step, norm=norm)
         present = fresh
         computer = self._computers.get(present)
@@ -741,14 +754,20 @@ class Recorder:
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
             self._step_rows.append(StepRow(*row))
-            self.events.see(row)
+            self._retention.see_row(row, self.events.see(row))
+            self._rows_through = row[0]
         if steps and steps[-1][0] is not None and (wait or steps[-1][1].ready()):
             self.last_loss, self.last_loss_step = float(steps[-1][1].numpy()[0]), steps[-1][0][0]
         elif self._step_rows:
             self.last_loss, self.last_loss_step = self._step_rows[-1][1], self._step_rows[-1][0]
         while self._unread_stats and self._unread_stats[0].settled and (wait or self._unread_stats[0].read.pending.ready()):
             unread = self._unread_stats.popleft()
-            self._add_tensor_rows(unread.step, unread.read.present, unread.read.pending.result(), unread.keep)
+            self._see_stats(unread.step, unread.read.present, unread.read.pending.result(), unread.keep)
+        if self._rows_through is not None:
+            # a step is decided once the next one's row and statistics are in (or that step has none)
+            through = self._rows_through if not self._unread_stats else \
+                min(self._rows_through, self._unread_stats[0].step - 1)
+            self._keep(self._retention.decide(through))
         while self._unread_fp8 and (wait or self._unread_fp8[0].ready()):
             fp8 = self._unread_fp8.popleft().result()
             self._fp8_rows[0].extend(fp8.records)
@@ -759,11 +778,22 @@ class Recorder:
             self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
                                   for i, counts in enumerate(per_tensor)]
 
-    def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
+    def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
+        """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
         # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
         kept = [k for k, i in enumerate(present) if keep is None or i in keep]
         if not kept:
             return
+        counts = stats.counts if len(kept) == len(present) else {name: c[kept] for name, c in stats.counts.items()}
+        self._retention.see_stats(step, np.asarray(present)[kept], counts, (present, stats, kept))
+
+    def _keep(self, decided: list[tuple[int, Any, list[str]]]) -> None:
+        """The rows of the steps the retention kept, and why it kept them."""
+        for step, (present, stats, kept), reasons in decided:
+            self._add_tensor_rows(step, present, stats, kept)
+            self._kept_rows += [(step, reason) for reason in reasons]
+
+    def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, kept: list[int]) -> None:
         # column by column: one numpy -> Python conversion per column, not one per tensor and field (at 500
         # tensors the per-value int()/float() calls cost more than computing the statistics), and the rows made
         # by map() over the columns, without a Python loop body per tensor
@@ -795,11 +825,11 @@ class Recorder:
 
     def _flush(self) -> None:
         self._read_arrived(wait=False)
-        steps, tensors, updates = self._step_rows, self._tensor_rows_buf, self._update_rows
-        self._step_rows, self._tensor_rows_buf, self._update_rows = [], [], []
+        steps, tensors, kept, updates = self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows
+        self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows = [], [], [], []
         self._last_flush = time.monotonic()
         if steps or tensors:
-            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors))
+            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors, kept))
         events = self.events.take()
         if events:
             self._writer.submit(lambda w: w.add_events(self.run_id, events))
@@ -855,6 +885,7 @@ class Recorder:
         if self._unread_steps:
             self._unread_steps.append((None, self._scaler_state(None)[1]))  # the state after the last update
         self._read_arrived(wait=True)
+        self._keep(self._retention.decide(None))
         self.flush()
         if self.stopped_recording is not None:  # that flush met a failed write: the run was ended failed
             return

@@ -367,13 +367,15 @@ def _error_of(result: TaskResult) -> str:
     return result.outcome.message + (f"\nLast output:\n{tail}" if tail else "")
 
 
-def _row_records(step_rows: list, tensor_rows: list) -> tuple[list, list]:
-    """write_batch's rows as the writer takes them: the channel carries named records as plain lists."""
+def _row_records(step_rows: list, tensor_rows: list, kept: list = ()) -> tuple[list, list, list]:
+    """write_batch's rows as the writer takes them: the channel carries named records and the kept steps'
+    (step, reason) pairs as plain lists."""
     from mpdiag.store import Representability, StepRow, TensorRow
 
     return ([StepRow(*row) for row in step_rows],
             [TensorRow(*row[:-1], {fmt: Representability(*counts) for fmt, counts in row[-1].items()})
-             for row in tensor_rows])
+             for row in tensor_rows],
+            [(int(step), str(reason)) for step, reason in kept])
 
 
 def _queue_rows(writer, script, config, pair: bool) -> list[int]:

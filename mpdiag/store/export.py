@@ -24,6 +24,7 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "steps": store.steps(run_id),
         "tensors": store.tensors(run_id).assign(shape=lambda d: d["shape"].map(str)),
         "tensor_stats": store.tensor_stats(run_id),
+        "kept_steps": store.kept_steps(run_id),
         "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
         "module_stats": store.module_stats(run_id),
         "update_stats": store.update_stats(run_id),

@@ -299,9 +299,30 @@ class Store:
         )
 
     def logged_steps(self, run_id: int) -> list[int]:
-        """Steps at which tensor statistics were recorded."""
+        """Steps at which tensor statistics were recorded (kept: :meth:`kept_steps` says why)."""
         df = self._query("SELECT step FROM steps WHERE run_id = ? AND logged = 1 ORDER BY step", (int(run_id),))
         return df["step"].tolist()
+
+    def kept_steps(self, run_id: int) -> pd.DataFrame:
+        """Why each logged step's tensor statistics were kept: one row per (step, reason), in step order; the
+        reasons are mpdiag.recording.retention's (``every``, ``nonfinite``, ``overflow``, ..., ``before``,
+        ``after``). Runs recorded before schema version 14 read ``every`` for each of their logged steps."""
+        return self._query("SELECT step, reason FROM kept_steps WHERE run_id = ? ORDER BY step, reason",
+                           (int(run_id),))
+
+    def first_overflow(self, run_id: int, fmt: str) -> pd.DataFrame:
+        """The first logged step at which a gradient at the loss scale in use (S*g) holds values that overflow
+        ``fmt`` (a registry format): columns step, tensor and overflow (that tensor's count), one row per
+        overflowing tensor at that step; empty when none ever does. Steps are searched only when the run's
+        totals hold such values, so a run without any costs one key lookup per tensor."""
+        fmt = _known_format(fmt)
+        return self._query(
+            "SELECT r.step, t.name AS tensor, r.overflow_at_scale AS overflow FROM representability r "
+            "JOIN tensors t ON t.run_id = r.run_id AND t.tensor_id = r.tensor_id "
+            "WHERE r.run_id = ? AND r.fmt = ? AND r.overflow_at_scale > 0 AND r.step = ("
+            "  SELECT MIN(step) FROM representability WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0 "
+            "  AND EXISTS (SELECT 1 FROM representability_totals WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0)"
+            ") ORDER BY r.tensor_id", (int(run_id), fmt) * 3)
 
     def tensor_stats(
         self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None

@@ -38,7 +38,9 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # 12: events, raised while training at the step they happen (mpdiag.recording.events); runs.status "stopped".
 # 13: replays, replay_modules: the first non-finite step replayed module by module (mpdiag.recording.replay);
 # runs recorded before have none.
-SCHEMA_VERSION = 13
+# 14: kept_steps, the steps whose tensor statistics are stored and why (mpdiag.recording.retention); the logged steps
+# of runs recorded before are migrated as kept for "every".
+SCHEMA_VERSION = 14
 #: "stopped": training ended by --stop-on at an event, the reason in the run's error
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
@@ -193,6 +195,11 @@ _STATEMENTS = [
     exponent INTEGER NOT NULL, count INTEGER NOT NULL,
     PRIMARY KEY (run_id, step, module, role, recipe, exponent)) WITHOUT ROWID""",
     _TENSOR_TOTALS_DDL,
+    # per step whose tensor_steps rows are stored, each reason it was kept (mpdiag.recording.retention's names:
+    # every, nonfinite, skipped, overflow, ..., before, after)
+    """CREATE TABLE IF NOT EXISTS kept_steps (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, reason TEXT NOT NULL,
+    PRIMARY KEY (run_id, step, reason)) WITHOUT ROWID""",
     # the writer's running sum of each tensor's histograms (encode_hist), so a run-wide reading of them (the
     # findings) does not decode every (step, tensor) row
     """CREATE TABLE IF NOT EXISTS hist_totals (
@@ -446,6 +453,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
                 _move_representability_to_long_table(conn)
             if version is not None and version < 6:
                 _sum_histograms_into_totals(conn)
+            if version is not None and version < 14:
+                conn.execute("INSERT INTO kept_steps SELECT run_id, step, 'every' FROM steps WHERE logged = 1")
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
     except BaseException:

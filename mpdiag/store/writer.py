@@ -439,10 +439,13 @@ class StoreWriter:
                 [(int(run_id), t, n, json.dumps(list(s)), int(k), p, g) for t, n, s, k, p, g in rows],
             )
 
-    def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow]) -> None:
+    def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow],
+                    kept: Sequence[tuple[int, str]] = ()) -> None:
         """Commit step and tensor rows, add the tensor rows' counts to the running totals and refresh the run's
         heartbeat, in one transaction. Each (step, tensor) must be written once: the totals would count a
-        rewrite twice. A representability key that is not a registry format is a ValueError."""
+        rewrite twice. A representability key that is not a registry format is a ValueError. ``kept``: (step,
+        reason) of the steps whose tensor rows are stored (mpdiag.recording.retention), into kept_steps; their
+        step rows, in this batch or an earlier one, are marked ``logged``."""
         run_id = int(run_id)
         unknown = {fmt for row in tensor_rows for fmt in row.representability} - set(LOW_PRECISION)
         if unknown:
@@ -469,6 +472,10 @@ class StoreWriter:
                 "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
                 [(run_id, tensor_id, fmt, *sums) for (tensor_id, fmt), sums in per_format.items()])
             self._add_hist_totals(run_id, tensor_rows)
+            self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
+                                   [(run_id, step, reason) for step, reason in kept])
+            self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",
+                                   [(run_id, step) for step in sorted({step for step, _ in kept})])
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
 
     def _add_hist_totals(self, run_id: int, tensor_rows: Sequence[TensorRow]) -> None:

@@ -36,7 +36,7 @@ def test_older_store_gains_empty_replay_tables_in_place_and_keeps_every_row(tmp_
     shutil.copy(original, path)
     store = Store(path)
     after = _tables(path)
-    assert SCHEMA_VERSION == 13
+    assert SCHEMA_VERSION >= 13  # the replay tables came with 13
     assert after["meta"].set_index("key").loc["schema_version", "value"] == str(SCHEMA_VERSION)
     assert after["replays"].empty and after["replay_modules"].empty
     for table in ("runs", "tensors", "tensor_steps"):

@@ -27,6 +27,7 @@ from mpdiag.store import (
     decode_hist,
     encode_hist,
 )
+from mpdiag.store.export import run_tables
 
 DATA = ROOT / "tests" / "fixtures" / "data"
 
@@ -245,17 +246,23 @@ def _tables(path) -> dict[str, pd.DataFrame]:
             lambda df: df.sort_values(list(df.columns)).reset_index(drop=True)) for name in names}
 
 
-def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes(tmp_path):
-    """Schema 8 (run management) adds runs.user_note and run_tags in place; every row of every table of a real
-    schema-7 file (tests/fixtures/data/make_store_v7.py) reads back as it was, and the new fields start empty."""
-    original = DATA / "store_v7.db"
-    assert _stamp(original) == "7"
+def _migrated(tmp_path, version):
+    """(store, path, tables before, tables after) of a copy of the real schema-``version`` fixture, opened (so
+    migrated) by this mpdiag and stamped current."""
+    original = DATA / f"store_v{version}.db"
+    assert _stamp(original) == str(version)
     before = _tables(original)
-    path = tmp_path / "v7.db"
+    path = tmp_path / original.name
     shutil.copy(original, path)
     store = Store(path)
     assert _stamp(path) == str(SCHEMA_VERSION)
-    after = _tables(path)
+    return store, path, before, _tables(path)
+
+
+def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes(tmp_path):
+    """Schema 8 (run management) adds runs.user_note and run_tags in place; every row of every table of a real
+    schema-7 file (tests/fixtures/data/make_store_v7.py) reads back as it was, and the new fields start empty."""
+    store, path, before, after = _migrated(tmp_path, 7)
     assert "run_tags" in set(after) - set(before) and after["run_tags"].empty
     for table, old in before.items():
         new = after[table]
@@ -284,14 +291,7 @@ def test_schema_8_store_migrates_to_9_keeping_every_row_and_gains_per_step_lr_no
     WITHOUT ROWID steps table); every row of every table of a real schema-8 file (tests/fixtures/data/make_store_v8.py,
     written by the schema-8 code) reads back as it was, the new columns read NULL / NaN for its steps, and the
     migrated store takes steps with the new columns, which Store.steps returns exactly."""
-    original = DATA / "store_v8.db"
-    assert _stamp(original) == "8"
-    before = _tables(original)
-    path = tmp_path / "v8.db"
-    shutil.copy(original, path)
-    store = Store(path)
-    assert _stamp(path) == str(SCHEMA_VERSION)
-    after = _tables(path)
+    store, path, before, after = _migrated(tmp_path, 8)
     for table, old in before.items():
         new = after[table]
         if table == "steps":
@@ -349,3 +349,26 @@ def test_a_store_from_before_block_scaled_fp8_migrates_with_empty_block_tables(t
         assert blocks.empty and list(blocks.columns) == ["step", "module", "role", "recipe", "blocks", "zero_blocks",
                                                          "clipped_blocks", "wide_blocks"]
         assert scales.empty and list(scales.columns) == ["step", "module", "role", "recipe", "exponent", "count"]
+
+
+def test_schema_13_store_migrates_to_14_keeping_every_row_and_reads_its_logged_steps_as_kept_every(tmp_path):
+    """Schema 14 adds kept_steps (why each logged step's tensor rows are stored): a real schema-13 file
+    (tests/fixtures/data/make_store_v13.py, every=2) keeps every row of every table, and its kept steps are exactly
+    the steps the old code marked logged, each for "every"; a run written after the migration stores its reasons."""
+    store, path, before, after = _migrated(tmp_path, 13)
+    for table, old in before.items():
+        if table != "meta":
+            pd.testing.assert_frame_equal(after[table], old, check_dtype=False, obj=table)
+    logged = before["steps"].loc[before["steps"]["logged"] == 1, ["run_id", "step"]]
+    assert logged["step"].tolist() == [0, 2, 4, 0, 2, 4]
+    kept = after["kept_steps"]
+    assert kept[["run_id", "step"]].values.tolist() == logged.values.tolist() and set(kept["reason"]) == {"every"}
+    assert store.kept_steps(2).values.tolist() == [[0, "every"], [2, "every"], [4, "every"]]
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = writer.create_run(name="after migration")
+        writer.write_batch(run_id, [StepRow(s, 1.0, 1.0, 0, 0, 1.0, 0.1, 10, 0) for s in range(3)], [],
+                           kept=[(1, "overflow"), (0, "before"), (0, "every")])
+    store = Store(path)
+    assert store.kept_steps(run_id).values.tolist() == [[0, "before"], [0, "every"], [1, "overflow"]]
+    pd.testing.assert_frame_equal(run_tables(store, run_id)["kept_steps"], store.kept_steps(run_id))  # exported
+    assert store.logged_steps(run_id) == [0, 1]  # the kept steps' rows are marked logged
