@@ -19,6 +19,8 @@ def test_the_page_shows_the_plan_its_savings_and_the_verified_round(plan_runs, m
     table = at.dataframe[0].value
     assert dict(zip(table["layer"], table["choice"], strict=True)) == {"head": "FP8 current", "outlier": "BF16",
                                                                        "tiny": "BF16"}
+    for row in table.to_dict("records"):  # each Linear's whole sentence, which the table's cell cuts, in full
+        assert f"{row['layer']}: {row['choice']}. {row['evidence']}" in said, row["layer"]
     rounds = at.dataframe[1].value
     assert rounds["run"].tolist() == [plan_runs.rounds[0].run_id] and rounds["verdict"].iloc[0].startswith("tracks")
     assert "--fp8-modules head=current,outlier=bf16,tiny=bf16" in said and "Float8CurrentScaling()" in said
