@@ -60,8 +60,8 @@ def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
         "GEMM bytes saved per step": st.column_config.NumberColumn(format="%,d", help="Operand bytes against FP32")})
     with st.expander("Each Linear's evidence in full"):  # the table's cells cut long sentences at 1,280 px
         for row in view.table.to_dict("records"):
-            st.markdown(plain(f"{row['layer']}: {row['choice']}. {row['evidence']}"
-                              + (f" Rejected: {row['rejected']}" if row.get("rejected") else "")))
+            st.markdown(plain(f"{row['layer']}: {row['choice']}. {row['evidence'].rstrip('.')}."
+                              + (f" Rejected: {row['rejected']}." if row.get("rejected") else "")))
     left, right = st.columns(2)
     ui.show_chart_in(left, charts.plan_bytes(view.memory, "model state, 16Ψ account (MB)"), width="stretch")
     ui.show_chart_in(right, charts.plan_bytes(view.gemm, "Linear GEMM operands per step (MB)"), width="stretch")
