@@ -11,10 +11,66 @@ so a supervised child's writes reach its supervisor by the same forwarding as ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 #: the statuses a run is ended with
 END_STATUSES = ("finished", "failed", "crashed", "stopped")  # stopped: by --stop-on at an event
+
+#: run options (``config["run"]``) stored as the run column of the same name too, so the runs table can be
+#: filtered and listed without parsing every run's JSON
+_RUN_OPTION_COLUMNS = ("opt_level", "seed", "steps", "every", "parent_run_id")
+#: the dynamic loss scaler's options: columns of a run that scales its loss dynamically (the others leave them NULL)
+_DYNAMIC_SCALING_COLUMNS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
+                            "max_scale")
+
+
+def columns_from(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run columns a run's stored configuration states, by what it holds: ``run`` (a ``mpdiag.options.RunConfig``'s
+    options, ``mpdiag run`` and the app's run form) or ``watch`` (``mpdiag watch``'s settings). Only what the
+    configuration says is derived; the rest of the row is facts of the process (the device it resolved, the
+    torch version, the script), given beside it. Anything else (a Recorder's configuration in a user's loop) states
+    no column."""
+    config = config or {}
+    if isinstance(config.get("run"), Mapping):
+        return _run_option_columns(config["run"])
+    if isinstance(config.get("watch"), Mapping):
+        settings = config["watch"]
+        # no level: watch leaves the script's own autocast and GradScalers alone, which the column calls custom
+        columns = {"opt_level": settings["opt_level"] or "custom"} if "opt_level" in settings else {}
+        return {**columns, **({"every": settings["every"]} if "every" in settings else {})}
+    return {}
+
+
+def _run_option_columns(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The columns of a run's options: those stored under their own name, a name it was given, and the loss
+    scaling its level and ``loss_scale`` make (stated only with the level; the scaling columns it does not use
+    are NULL, so a configuration described anew leaves none of the previous one's)."""
+    columns = {name: options[name] for name in _RUN_OPTION_COLUMNS if name in options}
+    if options.get("name"):  # else the caller's default_name (the script's file name)
+        columns["name"] = options["name"]
+    if "opt_level" not in options:
+        return columns
+    # here, not at the top: the app's supervising process adopts runs through this module and stays light (the
+    # options module imports numpy)
+    from mpdiag.options import RunConfig
+
+    stated = RunConfig.from_dict(options)
+    columns.update(dict.fromkeys(("loss_scale", *_DYNAMIC_SCALING_COLUMNS)))
+    if stated.scaling is None:
+        columns["scaling"] = "none"
+    elif stated.scaling == "dynamic":
+        columns.update(scaling="dynamic", **{name: getattr(stated, name) for name in _DYNAMIC_SCALING_COLUMNS})
+    else:
+        columns.update(scaling="static", loss_scale=float(stated.scaling))
+    return columns
+
+
+def _refuse_restated(fields: Mapping[str, Any], derived: Mapping[str, Any]) -> None:
+    """A column the configuration states is given by the configuration only, so the two cannot disagree."""
+    restated = sorted(set(fields) & set(derived))
+    if restated:
+        raise ValueError(f"{', '.join(restated)}: stated by the run's configuration; give the configuration only")
 
 
 class Run:
@@ -33,7 +89,8 @@ class Run:
         running --end(status)--> ended
 
     * :meth:`describe` sets fields of the row (any of ``mpdiag.store.RUN_FIELDS``, ``error``, ``note``); allowed
-      while the run is not ended by this handle. ``config`` given here replaces the held configuration.
+      while the run is not ended by this handle. ``config`` given here replaces the held configuration, and the
+      columns it states with it.
     * :meth:`end` is the only way a run is ended: it stores the step summary, the status (one of
       :data:`END_STATUSES`), ``error`` and ``note``. It is idempotent: once this handle has ended the run, later
       calls write nothing and return False, so the first ending (the most specific: a Recorder's, with its
@@ -43,6 +100,9 @@ class Run:
 
     The configuration (the JSON ``config`` column) is held here once: given to :meth:`create` (or :meth:`adopt`,
     when the adopter knows it), extended by :meth:`found_optimizer_step`; :attr:`config` is the handle's copy.
+    The row's columns that the configuration states (:func:`columns_from`: the level, steps, seed, the loss
+    scaling, ...) are derived from it and written with it; a caller gives the configuration, never those columns
+    (:meth:`create` and :meth:`describe` refuse them), so the columns and the JSON cannot disagree.
 
     While the run is running, the writer's thread keeps its heartbeat for a run it created (see
     :mod:`mpdiag.recording.background`): a handle adds no beat of its own; an adopted run gets none from this
@@ -63,10 +123,20 @@ class Run:
         self.state = state  # "queued", "running" or "ended" (as far as this handle knows)
 
     # -- making one -----------------------------------------------------------------------------------------
+    columns_from = staticmethod(columns_from)
+
     @classmethod
-    def create(cls, writer, *, queued: bool = False, **fields) -> Run:
-        """Insert a run row with ``fields`` (``mpdiag.store.RUN_FIELDS``; ``config`` a dict) and return its
-        handle; ``queued``: the row waits, status ``queued``, for the process that will run it."""
+    def create(cls, writer, *, config: dict[str, Any] | None = None, queued: bool = False,
+               default_name: str | None = None, **fields) -> Run:
+        """Insert a run row with ``config`` (a dict), the columns it states and ``fields`` (the other
+        ``mpdiag.store.RUN_FIELDS``) and return its handle. ``default_name``: the run's name when its
+        configuration names none; ``queued``: the row waits, status ``queued``, for the process that will run it."""
+        derived = columns_from(config)
+        _refuse_restated(fields, derived)
+        if default_name is not None and "name" not in derived:
+            fields["name"] = default_name
+        fields.update(derived, **({} if config is None else {"config": config}))
+
         def insert(w) -> int:
             run_id = w.create_run(**fields)
             if queued:
@@ -74,7 +144,7 @@ class Run:
             return run_id
 
         run_id = writer.call(insert)
-        return cls(writer, run_id, fields.get("config"), "queued" if queued else "running")
+        return cls(writer, run_id, config, "queued" if queued else "running")
 
     @classmethod
     def adopt(cls, writer, run_id: int, *, config: dict[str, Any] | None = None) -> Run:
@@ -94,13 +164,17 @@ class Run:
             self.writer.submit(job)
 
     def describe(self, *, wait: bool = False, **fields) -> None:
-        """Set fields of the run's row; ``config`` replaces the held configuration. Refused once ended here."""
+        """Set fields of the run's row; ``config`` replaces the held configuration and the columns it states
+        (which are not given otherwise). Refused once ended here."""
         if self.ended:
             raise RuntimeError(f"run {self.run_id} was ended; it can no longer be described ({sorted(fields)})")
         if not fields:
             return
+        config = fields.get("config", self.config)
+        _refuse_restated({k: v for k, v in fields.items() if k != "config"}, columns_from(config))
         if "config" in fields:
-            self.config = dict(fields["config"])
+            self.config = dict(config)
+            fields.update(columns_from(config))
         run_id = self.run_id
         self._write(lambda w: w.update_run(run_id, **fields), wait)
 

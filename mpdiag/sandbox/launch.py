@@ -200,7 +200,7 @@ def plan(job: dict, store_path: str) -> Plan:
     """The Plan of a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
     from mpdiag.options import UNSET
     from mpdiag.store import Store
-    from mpdiag.training.runner import RunConfig, rerun_plan
+    from mpdiag.training.runner import RunConfig, fp32_twin_of, rerun_plan
     from mpdiag.training.script import ModelScript
 
     # None: not given (keep the default or the parent's value); UNSET: cleared; False stays False, so a rerun can
@@ -223,8 +223,9 @@ def plan(job: dict, store_path: str) -> Plan:
         script = ModelScript.from_path(job["script"])
         config = RunConfig().with_options(**options)
     config.validate()
+    configs = [config, fp32_twin_of(script, config)] if pair else [config]  # as train_pair will run them
     return Plan(task="run", payload={"filename": script.filename, "config": config.to_dict(), "pair": pair},
-                files={SOURCE_FILE: script.source.encode()}, queue=lambda w: _queue_rows(w, script, config, pair),
+                files={SOURCE_FILE: script.source.encode()}, queue=lambda w: _queue_rows(w, script, configs),
                 parent_run_id=config.parent_run_id, fixed={})
 
 
@@ -269,8 +270,7 @@ def _watch_plan(config, store) -> Plan:
               "script_path": None if config.module or config.bundle else os.path.join(config.cwd, config.target)}
 
     def queue(writer) -> list[int]:
-        return [Run.create(writer, queued=True, opt_level=config.opt_level or "custom", scaling="none",
-                           every=config.every, **fields).run_id]
+        return [Run.create(writer, queued=True, scaling="none", **fields).run_id]
 
     return Plan(task="watch", payload={"watch": settings, "name": name, "parent_run_id": config.parent_run_id},
                 files=files, queue=queue, parent_run_id=config.parent_run_id, fixed=fields)
@@ -378,14 +378,13 @@ def _row_records(step_rows: list, tensor_rows: list, kept: list = ()) -> tuple[l
             [(int(step), str(reason)) for step, reason in kept])
 
 
-def _queue_rows(writer, script, config, pair: bool) -> list[int]:
-    """Store the script and create the job's run rows with status queued; the child fills them in."""
-    name = config.name or os.path.basename(script.filename)
-    names = [(name, config.opt_level)] + ([(f"{name} (FP32 twin)", "O0")] if pair else [])
-
+def _queue_rows(writer, script, configs: list) -> list[int]:
+    """Store the script and create the job's run rows (a run, then its FP32 twin) with status queued, each with
+    its configuration; the child fills them in."""
     sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-    return [Run.create(writer, queued=True, name=n, opt_level=level, script_path=script.filename, script_sha256=sha,
-                       steps=config.steps, parent_run_id=config.parent_run_id).run_id for n, level in names]
+    return [Run.create(writer, queued=True, config={"run": config.to_dict()}, script_sha256=sha,
+                       default_name=os.path.basename(script.filename), script_path=script.filename).run_id
+            for config in configs]
 
 
 def store_key(store_path: str | os.PathLike) -> str:

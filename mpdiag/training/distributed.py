@@ -123,19 +123,19 @@ def sharded_loss_scaler() -> type[LossScaler]:
 
 
 # -- in the launching process -------------------------------------------------------------------------------
-def launch(script: ModelScript, config, store_path: str | os.PathLike, run_fields: dict) -> int:
+def launch(script: ModelScript, config, store_path: str | os.PathLike, run_facts: dict) -> int:
     """Run ``script`` under ``config`` on ``config.nproc`` processes through torch's elastic launcher; returns
-    the run id. ``run_fields`` are the run row's fields (see ``runner._run_fields``)."""
+    the run id. ``run_facts``: what the run row says besides what ``config`` states (see ``runner._run_facts``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    device = torch.device(run_fields["device"])
+    device = torch.device(run_facts["device"])
     writer = BackgroundWriter(store_path)
     try:
         sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-        fields = {**run_fields, "script_sha256": sha, "world_size": config.nproc, "backend": backend_for(device),
-                  "launch_command": shlex.join(sys.orig_argv)}
-        run_id = Run.create(writer, **fields).run_id  # running from now on: rank 0 adopts it
+        run_id = Run.create(writer, config={"run": config.to_dict()}, **run_facts, script_sha256=sha,
+                            world_size=config.nproc, backend=backend_for(device),
+                            launch_command=shlex.join(sys.orig_argv)).run_id  # running from now on: rank 0 adopts it
     finally:
         writer.close()
     with tempfile.TemporaryDirectory(prefix="mpdiag-job-") as folder:

@@ -27,7 +27,7 @@ import torch
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
-from mpdiag.options import ConfigError, RunConfig, rerun_name
+from mpdiag.options import TWIN_LABEL, ConfigError, RunConfig, rerun_name
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
@@ -109,28 +109,16 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     }
 
 
-def _run_fields(script: ModelScript, config: RunConfig, device: torch.device, sha: str, policy) -> dict:
-    fields = dict(
-        name=config.name or os.path.basename(script.filename),
+def _run_facts(script: ModelScript, device: torch.device) -> dict:
+    """What a run's row says besides what its configuration states (:func:`mpdiag.recording.run.columns_from`):
+    the script it runs, the device ``auto`` resolved to, and this process's torch."""
+    return dict(
+        default_name=os.path.basename(script.filename),
         script_path=script.filename,
-        script_sha256=sha,
-        opt_level=config.opt_level,
-        scaling=policy.scaling_mode,
-        seed=config.seed,
-        steps=config.steps,
-        every=config.every,
         device=str(device),
         gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         torch_version=torch.__version__,
-        parent_run_id=config.parent_run_id,
-        config={"run": config.to_dict()},
     )
-    if policy.scaling_mode == "dynamic":
-        fields.update({k: getattr(config, k) for k in ("init_scale", "growth_factor", "backoff_factor",
-                                                        "growth_interval", "min_scale", "max_scale")})
-    elif policy.scaling_mode == "static":
-        fields.update(loss_scale=policy.scaler.static)
-    return fields
 
 
 def _raise_stop(signum, frame):
@@ -154,13 +142,14 @@ def train(
     device = resolve_device(config.device)
     policy = make_policy(config, device)
     if config.nproc > 1 and run_id is None:
-        return distributed.launch(script, config, store_path, _run_fields(script, config, device, None, policy))
+        return distributed.launch(script, config, store_path, _run_facts(script, device))
     job = distributed.RankJob.join(config.parallel, device) if config.nproc > 1 else None
     writer = BackgroundWriter(store_path) if job is None or job.is_writer else DiscardingWriter()
     try:
         if run_id is None:
             sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-            run = Run.create(writer, **_run_fields(script, config, device, sha, policy))
+            run = Run.create(writer, config={"run": config.to_dict()}, script_sha256=sha,
+                             **_run_facts(script, device))
             output = None if console is None else OutputKeeper(writer, [run.run_id], console)
         else:  # a rank of a launched job: the launcher created the run
             run, output = Run.adopt(writer, run_id, config={"run": config.to_dict()}), None
@@ -307,6 +296,11 @@ def _add_mean(total: list | None, grads: list, k: int) -> list:
     return [a if b is None else b if a is None else a + b for a, b in zip(total, parts, strict=True)]
 
 
+def fp32_twin_of(script: ModelScript, config: RunConfig) -> RunConfig:
+    """The configuration of ``config``'s FP32 twin (``--pair``), named after the run it is the twin of."""
+    return config.fp32_twin(name=(config.name or os.path.basename(script.filename)) + TWIN_LABEL)
+
+
 def train_pair(
     script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
     console=None,
@@ -314,7 +308,7 @@ def train_pair(
     """Run ``config`` and an O0 twin (same seed, hence same initial weights and batches) and link them.
     Returns (mixed run id, FP32 run id). ``console`` (see :func:`train`): the twin's kept output is the
     command's, so it starts with the first run's."""
-    twin = config.fp32_twin(name=f"{config.name or os.path.basename(script.filename)} (FP32 twin)")
+    twin = fp32_twin_of(script, config)
     mixed_id = train(script, config, store_path, progress, console=console)
     fp32_id = train(script, twin, store_path, progress, console=console)
     writer = BackgroundWriter(store_path, heartbeat=False)

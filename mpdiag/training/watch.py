@@ -703,11 +703,12 @@ class WatchSession:
         self.writer = DiscardingWriter() if RankContext.launched_as_other_rank() else BackgroundWriter(store)
         try:
             settings = config.settings()
+            # the level and every are the settings'; the scaling and device are the script's, known once its
+            # first optimizer step is (Watcher._start_recorder)
             self.run = Run.create(
-                self.writer, name=config.name or os.path.basename(config.target), script_path=None if config.module
-                or config.bundle else os.path.abspath(config.target), opt_level=config.opt_level or "custom",
-                scaling="none", every=config.every, device="cpu", torch_version=torch.__version__,
-                config={"watch": settings}, parent_run_id=config.parent_run_id)
+                self.writer, config={"watch": settings}, name=config.name or os.path.basename(config.target),
+                script_path=None if config.module or config.bundle else os.path.abspath(config.target),
+                scaling="none", device="cpu", torch_version=torch.__version__, parent_run_id=config.parent_run_id)
             self.run_id = self.run.run_id
             self.watcher = Watcher(config, self.run)
             self.watcher._optimizers.extend(weakref.ref(opt) for opt in optimizers)

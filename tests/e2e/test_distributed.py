@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT as REPOSITORY
+from run_rows import assert_columns_say_the_config, stored_row
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.dashboard.untrusted import plain
@@ -228,6 +229,7 @@ def test_every_level_the_readme_promises_runs_distributed(tmp_path, parallel, le
     assert (done.returncode, run["status"], run["steps_done"], run["world_size"]) == (0, "finished", 2, 2), \
         (run["error"], done.stderr[-2000:])
     assert run["opt_level"] == level and run["config"]["run"]["parallel"] == parallel
+    assert_columns_say_the_config(stored_row(store_path, run["run_id"]))  # the launcher's run row, as rank 0 left it
 
 
 @pytest.mark.parametrize("watched", [False, True], ids=["recorder", "watched"])
