@@ -100,7 +100,9 @@ class Option:
     ``choices``: the levels a ``level`` option takes. ``no_flag`` / ``no_widget`` say why the option has no
     command-line flag / no widget in its mode's form. ``modes``: the commands it applies to; ``watch``: what it
     is under watch where that differs (:meth:`in_mode`). ``widget``: hints for a form that builds its widget from
-    the table (label, widget bounds, help in the form's words).
+    the table (label, widget bounds, help in the form's words; a ``device``'s ``choices``; a ``loss_scale``'s
+    ``static_label`` and ``static_value``, its static scale's picker and where it starts; ``powers_of_two``: a
+    float picked among powers of two).
     """
 
     default: Any
@@ -256,6 +258,7 @@ _SHADOW_HELP = ("every N steps, compare each tensor's gradient with an FP32 comp
                 "batch (0: off)")
 _FP8_HELP = ("record, per logged step, what an FP8 recipe would cast in every nn.Linear (input, weight, output "
              "gradient): exponent histograms, scales and lost values (FP8 page)")
+_DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 #: why the watch form has no FP8 widgets: it records no FP8 statistics
 _FP8_WATCH_FORM = "the watch form records no FP8 statistics: `mpdiag watch --fp8` does"
 
@@ -266,13 +269,17 @@ class RunConfig:
     (see :data:`OPTIONS`); :meth:`validate` checks them all and how they combine."""
 
     opt_level: str = option("O1", "opt level: " + "; ".join(f"{k}: {v.summary}" for k, v in LEVELS.items()), "level",
+                            widget={"label": "Opt level",
+                                    "help": "\n".join(f"{k}: {v.summary}" for k, v in LEVELS.items())},
                             watch={"default": None, "choices": WATCH_LEVEL_NAMES, "widget": _WATCH_LEVEL_WIDGET,
                                    "help": f"{', '.join(WATCH_LEVEL_NAMES[:-1])} or {WATCH_LEVEL_NAMES[-1]}: override "
                                            "the script's autocast and GradScaler settings (default: leave them alone)"})
     loss_scale: str | float | None = option(
         None, "'dynamic', or a number for a static scale; default: the level's own", "loss_scale",
-        levels=SCALING_LEVELS, above=0)
+        levels=SCALING_LEVELS, above=0,
+        widget={"label": "Loss scaling", "static_label": "Static scale", "static_value": 2.0**7})
     init_scale: float = option(2.0**16, "initial dynamic loss scale", "float", levels=SCALING_LEVELS, above=0,
+                               widget={"label": "Initial scale (dynamic)", "powers_of_two": True},
                                watch={"default": None, "levels": ALL_LEVELS,
                                       "help": "initial scale of every GradScaler the script creates",
                                       "widget": {"label": "Initial loss scale", "min_value": 2.0**-24,
@@ -307,7 +314,10 @@ class RunConfig:
                "widget": {"label": "FP32 shadow every N steps", "max_value": 1_000_000,
                           "help": _SHADOW_HELP + ". Under watch: the model's forward is replayed in FP32 from the "
                                   "gradient its outputs received (step 0 is never compared)."}})
-    device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]", "device")
+    device: str = option("auto", _DEVICE_HELP, "device",
+                         widget={"label": "Device", "choices": ("auto", "cpu", "cuda"),
+                                 "help": _DEVICE_HELP + ". A CUDA device must exist where the run starts; if not, "
+                                                        "the run refuses to start and says so."})
     name: str | None = option(None, "display name of the run", "text",
                               watch={"help": "display name of the run (default: the script's file name)",
                                      "no_widget": "a watched run is named after its command, a rerun after its "

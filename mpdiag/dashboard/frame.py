@@ -387,7 +387,6 @@ FORM_KEYS = {"opt_level": "level", "steps": "steps", "seed": "seed", "device": "
              "backoff_factor": "backoff", "min_scale": "min_scale", "max_scale": "max_scale", "every": "every",
              "trace_modules": "trace", "fp8": "fp8", "name": "name", "nproc": "nproc", "parallel": "parallel",
              "stop_on": "stop_on"}
-DEVICES = ["auto", "cpu", "cuda"]
 
 
 AS_RECORDED = "as the script sets it"
@@ -424,9 +423,17 @@ def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
     if disabled:
         key, value = f"{key}_off", spec.default
     if spec.kind == "level":
-        levels = [AS_RECORDED, *spec.choices]
+        # an optional level (watch's) may be left to the script
+        levels = [*([AS_RECORDED] if spec.default is None else []), *spec.choices]
         level = container.selectbox(label, levels, index=levels.index(value or AS_RECORDED), key=key, help=help_text)
         return None if level == AS_RECORDED else level
+    if spec.kind == "device":
+        devices = [*hints["choices"], *([value] if value not in hints["choices"] else [])]  # a rerun's cuda:1 too
+        return container.selectbox(label, devices, index=devices.index(value), key=key, help=help_text)
+    if spec.kind == "loss_scale":
+        return loss_scale_widget(container, value, key, label, help_text, hints)
+    if hints.pop("powers_of_two", False):
+        return scale_picker(container, label, value, key, help_text)
     if spec.kind == "flag":
         return container.checkbox(label, bool(value), key=key, help=help_text, disabled=bool(disabled))
     if spec.kind == "int":
@@ -437,6 +444,31 @@ def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
     number = container.number_input(label, value=None if value is None else float(value), format="%g", key=key,
                                     help=help_text, disabled=bool(disabled), **hints)
     return None if number is None else float(number)
+
+
+#: how the run form offers ``loss_scale``: the level's own scaling (None), dynamic, or a static scale
+SCALING_MODES = ("level default", "dynamic", "static")
+
+
+def loss_scale_widget(container, value, key: str, label: str, help_text: str, hints: dict) -> str | float | None:
+    """``--loss-scale`` as the run form sets it: a mode, and the scale when static (its picker labelled and
+    started as the table's hints say); returns None (the level's own), "dynamic" or the static scale."""
+    current = 0 if value is None else 1 if value == "dynamic" else 2
+    mode = container.radio(label, SCALING_MODES, index=current, horizontal=True, key=key, help=help_text)
+    if mode == "static":
+        static = value if current == 2 else hints["static_value"]
+        # the mode radio already holds ``key``: the static value needs a key of its own
+        return scale_picker(container, hints["static_label"], static, f"{key}_static", help_text)
+    return "dynamic" if mode == "dynamic" else None
+
+
+def scale_picker(container, label: str, value: float, key: str, help_text: str) -> float:
+    """A loss scale among the powers of two 2^0..2^24, and ``value`` when it is not one (a value is never changed
+    by not touching it)."""
+    choices = sorted({2.0**k for k in range(25)} | {float(value)})
+    return container.select_slider(label, choices, value=float(value), key=key, help=help_text,
+                                   format_func=lambda v: f"2^{math.log2(v):g}" if math.log2(v).is_integer()
+                                   else f"{v:g}")
 
 
 #: the events --stop-on names, as a form offers them
@@ -505,19 +537,8 @@ def _widget(name: str, key: dict[str, str], base: RunConfig, container=st, disab
 
 def _level_and_length(key: dict[str, str], base: RunConfig) -> dict:
     """The first row: opt level, steps, seed and device."""
-    levels = list(LEVELS)
-    cols = st.columns(4)
-    chosen = {"opt_level": cols[0].selectbox(
-        "Opt level", levels, index=levels.index(base.opt_level), key=key["opt_level"],
-        help="\n".join(f"{k}: {v.summary}" for k, v in LEVELS.items()))}
-    chosen["steps"] = _widget("steps", key, base, cols[1])
-    chosen["seed"] = _widget("seed", key, base, cols[2])
-    devices = DEVICES + ([base.device] if base.device not in DEVICES else [])
-    chosen["device"] = cols[3].selectbox(
-        "Device", devices, index=devices.index(base.device), key=key["device"],
-        help=OPTIONS["device"].help + ". A CUDA device must exist where the run starts; if not, the run refuses "
-        "to start and says so.")
-    return chosen
+    names = ("opt_level", "steps", "seed", "device")
+    return {name: _widget(name, key, base, column) for name, column in zip(names, st.columns(4), strict=True)}
 
 
 def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: pd.Series | None,
@@ -582,26 +603,13 @@ def _validated(base: RunConfig, chosen: dict, pair: bool, parent: pd.Series | No
 
 
 def _scaling_options(key: dict[str, str], base: RunConfig, level: str) -> dict:
-    """Loss-scale widgets, defaults from ``base``; returns the options they set. The scale pickers offer powers
-    of two, and the base's own value when it is not one (a value is never changed by not touching it)."""
-    modes = ["level default", "dynamic", "static"]
-    current = 0 if base.loss_scale is None else 1 if base.loss_scale == "dynamic" else 2
-    mode = st.radio("Loss scaling", modes, index=current, horizontal=True, key=key["loss_scale"],
-                    help=OPTIONS["loss_scale"].help)
-
-    def scale_picker(label: str, name: str, value: float, widget_key: str) -> float:
-        choices = sorted({2.0**k for k in range(25)} | {float(value)})
-        return st.select_slider(label, choices, value=float(value), key=widget_key, help=OPTIONS[name].help,
-                                format_func=lambda v: f"2^{math.log2(v):g}" if math.log2(v).is_integer() else f"{v:g}")
-
-    if mode == "static":
-        static = base.loss_scale if current == 2 else 2.0**7
-        # the mode radio already holds key["loss_scale"]: the static value needs a key of its own
-        return {"loss_scale": scale_picker("Static scale", "loss_scale", static, f"{key['loss_scale']}_static")}
-    options: dict = {"loss_scale": "dynamic" if mode == "dynamic" else None}
-    if mode != "dynamic" and LEVELS[level].default_scaling != "dynamic":
-        return options  # the level's own static scale: no dynamic settings to show
-    options["init_scale"] = scale_picker("Initial scale (dynamic)", "init_scale", base.init_scale, key["init_scale"])
+    """Loss-scale widgets, defaults from ``base``; returns the options they set: the scaling, and the dynamic
+    scaler's settings unless the scale is static (given, or the level's own)."""
+    scale = _widget("loss_scale", key, base)
+    options = {"loss_scale": scale}
+    if scale not in (None, "dynamic") or (scale is None and LEVELS[level].default_scaling != "dynamic"):
+        return options  # a static scale: no dynamic settings to show
     names = ("growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale")
+    options["init_scale"] = _widget("init_scale", key, base)
     options.update({name: _widget(name, key, base, column) for name, column in zip(names, st.columns(5), strict=True)})
     return options

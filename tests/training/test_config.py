@@ -132,6 +132,39 @@ def _run_form():
     st.session_state["options"] = run_options_form("t")
 
 
+def _with_widget(monkeypatch, name: str, **hints) -> None:
+    """Change option ``name``'s widget hints in the options table for this test."""
+    spec = OPTIONS[name]
+    monkeypatch.setitem(OPTIONS, name, dataclasses.replace(spec, widget=tuple({**dict(spec.widget), **hints}.items())))
+
+
+def test_the_run_forms_level_device_and_loss_scale_widgets_come_from_the_table(monkeypatch):
+    """The widgets read their rows of the options table: relabelled there, offered other devices or another static
+    scale to start from, the form follows; the values they set are the command line's."""
+    at = AppTest.from_function(_run_form, default_timeout=30).run()
+    level, device, mode = at.selectbox(key="t_level"), at.selectbox(key="t_device"), at.radio(key="t_mode")
+    assert (level.label, level.value, level.options) == ("Opt level", "O1", list(LEVELS))
+    assert (device.label, device.value, device.options) == ("Device", "auto", ["auto", "cpu", "cuda"])
+    assert device.help.startswith(OPTIONS["device"].help + ". A CUDA device must exist")
+    assert (mode.label, mode.value, mode.help) == ("Loss scaling", "level default", OPTIONS["loss_scale"].help)
+
+    _with_widget(monkeypatch, "opt_level", label="Precision", help="the level")
+    _with_widget(monkeypatch, "device", label="Where", choices=("cpu", "cuda:3"))
+    _with_widget(monkeypatch, "loss_scale", label="Scaling", static_label="Fixed scale", static_value=2.0**5)
+    _with_widget(monkeypatch, "init_scale", label="First scale")
+    at = AppTest.from_function(_run_form, default_timeout=30).run()
+    level, device = at.selectbox(key="t_level"), at.selectbox(key="t_device")
+    assert (level.label, level.help, device.label, device.options) == ("Precision", "the level", "Where",
+                                                                        ["cpu", "cuda:3", "auto"])  # auto: the value
+    assert at.radio(key="t_mode").label == "Scaling" and at.select_slider(key="t_init").label == "First scale"
+    device.set_value("cuda:3").run()
+    at.radio(key="t_mode").set_value("static").run()
+    static = at.select_slider(key="t_mode_static")
+    assert (static.label, static.value) == ("Fixed scale", 2.0**5)
+    assert at.session_state["options"] == {"opt_level": "O1", "device": "cuda:3", "loss_scale": 32.0}
+    assert RunConfig().with_options(**at.session_state["options"]).validate() is None
+
+
 @pytest.mark.parametrize("form, key", [(_run_form, "t_stop_on"), (_watch_form, "t_watch_stop_on")])
 def test_both_forms_set_stop_on_as_the_command_line_takes_it(form, key):
     """--stop-on from a form: the events picked, skips with its count, in the text StopOn parses (the CLI's)."""
