@@ -235,6 +235,10 @@ def _stored_config(config: RunConfig, optimizer: torch.optim.Optimizer, found: d
     return stored
 
 
+class _BatchesRanOut(Exception):
+    """The script's batches ended before ``config.steps``; the message is the run's note."""
+
+
 def _loop(built, model, optimizer, policy, recorder, config, device, progress, run: Run,
           shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
@@ -242,31 +246,15 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
     recorder.events.configure(config.stop_on, announce=True)  # --stop-on, and one stderr line per event
     batches = built.batches()
     scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
-    k = built.accumulate
     reported = None  # the latest step given to progress
     for step in range(config.steps):
         shadow_step = shadow is not None and step % config.shadow_every == 0
-        reference = None  # the FP32 shadow's gradient of this step (the mean over its micro-batches)
-        losses = []
         policy.zero_grad(optimizer)
-        for micro in range(k):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                partial = f" (the {micro} micro-batches of step {step} were not stepped)" if micro else ""
-                return f"the script's batches ran out after {step} of {config.steps} steps{partial}"
-            if step == 0 and micro == 0:
-                size = batch_size_of(batch)
-                run.describe(batch_size=size)
-            batch = to_device(batch, device)
-            state = rng_state(device) if shadow_step else None
-            with policy.autocast():
-                loss = built.loss_fn(model, batch)
-            policy.backward(loss / k if k > 1 else loss)  # accumulated gradients are those of the mean loss
-            losses.append(loss.detach().float())
-            if shadow_step:
-                reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
-        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        try:
+            loss, reference = _forward_backward(built, model, policy, batches, device, step, config.steps, run,
+                                                shadow if shadow_step else None)
+        except _BatchesRanOut as out:
+            return str(out)
         recorder.record(loss)
         if recorder.events.stop_reason is not None:  # --stop-on: this step is not stepped; close() says why
             return None
@@ -278,14 +266,46 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
             # the whole stored configuration now, so a run that fails later still shows it with its optimizer
             run.describe(config=_stored_config(config, optimizer, found))
         if scheduler is not None:
-            with warnings.catch_warnings():
-                # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                scheduler.step()
+            _advance(scheduler)
         if progress is not None and recorder.last_loss_step not in (None, reported):
             reported = recorder.last_loss_step  # on a GPU the loss arrives a step late: no extra sync
             progress(run.run_id, reported, recorder.last_loss)
     return None
+
+
+def _forward_backward(built, model, policy, batches, device, step: int, steps: int, run: Run,
+                      shadow: Fp32Shadow | None) -> tuple[torch.Tensor, list | None]:
+    """Step ``step``'s forward and backward passes over its ``built.accumulate`` micro-batches; returns the
+    step's loss (their mean) and, with ``shadow`` (a step compared with FP32), the FP32 gradient of the same
+    batches. Raises _BatchesRanOut when the script's batches end first."""
+    k = built.accumulate
+    reference = None  # the FP32 shadow's gradient of this step (the mean over its micro-batches)
+    losses = []
+    for micro in range(k):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            partial = f" (the {micro} micro-batches of step {step} were not stepped)" if micro else ""
+            raise _BatchesRanOut(f"the script's batches ran out after {step} of {steps} steps{partial}") from None
+        if step == 0 and micro == 0:
+            run.describe(batch_size=batch_size_of(batch))
+        batch = to_device(batch, device)
+        state = rng_state(device) if shadow is not None else None
+        with policy.autocast():
+            loss = built.loss_fn(model, batch)
+        policy.backward(loss / k if k > 1 else loss)  # accumulated gradients are those of the mean loss
+        losses.append(loss.detach().float())
+        if shadow is not None:
+            reference = _add_mean(reference, shadow.gradients(model, batch, state), k)
+    return (losses[0] if k == 1 else torch.stack(losses).mean()), reference
+
+
+def _advance(scheduler) -> None:
+    """Step the script's LR schedule once per optimizer step."""
+    with warnings.catch_warnings():
+        # a step GradScaler skipped still advances the schedule (LR at step t is the schedule's value t)
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
 
 
 def _add_mean(total: list | None, grads: list, k: int) -> list:
