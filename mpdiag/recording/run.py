@@ -123,8 +123,6 @@ class Run:
         self.state = state  # "queued", "running" or "ended" (as far as this handle knows)
 
     # -- making one -----------------------------------------------------------------------------------------
-    columns_from = staticmethod(columns_from)
-
     @classmethod
     def create(cls, writer, *, config: dict[str, Any] | None = None, queued: bool = False,
                default_name: str | None = None, **fields) -> Run:
