@@ -281,7 +281,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from mpdiag.training.script import ModelScript
+    from mpdiag.training.script_source import ModelScript  # torch-free: the script runs in the check's child
 
     check_values({"device": args.device})
     script = ModelScript.from_path(args.script)

@@ -43,8 +43,9 @@ def test_run_runs_export(tmp_path, store_path):
 
 
 def test_the_commands_that_only_read_answer_without_importing_torch(tmp_path):
-    """``runs``, ``diagnose``, ``export`` and ``--help`` read the store or the parser: torch's import (3 s)
-    is left to the commands that train, so they answer at once."""
+    """``runs``, ``diagnose``, ``export`` and ``--help`` read the store or the parser, and ``check`` hands the
+    script to a sandboxed child: torch's import (2-3 s) is left to the processes that run a model, so they answer
+    at once (a check imported torch twice, in the command and in its child)."""
     from mpdiag.training.runner import RunConfig, train
     from mpdiag.training.script import ModelScript
 
@@ -52,7 +53,8 @@ def test_the_commands_that_only_read_answer_without_importing_torch(tmp_path):
     run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level="O1", steps=2, device="cpu"),
                    store)
     for argv in (["runs", "--store", str(store)], ["diagnose", str(run_id), "--no-probe", "--store", str(store)],
-                 ["export", str(run_id), "--out", str(tmp_path / "out"), "--store", str(store)]):
+                 ["export", str(run_id), "--out", str(tmp_path / "out"), "--store", str(store)],
+                 ["check", str(EXAMPLES / "mlp_digits.py")]):  # check runs the script in its child, torch there
         assert not imports_torch(f"from mpdiag.cli import main; assert main({argv!r}) == 0"), argv
     assert not imports_torch("import mpdiag.cli")
 
