@@ -20,11 +20,16 @@ def verify_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
     st.subheader("Verify")
     if not view.rounds.empty:
         st.dataframe(view.rounds, hide_index=True, width="stretch", column_config={
-            "measured": st.column_config.NumberColumn(
-                "measured: loss vs FP32", format="percent",
-                help="Mean loss over the last quarter of the steps, relative to the FP32 reference's"),
-            "predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in a "
-                                                          "recipe that holds, so the loss tracks FP32"),
+            "measured: loss vs FP32": st.column_config.NumberColumn(
+                format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 "
+                                       "reference's"),
+            "predicted: loss": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear "
+                                                                "in a recipe that holds, so the loss tracks FP32"),
+            "predicted: memory saved (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Model state against FP32, by the 16Ψ account"),
+            "predicted: GEMM bytes saved per step (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Linear GEMM operand bytes against FP32"),
+            "measured: bytes": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
             "verdict": st.column_config.TextColumn(width="large")})
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")

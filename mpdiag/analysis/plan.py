@@ -24,6 +24,7 @@ from mpdiag.analysis.fp8_summaries import LOST_SHARE, past_threshold
 from mpdiag.analysis.summaries import FP16_LEVELS
 from mpdiag.numerics.formats import BF16, EXP_MIN, FP8_E4M3, FP16, resolution_log2
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, RECIPES, ROLES
+from mpdiag.options import MOMENT_FORMATS, command_flags
 
 #: a recipe holds a Linear when no role of it, at any recorded step, loses more than this share of its values
 #: to underflow or any value to overflow (the fp8-lost-values finding's test, past_threshold)
@@ -99,6 +100,21 @@ class Plan:
         """The plan as ``--fp8-modules`` of an fp8-sim rerun: NAME=RECIPE for every Linear."""
         return ",".join(f"{layer.layer}={layer.choice}" for layer in self.layers)
 
+    def rerun_options(self) -> dict:
+        """The run options that run the plan as planned: fp8-sim (a BF16 run) or fp8-sim-fp16 with dynamic loss
+        scaling from 2^k (an FP16 run), a recipe per Linear, and the moments held in their planned format ("": as
+        the optimizer keeps them, FP32, or no moments)."""
+        fp16 = self.run_precision == "fp16"
+        options = {"opt_level": "fp8-sim-fp16" if fp16 else "fp8-sim", "fp8_modules": self.module_flag(),
+                   "moment_format": self.moment_format if self.moment_format in MOMENT_FORMATS else ""}
+        if fp16:
+            options["init_scale"] = 2.0**self.loss_scale_log2
+        return options
+
+    def flags(self) -> str:
+        """:meth:`rerun_options` as command-line flags (an unset moments' format left out)."""
+        return command_flags({k: v for k, v in self.rerun_options().items() if v != ""})
+
     def table(self) -> pd.DataFrame:
         """One row per Linear: layer, choice (its label), evidence, predicted memory and GEMM bytes saved
         against FP32 (per step for the GEMMs)."""
@@ -115,7 +131,7 @@ class Plan:
     def config_text(self) -> str:
         """The plan as a config a user can take: the mpdiag flags of its rerun, then a Transformer-Engine-style
         recipe per module."""
-        lines = [f"# mpdiag: rerun it\n--opt-level fp8-sim --fp8-modules {self.module_flag()}",
+        lines = [f"# mpdiag: rerun it\n{self.flags()}",
                  "# Transformer Engine style: the recipe each Linear runs under"]
         lines += [f"{layer.layer}: {TE_RECIPES[layer.choice]}" for layer in self.layers]
         return "\n".join(lines)

@@ -13,18 +13,17 @@ import pandas as pd
 
 from mpdiag.analysis.compare import reference_run
 from mpdiag.analysis.plan import (
-    FP8_CLASS,
     LABELS,
     MAX_ROUNDS,
-    TRACK_RTOL,
     Plan,
     after_round,
     plan_run,
     tracks,
 )
-from mpdiag.analysis.plan_verify import ROUND_LABEL
+from mpdiag.analysis.plan_verify import BYTES_UNMEASURED as BYTES_UNMEASURED  # the page's table says it
+from mpdiag.analysis.plan_verify import REFERENCE_OPTIONS, round_options, round_row
 from mpdiag.dashboard import reads
-from mpdiag.options import RERUN_MARK
+from mpdiag.options import FP8_SIM_LEVELS
 from mpdiag.store import Store
 
 MB = 1e6
@@ -65,9 +64,9 @@ def _bytes(parts: dict[str, float], names: dict[str, str]) -> pd.DataFrame:
 
 
 def verify_rounds(runs: pd.DataFrame, source: int) -> pd.DataFrame:
-    """The source's reruns that ran a plan (fp8-sim with ``--fp8-modules``), oldest first."""
+    """The source's reruns that ran a plan (fp8-sim or fp8-sim-fp16 with ``--fp8-modules``), oldest first."""
     ran = runs["config"].map(lambda c: ((c or {}).get("run") or {}).get("fp8_modules") or "")
-    mine = runs[(runs["parent_run_id"] == source) & (runs["opt_level"] == "fp8-sim") & (ran != "")]
+    mine = runs[(runs["parent_run_id"] == source) & runs["opt_level"].isin(FP8_SIM_LEVELS) & (ran != "")]
     return mine.assign(fp8_modules=ran[mine.index]).sort_values("run_id")
 
 
@@ -92,30 +91,27 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
         reference_steps = reads.steps(store, reference, reads.is_final(reference_run_row))
         domain.append(f"#{reference} FP32 reference")
         curves.append(reference_steps[["step", "loss"]].assign(run=domain[-1]))
-    next_plan, next_options = plan, None
+    next_plan, next_options, ran_plan = plan, None, plan
     for number, (_, done) in enumerate(found.iterrows(), 1):
         steps = reads.steps(store, int(done["run_id"]), reads.is_final(done))
         tracked, rel, said = tracks(curves[0], steps) if curves else (False, float("nan"), "no FP32 reference")
         finished = done["status"] == "finished"
-        fp8 = sum(1 for pair in done["fp8_modules"].split(",") if pair.split("=")[-1] in FP8_CLASS)
-        rows.append({"round": number, "run": int(done["run_id"]), "status": done["status"],
-                     "FP8/FP4 Linears": fp8,
-                     "predicted": f"tracks FP32 within {TRACK_RTOL:.0%}",
-                     "measured": rel, "verdict": said if finished else f"{done['status']}: {said}"})
+        rows.append({**round_row(number, int(done["run_id"]), ran_plan, rel, said if finished else
+                                 f"{done['status']}: {said}"), "status": done["status"]})
         if len(domain) < 4:  # the chart layer's four run colours: the reference and three rounds
             domain.append(f"#{int(done['run_id'])} round {number}")
             curves.append(steps[["step", "loss"]].assign(run=domain[-1]))
         next_plan = after_round(plan, done["fp8_modules"], tracked) if finished else None
         if next_plan is None:
             break
-    count, name = len(rows), str(run["name"]).split(RERUN_MARK)[0]
+        ran_plan = next_plan
+    count = len(rows)
     verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
     what = ""
     if reference is None:
-        next_options, what = {"opt_level": "O0", "fp8": False}, "Run the FP32 reference (an O0 rerun) first"
+        next_options, what = dict(REFERENCE_OPTIONS), "Run the FP32 reference (an O0 rerun) first"
     elif next_plan is not None and count < MAX_ROUNDS:
-        next_options = {"opt_level": "fp8-sim", "fp8": False, "fp8_recipe": "delayed", "fp8_bf16_modules": "",
-                        "fp8_modules": next_plan.module_flag(), "name": f"{name}{RERUN_MARK}{ROUND_LABEL} {count + 1}"}
+        next_options = round_options(next_plan, str(run["name"]), count + 1)
         what = f"Verify: rerun the plan (round {count + 1} of at most {MAX_ROUNDS})"
     return PlanView(plan, None, table, memory, gemm, pd.DataFrame(rows),
                     pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(), domain, reference,
