@@ -352,14 +352,21 @@ def tracks(reference: pd.DataFrame, steps: pd.DataFrame) -> tuple[bool, float, s
 
 def after_round(plan: Plan, ran: str, tracked: bool) -> Plan | None:
     """The plan of the next verify round from ``plan`` (the source's) and the last round's ``--fp8-modules``
-    (``ran``) and outcome: the Linears that round ran in BF16 but ``plan`` did not were promoted before it;
-    a failed round promotes one more (:func:`next_promotion`). None when the round tracked or none is left."""
+    (``ran``) and outcome: the plan as that round ran it (:func:`as_ran`); a failed round promotes one more
+    (:func:`next_promotion`). None when the round tracked or none is left."""
+    plan = as_ran(plan, ran)
+    layer = None if tracked else next_promotion(plan)
+    return None if layer is None else plan.promoted(layer)
+
+
+def as_ran(plan: Plan, ran: str) -> Plan:
+    """``plan`` (the source's) as a verify round with ``--fp8-modules`` ``ran`` ran it: the Linears that round
+    ran in BF16 but ``plan`` did not were promoted before it."""
     ran_in = dict(pair.split("=", 1) for pair in ran.split(",") if "=" in pair)
     for layer in plan.layers:
         if ran_in.get(layer.layer) == "bf16" and layer.choice != "bf16":
             plan = plan.promoted(layer.layer)
-    layer = None if tracked else next_promotion(plan)
-    return None if layer is None else plan.promoted(layer)
+    return plan
 
 
 def next_promotion(plan: Plan) -> str | None:

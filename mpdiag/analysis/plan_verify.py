@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpdiag.analysis.compare import reference_run
-from mpdiag.analysis.plan import LABELS, MAX_ROUNDS, TRACK_RTOL, Plan, next_promotion, plan_run, tracks
+from mpdiag.analysis.plan import LABELS, MAX_ROUNDS, TRACK_RTOL, Plan, as_ran, next_promotion, plan_run, tracks
 from mpdiag.options import RERUN_MARK
 from mpdiag.store import Store
 
@@ -107,17 +107,20 @@ def in_process(store_path: str | os.PathLike, progress: ProgressFn | None = None
 
 
 def verify(store_path: str | os.PathLike, run_id: int, rounds: int = MAX_ROUNDS,
-           progress: ProgressFn | None = None, rerun: RerunFn | None = None) -> tuple[int, list[Round]]:
+           progress: ProgressFn | None = None, rerun: RerunFn | None = None, first: int = 1,
+           first_modules: str = "") -> tuple[int, list[Round]]:
     """(FP32 reference id, the rounds run) of verifying ``run_id``'s plan: each round reruns the source with the
     plan as planned (:func:`round_options`), for the source's steps and seed, through ``rerun`` (default: in
-    this process)."""
+    this process). ``first``: the number of the first round to run, where earlier ones were run before (the Plan
+    page goes on from the rounds it found), whose plan ran ``first_modules`` (its promotions: :func:`as_ran`);
+    rounds up to ``rounds`` in all."""
     store = Store(store_path, create=False)
     rerun = rerun or in_process(store.path, progress)
-    plan = plan_run(store, run_id)
+    plan = as_ran(plan_run(store, run_id), first_modules)
     reference = fp32_reference(store, run_id, rerun)
     name = str(store.run(run_id)["name"])
     done: list[Round] = []
-    for number in range(1, rounds + 1):
+    for number in range(first, rounds + 1):
         new = rerun(int(run_id), round_options(plan, name, number))
         tracked, rel, said = tracks(store.steps(reference), store.steps(new))
         done.append(Round(new, plan, tracked, rel, said))
