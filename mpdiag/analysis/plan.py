@@ -138,9 +138,13 @@ class Plan:
 
     def promoted(self, layer: str) -> Plan:
         """This plan with ``layer`` moved to BF16 (a verify round broke training), its accounts recomputed."""
-        layers = [replace(one, choice="bf16", worst_share=0.0, evidence=f"promoted to BF16 by a verify round "
-                          f"(was {LABELS[one.choice]}: {one.evidence})") if one.layer == layer else one
-                  for one in self.layers]
+        return self.moved(layer, "bf16", "promoted to BF16 by a verify round", 0.0)
+
+    def moved(self, layer: str, choice: str, why: str, worst_share: float) -> Plan:
+        """This plan with ``layer`` in ``choice`` for the reason ``why`` (its evidence keeps what it was), with
+        ``worst_share`` as its closeness to the threshold, its accounts recomputed."""
+        layers = [replace(one, choice=choice, worst_share=worst_share, evidence=f"{why} (was {LABELS[one.choice]}: "
+                          f"{one.evidence})") if one.layer == layer else one for one in self.layers]
         return _with_accounts(replace(self, layers=layers), self.memory.get("params", 0))
 
 
@@ -360,12 +364,17 @@ def after_round(plan: Plan, ran: str, tracked: bool) -> Plan | None:
 
 
 def as_ran(plan: Plan, ran: str) -> Plan:
-    """``plan`` (the source's) as a verify round with ``--fp8-modules`` ``ran`` ran it: the Linears that round
-    ran in BF16 but ``plan`` did not were promoted before it."""
+    """``plan`` (the source's) as a verify round with ``--fp8-modules`` ``ran`` ran it, each Linear in the recipe
+    it ran: one the round ran in BF16 but ``plan`` did not was promoted before it; one it ran in another recipe
+    than planned (the flags changed by hand) is said so, with a worst share of 1, as its evidence did not hold it
+    there: a failed round promotes it first."""
     ran_in = dict(pair.split("=", 1) for pair in ran.split(",") if "=" in pair)
     for layer in plan.layers:
-        if ran_in.get(layer.layer) == "bf16" and layer.choice != "bf16":
+        recipe = ran_in.get(layer.layer, layer.choice)
+        if recipe == "bf16" and layer.choice != "bf16":
             plan = plan.promoted(layer.layer)
+        elif recipe != layer.choice and recipe in LABELS:
+            plan = plan.moved(layer.layer, recipe, f"run in {LABELS[recipe]}, not as planned", 1.0)
     return plan
 
 

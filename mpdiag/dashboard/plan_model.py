@@ -18,6 +18,7 @@ from mpdiag.analysis.plan import (
     MAX_ROUNDS,
     Plan,
     after_round,
+    as_ran,
     plan_run,
     tracks,
 )
@@ -110,7 +111,7 @@ def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) ->
         reference_steps = reads.steps(store, reference, reads.is_final(reference_run_row))
         domain.append(f"#{reference} FP32 reference")
         curves.append(reference_steps[["step", "loss"]].assign(run=domain[-1]))
-    next_plan, ran_plan, going, fraction = plan, plan, "", None
+    next_plan, going, fraction = plan, "", None
     for number, (_, done) in enumerate(verify_rounds(runs, run_id).iterrows(), 1):
         steps = reads.steps(store, int(done["run_id"]), reads.is_final(done))
         tracked, rel, said = tracks(curves[0], steps) if curves else (False, float("nan"), "no FP32 reference")
@@ -118,15 +119,15 @@ def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) ->
         if done["status"] in ("queued", "running"):
             fraction, words = run_progress(done)
             going = f"round {number} (run #{int(done['run_id'])}) is {done['status']}: {words}"
-        rows.append({**round_row(number, int(done["run_id"]), ran_plan, rel, said if finished else
-                                 f"{done['status']}: {said}"), "status": done["status"]})
+        verdict = said if finished else f"{done['status']}: {said}"
+        rows.append({**round_row(number, int(done["run_id"]), as_ran(plan, done["fp8_modules"]), rel, verdict),
+                     "status": done["status"]})
         if len(domain) < 4:  # the chart layer's four run colours: the reference and three rounds
             domain.append(f"#{int(done['run_id'])} round {number}")
             curves.append(steps[["step", "loss"]].assign(run=domain[-1]))
         next_plan = after_round(plan, done["fp8_modules"], tracked) if finished else None
         if next_plan is None:
             break
-        ran_plan = next_plan
     count = len(rows)
     verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
     found = dict(rounds=pd.DataFrame(rows), curves=pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),

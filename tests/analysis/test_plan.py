@@ -179,6 +179,9 @@ def test_plan_verify_on_the_command_line_reruns_the_plan_and_says_it_tracks(plan
     said = capsys.readouterr().out
     new = int(Store(store).runs()["run_id"].max())
     assert f"round 1: run {new} tracks FP32" in said
+    assert "  ran: run BF16; Linears: 1 FP8 current, 2 BF16; moments BF16" in said  # the plan as planned
+    assert "  predicted: the loss tracks FP32 within 5%; saves " in said and "  measured: the loss " in said
+    assert "the bytes predicted only: fp8-sim keeps FP32 weights" in said
     assert f"verified: run {new} tracks FP32 run {plan_runs.source}; take it: --opt-level fp8-sim --fp8-modules " \
            "head=current,outlier=bf16,tiny=bf16" in said
 
@@ -231,3 +234,20 @@ def test_what_is_not_recorded_is_said_not_guessed():
     assert run_precision("O0", hist, None)[:2] == ("bf16", None)
     assert run_precision("O0", hist, 10.0)[:2] == ("fp16", 16)
     assert run_precision("O0", hist, 70000.0)[:2] == ("bf16", None)
+
+
+def test_a_round_run_against_the_evidence_is_read_as_it_ran_and_promoted_first(plan_runs):
+    """The Plan page reads each round as it ran (its --fp8-modules): a round that ran the planted Linears in FP8
+    against their evidence (flags changed by hand) is read with them in FP8, and when it fails, the first of them
+    is promoted before the Linear the evidence put in FP8; a round that ran the plan is read as the plan."""
+    from mpdiag.analysis.plan import after_round, as_ran
+
+    plan = plan_run(Store(plan_runs.store), plan_runs.source)
+    assert as_ran(plan, plan.module_flag()).module_flag() == plan.module_flag()
+    by_hand = as_ran(plan, "head=current,outlier=current,tiny=current")
+    assert by_hand.module_flag() == "head=current,outlier=current,tiny=current"
+    assert next(layer for layer in by_hand.layers if layer.layer == "outlier").evidence.startswith(
+        "run in FP8 current, not as planned (was BF16: ")
+    assert after_round(plan, "head=current,outlier=current,tiny=current", tracked=False).module_flag() == \
+        "head=current,outlier=bf16,tiny=current"
+    assert by_hand.memory["bytes"]["plan"] < plan.memory["bytes"]["plan"]  # the accounts follow what ran
