@@ -360,7 +360,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"plan for run {args.run_id} ({printable(run['name'])}, {run['opt_level']}):\n{plan_text(plan)}")
     if not args.verify:
         return 0
-    from mpdiag.analysis.plan_verify import BYTES_UNMEASURED, round_row, verify
+    from mpdiag.analysis.plan_verify import BYTES_UNMEASURED, round_lines, round_row, verify
 
     reference, rounds = verify(store.path, args.run_id, progress=_progress(int(run["steps"])))
     rows = [round_row(number, done.run_id, done.plan, done.rel_diff, done.said) for number, done in enumerate(rounds, 1)]
@@ -372,12 +372,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                      for r, row in zip(rounds, rows, strict=True)]}, indent=2))
         return 0
     for done, row in zip(rounds, rows, strict=True):
-        then = f"; promoted {done.promoted} to BF16" if done.promoted else ""
-        print(f"round {row['round']}: run {done.run_id} {done.said}{then}\n  ran: {row['plan']}\n"
-              f"  predicted: the loss {row['predicted: loss']}; saves {row['predicted: memory saved (MB)']:,.3f} MB of "
-              f"model state (16Ψ) and {row['predicted: GEMM bytes saved per step (MB)']:,.3f} MB of GEMM operands "
-              f"per step against FP32\n  measured: the loss {done.rel_diff:.2%} from FP32's; the bytes "
-              f"{BYTES_UNMEASURED}")
+        print("\n  ".join(round_lines(row, done.promoted)))
     final = rounds[-1]
     print(f"verified: run {final.run_id} tracks FP32 run {reference}; take it: {final.plan.flags()}" if final.tracked
           else f"not verified in {len(rounds)} rounds: the last plan does not track FP32 run {reference}")

@@ -15,6 +15,7 @@ import streamlit as st
 from mpdiag.dashboard import actions, charts, plan_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.options import command_flags
 
 
 def verify_section(store, run: pd.Series, plan) -> None:
@@ -34,21 +35,26 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
     elif job is not None and job.ending():
         st.caption(plain(f"The verification you started ended: {job.ending()}."))
     if not view.rounds.empty:
-        st.dataframe(view.rounds, hide_index=True, width="stretch", column_config={
-            "plan": st.column_config.TextColumn("ran", width="medium", help="The round's run precision, Linears "
-                                                                            "by choice and moments' format"),
-            "measured: loss vs FP32": st.column_config.NumberColumn(
+        columns = ["round", "run", "status", "loss predicted", "loss measured", "memory saved (MB)",
+                   "GEMM saved per step (MB)", "bytes measured", "ran", "verdict"]
+        st.dataframe(view.rounds[columns], hide_index=True, width="stretch", column_config={
+            "round": st.column_config.NumberColumn(width="small"),
+            "run": st.column_config.NumberColumn(width="small"),
+            "loss measured": st.column_config.NumberColumn(
                 format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 "
                                        "reference's"),
-            "predicted: loss": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear "
-                                                                "in a recipe that holds, so the loss tracks FP32"),
-            "predicted: memory saved (MB)": st.column_config.NumberColumn(
-                format="%.3f", help="Model state against FP32, by the 16Ψ account"),
-            "predicted: GEMM bytes saved per step (MB)": st.column_config.NumberColumn(
-                format="%.3f", help="Linear GEMM operand bytes against FP32"),
-            "measured: bytes": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
+            "loss predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in "
+                                                               "a recipe that holds, so the loss tracks FP32"),
+            "memory saved (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Predicted: model state against FP32, by the 16Ψ account"),
+            "GEMM saved per step (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Predicted: Linear GEMM operand bytes against FP32"),
+            "bytes measured": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
+            "ran": st.column_config.TextColumn(width="large", help="The round's run precision and loss scale, its "
+                                                                   "Linears by choice, its moments' format"),
             "verdict": st.column_config.TextColumn(width="large")})
-        st.caption(plain(f"Bytes: {plan_model.BYTES_UNMEASURED}."))
+        for sentence in view.said:  # the table's cells cut these sentences at 1,280 px
+            st.markdown(plain(sentence))
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
         ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
@@ -68,10 +74,27 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
         st.rerun()
 
 
+def record_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
+    """A run without FP8 statistics: why there is no plan, and the rerun that records them, on a confirmed click."""
+    run_id = int(run["run_id"])
+    st.info(plain(f"No plan for run #{run_id}: a plan is made from the FP8 statistics of every Linear, and this run "
+                  "recorded none. Rerun it in FP32 (O0, its own FP32 reference) recording them under every recipe a "
+                  "Linear can be planned in (current and delayed scaling, MXFP8, NVFP4), then open this page on the "
+                  "rerun."))
+    st.caption(plain(f"The same from a shell: python -m mpdiag rerun {run_id} "
+                     f"{command_flags(view.record_options)}. Why: {view.missing}."))
+    what = "Rerun with FP8 statistics"
+    action = actions.pending(f"{what} of run #{run_id}", run["script_path"] or run["name"], run["script_sha256"],
+                             view.record_options)
+    if actions.confirmed(what, f"plan_record_{run_id}", action, type="primary"):
+        actions.start_rerun(store, run_id, view.record_options, f"{what} (run #{run_id})")
+        st.rerun()
+
+
 def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     view = plan_model.plan_view(store, run, runs)
     if view.plan is None:
-        st.info(plain(view.missing))
+        record_section(store, run, view)
         return
     st.markdown(plain(view.run_said()))
     st.markdown(plain(view.moments_said()))

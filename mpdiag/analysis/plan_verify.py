@@ -17,6 +17,7 @@ process, so the dashboard can use this module without it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,14 +67,26 @@ def round_options(plan: Plan, source_name: str, number: int) -> dict:
 
 def round_row(number: int, run_id: int, plan: Plan, rel: float, said: str) -> dict:
     """A round as the Plan page's table and ``mpdiag plan --verify`` show it: what the plan predicted (the loss
-    tracks FP32 within TRACK_RTOL; the bytes its 16Ψ and GEMM accounts save against FP32) against what was
-    measured (the loss difference; the bytes are predicted only, BYTES_UNMEASURED)."""
+    tracks FP32 within TRACK_RTOL; the MB its 16Ψ and GEMM accounts save against FP32) against what was measured
+    (the loss difference; the bytes are predicted only, BYTES_UNMEASURED), what the round ran and the verdict."""
     memory, gemm = plan.memory.get("bytes", {}), plan.gemm
-    return {"round": number, "run": int(run_id), "plan": describe_options(plan),
-            "predicted: loss": f"tracks FP32 within {TRACK_RTOL:.0%}", "measured: loss vs FP32": rel,
-            "predicted: memory saved (MB)": (memory.get("fp32", 0.0) - memory.get("plan", 0.0)) / MB,
-            "predicted: GEMM bytes saved per step (MB)": (gemm.get("fp32", 0.0) - gemm.get("plan", 0.0)) / MB,
-            "measured: bytes": "not measured (predicted only)", "verdict": said}
+    return {"round": number, "run": int(run_id),
+            "loss predicted": f"tracks FP32 within {TRACK_RTOL:.0%}", "loss measured": rel,
+            "memory saved (MB)": (memory.get("fp32", 0.0) - memory.get("plan", 0.0)) / MB,
+            "GEMM saved per step (MB)": (gemm.get("fp32", 0.0) - gemm.get("plan", 0.0)) / MB,
+            "bytes measured": "no: predicted only", "ran": describe_options(plan), "verdict": said}
+
+
+def round_lines(row: dict, promoted: str | None) -> list[str]:
+    """A :func:`round_row` in words, a line for each of: the verdict (and the Linear it promoted for the next
+    round), what ran, what was predicted, what was measured."""
+    then = f"; promoted {promoted} to BF16 for the next round" if promoted else ""
+    rel = row["loss measured"]
+    measured = f"{rel:.2%} from FP32's" if math.isfinite(rel) else "not compared (the verdict says why)"
+    return [f"round {row['round']}: run {row['run']} {row['verdict']}{then}", f"ran: {row['ran']}",
+            f"predicted: the loss {row['loss predicted']}; saves {row['memory saved (MB)']:,.3f} MB of model state "
+            f"(16Ψ) and {row['GEMM saved per step (MB)']:,.3f} MB of GEMM operands per step against FP32",
+            f"measured: the loss {measured}; the bytes {BYTES_UNMEASURED}"]
 
 
 def describe_options(plan: Plan) -> str:

@@ -50,7 +50,7 @@ class Pending:
 
     def text(self) -> str:
         lines = [self.what, f"script: {self.script_name}", f"sha256: {self.script_sha256}"]
-        lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False]
+        lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False and v != ""]
         return "\n".join(lines)
 
 

@@ -23,13 +23,16 @@ from mpdiag.analysis.plan import (
     tracks,
 )
 from mpdiag.analysis.plan_verify import BYTES_UNMEASURED as BYTES_UNMEASURED  # the page's table says it
-from mpdiag.analysis.plan_verify import round_options, round_row
+from mpdiag.analysis.plan_verify import round_lines, round_options, round_row
 from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import reads
 from mpdiag.options import FP8_SIM_LEVELS
 from mpdiag.store import Store
 
 MB = 1e6
+#: the rerun that records what a plan is made from: FP8 statistics under every recipe a Linear can be planned in, at
+#: O0 (as docs/plan.md records a run: its own FP32 reference, and any level's run, fp8-sim's too, can rerun at it)
+RECORD_EVERY_RECIPE = {"opt_level": "O0", "fp8": True, "fp8_recipe": "both", "fp8_blocks": "mxfp8,nvfp4"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class VerifyView:
     round is still going."""
 
     rounds: pd.DataFrame  # one row per verify round found: predicted against measured
+    said: list[str]  # each round in words: verdict and promotion, what ran, predicted, measured
     curves: pd.DataFrame  # run (label), step, loss: the FP32 reference and every round
     domain: list[str]
     reference_id: int | None
@@ -55,7 +59,8 @@ class VerifyView:
 
 @dataclass(frozen=True)
 class PlanView:
-    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics)."""
+    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics) and
+    ``record_options`` the rerun that records what the plan needs."""
 
     plan: Plan | None
     missing: str | None
@@ -63,6 +68,7 @@ class PlanView:
     memory: pd.DataFrame  # configuration, MB: the 16Ψ account
     gemm: pd.DataFrame  # configuration, MB: one step's Linear GEMM operands
     verify: VerifyView | None
+    record_options: dict | None = None
 
     def run_said(self) -> str:
         plan = self.plan
@@ -91,11 +97,13 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
         plan = plan_run(store, int(run["run_id"]))
     except ValueError as exc:
         empty = pd.DataFrame()
-        return PlanView(None, str(exc), empty, empty, empty, None)
+        return PlanView(None, str(exc), empty, empty, empty, None, dict(RECORD_EVERY_RECIPE))
     table = plan.table().assign(rejected=["; ".join(f"not {LABELS[k]}: {v}" for k, v in layer.rejected.items())
                                           for layer in plan.layers])
     table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)
     table["GEMM bytes saved per step"] = table["GEMM bytes saved per step"].round().astype(int)
+    # the numbers before the sentences: at 1,280 px the evidence's wide cell pushed the savings off the table
+    table = table[["layer", "choice", "memory saved (bytes)", "GEMM bytes saved per step", "evidence", "rejected"]]
     memory = _bytes(plan.memory["bytes"], {"fp32": "FP32", "mixed": "mixed precision (16Ψ)", "plan": "plan"})
     gemm = _bytes(plan.gemm, {"fp32": "FP32", "bf16": "BF16", "plan": "plan"})
     return PlanView(plan, None, table, memory, gemm, verify_view(store, run, runs, plan))
@@ -105,7 +113,7 @@ def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) ->
     """The Verify section of ``run``'s ``plan`` from the runs table (re-read while a verification goes on)."""
     run_id = int(run["run_id"])
     reference = run_id if run["opt_level"] == "O0" else reference_run(runs, run_id)
-    rows, curves, domain = [], [], []
+    rows, said_rounds, curves, domain = [], [], [], []
     if reference is not None:
         reference_run_row = runs[runs["run_id"] == reference].iloc[0]
         reference_steps = reads.steps(store, reference, reads.is_final(reference_run_row))
@@ -120,17 +128,21 @@ def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) ->
             fraction, words = run_progress(done)
             going = f"round {number} (run #{int(done['run_id'])}) is {done['status']}: {words}"
         verdict = said if finished else f"{done['status']}: {said}"
-        rows.append({**round_row(number, int(done["run_id"]), as_ran(plan, done["fp8_modules"]), rel, verdict),
-                     "status": done["status"]})
+        ran = as_ran(plan, done["fp8_modules"])
+        rows.append({**round_row(number, int(done["run_id"]), ran, rel, verdict), "status": done["status"]})
         if len(domain) < 4:  # the chart layer's four run colours: the reference and three rounds
             domain.append(f"#{int(done['run_id'])} round {number}")
             curves.append(steps[["step", "loss"]].assign(run=domain[-1]))
         next_plan = after_round(plan, done["fp8_modules"], tracked) if finished else None
+        promoted = [] if next_plan is None else [one.layer for one, then in zip(ran.layers, next_plan.layers,
+                                                                                 strict=True) if one.choice != then.choice]
+        lines = round_lines(rows[-1], ", ".join(promoted) or None)
+        said_rounds.append(". ".join(line[0].upper() + line[1:] for line in lines) + ".")
         if next_plan is None:
             break
     count = len(rows)
     verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
-    found = dict(rounds=pd.DataFrame(rows), curves=pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),
+    found = dict(rounds=pd.DataFrame(rows), said=said_rounds, curves=pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),
                  domain=domain, reference_id=reference, verified=verified, going=going, fraction=fraction)
     if next_plan is None or count >= MAX_ROUNDS:
         return VerifyView(next_options=None, next_what="", **found)

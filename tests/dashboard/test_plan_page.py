@@ -87,3 +87,20 @@ def test_while_the_verification_runs_the_section_shows_its_round_and_offers_noth
     assert progress == [plain(f"Verifying in the background: round 1 (run #{round_id}) is running: step 12 of 24.")]
     assert at.dataframe[1].value["status"].tolist() == ["running"]
     assert not [b for b in at.button if b.label == "Verify the plan"]
+
+
+def test_a_run_without_fp8_statistics_offers_the_rerun_that_records_them_on_a_confirmed_click(plan_runs, monkeypatch):
+    """The page says why there is no plan, the shell command, and offers the rerun recording every recipe a Linear
+    can be planned in; it starts only once confirmed."""
+    started = []
+    monkeypatch.setattr(actions, "start_rerun", lambda store, run_id, options, what: started.append((run_id, options)))
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.all_fp8))
+    assert f"rerun {plan_runs.all_fp8} --opt-level O0 --fp8 --fp8-recipe both --fp8-blocks mxfp8,nvfp4" in texts(at)
+    assert not started
+    confirm(at, f"plan_record_{plan_runs.all_fp8}")
+    assert started == [(plan_runs.all_fp8, {"opt_level": "O0", "fp8": True, "fp8_recipe": "both",
+                                            "fp8_blocks": "mxfp8,nvfp4"})]
+    # what it starts is a valid rerun of that (fp8-sim) run: its options validate against the stored parent's
+    from mpdiag.training.runner import rerun_plan
+
+    rerun_plan(Store(plan_runs.store), plan_runs.all_fp8, **started[0][1])[1].validate()
