@@ -38,7 +38,7 @@ RerunFn = Callable[[int, dict], int]
 #: why the bytes a plan saves are predicted only: the simulation does not hold its weights in their formats
 BYTES_UNMEASURED = ("predicted only: fp8-sim keeps FP32 weights and masters and computes each GEMM in FP32 from "
                     "quantized operands, so a round's memory and GEMM bytes are not the plan's")
-MB = 1e6
+MB = 1e6  # the unit of the bytes the rounds and the Plan page show
 
 
 @dataclass
@@ -91,7 +91,8 @@ def round_lines(row: dict, promoted: str | None) -> list[str]:
 
 def describe_options(plan: Plan) -> str:
     """What a round runs, in words: the run's precision and loss scale, the Linears per choice, the moments."""
-    run = LABELS[plan.run_precision] + (f" from 2^{plan.loss_scale_log2}" if plan.loss_scale_log2 is not None else "")
+    scale = plan.loss_scale_log2
+    run = LABELS[plan.run_precision] + (f", loss scale from 2^{scale}" if scale is not None else "")
     counts: dict[str, int] = {}
     for layer in plan.layers:
         counts[LABELS[layer.choice]] = counts.get(LABELS[layer.choice], 0) + 1

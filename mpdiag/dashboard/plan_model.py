@@ -23,13 +23,12 @@ from mpdiag.analysis.plan import (
     tracks,
 )
 from mpdiag.analysis.plan_verify import BYTES_UNMEASURED as BYTES_UNMEASURED  # the page's table says it
-from mpdiag.analysis.plan_verify import round_lines, round_options, round_row
+from mpdiag.analysis.plan_verify import MB, round_lines, round_options, round_row
 from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import reads
 from mpdiag.options import FP8_SIM_LEVELS
 from mpdiag.store import Store
 
-MB = 1e6
 #: the rerun that records what a plan is made from: FP8 statistics under every recipe a Linear can be planned in, at
 #: O0 (as docs/plan.md records a run: its own FP32 reference, and any level's run, fp8-sim's too, can rerun at it)
 RECORD_EVERY_RECIPE = {"opt_level": "O0", "fp8": True, "fp8_recipe": "both", "fp8_blocks": "mxfp8,nvfp4"}
