@@ -81,6 +81,9 @@ def record_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
                   "recorded none. Rerun it in FP32 (O0, its own FP32 reference) recording them under every recipe a "
                   "Linear can be planned in (current and delayed scaling, MXFP8, NVFP4), then open this page on the "
                   "rerun."))
+    if view.record_refused:
+        st.caption(plain(f"{view.record_refused} Why: {view.missing}."))
+        return
     st.caption(plain(f"The same from a shell: python -m mpdiag rerun {run_id} "
                      f"{command_flags(view.record_options)}. Why: {view.missing}."))
     what = "Rerun with FP8 statistics"

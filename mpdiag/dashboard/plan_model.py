@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis.compare import reference_run
+from mpdiag.analysis.findings import fix_not_rerunnable
 from mpdiag.analysis.plan import (
     LABELS,
     MAX_ROUNDS,
@@ -58,8 +59,9 @@ class VerifyView:
 
 @dataclass(frozen=True)
 class PlanView:
-    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics) and
-    ``record_options`` the rerun that records what the plan needs."""
+    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics),
+    ``record_options`` the rerun that records what the plan needs and ``record_refused`` why mpdiag cannot start it
+    (a run from the user's own loop, a watched run), else None."""
 
     plan: Plan | None
     missing: str | None
@@ -68,6 +70,7 @@ class PlanView:
     gemm: pd.DataFrame  # configuration, MB: one step's Linear GEMM operands
     verify: VerifyView | None
     record_options: dict | None = None
+    record_refused: str | None = None
 
     def run_said(self) -> str:
         plan = self.plan
@@ -96,7 +99,9 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
         plan = plan_run(store, int(run["run_id"]))
     except ValueError as exc:
         empty = pd.DataFrame()
-        return PlanView(None, str(exc), empty, empty, empty, None, dict(RECORD_EVERY_RECIPE))
+        config = run["config"] if isinstance(run["config"], dict) else {}
+        return PlanView(None, str(exc), empty, empty, empty, None, dict(RECORD_EVERY_RECIPE),
+                        fix_not_rerunnable(config, RECORD_EVERY_RECIPE))
     table = plan.table().assign(rejected=["; ".join(f"not {LABELS[k]}: {v}" for k, v in layer.rejected.items())
                                           for layer in plan.layers])
     table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)

@@ -104,3 +104,15 @@ def test_a_run_without_fp8_statistics_offers_the_rerun_that_records_them_on_a_co
     from mpdiag.training.runner import rerun_plan
 
     rerun_plan(Store(plan_runs.store), plan_runs.all_fp8, **started[0][1])[1].validate()
+
+
+def test_a_run_from_the_users_own_loop_is_told_why_no_rerun_is_offered(plan_runs):
+    """A run recorded by a Recorder in the user's own loop (no launcher config) without FP8 statistics: nothing to
+    rerun, so no rerun is offered and the page says what to do instead."""
+    store = Store(plan_runs.store)
+    run = store.run(plan_runs.all_fp8).copy()
+    run["config"] = {"optimizer": {"class": "Adam"}}
+    view = plan_model.plan_view(store, run, store.runs())
+    assert view.plan is None and view.record_refused.startswith("This run was recorded from your own loop")
+    launched = store.run(plan_runs.all_fp8)
+    assert plan_model.plan_view(store, launched, store.runs()).record_refused is None
