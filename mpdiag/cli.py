@@ -128,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "optimizer state that a run recorded with --fp8 allows, with evidence and savings")
     plan.add_argument("run_id", type=int)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--verify", action="store_true", help="rerun the plan (fp8-sim, a recipe per Linear) beside "
-                      "the FP32 reference; promote a Linear and rerun while the loss does not track FP32 (at most "
-                      f"{MAX_ROUNDS} rounds)")
+    plan.add_argument("--verify", action="store_true", help="rerun the plan as planned beside the FP32 reference "
+                      "(fp8-sim, or fp8-sim-fp16 with a GradScaler from the planned scale when the run is FP16; a "
+                      "recipe per Linear; the optimizer's moments held in their planned format); promote a Linear "
+                      f"and rerun while the loss does not track FP32 (at most {MAX_ROUNDS} rounds); each round's "
+                      "predicted against measured")
     _store_arg(plan)
     _runs_parser(sub)
     rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
@@ -340,8 +342,7 @@ def plan_text(plan: Plan) -> str:
     lines.append(f"Linear GEMM operands per step: FP32 {_megabytes(gemm['fp32'])}, BF16 {_megabytes(gemm['bf16'])}, "
                  f"plan {_megabytes(gemm['plan'])}")
     lines += [f"not recorded: {note}" for note in plan.notes]
-    lines.append(f"take it: python -m mpdiag rerun {plan.run_id} --opt-level fp8-sim --fp8-modules "
-                 f"{plan.module_flag()}")
+    lines.append(f"take it: python -m mpdiag rerun {plan.run_id} {plan.flags()}")
     return "\n".join(lines)
 
 
@@ -359,22 +360,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"plan for run {args.run_id} ({printable(run['name'])}, {run['opt_level']}):\n{plan_text(plan)}")
     if not args.verify:
         return 0
-    from mpdiag.analysis.plan_verify import verify
+    from mpdiag.analysis.plan_verify import BYTES_UNMEASURED, round_lines, round_row, verify
 
     reference, rounds = verify(store.path, args.run_id, progress=_progress(int(run["steps"])))
+    rows = [round_row(number, done.run_id, done.plan, done.rel_diff, done.said) for number, done in enumerate(rounds, 1)]
     if args.json:
-        print(json.dumps({"plan": plan.as_dict(), "reference_run_id": reference,
+        print(json.dumps({"plan": plan.as_dict(), "reference_run_id": reference, "bytes_measured": BYTES_UNMEASURED,
                           "rounds": [{"run_id": r.run_id, "tracked": r.tracked, "rel_diff": r.rel_diff, "said": r.said,
-                                      "promoted": r.promoted, "fp8_modules": r.plan.module_flag()} for r in rounds]},
-                         indent=2))
+                                      "promoted": r.promoted, "options": r.plan.rerun_options(),
+                                      "fp8_modules": r.plan.module_flag(), "row": row}
+                                     for r, row in zip(rounds, rows, strict=True)]}, indent=2))
         return 0
-    for number, done in enumerate(rounds, 1):
-        then = f"; promoted {done.promoted} to BF16" if done.promoted else ""
-        print(f"round {number}: run {done.run_id} {done.said}{then}")
+    for done, row in zip(rounds, rows, strict=True):
+        print("\n  ".join(round_lines(row, done.promoted)))
     final = rounds[-1]
-    print(f"verified: run {final.run_id} tracks FP32 run {reference}; take it: --opt-level fp8-sim --fp8-modules "
-          f"{final.plan.module_flag()}" if final.tracked else
-          f"not verified in {len(rounds)} rounds: the last plan does not track FP32 run {reference}")
+    print(f"verified: run {final.run_id} tracks FP32 run {reference}; take it: {final.plan.flags()}" if final.tracked
+          else f"not verified in {len(rounds)} rounds: the last plan does not track FP32 run {reference}")
     return 0 if final.tracked else 1
 
 

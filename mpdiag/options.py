@@ -59,9 +59,15 @@ LEVELS: dict[str, Level] = {level.name: level for level in (
     Level("bf16-pure", "pure BF16: weights, activations and optimizer in BF16, no loss scaling"),
     Level("fp8-sim", "as bf16, with every Linear's input, weight and output gradient quantized and dequantized "
                      "through FP8 at the recipe's scales (simulated, any device)"),
+    Level("fp8-sim-fp16", "as O1 (autocast FP16, FP32 weights, dynamic loss scaling), with every Linear simulated as "
+                          "fp8-sim does (a precision plan whose run is FP16)", "dynamic"),
 )}
 ALL_LEVELS = tuple(LEVELS)
 SCALING_LEVELS = tuple(name for name, level in LEVELS.items() if level.scales_loss)
+#: the levels that simulate FP8 in every Linear (mpdiag.training.fp8_sim): under BF16 or under FP16 autocast
+FP8_SIM_LEVELS = ("fp8-sim", "fp8-sim-fp16")
+#: --moment-format: the formats the optimizer's state can be held in, rounded after every step ("": as kept)
+MOMENT_FORMATS = ("bf16", "fp8")
 
 #: the levels ``mpdiag watch`` can impose on an unmodified script (autocast's dtype, its GradScalers on or off);
 #: O2, O3 and the pure levels change how the script builds its model, which only ``mpdiag run`` does
@@ -330,28 +336,33 @@ class RunConfig:
                                                    "forward, E5M2 output gradients)."})
     fp8_recipe: str = option("delayed", "--fp8 and fp8-sim: the FP8 scaling recipe, current or delayed (--fp8 also "
                                         "both; fp8-sim also the block-scaled mxfp8 or nvfp4, which --fp8 then "
-                                        "records beside both per-tensor recipes)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
+                                        "records beside both per-tensor recipes)", "text", levels=FP8_SIM_LEVELS, no_widget=_FP8_FORM,
                              watch={"no_widget": _FP8_WATCH_FORM})
     fp8_history: int = option(1024, "--fp8 and fp8-sim, delayed recipe: recorded steps of amax history", "int",
-                              levels=("fp8-sim",), minimum=1, no_widget=_FP8_FORM,
+                              levels=FP8_SIM_LEVELS, minimum=1, no_widget=_FP8_FORM,
                               watch={"no_widget": _FP8_WATCH_FORM})
     fp8_margin: int = option(0, "--fp8 and fp8-sim, delayed recipe: divide the scale by 2^margin", "int",
-                             levels=("fp8-sim",), minimum=0, maximum=64, no_widget=_FP8_FORM,
+                             levels=FP8_SIM_LEVELS, minimum=0, maximum=64, no_widget=_FP8_FORM,
                              watch={"no_widget": _FP8_WATCH_FORM})
     fp8_grad_format: str = option("e5m2", "--fp8 and fp8-sim: the output gradients' format, e5m2 (HYBRID) or e4m3",
-                                  "text", levels=("fp8-sim",), no_widget=_FP8_FORM,
+                                  "text", levels=FP8_SIM_LEVELS, no_widget=_FP8_FORM,
                                   watch={"no_widget": _FP8_WATCH_FORM})
     fp8_pow2: bool = option(False, "--fp8 and fp8-sim: round each scale down to a power of two", "flag",
-                            levels=("fp8-sim",), no_widget=_FP8_FORM,
+                            levels=FP8_SIM_LEVELS, no_widget=_FP8_FORM,
                             watch={"no_widget": _FP8_WATCH_FORM})
     fp8_blocks: str = option("", "--fp8: also record block-scaled recipes, comma-separated: mxfp8 and/or nvfp4 "
                                  "(exact counts per Linear and role, and per-block statistics)", "text", levels=(),
                              no_widget=_FP8_FORM, watch={"no_widget": _FP8_WATCH_FORM})
     fp8_bf16_modules: str = option("", "fp8-sim: Linear modules (comma-separated names) left in BF16", "text",
-                                   levels=("fp8-sim",), no_widget=_FP8_FORM)
+                                   levels=FP8_SIM_LEVELS, no_widget=_FP8_FORM)
     fp8_modules: str = option("", "fp8-sim: a recipe per Linear, comma-separated NAME=RECIPE (RECIPE: "
                                   f"{', '.join(MODULE_RECIPES)}); the others take --fp8-recipe (what `mpdiag plan "
-                                  "--verify` reruns)", "text", levels=("fp8-sim",), no_widget=_FP8_FORM)
+                                  "--verify` reruns)", "text", levels=FP8_SIM_LEVELS, no_widget=_FP8_FORM)
+    moment_format: str = option("", "hold the optimizer's state (Adam's moments) in bf16 or fp8 (E4M3 at a per-tensor "
+                                    "scale): every floating state tensor but the step count is rounded through it "
+                                    "after each optimizer step, by torch's cast (a simulation; default: as the "
+                                    "optimizer keeps it)", "text", no_widget="a precision plan's rerun sets it "
+                                                                              "(`mpdiag plan --verify`, the Plan page)")
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
                         minimum=1, widget={"label": "Processes (data parallel, launched like torchrun)", "max_value": 64})
     parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
@@ -387,13 +398,15 @@ class RunConfig:
                               "would have to stop at the same step)")
         if self.nproc > 1 and self.shadow_every:
             raise ConfigError("--shadow-every compares one process's gradients; drop it with --nproc above 1")
-        if self.opt_level == "fp8-sim" or self.fp8:
+        if self.moment_format and self.moment_format not in MOMENT_FORMATS:
+            raise ConfigError(f"--moment-format must be one of {', '.join(MOMENT_FORMATS)}, got {self.moment_format!r}")
+        if self.opt_level in FP8_SIM_LEVELS or self.fp8:
             try:
                 self.fp8_settings().validate()
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            if self.opt_level == "fp8-sim" and self.fp8_recipe == "both":
-                raise ConfigError("--opt-level fp8-sim runs one recipe: --fp8-recipe current, delayed, mxfp8 or "
+            if self.opt_level in FP8_SIM_LEVELS and self.fp8_recipe == "both":
+                raise ConfigError(f"--opt-level {self.opt_level} runs one recipe: --fp8-recipe current, delayed, mxfp8 or "
                                   "nvfp4, not both")
             if self.fp8_recipe in BLOCK_RECIPES:
                 self._check_block_recipe()
@@ -401,9 +414,9 @@ class RunConfig:
     def _check_block_recipe(self) -> None:
         """A block-scaled --fp8-recipe is simulated by fp8-sim (--fp8 records block recipes with --fp8-blocks); its
         scales are per block, so the per-tensor recipe options apply only to what --fp8 records beside it."""
-        if self.opt_level != "fp8-sim":
-            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} is simulated by --opt-level fp8-sim only; to record "
-                              f"it, use --fp8 --fp8-blocks {self.fp8_recipe}")
+        if self.opt_level not in FP8_SIM_LEVELS:
+            raise ConfigError(f"--fp8-recipe {self.fp8_recipe} is simulated by --opt-level fp8-sim (or "
+                              f"fp8-sim-fp16) only; to record it, use --fp8 --fp8-blocks {self.fp8_recipe}")
         if not self.fp8:
             for name in ("fp8_history", "fp8_margin", "fp8_grad_format", "fp8_pow2"):
                 if getattr(self, name) != OPTIONS[name].default:
@@ -532,6 +545,7 @@ _CHANGE_WORDS = {
     "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
     "fp8_recipe": lambda v: f"{str(v).upper()} blocks" if v in BLOCK_RECIPES else f"{v} scaling",
     "fp8_modules": lambda v: f"a recipe per Linear ({len([p for p in str(v).split(',') if p.strip()])})",
+    "moment_format": lambda v: f"moments in {str(v).upper()}" if v else "moments as kept",
     "nproc": lambda v: f"{v} processes",
 }
 

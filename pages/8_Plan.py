@@ -3,8 +3,9 @@ evidence and predicted savings, the config to take, and its verification: reruns
 reference, predicted against measured, the loss curves overlaid.
 
 Reads widgets, asks mpdiag.dashboard.plan_model for what to show, draws it with the chart layer and starts what
-mpdiag.dashboard.actions starts; no store queries, no torch. A verify round reruns the run's stored script, so it
-needs a confirmed click; opening the page starts nothing. Linear and run names are the user's: they reach
+mpdiag.dashboard.actions starts; no store queries, no torch. Verifying reruns the run's stored script, so it needs
+a confirmed click: one click starts every remaining round in the background (mpdiag.dashboard.verify_job), and
+the Verify section is live while it runs; opening the page starts nothing. Linear and run names are the user's: they reach
 Markdown only through ``plain``, and the table and the config are shown as data and code.
 """
 
@@ -14,38 +15,89 @@ import streamlit as st
 from mpdiag.dashboard import actions, charts, plan_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.options import command_flags
 
 
-def verify_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
+def verify_section(store, run: pd.Series, plan) -> None:
+    """The Verify section, live while a verification this session started runs (its rounds fill the table)."""
+    job = actions.verification(int(run["run_id"]))
+    going = job is not None and job.is_alive()
+    ui.live(lambda: verify_body(store, run, plan, job), ui.LIVE_REFRESH_S if going else None)()
+
+
+def verify_body(store, run: pd.Series, plan, job) -> None:
+    view = plan_model.verify_view(store, run, store.runs(), plan)
     st.subheader("Verify")
+    running = job is not None and job.is_alive()
+    if running:
+        st.progress(view.fraction or 0.0, text=plain(f"Verifying in the background: {view.going}."
+                                                     if view.going else "Verifying in the background: starting…"))
+    elif job is not None and job.ending():
+        st.caption(plain(f"The verification you started ended: {job.ending()}."))
     if not view.rounds.empty:
-        st.dataframe(view.rounds, hide_index=True, width="stretch", column_config={
-            "measured": st.column_config.NumberColumn(
-                "measured: loss vs FP32", format="percent",
-                help="Mean loss over the last quarter of the steps, relative to the FP32 reference's"),
-            "predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in a "
-                                                          "recipe that holds, so the loss tracks FP32"),
+        columns = ["round", "run", "status", "loss predicted", "loss measured", "memory saved (MB)",
+                   "GEMM saved per step (MB)", "bytes measured", "ran", "verdict"]
+        st.dataframe(view.rounds[columns], hide_index=True, width="stretch", column_config={
+            "round": st.column_config.NumberColumn(width="small"),
+            "run": st.column_config.NumberColumn(width="small"),
+            "loss measured": st.column_config.NumberColumn(
+                format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 "
+                                       "reference's"),
+            "loss predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in "
+                                                               "a recipe that holds, so the loss tracks FP32"),
+            "memory saved (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Predicted: model state against FP32, by the 16Ψ account"),
+            "GEMM saved per step (MB)": st.column_config.NumberColumn(
+                format="%.3f", help="Predicted: Linear GEMM operand bytes against FP32"),
+            "bytes measured": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
+            "ran": st.column_config.TextColumn(width="large", help="The round's run precision and loss scale, its "
+                                                                   "Linears by choice, its moments' format"),
             "verdict": st.column_config.TextColumn(width="large")})
+        for sentence in view.said:  # the table's cells cut these sentences at 1,280 px
+            st.markdown(plain(sentence))
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
         ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
+    if running:
+        return
     if view.next_options is None:
         st.caption("Verified: the last round tracks FP32." if view.verified else
                    "No further round: the rounds are spent or one is still going.")
         return
-    st.caption(plain(f"{view.next_what}: a normal rerun of run #{int(run['run_id'])}, listed on Compare and "
-                     "judged on its own Findings page; nothing starts before you confirm."))
+    st.caption(plain(f"{view.next_what}: in the background, each round a normal rerun of run #{int(run['run_id'])}, "
+                     "listed on Compare and judged on its own Findings page; nothing starts before you confirm."))
     action = actions.pending(f"{view.next_what} of run #{int(run['run_id'])}", run["script_path"] or run["name"],
                              run["script_sha256"], view.next_options)
-    if actions.confirmed(view.next_what, f"plan_verify_{int(run['run_id'])}", action, type="primary"):
-        actions.start_rerun(store, int(run["run_id"]), view.next_options, f"{view.next_what} (run #{int(run['run_id'])})")
+    if actions.confirmed("Verify the plan", f"plan_verify_{int(run['run_id'])}", action, type="primary"):
+        actions.start_verify(store, int(run["run_id"]), view.next_round, view.next_modules,
+                             f"the verification of run #{int(run['run_id'])}'s plan")
+        st.rerun()
+
+
+def record_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
+    """A run without FP8 statistics: why there is no plan, and the rerun that records them, on a confirmed click."""
+    run_id = int(run["run_id"])
+    st.info(plain(f"No plan for run #{run_id}: a plan is made from the FP8 statistics of every Linear, and this run "
+                  "recorded none. Rerun it in FP32 (O0, its own FP32 reference) recording them under every recipe a "
+                  "Linear can be planned in (current and delayed scaling, MXFP8, NVFP4), then open this page on the "
+                  "rerun."))
+    if view.record_refused:
+        st.caption(plain(f"{view.record_refused} Why: {view.missing}."))
+        return
+    st.caption(plain(f"The same from a shell: python -m mpdiag rerun {run_id} "
+                     f"{command_flags(view.record_options)}. Why: {view.missing}."))
+    what = "Rerun with FP8 statistics"
+    action = actions.pending(f"{what} of run #{run_id}", run["script_path"] or run["name"], run["script_sha256"],
+                             view.record_options)
+    if actions.confirmed(what, f"plan_record_{run_id}", action, type="primary"):
+        actions.start_rerun(store, run_id, view.record_options, f"{what} (run #{run_id})")
         st.rerun()
 
 
 def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     view = plan_model.plan_view(store, run, runs)
     if view.plan is None:
-        st.info(plain(view.missing))
+        record_section(store, run, view)
         return
     st.markdown(plain(view.run_said()))
     st.markdown(plain(view.moments_said()))
@@ -67,7 +119,7 @@ def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     ui.show_chart_in(right, charts.plan_bytes(view.gemm, "Linear GEMM operands per step (MB)"), width="stretch")
     st.caption("Take it: the rerun's flags and a Transformer-Engine-style recipe per Linear.")
     st.code(view.plan.config_text(), language="text")
-    verify_section(store, run, view)
+    verify_section(store, run, view.plan)
 
 
 ui.single_run_page("Plan", plan_page)

@@ -218,7 +218,8 @@ CONFIG_FIELDS = ["opt_level", "scaling", "init_scale", "loss_scale", "growth_fac
                  "growth_interval", "min_scale", "max_scale", "seed", "steps", "every", "device", "gpu_name",
                  "torch_version", "script_sha256", "batch_size", "params", "update_format", "world_size", "backend",
                  "status"]
-CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer", "fp8", "fp8_recipe", "fp8_bf16_modules", "fp8_modules"]
+CONFIG_EXTRAS = ["shadow_every", "trace_modules", "optimizer", "fp8", "fp8_recipe", "fp8_bf16_modules", "fp8_modules",
+                 "moment_format"]
 #: launcher options a run has only where they apply (options.applies): an FP8 recipe at fp8-sim or with --fp8
 _APPLYING_EXTRAS = {"fp8_recipe", "fp8_bf16_modules", "fp8_modules"}
 #: a run's links to other runs, by the name its row has in the table
@@ -232,7 +233,8 @@ SETTING_LABELS = {"script_sha256": "script (sha256)", "gpu_name": "GPU", "params
                   "world_size": "ranks", "update_format": "format of the updated weights", "every": "statistics every",
                   "shadow_every": "FP32 shadow every", "torch_version": "torch", "fp8": "FP8 statistics (--fp8)",
                   "fp8_recipe": "FP8 recipe", "fp8_bf16_modules": "Linears left in BF16 (fp8-sim)",
-                  "fp8_modules": "a recipe per Linear (fp8-sim)"}
+                  "fp8_modules": "a recipe per Linear (fp8-sim)",
+                  "moment_format": "optimizer state held in (--moment-format)"}
 
 
 def setting_label(field: str) -> str:
@@ -294,7 +296,8 @@ def _config_extra(config, field: str):
         return None
     if field == "optimizer":
         return (config.get("optimizer") or {}).get("class")
-    if field.startswith("fp8"):  # a launched run's FP8 options (a watched run keeps its FP8 settings otherwise)
+    # a launched run's FP8 options and moments' format ("" unset; a watched run keeps its FP8 settings otherwise)
+    if field.startswith("fp8") or field == "moment_format":
         run = config.get("run")
         if not isinstance(run, dict) or field not in run:
             return None

@@ -24,6 +24,7 @@ from mpdiag.analysis.fp8_summaries import LOST_SHARE, past_threshold
 from mpdiag.analysis.summaries import FP16_LEVELS
 from mpdiag.numerics.formats import BF16, EXP_MIN, FP8_E4M3, FP16, resolution_log2
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, RECIPES, ROLES
+from mpdiag.options import MOMENT_FORMATS, command_flags
 
 #: a recipe holds a Linear when no role of it, at any recorded step, loses more than this share of its values
 #: to underflow or any value to overflow (the fp8-lost-values finding's test, past_threshold)
@@ -99,6 +100,21 @@ class Plan:
         """The plan as ``--fp8-modules`` of an fp8-sim rerun: NAME=RECIPE for every Linear."""
         return ",".join(f"{layer.layer}={layer.choice}" for layer in self.layers)
 
+    def rerun_options(self) -> dict:
+        """The run options that run the plan as planned: fp8-sim (a BF16 run) or fp8-sim-fp16 with dynamic loss
+        scaling from 2^k (an FP16 run), a recipe per Linear, and the moments held in their planned format ("": as
+        the optimizer keeps them, FP32, or no moments)."""
+        fp16 = self.run_precision == "fp16"
+        options = {"opt_level": "fp8-sim-fp16" if fp16 else "fp8-sim", "fp8_modules": self.module_flag(),
+                   "moment_format": self.moment_format if self.moment_format in MOMENT_FORMATS else ""}
+        if fp16:
+            options["init_scale"] = 2.0**self.loss_scale_log2
+        return options
+
+    def flags(self) -> str:
+        """:meth:`rerun_options` as command-line flags (an unset moments' format left out)."""
+        return command_flags({k: v for k, v in self.rerun_options().items() if v != ""})
+
     def table(self) -> pd.DataFrame:
         """One row per Linear: layer, choice (its label), evidence, predicted memory and GEMM bytes saved
         against FP32 (per step for the GEMMs)."""
@@ -115,16 +131,20 @@ class Plan:
     def config_text(self) -> str:
         """The plan as a config a user can take: the mpdiag flags of its rerun, then a Transformer-Engine-style
         recipe per module."""
-        lines = [f"# mpdiag: rerun it\n--opt-level fp8-sim --fp8-modules {self.module_flag()}",
+        lines = [f"# mpdiag: rerun it\n{self.flags()}",
                  "# Transformer Engine style: the recipe each Linear runs under"]
         lines += [f"{layer.layer}: {TE_RECIPES[layer.choice]}" for layer in self.layers]
         return "\n".join(lines)
 
     def promoted(self, layer: str) -> Plan:
         """This plan with ``layer`` moved to BF16 (a verify round broke training), its accounts recomputed."""
-        layers = [replace(one, choice="bf16", worst_share=0.0, evidence=f"promoted to BF16 by a verify round "
-                          f"(was {LABELS[one.choice]}: {one.evidence})") if one.layer == layer else one
-                  for one in self.layers]
+        return self.moved(layer, "bf16", "promoted to BF16 by a verify round", 0.0)
+
+    def moved(self, layer: str, choice: str, why: str, worst_share: float) -> Plan:
+        """This plan with ``layer`` in ``choice`` for the reason ``why`` (its evidence keeps what it was), with
+        ``worst_share`` as its closeness to the threshold, its accounts recomputed."""
+        layers = [replace(one, choice=choice, worst_share=worst_share, evidence=f"{why} (was {LABELS[one.choice]}: "
+                          f"{one.evidence})") if one.layer == layer else one for one in self.layers]
         return _with_accounts(replace(self, layers=layers), self.memory.get("params", 0))
 
 
@@ -336,14 +356,26 @@ def tracks(reference: pd.DataFrame, steps: pd.DataFrame) -> tuple[bool, float, s
 
 def after_round(plan: Plan, ran: str, tracked: bool) -> Plan | None:
     """The plan of the next verify round from ``plan`` (the source's) and the last round's ``--fp8-modules``
-    (``ran``) and outcome: the Linears that round ran in BF16 but ``plan`` did not were promoted before it;
-    a failed round promotes one more (:func:`next_promotion`). None when the round tracked or none is left."""
-    ran_in = dict(pair.split("=", 1) for pair in ran.split(",") if "=" in pair)
-    for layer in plan.layers:
-        if ran_in.get(layer.layer) == "bf16" and layer.choice != "bf16":
-            plan = plan.promoted(layer.layer)
+    (``ran``) and outcome: the plan as that round ran it (:func:`as_ran`); a failed round promotes one more
+    (:func:`next_promotion`). None when the round tracked or none is left."""
+    plan = as_ran(plan, ran)
     layer = None if tracked else next_promotion(plan)
     return None if layer is None else plan.promoted(layer)
+
+
+def as_ran(plan: Plan, ran: str) -> Plan:
+    """``plan`` (the source's) as a verify round with ``--fp8-modules`` ``ran`` ran it, each Linear in the recipe
+    it ran: one the round ran in BF16 but ``plan`` did not was promoted before it; one it ran in another recipe
+    than planned (the flags changed by hand) is said so, with a worst share of 1, as its evidence did not hold it
+    there: a failed round promotes it first."""
+    ran_in = dict(pair.split("=", 1) for pair in ran.split(",") if "=" in pair)
+    for layer in plan.layers:
+        recipe = ran_in.get(layer.layer, layer.choice)
+        if recipe == "bf16" and layer.choice != "bf16":
+            plan = plan.promoted(layer.layer)
+        elif recipe != layer.choice and recipe in LABELS:
+            plan = plan.moved(layer.layer, recipe, f"run in {LABELS[recipe]}, not as planned", 1.0)
+    return plan
 
 
 def next_promotion(plan: Plan) -> str | None:

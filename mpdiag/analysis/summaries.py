@@ -98,7 +98,7 @@ def whatif_exponents(steps: pd.DataFrame) -> list[int]:
 
 #: the opt levels whose gradients are computed in FP16, so values too small for it are already exact zeros when
 #: recorded (shared with the gradient-underflow finding)
-FP16_LEVELS = ("O1", "O2", "O3")
+FP16_LEVELS = ("O1", "O2", "O3", "fp8-sim-fp16")
 FLUSHED_LABEL = "flushed to zero before recording (underflow)"
 
 

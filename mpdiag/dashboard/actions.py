@@ -5,8 +5,8 @@ Owns the one rule that makes a page safe to load: nothing here executes code unl
 this browser session, twice. :func:`confirmed` is a button that only arms a :class:`Pending` action; the action
 runs when the user then confirms a panel that names the script and its SHA-256 (so a click forged through a
 frame, or a stale form, starts nothing the user did not see). Page loads, query parameters and refreshes never
-reach :func:`start_run`, :func:`start_rerun`, :func:`start_watch`, :func:`check_upload`, :func:`check_code` or
-:func:`probe`. What a person says about a run (:func:`rename_run`, :func:`set_tags`, :func:`set_note`) is
+reach :func:`start_run`, :func:`start_rerun`, :func:`start_watch`, :func:`start_verify`, :func:`check_upload`,
+:func:`check_code` or :func:`probe`. What a person says about a run (:func:`rename_run`, :func:`set_tags`, :func:`set_note`) is
 written only on a click in this session, and :func:`delete_run` only on a second click confirming a panel that
 names the run (:func:`confirmed_delete`).
 This module must not import torch or train in this process: children do that.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from mpdiag.dashboard import verify_job
 from mpdiag.sandbox.bundle import Bundle, bundle_from_uploads, bundle_from_zip, check_bundle
 from mpdiag.sandbox.bundle import BundleRefused as BundleRefused  # the Upload page shows its message
 from mpdiag.sandbox.check import CheckReport, check_script
@@ -49,7 +50,7 @@ class Pending:
 
     def text(self) -> str:
         lines = [self.what, f"script: {self.script_name}", f"sha256: {self.script_sha256}"]
-        lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False]
+        lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False and v != ""]
         return "\n".join(lines)
 
 
@@ -146,6 +147,18 @@ def start_run(store: Store, script: str, options: dict, what: str) -> Launched:
 def start_rerun(store: Store, run_id: int, options: dict, what: str) -> Launched:
     """A supervised rerun of a stored run's script with ``options`` overridden."""
     return _started(launch(rerun_job(int(run_id), options), store.path), what)
+
+
+def start_verify(store: Store, run_id: int, first: int, first_modules: str, what: str) -> Launched:
+    """The whole verification of a run's plan in the background (mpdiag.dashboard.verify_job): from round
+    ``first`` (whose plan runs ``first_modules``), each round a supervised rerun, promotions in between."""
+    return _started(verify_job.start(store.path, int(run_id), first, first_modules), what)
+
+
+def verification(run_id: int) -> Launched | None:
+    """The newest verification of run ``run_id``'s plan this browser session started, or None."""
+    mine = [proc for proc, _ in launched() if proc.job.get("kind") == "verify" and proc.job.get("run_id") == int(run_id)]
+    return mine[-1] if mine else None
 
 
 def launched() -> list[tuple[Launched, str]]:

@@ -81,13 +81,15 @@ def _downloads(where, chart, key: str) -> None:
     stem = file_stem(chart, key)
     png: Callable[[], bytes] = lambda: chart_png(chart)  # noqa: E731 - rendered on click only
     svg: Callable[[], str] = lambda: chart_svg(chart)  # noqa: E731
-    left, right, _ = where.columns([1, 1, 8], gap="small")
-    left.download_button("PNG", png, file_name=f"{stem}.png", mime="image/png", key=f"chart_png_{key}",
-                         on_click="ignore", type="tertiary", icon=":material/download:",
-                         help="Download this chart as a PNG image")
-    right.download_button("SVG", svg, file_name=f"{stem}.svg", mime="image/svg+xml", key=f"chart_svg_{key}",
-                          on_click="ignore", type="tertiary", icon=":material/download:",
-                          help="Download this chart as an SVG image")
+    # a row sized to the buttons, not columns of fixed shares: in a half-width column a tenth of it cut the
+    # labels to "P" and "S" (seen in a screenshot of the Plan page)
+    row = where.container(horizontal=True, gap="small")
+    row.download_button("PNG", png, file_name=f"{stem}.png", mime="image/png", key=f"chart_png_{key}",
+                        on_click="ignore", type="tertiary", icon=":material/download:",
+                        help="Download this chart as a PNG image")
+    row.download_button("SVG", svg, file_name=f"{stem}.svg", mime="image/svg+xml", key=f"chart_svg_{key}",
+                        on_click="ignore", type="tertiary", icon=":material/download:",
+                        help="Download this chart as an SVG image")
 
 
 def _show(where, chart, key: str | None, kwargs: dict):

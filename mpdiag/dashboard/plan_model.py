@@ -1,7 +1,8 @@
 """The Plan page's view-model: what pages/8_Plan.py shows of a run's precision plan (mpdiag.analysis.plan): the
 per-Linear table with its evidence and savings, the run's and the moments' choices, the predicted bytes, the
 config to take, and the verify rounds found among the run's reruns (each against the FP32 reference: predicted
-against measured, the loss curves overlaid), with the next round's options. No widgets and no drawing here.
+against measured, the loss curves overlaid), and what one click verifies next (every remaining round, in the
+background: mpdiag.dashboard.verify_job). No widgets and no drawing here.
 Texts are unescaped: the page passes them through ``plain`` or shows them as code (Linear names are the user's).
 """
 
@@ -12,42 +13,64 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis.compare import reference_run
+from mpdiag.analysis.findings import fix_not_rerunnable
 from mpdiag.analysis.plan import (
-    FP8_CLASS,
     LABELS,
     MAX_ROUNDS,
-    TRACK_RTOL,
     Plan,
     after_round,
+    as_ran,
     plan_run,
     tracks,
 )
-from mpdiag.analysis.plan_verify import ROUND_LABEL
+from mpdiag.analysis.plan_verify import BYTES_UNMEASURED as BYTES_UNMEASURED  # the page's table says it
+from mpdiag.analysis.plan_verify import MB, round_lines, round_options, round_row
+from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import reads
-from mpdiag.options import RERUN_MARK
+from mpdiag.options import FP8_SIM_LEVELS
 from mpdiag.store import Store
 
-MB = 1e6
+#: the rerun that records what a plan is made from: FP8 statistics under every recipe a Linear can be planned in, at
+#: O0 (as docs/plan.md records a run: its own FP32 reference, and any level's run, fp8-sim's too, can rerun at it)
+RECORD_EVERY_RECIPE = {"opt_level": "O0", "fp8": True, "fp8_recipe": "both", "fp8_blocks": "mxfp8,nvfp4"}
+
+
+@dataclass(frozen=True)
+class VerifyView:
+    """The Verify section: the rounds found among the run's reruns against the FP32 reference, and what one click
+    runs next (the whole verification from round ``next_round``, whose plan runs ``next_modules``, after an FP32
+    reference when there is none); ``next_options`` None when the plan is verified, the rounds are spent or a
+    round is still going."""
+
+    rounds: pd.DataFrame  # one row per verify round found: predicted against measured
+    said: list[str]  # each round in words: verdict and promotion, what ran, predicted, measured
+    curves: pd.DataFrame  # run (label), step, loss: the FP32 reference and every round
+    domain: list[str]
+    reference_id: int | None
+    next_options: dict | None  # the first rerun's options, as the confirmation names them
+    next_what: str
+    next_round: int | None = None
+    next_modules: str = ""
+    verified: bool = False  # the last round finished and tracks FP32
+    #: the round still queued or running, in words (its number, run and step), with the share of its steps done
+    going: str = ""
+    fraction: float | None = None
 
 
 @dataclass(frozen=True)
 class PlanView:
-    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics)."""
+    """A run's plan as the page shows it; ``plan`` None with ``missing`` saying why (no FP8 statistics),
+    ``record_options`` the rerun that records what the plan needs and ``record_refused`` why mpdiag cannot start it
+    (a run from the user's own loop, a watched run), else None."""
 
     plan: Plan | None
     missing: str | None
     table: pd.DataFrame
     memory: pd.DataFrame  # configuration, MB: the 16Ψ account
     gemm: pd.DataFrame  # configuration, MB: one step's Linear GEMM operands
-    rounds: pd.DataFrame  # one row per verify round found
-    curves: pd.DataFrame  # run (label), step, loss: the FP32 reference and every round
-    domain: list[str]
-    reference_id: int | None
-    #: the rerun the page offers next, and what it is in words: the FP32 reference when there is none, else the
-    #: next verify round; None when the plan is verified, the rounds are spent or a round is still going
-    next_options: dict | None
-    next_what: str
-    verified: bool = False  # the last round finished and tracks FP32
+    verify: VerifyView | None
+    record_options: dict | None = None
+    record_refused: str | None = None
 
     def run_said(self) -> str:
         plan = self.plan
@@ -65,58 +88,70 @@ def _bytes(parts: dict[str, float], names: dict[str, str]) -> pd.DataFrame:
 
 
 def verify_rounds(runs: pd.DataFrame, source: int) -> pd.DataFrame:
-    """The source's reruns that ran a plan (fp8-sim with ``--fp8-modules``), oldest first."""
+    """The source's reruns that ran a plan (fp8-sim or fp8-sim-fp16 with ``--fp8-modules``), oldest first."""
     ran = runs["config"].map(lambda c: ((c or {}).get("run") or {}).get("fp8_modules") or "")
-    mine = runs[(runs["parent_run_id"] == source) & (runs["opt_level"] == "fp8-sim") & (ran != "")]
+    mine = runs[(runs["parent_run_id"] == source) & runs["opt_level"].isin(FP8_SIM_LEVELS) & (ran != "")]
     return mine.assign(fp8_modules=ran[mine.index]).sort_values("run_id")
 
 
 def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
-    run_id = int(run["run_id"])
     try:
-        plan = plan_run(store, run_id)
+        plan = plan_run(store, int(run["run_id"]))
     except ValueError as exc:
         empty = pd.DataFrame()
-        return PlanView(None, str(exc), empty, empty, empty, empty, empty, [], None, None, "")
+        config = run["config"] if isinstance(run["config"], dict) else {}
+        return PlanView(None, str(exc), empty, empty, empty, None, dict(RECORD_EVERY_RECIPE),
+                        fix_not_rerunnable(config, RECORD_EVERY_RECIPE))
     table = plan.table().assign(rejected=["; ".join(f"not {LABELS[k]}: {v}" for k, v in layer.rejected.items())
                                           for layer in plan.layers])
     table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)
     table["GEMM bytes saved per step"] = table["GEMM bytes saved per step"].round().astype(int)
+    # the numbers before the sentences: at 1,280 px the evidence's wide cell pushed the savings off the table
+    table = table[["layer", "choice", "memory saved (bytes)", "GEMM bytes saved per step", "evidence", "rejected"]]
     memory = _bytes(plan.memory["bytes"], {"fp32": "FP32", "mixed": "mixed precision (16Ψ)", "plan": "plan"})
     gemm = _bytes(plan.gemm, {"fp32": "FP32", "bf16": "BF16", "plan": "plan"})
+    return PlanView(plan, None, table, memory, gemm, verify_view(store, run, runs, plan))
+
+
+def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) -> VerifyView:
+    """The Verify section of ``run``'s ``plan`` from the runs table (re-read while a verification goes on)."""
+    run_id = int(run["run_id"])
     reference = run_id if run["opt_level"] == "O0" else reference_run(runs, run_id)
-    found = verify_rounds(runs, run_id)
-    rows, curves, domain = [], [], []
+    rows, said_rounds, curves, domain = [], [], [], []
     if reference is not None:
         reference_run_row = runs[runs["run_id"] == reference].iloc[0]
         reference_steps = reads.steps(store, reference, reads.is_final(reference_run_row))
         domain.append(f"#{reference} FP32 reference")
         curves.append(reference_steps[["step", "loss"]].assign(run=domain[-1]))
-    next_plan, next_options = plan, None
-    for number, (_, done) in enumerate(found.iterrows(), 1):
+    next_plan, going, fraction = plan, "", None
+    for number, (_, done) in enumerate(verify_rounds(runs, run_id).iterrows(), 1):
         steps = reads.steps(store, int(done["run_id"]), reads.is_final(done))
         tracked, rel, said = tracks(curves[0], steps) if curves else (False, float("nan"), "no FP32 reference")
         finished = done["status"] == "finished"
-        fp8 = sum(1 for pair in done["fp8_modules"].split(",") if pair.split("=")[-1] in FP8_CLASS)
-        rows.append({"round": number, "run": int(done["run_id"]), "status": done["status"],
-                     "FP8/FP4 Linears": fp8,
-                     "predicted": f"tracks FP32 within {TRACK_RTOL:.0%}",
-                     "measured": rel, "verdict": said if finished else f"{done['status']}: {said}"})
+        if done["status"] in ("queued", "running"):
+            fraction, words = run_progress(done)
+            going = f"round {number} (run #{int(done['run_id'])}) is {done['status']}: {words}"
+        verdict = said if finished else f"{done['status']}: {said}"
+        ran = as_ran(plan, done["fp8_modules"])
+        rows.append({**round_row(number, int(done["run_id"]), ran, rel, verdict), "status": done["status"]})
         if len(domain) < 4:  # the chart layer's four run colours: the reference and three rounds
             domain.append(f"#{int(done['run_id'])} round {number}")
             curves.append(steps[["step", "loss"]].assign(run=domain[-1]))
         next_plan = after_round(plan, done["fp8_modules"], tracked) if finished else None
+        promoted = [] if next_plan is None else [one.layer for one, then in zip(ran.layers, next_plan.layers,
+                                                                                 strict=True) if one.choice != then.choice]
+        lines = round_lines(rows[-1], ", ".join(promoted) or None)
+        said_rounds.append(". ".join(line[0].upper() + line[1:] for line in lines) + ".")
         if next_plan is None:
             break
-    count, name = len(rows), str(run["name"]).split(RERUN_MARK)[0]
+    count = len(rows)
     verified = bool(rows) and rows[-1]["status"] == "finished" and rows[-1]["verdict"].startswith("tracks")
-    what = ""
-    if reference is None:
-        next_options, what = {"opt_level": "O0", "fp8": False}, "Run the FP32 reference (an O0 rerun) first"
-    elif next_plan is not None and count < MAX_ROUNDS:
-        next_options = {"opt_level": "fp8-sim", "fp8": False, "fp8_recipe": "delayed", "fp8_bf16_modules": "",
-                        "fp8_modules": next_plan.module_flag(), "name": f"{name}{RERUN_MARK}{ROUND_LABEL} {count + 1}"}
-        what = f"Verify: rerun the plan (round {count + 1} of at most {MAX_ROUNDS})"
-    return PlanView(plan, None, table, memory, gemm, pd.DataFrame(rows),
-                    pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(), domain, reference,
-                    next_options, what, verified)
+    found = dict(rounds=pd.DataFrame(rows), said=said_rounds, curves=pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(),
+                 domain=domain, reference_id=reference, verified=verified, going=going, fraction=fraction)
+    if next_plan is None or count >= MAX_ROUNDS:
+        return VerifyView(next_options=None, next_what="", **found)
+    first = f"rounds {count + 1} to {MAX_ROUNDS}" if count + 1 < MAX_ROUNDS else f"round {MAX_ROUNDS}"
+    what = (f"Verify the plan ({first} at most, a promotion after each round that does not track FP32"
+            + (", after an FP32 reference: an O0 rerun)" if reference is None else ")"))
+    return VerifyView(next_options=round_options(next_plan, str(run["name"]), count + 1), next_what=what,
+                      next_round=count + 1, next_modules=next_plan.module_flag(), **found)

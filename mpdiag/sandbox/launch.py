@@ -151,7 +151,7 @@ def launch(job: dict, store_path: str | os.PathLike, max_runs: int | None = None
 
 
 # -- the supervising process -------------------------------------------------------------------------------------
-def _forbid_inspection() -> None:
+def forbid_inspection() -> None:
     """Make this process non-dumpable: its /proc entries (open files, environment, memory) become unreadable
     to processes of the same ordinary user, so the child cannot find the store through its supervisor. Root
     is not stopped by this (nor by anything a process can do to itself)."""
@@ -528,7 +528,7 @@ def watch_in_child(payload: dict, channel) -> dict:
 
 
 def main() -> int:
-    _forbid_inspection()
+    forbid_inspection()
     job = json.loads(sys.stdin.read())
     if sys.argv[1:] == ["--plan"]:
         print(json.dumps(plan_and_queue(job)))

@@ -4,8 +4,8 @@ its output gradient quantized to FP8 and dequantized, at the recipe's per-tensor
 It owns the quantize-dequantize arithmetic and the per-tensor amax history; the policy class that uses it is
 in :mod:`mpdiag.training.policies`, the scale rules in :mod:`mpdiag.numerics.fp8_recipes` (the same function
 the capture and the what-if use). As an FP8 GEMM does, the matmul multiplies the dequantized values in FP32
-(products of FP8 values are exact in FP32) and hands back BF16 under autocast; the weight gradient and the
-input gradient are computed from the quantized output gradient and the quantized input and weight (what TE
+(products of FP8 values are exact in FP32) and hands back autocast's dtype (BF16, or FP16 at fp8-sim-fp16); the
+weight gradient and the input gradient are computed from the quantized output gradient and the quantized input and weight (what TE
 keeps for backward). Casts saturate at the format's largest value, as Transformer Engine's do (torch's E5M2
 cast would give inf). Everything stays on the device: no value is read back.
 
@@ -38,7 +38,9 @@ stochastic rounding of gradients) is not simulated: round to nearest even everyw
 history, the ``--fp8-history``/``--fp8-margin``/``--fp8-grad-format``/``--fp8-pow2`` settings are not used.
 
 A recipe per Linear (``--fp8-modules``, a precision plan's rerun): each Linear takes its own recipe among the four,
-or stays in BF16 (as ``--fp8-bf16-modules``), or computes in FP32 with autocast off inside it.
+or stays in BF16 (as ``--fp8-bf16-modules``), or computes in FP32 with autocast off inside it. The ``fp8-sim-fp16``
+level runs the same simulation under FP16 autocast with a GradScaler (a plan whose run is FP16): a simulated
+Linear hands its output back in FP16 there, and a Linear left in BF16 computes under a BF16 autocast of its own.
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ class _QuantizeGradient(torch.autograd.Function):
         return quantize_dequantize(grad, ctx.state).to(grad.dtype), None
 
 
+def _handed_back(out: torch.Tensor, input: torch.Tensor, device_type: str) -> torch.Tensor:
+    """A simulated Linear's output as autocast would hand back a Linear's (in its dtype, BF16 or FP16), else in
+    its input's dtype."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return out.to(torch.get_autocast_dtype(device_type) if enabled else input.dtype)
+
+
 def _fp8_forward(module: nn.Linear, states: dict[str, AmaxHistory], device_type: str):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = _QuantizeInput.apply(input, states["input"])
@@ -121,7 +130,7 @@ def _fp8_forward(module: nn.Linear, states: dict[str, AmaxHistory], device_type:
         with torch.autocast(device_type, enabled=False):
             out = F.linear(x, w, None if self.bias is None else self.bias.float())
         out = _QuantizeGradient.apply(out, states["grad_output"])
-        return out.to(torch.bfloat16) if torch.is_autocast_enabled(device_type) else out.to(input.dtype)
+        return _handed_back(out, input, device_type)
 
     return types.MethodType(forward, module)
 
@@ -169,26 +178,39 @@ def _block_forward(module: nn.Linear, recipe: str, device_type: str):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, enabled=False):
             out = _BlockLinear.apply(input, self.weight, self.bias, recipe)
-        return out.to(torch.bfloat16) if torch.is_autocast_enabled(device_type) else out.to(input.dtype)
+        return _handed_back(out, input, device_type)
 
     return types.MethodType(forward, module)
 
 
 def _fp32_forward(module: nn.Linear, device_type: str):
     """The Linear in FP32 under the run's BF16 autocast (a plan's "fp32" recipe): its input cast up, autocast
-    off inside it, its output handed back as autocast would hand a BF16 Linear's."""
+    off inside it, its output handed back as autocast would hand a Linear's."""
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, enabled=False):
             out = F.linear(input.float(), self.weight.float(), None if self.bias is None else self.bias.float())
-        return out.to(torch.bfloat16) if torch.is_autocast_enabled(device_type) else out.to(input.dtype)
+        return _handed_back(out, input, device_type)
 
     return types.MethodType(forward, module)
 
 
-def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) -> list[str]:
+def _bf16_forward(module: nn.Linear, device_type: str):
+    """The Linear under BF16 autocast inside a run's FP16 autocast (a plan's "bf16" recipe at fp8-sim-fp16)."""
+    plain = module.forward
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return plain(input)
+
+    return types.MethodType(forward, module)
+
+
+def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device,
+                 autocast_dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Make every Linear of ``model`` compute through its recipe (``settings.module_recipe``: "current",
-    "delayed", "mxfp8" or "nvfp4"; "bf16" leaves it as the BF16 level runs it, "fp32" computes it in FP32);
-    returns the names of the Linears cast to FP8 or FP4. ``settings.recipe`` must not be "both"."""
+    "delayed", "mxfp8" or "nvfp4"; "bf16" computes it in BF16, as the run's BF16 autocast does or, when the run's
+    ``autocast_dtype`` is FP16, under a BF16 autocast of its own; "fp32" computes it in FP32); returns the names
+    of the Linears cast to FP8 or FP4. ``settings.recipe`` must not be "both"."""
     settings.validate()
     if settings.recipe == "both":
         raise ValueError("--fp8-recipe both records two recipes; a simulated run uses one: current, delayed, mxfp8 "
@@ -204,6 +226,8 @@ def simulate_fp8(model: nn.Module, settings: Fp8Settings, device: torch.device) 
     for name, module in linears.items():
         recipe = settings.module_recipe(name)
         if recipe == "bf16":
+            if autocast_dtype != torch.bfloat16:
+                module.forward = _bf16_forward(module, device.type)
             continue
         if recipe == "fp32":
             module.forward = _fp32_forward(module, device.type)

@@ -23,7 +23,14 @@ bf16     fp32          autocast bf16  (autocast lists)     no             none
 bf16-pure bf16         no             bf16                 no             none
 fp8-sim  fp32          as bf16; every (autocast lists)     no             none
                        Linear via FP8
+fp8-sim- fp32          as O1; every   (autocast lists)     no             dynamic
+fp16                   Linear via FP8
 ======== ============= ============== ==================== ============== ==================
+
+``--moment-format bf16|fp8`` holds the optimizer's state in that format at any level: after every optimizer step
+each floating state tensor but the step count is rounded through it with torch's own cast (FP8: E4M3 at the
+tensor's current per-tensor scale, saturating), :func:`hold_optimizer_state`. A simulation: the tensors stay in
+their dtype, holding only values the format can.
 
 At O2 a normalization module keeps FP32 parameters and computes in FP32 (:func:`is_norm_module`: torch's
 norm layers, a class name ending in ``Norm``, or a forward calling a functional norm on its own parameters);
@@ -49,9 +56,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from mpdiag.numerics.fp8_recipes import FP8_E4M3, Fp8Settings
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.options import ConfigError, RunConfig
-from mpdiag.training.fp8_sim import simulate_fp8
+from mpdiag.training.fp8_sim import AmaxHistory, quantize_dequantize, simulate_fp8
 
 #: ``factory(params, originals=None)``: see :attr:`mpdiag.training.script.BuiltModel.make_optimizer`
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -115,6 +123,27 @@ class LossScaler(torch.amp.GradScaler):
         super().update(new_scale)
         if self._scale is not None and (self.min_scale is not None or self.max_scale is not None):
             self._scale.clamp_(min=self.min_scale, max=self.max_scale)
+
+
+#: a state tensor the moments' format leaves alone: Adam's step count (a float tensor) is a count, not a moment
+STATE_COUNTS = frozenset({"step"})
+
+
+def hold_optimizer_state(optimizer: torch.optim.Optimizer, fmt: str) -> None:
+    """Round every floating tensor of ``optimizer``'s state (but STATE_COUNTS) through ``fmt`` in place: "bf16" by
+    torch's cast to bfloat16 and back; "fp8" by a saturating cast to E4M3 at the tensor's own current scale
+    (fp8_sim.quantize_dequantize, the current recipe's scale) and back."""
+    current = Fp8Settings(recipe="current", history=1)
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, tensor in state.items():
+                if key in STATE_COUNTS or not torch.is_tensor(tensor) or not tensor.is_floating_point():
+                    continue
+                if fmt == "bf16":
+                    held = tensor.to(torch.bfloat16)
+                else:
+                    held = quantize_dequantize(tensor, AmaxHistory(FP8_E4M3, current, tensor.device))
+                tensor.copy_(held)
 
 
 def _cast_floats(value, dtype: torch.dtype):
@@ -190,9 +219,11 @@ class PrecisionPolicy:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type=2.0)
         if self.scaler is None:
             optimizer.step()
-            return
-        self.scaler.step(optimizer)
-        self.scaler.update()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        if self.config.moment_format:
+            hold_optimizer_state(optimizer, self.config.moment_format)
 
 
 class O0(PrecisionPolicy):
@@ -289,20 +320,38 @@ class BF16Pure(_PureLowPrecision):
         _require_bf16(cls.name, device)
 
 
-class FP8Sim(BF16Mixed):
-    """The bf16 level with every Linear computing through simulated FP8 (mpdiag.training.fp8_sim)."""
+class _SimulatedFP8(PrecisionPolicy):
+    """A mixed level with every Linear computing through simulated FP8 (mpdiag.training.fp8_sim) under its
+    autocast of ``autocast_dtype``."""
 
-    name = "fp8-sim"
+    autocast_dtype: ClassVar[torch.dtype]
 
     def __init__(self, device: torch.device, config: RunConfig):
         super().__init__(device, config)
         self.fp8 = config.fp8_settings()  # validated with the rest of the configuration
 
     def prepare(self, model, make_optimizer):
-        simulate_fp8(model, self.fp8, self.device)
+        simulate_fp8(model, self.fp8, self.device, self.autocast_dtype)
         return super().prepare(model, make_optimizer)
 
-POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure, FP8Sim)}
+
+class FP8Sim(_SimulatedFP8, BF16Mixed):
+    """The bf16 level with every Linear computing through simulated FP8."""
+
+    name = "fp8-sim"
+    autocast_dtype = torch.bfloat16
+
+
+class FP8SimFP16(_SimulatedFP8, O1):
+    """O1 (FP16 autocast, a GradScaler) with every Linear computing through simulated FP8: a precision plan whose
+    run is FP16."""
+
+    name = "fp8-sim-fp16"
+    autocast_dtype = torch.float16
+
+
+POLICIES: dict[str, type[PrecisionPolicy]] = {cls.name: cls for cls in (O0, O1, O2, O3, BF16Mixed, BF16Pure, FP8Sim,
+                                                                        FP8SimFP16)}
 
 
 def make_policy(config: RunConfig, device: torch.device) -> PrecisionPolicy:

@@ -120,6 +120,48 @@ def test_a_healthy_model_puts_every_linear_in_fp8_its_rerun_confirms_it_and_the_
     assert promoted.memory["bytes"]["plan"] > plan.memory["bytes"]["plan"]
 
 
+def test_the_planted_models_moments_break_training_in_fp8_and_track_fp32_in_bf16(plan_runs, tmp_path):
+    """The plan's moments choice, proven by rerun: held in FP8 (E4M3 at a per-tensor scale) Adam's second moment
+    loses the small values the plan's evidence says it loses, and the loss stops being finite; held in BF16 it
+    tracks FP32 (measured on the planted model; --moment-format at O0, every other setting the source's)."""
+    from mpdiag.training.runner import rerun
+
+    plan = plan_run(Store(plan_runs.store), plan_runs.source)
+    assert plan.moment_format == "bf16" and "FP8 (E4M3): m loses at most" in plan.moment_evidence
+    store = copied(plan_runs.store, tmp_path)
+    reference = Store(store).steps(plan_runs.source)
+    outcome = {}
+    for fmt in ("bf16", "fp8"):
+        new = rerun(store, plan_runs.source, opt_level="O0", fp8=False, moment_format=fmt)
+        assert Store(store).run(new)["config"]["run"]["moment_format"] == fmt
+        outcome[fmt] = tracks(reference, Store(store).steps(new))
+    assert outcome["bf16"][0], outcome["bf16"][2]
+    assert not outcome["fp8"][0] and "not finite" in outcome["fp8"][2], outcome["fp8"][2]
+
+
+def test_a_plan_whose_run_is_fp16_reruns_fp16_autocast_with_a_grad_scaler_from_the_planned_scale(tmp_path):
+    """A healthy model recorded with --trace-modules: its outputs fit FP16, so the plan's run is FP16 with dynamic
+    scaling from 2^k; the verify round runs fp8-sim-fp16 (FP16 autocast, a GradScaler) starting at 2^k, with the
+    plan's recipe per Linear and moments format, and the scaler's state is recorded at every step."""
+    from mpdiag.analysis.plan_verify import verify
+
+    store = tmp_path / "runs.db"
+    config = RunConfig(opt_level="O0", steps=12, every=4, device="cpu", fp8=True, fp8_recipe="both",
+                       trace_modules=True)
+    run_id = train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), config, store)
+    plan = plan_run(Store(store), run_id)
+    assert plan.run_precision == "fp16" and plan.loss_scale_log2 is not None, plan.run_evidence
+    _, rounds = verify(store, run_id)
+    assert rounds[0].tracked, rounds[0].said
+    run = Store(store).run(rounds[0].run_id)
+    ran = run["config"]["run"]
+    assert run["opt_level"] == "fp8-sim-fp16" and run["scaling"] == "dynamic"
+    assert ran["init_scale"] == 2.0**plan.loss_scale_log2 and ran["fp8_modules"] == plan.module_flag()
+    assert ran["moment_format"] == (plan.moment_format if plan.moment_format != "fp32" else "")
+    steps = Store(store).steps(rounds[0].run_id)
+    assert steps["loss_scale"].iloc[0] == 2.0**plan.loss_scale_log2 and steps["scale_after"].notna().all()
+
+
 def test_the_command_prints_the_plan_and_refuses_a_run_without_fp8_statistics(plan_runs):
     done = run_cli("plan", plan_runs.source, "--json", "--store", plan_runs.store)
     assert done.returncode == 0, done.stderr
@@ -137,6 +179,9 @@ def test_plan_verify_on_the_command_line_reruns_the_plan_and_says_it_tracks(plan
     said = capsys.readouterr().out
     new = int(Store(store).runs()["run_id"].max())
     assert f"round 1: run {new} tracks FP32" in said
+    assert "  ran: run BF16; Linears: 1 FP8 current, 2 BF16; moments BF16" in said  # the plan as planned
+    assert "  predicted: the loss tracks FP32 within 5%; saves " in said and "  measured: the loss " in said
+    assert "the bytes predicted only: fp8-sim keeps FP32 weights" in said
     assert f"verified: run {new} tracks FP32 run {plan_runs.source}; take it: --opt-level fp8-sim --fp8-modules " \
            "head=current,outlier=bf16,tiny=bf16" in said
 
@@ -189,3 +234,20 @@ def test_what_is_not_recorded_is_said_not_guessed():
     assert run_precision("O0", hist, None)[:2] == ("bf16", None)
     assert run_precision("O0", hist, 10.0)[:2] == ("fp16", 16)
     assert run_precision("O0", hist, 70000.0)[:2] == ("bf16", None)
+
+
+def test_a_round_run_against_the_evidence_is_read_as_it_ran_and_promoted_first(plan_runs):
+    """The Plan page reads each round as it ran (its --fp8-modules): a round that ran the planted Linears in FP8
+    against their evidence (flags changed by hand) is read with them in FP8, and when it fails, the first of them
+    is promoted before the Linear the evidence put in FP8; a round that ran the plan is read as the plan."""
+    from mpdiag.analysis.plan import after_round, as_ran
+
+    plan = plan_run(Store(plan_runs.store), plan_runs.source)
+    assert as_ran(plan, plan.module_flag()).module_flag() == plan.module_flag()
+    by_hand = as_ran(plan, "head=current,outlier=current,tiny=current")
+    assert by_hand.module_flag() == "head=current,outlier=current,tiny=current"
+    assert next(layer for layer in by_hand.layers if layer.layer == "outlier").evidence.startswith(
+        "run in FP8 current, not as planned (was BF16: ")
+    assert after_round(plan, "head=current,outlier=current,tiny=current", tracked=False).module_flag() == \
+        "head=current,outlier=bf16,tiny=current"
+    assert by_hand.memory["bytes"]["plan"] < plan.memory["bytes"]["plan"]  # the accounts follow what ran

@@ -202,3 +202,17 @@ def test_the_fp8_recipe_is_a_setting_where_it_applies():
     assert table.loc["fp8_recipe"].tolist() == [MISSING, "delayed", "mxfp8"]
     assert table.loc["fp8"].tolist() == ["no", "no", "yes"]
     assert table.loc["fp8_bf16_modules"].tolist() == [MISSING, MISSING, "head"]
+
+
+def test_a_plan_rounds_moments_format_and_fp16_level_are_settings():
+    """A precision plan's round that holds the moments in BF16 at fp8-sim-fp16 beside its O0 source: the level, the
+    moments' format and the recipe per Linear are rows of Compare's table; the source's unset format is MISSING."""
+    runs = pd.DataFrame({"run_id": [1, 2], "opt_level": ["O0", "fp8-sim-fp16"], "config": [
+        {"run": {"opt_level": "O0", "fp8": True, "fp8_recipe": "both", "moment_format": ""}},
+        {"run": {"opt_level": "fp8-sim-fp16", "fp8": False, "fp8_recipe": "delayed", "moment_format": "bf16",
+                 "fp8_modules": "head=current,body=bf16"}},
+    ]})
+    table = config_table(runs, ["#1", "#2"], only_differences=True)
+    assert table.loc["opt_level"].tolist() == ["O0", "fp8-sim-fp16"]
+    assert table.loc["moment_format"].tolist() == [MISSING, "bf16"]
+    assert table.loc["fp8_modules"].tolist() == [MISSING, "head=current,body=bf16"]

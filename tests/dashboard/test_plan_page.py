@@ -9,6 +9,7 @@ from conftest import imports_torch
 from mpdiag import Store
 from mpdiag.analysis.plan import plan_run
 from mpdiag.dashboard import actions, plan_model
+from mpdiag.dashboard.untrusted import plain
 
 
 def test_the_page_shows_the_plan_its_savings_and_the_verified_round(plan_runs, monkeypatch):
@@ -28,22 +29,23 @@ def test_the_page_shows_the_plan_its_savings_and_the_verified_round(plan_runs, m
     assert not page_chart_problems(at)
 
 
-def test_the_next_round_is_offered_and_starts_only_on_a_confirmed_click(plan_runs, monkeypatch):
-    """Without its verify round, the source offers round 1 with the plan's recipes; a click arms it, the
-    confirmation starts it (the launch itself is the Findings page's, tested there)."""
+def test_the_verification_is_offered_and_starts_only_on_a_confirmed_click(plan_runs, monkeypatch):
+    """Without its verify round, the source offers the whole verification from round 1 with the plan's recipes; a
+    click arms it, the confirmation starts it in the background (the job itself: test_verify_job.py)."""
     store = Store(plan_runs.store)
     runs = store.runs()
     runs = runs[runs["run_id"] != plan_runs.rounds[0].run_id]
     view = plan_model.plan_view(store, runs[runs["run_id"] == plan_runs.source].iloc[0], runs)
-    assert view.next_options["fp8_modules"] == plan_run(store, plan_runs.source).module_flag()
-    assert view.next_options["name"].endswith("↻ plan round 1")
+    assert view.verify.next_options["fp8_modules"] == plan_run(store, plan_runs.source).module_flag()
+    assert view.verify.next_options["name"].endswith("↻ plan round 1")
     started = []
-    monkeypatch.setattr(actions, "start_rerun", lambda store, run_id, options, what: started.append((run_id, options)))
+    monkeypatch.setattr(actions, "start_verify", lambda store, run_id, first, modules, what:
+                        started.append((run_id, first, modules)))
     monkeypatch.setattr(plan_model, "verify_rounds", lambda runs, source: runs.iloc[0:0].assign(fp8_modules=""))
     at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.source))
     assert not started
     confirm(at, f"plan_verify_{plan_runs.source}")
-    assert started == [(plan_runs.source, view.next_options)]
+    assert started == [(plan_runs.source, 1, view.verify.next_options["fp8_modules"])]
 
 
 def test_a_run_without_fp8_statistics_says_how_to_record_them(plan_runs, monkeypatch):
@@ -53,3 +55,64 @@ def test_a_run_without_fp8_statistics_says_how_to_record_them(plan_runs, monkeyp
 
 def test_the_view_model_does_not_import_torch():
     assert not imports_torch("import mpdiag.dashboard.plan_model")
+
+
+class RunningJob:
+    """A verification this session started, still running (actions.verification's answer)."""
+
+    job = {"kind": "verify"}
+
+    def is_alive(self):
+        return True
+
+    def ending(self):
+        return None
+
+
+def test_while_the_verification_runs_the_section_shows_its_round_and_offers_nothing(plan_runs, monkeypatch):
+    """A round still running (its row as the store holds it mid-run): the progress bar names the round, its run and
+    its step, the table lists it as running, and no Verify button is offered while the job lives."""
+    rounds = plan_model.verify_rounds
+
+    def mid_run(runs, source):
+        found = rounds(runs, source)
+        return found.assign(status="running", steps_done=12)
+
+    monkeypatch.setattr(plan_model, "verify_rounds", mid_run)
+    monkeypatch.setattr(actions, "verification", lambda run_id: RunningJob())
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.source))
+    assert not at.exception, [e.value for e in at.exception]
+    round_id = plan_runs.rounds[0].run_id
+    progress = [p.proto.text for p in at.get("progress")]
+    assert progress == [plain(f"Verifying in the background: round 1 (run #{round_id}) is running: step 12 of 24.")]
+    assert at.dataframe[1].value["status"].tolist() == ["running"]
+    assert not [b for b in at.button if b.label == "Verify the plan"]
+
+
+def test_a_run_without_fp8_statistics_offers_the_rerun_that_records_them_on_a_confirmed_click(plan_runs, monkeypatch):
+    """The page says why there is no plan, the shell command, and offers the rerun recording every recipe a Linear
+    can be planned in; it starts only once confirmed."""
+    started = []
+    monkeypatch.setattr(actions, "start_rerun", lambda store, run_id, options, what: started.append((run_id, options)))
+    at = app("pages/8_Plan.py", plan_runs.store, monkeypatch, run=str(plan_runs.all_fp8))
+    assert f"rerun {plan_runs.all_fp8} --opt-level O0 --fp8 --fp8-recipe both --fp8-blocks mxfp8,nvfp4" in texts(at)
+    assert not started
+    confirm(at, f"plan_record_{plan_runs.all_fp8}")
+    assert started == [(plan_runs.all_fp8, {"opt_level": "O0", "fp8": True, "fp8_recipe": "both",
+                                            "fp8_blocks": "mxfp8,nvfp4"})]
+    # what it starts is a valid rerun of that (fp8-sim) run: its options validate against the stored parent's
+    from mpdiag.training.runner import rerun_plan
+
+    rerun_plan(Store(plan_runs.store), plan_runs.all_fp8, **started[0][1])[1].validate()
+
+
+def test_a_run_from_the_users_own_loop_is_told_why_no_rerun_is_offered(plan_runs):
+    """A run recorded by a Recorder in the user's own loop (no launcher config) without FP8 statistics: nothing to
+    rerun, so no rerun is offered and the page says what to do instead."""
+    store = Store(plan_runs.store)
+    run = store.run(plan_runs.all_fp8).copy()
+    run["config"] = {"optimizer": {"class": "Adam"}}
+    view = plan_model.plan_view(store, run, store.runs())
+    assert view.plan is None and view.record_refused.startswith("This run was recorded from your own loop")
+    launched = store.run(plan_runs.all_fp8)
+    assert plan_model.plan_view(store, launched, store.runs()).record_refused is None

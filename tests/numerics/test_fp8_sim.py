@@ -109,6 +109,32 @@ def test_a_recipe_per_linear_computes_as_that_recipe_alone_and_fp32_as_torch_in_
         simulate_fp8(nn.Sequential(nn.Linear(2, 2)), Fp8Settings(module_recipes=(("head", "fp32"),)), CPU)
 
 
+def test_under_fp16_autocast_a_simulated_linear_hands_back_fp16_and_a_bf16_one_computes_in_bf16():
+    """fp8-sim-fp16 (a plan whose run is FP16): a Linear given "current" computes as under BF16 autocast and hands
+    its output back in FP16, as autocast's FP16 Linear would; one given "bf16" computes as torch's own Linear
+    under BF16 autocast, not in the run's FP16."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    half, bf16 = (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2))
+    for model in (half, bf16):
+        model.load_state_dict(base.state_dict())
+    recipes = Fp8Settings(module_recipes=(("0", "current"), ("1", "bf16")))
+    assert simulate_fp8(half, recipes, CPU, torch.float16) == ["0"]
+    simulate_fp8(bf16, recipes, CPU)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first_bf16 = bf16[0](x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        first = half[0](x)
+        second = half[1](first)
+    in_fp32 = half[0](x)  # outside autocast: the FP32 sum of the quantized operands' products (current: stateless)
+    assert first.dtype == torch.float16 and torch.equal(first, in_fp32.to(torch.float16))
+    assert torch.equal(first_bf16, in_fp32.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = base[1](first)
+    assert second.dtype == torch.bfloat16 and torch.equal(second, expected)
+
+
 def train(level: str, steps: int, fp8: Fp8Settings | None = None, capture: Fp8Settings | None = None):
     """The runner's loop, bare: losses per step and, with ``capture``, the FP8 records of every step."""
     seed_everything(0)

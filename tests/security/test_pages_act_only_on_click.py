@@ -21,7 +21,7 @@ from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
 
 PAGES = ["app.py", "pages/1_Gradients.py", "pages/2_Loss_scale.py", "pages/3_Compare.py", "pages/4_Upload.py",
-         "pages/5_Findings.py", "pages/6_FP8.py"]
+         "pages/5_Findings.py", "pages/6_FP8.py", "pages/8_Plan.py"]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def spawned(monkeypatch):
         return fake
 
     monkeypatch.setattr(subprocess, "Popen", record("subprocess.Popen"))
-    for name in ("start_run", "start_rerun", "check_upload", "probe", "store_upload", "rename_run", "set_tags",
-                 "set_note", "delete_run"):
+    for name in ("start_run", "start_rerun", "start_verify", "check_upload", "probe", "store_upload", "rename_run",
+                 "set_tags", "set_note", "delete_run"):
         monkeypatch.setattr(actions, name, record(f"actions.{name}"))
     return calls
 
@@ -70,7 +70,8 @@ def hostile_query(store, sha):
             "probe": "1", "start": "1", "rerun": "1", "fix": "1", "confirm": "1", "new_start": "1",
             "upload_start": "1", "first_example": "1", "check_confirm": "1", "probe_1_confirm": "1",
             "manage_run": "1", "manage_rename": "1", "manage_name_1": "renamed", "manage_tag": "1", "tags": "x",
-            "manage_note": "1", "note": "x", "manage_delete": "1", "manage_delete_confirm": "1", "delete": "1"}
+            "manage_note": "1", "note": "x", "manage_delete": "1", "manage_delete_confirm": "1", "delete": "1",
+            "plan_verify_1": "1", "plan_verify_1_confirm": "1", "verify": "1"}
 
 
 @pytest.mark.parametrize("configured", [True, False], ids=["configured-store", "store-only-in-url"])

@@ -126,7 +126,8 @@ def build(device):
 """
 
 
-@pytest.mark.parametrize("level, scaling", [("O1", {}), ("O2", {}), ("O3", {"loss_scale": "dynamic"})])
+@pytest.mark.parametrize("level, scaling", [("O1", {}), ("O2", {}), ("O3", {"loss_scale": "dynamic"}),
+                                            ("fp8-sim-fp16", {"fp8_modules": "0=current,2=bf16"})])
 def test_overflow_skips_update_and_halves_scale_at_every_fp16_level(level, scaling, store_path, write_script):
     script = ModelScript.from_path(write_script(OVERFLOW_SCRIPT))
     config = RunConfig(opt_level=level, steps=7, device="cpu").with_options(init_scale=1024.0, **scaling)
@@ -136,6 +137,37 @@ def test_overflow_skips_update_and_halves_scale_at_every_fp16_level(level, scali
     assert steps["skipped"].tolist() == [0, 0, 0, 1, 1, 0, 0]
     assert steps["loss_scale"].tolist() == [1024.0, 1024.0, 1024.0, 1024.0, 512.0, 256.0, 256.0]
     assert steps["scale_after"].tolist()[3:5] == [512.0, 256.0]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moment_format_holds_the_optimizers_state_as_torchs_cast_of_it_after_every_step(fmt):
+    """--moment-format: after each step, every moment equals torch's cast of the state the optimizer computed
+    (bf16: to bfloat16 and back; fp8: E4M3 at 448 / the tensor's amax, in fp32); the step count is left alone."""
+    def cast(t):
+        if fmt == "bf16":
+            return t.to(torch.bfloat16).float()
+        scale = torch.tensor(448.0) / t.abs().amax()
+        return (t * scale).to(torch.float8_e4m3fn).float() / scale
+
+    torch.manual_seed(0)
+    held, free = nn.Linear(16, 8), nn.Linear(16, 8)
+    free.load_state_dict(held.state_dict())
+    adam = lambda params, originals=None: torch.optim.Adam(params, lr=1e-2)  # noqa: E731
+    policy = make_policy(RunConfig(opt_level="O0", moment_format=fmt), CPU)
+    held, held_opt = policy.prepare(held, adam)
+    plain = make_policy(RunConfig(opt_level="O0"), CPU)
+    free, free_opt = plain.prepare(free, adam)
+    for step in range(3):
+        x = torch.randn(4, 16) * 10.0 ** (step - 1)
+        one_step(policy, held, held_opt, lambda m, x=x: m(x).pow(2).mean())
+        one_step(plain, free, free_opt, lambda m, x=x: m(x).pow(2).mean())
+        for p_held, p_free in zip(held.parameters(), free.parameters(), strict=True):
+            mine, theirs = held_opt.state[p_held], free_opt.state[p_free]
+            assert float(mine["step"]) == step + 1
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(mine[key], cast(theirs[key])), (step, key)
+                theirs[key].copy_(mine[key])  # the next step starts from the same (held) state
+            p_free.data.copy_(p_held.data)
 
 
 def test_static_scale_never_changes_but_still_skips_nonfinite(store_path, write_script):
