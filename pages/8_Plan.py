@@ -5,8 +5,8 @@ reference, predicted against measured, the loss curves overlaid.
 Reads widgets, asks mpdiag.dashboard.plan_model for what to show, draws it with the chart layer and starts what
 mpdiag.dashboard.actions starts; no store queries, no torch. Verifying reruns the run's stored script, so it needs
 a confirmed click: one click starts every remaining round in the background (mpdiag.dashboard.verify_job), and
-the Verify section is live while it runs; opening the page starts nothing. Linear and run names are the user's: they reach
-Markdown only through ``plain``, and the table and the config are shown as data and code.
+the Verify section is live while it runs; opening the page starts nothing. Linear and run names are the user's:
+they reach Markdown only through ``plain``, and the table and the config are shown as data and code.
 """
 
 import pandas as pd
@@ -25,6 +25,25 @@ def verify_section(store, run: pd.Series, plan) -> None:
     ui.live(lambda: verify_body(store, run, plan, job), ui.LIVE_REFRESH_S if going else None)()
 
 
+ROUND_COLUMNS = {
+    "round": st.column_config.NumberColumn(width="small"),
+    "run": st.column_config.NumberColumn(width="small"),
+    "status": None,
+    "loss predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in a recipe "
+                                                       "that holds, so the loss tracks FP32"),
+    "loss measured": st.column_config.NumberColumn(
+        format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 reference's"),
+    "memory saved (MB)": st.column_config.NumberColumn(
+        format="%.3f", help="Predicted: model state against FP32, by the 16Ψ account"),
+    "GEMM saved per step (MB)": st.column_config.NumberColumn(
+        format="%.3f", help="Predicted: Linear GEMM operand bytes against FP32"),
+    "bytes measured": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
+    "ran": st.column_config.TextColumn(width="large", help="The round's run precision and loss scale, its Linears "
+                                                           "by choice, its moments' format"),
+    "verdict": st.column_config.TextColumn(width="large"),
+}
+
+
 def verify_body(store, run: pd.Series, plan, job) -> None:
     view = plan_model.verify_view(store, run, store.runs(), plan)
     st.subheader("Verify")
@@ -35,42 +54,31 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
     elif job is not None and job.ending():
         st.caption(plain(f"The verification you started ended: {job.ending()}."))
     if not view.rounds.empty:
-        columns = ["round", "run", "status", "loss predicted", "loss measured", "memory saved (MB)",
-                   "GEMM saved per step (MB)", "bytes measured", "ran", "verdict"]
-        st.dataframe(view.rounds[columns], hide_index=True, width="stretch", column_config={
-            "round": st.column_config.NumberColumn(width="small"),
-            "run": st.column_config.NumberColumn(width="small"),
-            "loss measured": st.column_config.NumberColumn(
-                format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 "
-                                       "reference's"),
-            "loss predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in "
-                                                               "a recipe that holds, so the loss tracks FP32"),
-            "memory saved (MB)": st.column_config.NumberColumn(
-                format="%.3f", help="Predicted: model state against FP32, by the 16Ψ account"),
-            "GEMM saved per step (MB)": st.column_config.NumberColumn(
-                format="%.3f", help="Predicted: Linear GEMM operand bytes against FP32"),
-            "bytes measured": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
-            "ran": st.column_config.TextColumn(width="large", help="The round's run precision and loss scale, its "
-                                                                   "Linears by choice, its moments' format"),
-            "verdict": st.column_config.TextColumn(width="large")})
+        st.dataframe(view.rounds[list(ROUND_COLUMNS)], hide_index=True, width="stretch",
+                     column_config={name: config for name, config in ROUND_COLUMNS.items() if config is not None})
         for sentence in view.said:  # the table's cells cut these sentences at 1,280 px
             st.markdown(plain(sentence))
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
         ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
-    if running:
-        return
+    if not running:
+        next_round(store, run, view)
+
+
+def next_round(store, run: pd.Series, view) -> None:
+    """How the verification stands, and the confirmed click that runs its remaining rounds in the background."""
+    run_id = int(run["run_id"])
     if view.next_options is None:
         st.caption("Verified: the last round tracks FP32." if view.verified else
                    "No further round: the rounds are spent or one is still going.")
         return
-    st.caption(plain(f"{view.next_what}: in the background, each round a normal rerun of run #{int(run['run_id'])}, "
-                     "listed on Compare and judged on its own Findings page; nothing starts before you confirm."))
-    action = actions.pending(f"{view.next_what} of run #{int(run['run_id'])}", run["script_path"] or run["name"],
+    st.caption(plain(f"{view.next_what}: in the background, each round a normal rerun of run #{run_id}, listed on "
+                     "Compare and judged on its own Findings page; nothing starts before you confirm."))
+    action = actions.pending(f"{view.next_what} of run #{run_id}", run["script_path"] or run["name"],
                              run["script_sha256"], view.next_options)
-    if actions.confirmed("Verify the plan", f"plan_verify_{int(run['run_id'])}", action, type="primary"):
-        actions.start_verify(store, int(run["run_id"]), view.next_round, view.next_modules,
-                             f"the verification of run #{int(run['run_id'])}'s plan")
+    if actions.confirmed("Verify the plan", f"plan_verify_{run_id}", action, type="primary"):
+        actions.start_verify(store, run_id, view.next_round, view.next_modules,
+                             f"the verification of run #{run_id}'s plan")
         st.rerun()
 
 

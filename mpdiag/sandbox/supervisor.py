@@ -243,33 +243,10 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     )
     if on_start is not None:
         on_start(proc.pid)
-    def read() -> None:
-        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
-            log.add(chunk)
-            if on_output is not None:
-                on_output(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
+    reader = threading.Thread(target=_read_output, args=(proc, log, on_output), daemon=True)
     reader.start()
     processes = RunProcesses(psutil.Process(proc.pid), token)
-    reason, refused, disk_checked = "exited", None, start
-    while proc.poll() is None:
-        refused = refusal() if refusal is not None else None
-        disk_due = limits.disk_mb is not None and time.monotonic() - disk_checked >= DISK_CHECK_S
-        if refused is not None:
-            reason = "refused"
-        elif time.monotonic() - start > limits.wall_s:
-            reason = "wall_time"
-        elif processes.rss() > limits.memory_mb * MiB:
-            reason = "memory"
-        elif disk_due and _directory_bytes(cwd) > limits.disk_mb * MiB:
-            reason = "disk"
-        if disk_due:
-            disk_checked = time.monotonic()
-        if reason != "exited":
-            break
-        log.flush_if_due()
-        time.sleep(0.1)
+    reason, refused = _watch(proc, limits, cwd, processes, log, refusal, start)
     _kill_group(proc)
     proc.wait()
     left = processes.end_leftovers()  # nothing the run started outlives it, in its group or not
@@ -282,6 +259,36 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     return Outcome(exit_code=code, reason=reason, message=message, output_tail=log.text(),
                    dropped_bytes=log.dropped, child_pid=proc.pid, seconds=time.monotonic() - start,
                    left_running=tuple(left))
+
+
+def _read_output(proc: subprocess.Popen, log: BoundedLog, on_output: Callable[[bytes], None] | None) -> None:
+    """The reader thread: every chunk of the child's output into the log (and to ``on_output``) as it arrives."""
+    for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+        log.add(chunk)
+        if on_output is not None:
+            on_output(chunk)
+
+
+def _watch(proc: subprocess.Popen, limits: Limits, cwd: str | os.PathLike, processes: RunProcesses,
+           log: BoundedLog, refusal: Callable[[], str | None] | None, start: float) -> tuple[str, str | None]:
+    """Poll the running child every 0.1 s until it exits or passes a limit: (reason it ended, the parent's refusal
+    or None). The disk is measured every DISK_CHECK_S only (walking the directory costs)."""
+    disk_checked = start
+    while proc.poll() is None:
+        refused = refusal() if refusal is not None else None
+        if refused is not None:
+            return "refused", refused
+        if time.monotonic() - start > limits.wall_s:
+            return "wall_time", None
+        if processes.rss() > limits.memory_mb * MiB:
+            return "memory", None
+        if limits.disk_mb is not None and time.monotonic() - disk_checked >= DISK_CHECK_S:
+            disk_checked = time.monotonic()
+            if _directory_bytes(cwd) > limits.disk_mb * MiB:
+                return "disk", None
+        log.flush_if_due()
+        time.sleep(0.1)
+    return "exited", None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
