@@ -386,38 +386,50 @@ def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | No
     zero in its backward pass are exact zeros in its record, in no bin), nonfinite (NaN and inf), missing (why the
     run has no line: NO_TENSOR, NO_STEP, NO_VALUES; None when drawn)."""
     rows, per_bin = [], {}
-    for label, (totals, at_step, index, counts) in records.items():
-        row = {"run": label, "numel": 0, "finite_nonzero": 0, "zeros": 0, "zero_share": np.nan, "nonfinite": 0,
-               "missing": None}
+    for label, record in records.items():
+        row, hist = _run_of_tensor(label, record, tensor, step)
         rows.append(row)
-        if tensor not in set(totals["tensor"]):
-            row["missing"] = NO_TENSOR
-            continue
-        if step is None:
-            stats = totals[totals["tensor"] == tensor]
-            hist = counts.sum(axis=0) if len(counts) else None
-        else:
-            stats = at_step[at_step["tensor"] == tensor] if at_step is not None else at_step
-            picked = np.flatnonzero(index["step"].to_numpy() == step)
-            hist = counts[picked[0]] if len(picked) else None
-        if stats is None or stats.empty or hist is None:
-            row["missing"] = NO_STEP
-            continue
-        s = stats.iloc[0]
-        nonzero = int(hist.sum())
-        row.update(numel=int(s["numel"]), finite_nonzero=nonzero, zeros=int(s["zeros"]),
-                   zero_share=int(s["zeros"]) / int(s["numel"]) if int(s["numel"]) else np.nan,
-                   nonfinite=int(s["nan"] + s["posinf"] + s["neginf"]))
-        if nonzero == 0:
-            row["missing"] = NO_VALUES
-            continue
-        per_bin[label] = hist
+        if row["missing"] is None:
+            per_bin[label] = hist
     runs = pd.DataFrame(rows, columns=["run", "numel", "finite_nonzero", "zeros", "zero_share", "nonfinite",
                                        "missing"])
     runs["missing"] = pd.Series([r["missing"] for r in rows], dtype=object)  # None where drawn, never NaN
+    return _shared_bins(per_bin), runs
+
+
+def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None) -> tuple[dict, np.ndarray | None]:
+    """One run's row of :func:`overlaid_histograms`' ``runs`` and the tensor's histogram (None where missing)."""
+    totals, at_step, index, counts = record
+    row = {"run": label, "numel": 0, "finite_nonzero": 0, "zeros": 0, "zero_share": np.nan, "nonfinite": 0,
+           "missing": None}
+    if tensor not in set(totals["tensor"]):
+        row["missing"] = NO_TENSOR
+        return row, None
+    if step is None:
+        stats = totals[totals["tensor"] == tensor]
+        hist = counts.sum(axis=0) if len(counts) else None
+    else:
+        stats = at_step[at_step["tensor"] == tensor] if at_step is not None else at_step
+        picked = np.flatnonzero(index["step"].to_numpy() == step)
+        hist = counts[picked[0]] if len(picked) else None
+    if stats is None or stats.empty or hist is None:
+        row["missing"] = NO_STEP
+        return row, None
+    s = stats.iloc[0]
+    nonzero = int(hist.sum())
+    row.update(numel=int(s["numel"]), finite_nonzero=nonzero, zeros=int(s["zeros"]),
+               zero_share=int(s["zeros"]) / int(s["numel"]) if int(s["numel"]) else np.nan,
+               nonfinite=int(s["nan"] + s["posinf"] + s["neginf"]))
+    if nonzero == 0:
+        row["missing"] = NO_VALUES
+    return row, hist
+
+
+def _shared_bins(per_bin: dict[str, np.ndarray]) -> pd.DataFrame:
+    """The drawn runs' histograms over one span of bins (an empty bin each side of every run's occupied ones)."""
     if not per_bin:
         return pd.DataFrame({"run": pd.Series(dtype=str), "log2": pd.Series(dtype=int),
-                             "count": pd.Series(dtype="int64"), "share": pd.Series(dtype=float)}), runs
+                             "count": pd.Series(dtype="int64"), "share": pd.Series(dtype=float)})
     occupied = np.flatnonzero(np.any(np.stack(list(per_bin.values())) > 0, axis=0))
     n_bins = next(iter(per_bin.values())).shape[0]
     span = np.arange(occupied[0] - 1, occupied[-1] + 2)  # an empty bin each side (may lie past the stored bins)
@@ -428,4 +440,4 @@ def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | No
         count[inside] = hist[span[inside]]
         frames.append(pd.DataFrame({"run": label, "log2": span + EXP_MIN, "count": count,
                                     "share": count / int(hist.sum())}))
-    return pd.concat(frames, ignore_index=True), runs
+    return pd.concat(frames, ignore_index=True)

@@ -175,48 +175,11 @@ def _trial(source: str, filename: str, device_spec: str) -> dict:
     contract's clipping, the optimizer step, the scheduler built over that optimizer and stepped once);
     returns ready, problems and summary. ``accumulate`` needs no step of its own: k micro-batches are k of
     these forward/backward passes."""
-    import torch
-
-    from mpdiag.training.runner import resolve_device, seed_everything, to_device
-    from mpdiag.training.script import ModelScript, ScriptError, build_model
+    from mpdiag.training.script import ScriptError
 
     result = {"ready": False, "problems": [], "summary": {}}
     try:
-        device = resolve_device(device_spec)
-        script = ModelScript(filename=filename, source=source)
-        seed_everything(0)
-        built = build_model(script, device)
-        model = built.model.to(device)
-        optimizer = built.make_optimizer(model.parameters())
-        batch = next(built.batches(), None)
-        if batch is None:
-            raise ScriptError(f"{filename}: 'batches' yielded no batch.")
-        batch = to_device(batch, device)
-        loss = built.loss_fn(model, batch)
-        loss.backward()
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise ScriptError(f"{filename}: the loss of the first batch is {value} in FP32; fix the model or data "
-                              "before looking at mixed precision.")
-        params = [p for p in model.parameters() if p.requires_grad]
-        scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
-        if built.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, built.clip_grad_norm)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        result["summary"] = {
-            "name": built.name,
-            "parameters": sum(p.numel() for p in params),
-            "tensors": len(params),
-            "optimizer": type(optimizer).__name__,
-            "example batch": _describe_batch(batch),
-            "first loss": round(value, 6),
-            **({"clip grad norm": built.clip_grad_norm} if built.clip_grad_norm is not None else {}),
-            **({"scheduler": type(scheduler).__name__} if scheduler is not None else {}),
-            **({"accumulate": built.accumulate} if built.accumulate > 1 else {}),
-            "device": str(device),
-        }
+        result["summary"] = _one_step(source, filename, device_spec)
         result["ready"] = True
     except ScriptError as exc:
         result["problems"].append(str(exc))
@@ -225,3 +188,46 @@ def _trial(source: str, filename: str, device_spec: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - e.g. ConfigError for --device cuda without a GPU
         result["problems"].append(f"{filename}: {type(exc).__name__}: {exc}")
     return result
+
+
+def _one_step(source: str, filename: str, device_spec: str) -> dict:
+    """Build the script and take its one FP32 step; the summary of what it built (raises what the script raises)."""
+    import torch
+
+    from mpdiag.training.runner import resolve_device, seed_everything, to_device
+    from mpdiag.training.script import ModelScript, ScriptError, build_model
+
+    device = resolve_device(device_spec)
+    seed_everything(0)
+    built = build_model(ModelScript(filename=filename, source=source), device)
+    model = built.model.to(device)
+    optimizer = built.make_optimizer(model.parameters())
+    batch = next(built.batches(), None)
+    if batch is None:
+        raise ScriptError(f"{filename}: 'batches' yielded no batch.")
+    batch = to_device(batch, device)
+    loss = built.loss_fn(model, batch)
+    loss.backward()
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise ScriptError(f"{filename}: the loss of the first batch is {value} in FP32; fix the model or data "
+                          "before looking at mixed precision.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
+    if built.clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, built.clip_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return {
+        "name": built.name,
+        "parameters": sum(p.numel() for p in params),
+        "tensors": len(params),
+        "optimizer": type(optimizer).__name__,
+        "example batch": _describe_batch(batch),
+        "first loss": round(value, 6),
+        **({"clip grad norm": built.clip_grad_norm} if built.clip_grad_norm is not None else {}),
+        **({"scheduler": type(scheduler).__name__} if scheduler is not None else {}),
+        **({"accumulate": built.accumulate} if built.accumulate > 1 else {}),
+        "device": str(device),
+    }
