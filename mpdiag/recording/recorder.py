@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import os
 import resource
@@ -39,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
+from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
@@ -56,10 +55,8 @@ from mpdiag.store import (
     DEFAULT_STORE,
     REPRESENTABILITY_KINDS,
     RUN_FIELDS,
-    Representability,
     StepRow,
-    TensorRow,
-    encode_hists,
+    TensorBatch,
 )
 
 if TYPE_CHECKING:
@@ -325,7 +322,7 @@ class Recorder:
         self._unread_fp8: deque[PendingFp8Records] = deque()
         self._fp8_rows: tuple[list[tuple], ...] = ([], [], [], [])  # records, histograms, blocks, block scales
         self._step_rows: list[tuple] = []
-        self._tensor_rows_buf: list[tuple] = []
+        self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
         self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
         self._rows_through: int | None = None  # the last step whose row is complete
         self._update_rows: list[tuple] = []
@@ -794,17 +791,14 @@ class Recorder:
             self._kept_rows += [(step, reason) for reason in reasons]
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, kept: list[int]) -> None:
-        # column by column: one numpy -> Python conversion per column, not one per tensor and field (at 500
-        # tensors the per-value int()/float() calls cost more than computing the statistics), and the rows made
-        # by map() over the columns, without a Python loop body per tensor
+        # columns, not rows: at 500 tensors, a Python object per tensor and field cost more than the statistics
         at = np.asarray(kept)
-        columns = [stats.counts[c][at].tolist() for c in ("zeros", "nan", "posinf", "neginf")]
-        columns += [stats.absmax[at].tolist(), stats.min_nonzero[at].tolist(), stats.l2[at].tolist()]
-        per_format = [map(Representability, *(stats.counts[f"{fmt}_{kind}"][at].tolist() for kind in REPRESENTABILITY_KINDS))
-                      for fmt in LOW_PRECISION]
-        representability = [dict(zip(LOW_PRECISION, counts, strict=True)) for counts in zip(*per_format, strict=True)]
-        self._tensor_rows_buf += map(TensorRow, itertools.repeat(step), [present[k] for k in kept],
-                                     encode_hists(stats.hist[at]), *columns, representability)
+        representability = np.stack([np.stack([stats.counts[f"{fmt}_{kind}"][at] for kind in REPRESENTABILITY_KINDS],
+                                               axis=1) for fmt in LOW_PRECISION], axis=1)
+        self._tensor_batches.append(TensorBatch.of_step(
+            step, np.asarray(present)[at], stats.hist[at],
+            np.stack([stats.counts[c][at] for c in SPECIAL_COUNTS], axis=1),
+            stats.absmax[at], stats.min_nonzero[at], stats.l2[at], representability))
 
     def _flush_on_timer(self) -> None:
         """On the writer's thread: hand over the rows that have arrived when the training thread has not for a
@@ -825,11 +819,11 @@ class Recorder:
 
     def _flush(self) -> None:
         self._read_arrived(wait=False)
-        steps, tensors, kept, updates = self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows
-        self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows = [], [], [], []
+        steps, tensors, kept, updates = self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows
+        self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows = [], [], [], []
         self._last_flush = time.monotonic()
         if steps or tensors:
-            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors, kept))
+            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, TensorBatch.concat(tensors), kept))
         events = self.events.take()
         if events:
             self._writer.submit(lambda w: w.add_events(self.run_id, events))
