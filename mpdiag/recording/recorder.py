@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, PendingStats
+from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, HeldStep, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
@@ -153,10 +153,13 @@ class Recorder:
             one of ``model``'s parameters counts.
         every: store tensor statistics every ``every`` steps, and at the steps where something happened and
             the steps next to them (scalars are recorded every step: the loss, the scale, whether the step was
-            skipped, its time, and the three below). With ``every`` above 1 the statistics are still computed at
-            every step, so that an anomaly between two multiples is kept: :mod:`mpdiag.recording.retention` says
-            which steps are kept and why (``Store.kept_steps``). The update counts, the optimizer-step check
-            and ``fp8`` stay at the multiples of ``every``.
+            skipped, its time, and the three below). With ``every`` above 1, an anomaly between two multiples is
+            kept too: :mod:`mpdiag.recording.retention` says which steps are kept and why (``Store.kept_steps``).
+            On the CPU the steps between multiples cost a copy of their gradients and one light pass (what
+            retention decides with), and the full statistics only if kept: the copies of the last three steps
+            are held (three times the gradients' size in FP32); on a GPU the full statistics run at every step
+            (a fixed number of launches, no copy). The update counts, the optimizer-step check and ``fp8`` stay
+            at the multiples of ``every``.
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
             settings, stored with the run.
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
@@ -653,7 +656,12 @@ class Recorder:
         computer = self._computers.get(present)
         if computer is None:
             computer = self._computers[present] = GradStatsComputer([g.numel() for g in grads], self.device)
-        pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
+        if self._retention.holds(step) and computer.backend == "numba" and self._dist.parallel != "fsdp":
+            # between multiples of every: the gradients copied aside and only what retention decides with counted;
+            # the full statistics are computed from the copy if the step is kept
+            pending = computer.hold(grads, scale, grads_are_scaled=not unscaled)
+        else:
+            pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
             return GradientRead(step)
         unseen = [i for i in present if i not in self._grad_dtype_known]
@@ -791,6 +799,8 @@ class Recorder:
             self._kept_rows += [(step, reason) for reason in reasons]
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, kept: list[int]) -> None:
+        if isinstance(stats, HeldStep):
+            stats = stats.stats()
         # columns, not rows: at 500 tensors, a Python object per tensor and field cost more than the statistics
         at = np.asarray(kept)
         representability = np.stack([np.stack([stats.counts[f"{fmt}_{kind}"][at] for kind in REPRESENTABILITY_KINDS],
