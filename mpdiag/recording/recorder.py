@@ -609,7 +609,8 @@ class Recorder:
         if self._closed:
             raise RuntimeError("read_gradients() called on a closed Recorder")
         try:
-            return self._read_tensors(self._step, self._scaler_state(None)[0])
+            with self._lock:  # the statistics workspaces: a held step's may be computing in the writer thread's flush
+                return self._read_tensors(self._step, self._scaler_state(None)[0])
         except StoreWriteFailed as exc:
             self._stop_recording(exc)
             return GradientRead(self._step)
@@ -664,9 +665,10 @@ class Recorder:
             pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
             return GradientRead(step)
-        unseen = [i for i in present if i not in self._grad_dtype_known]
-        if unseen:
-            self._note_grad_dtypes(unseen)
+        if len(self._grad_dtype_known) < len(self._params):  # until every grad dtype is known (no walk after)
+            unseen = [i for i in present if i not in self._grad_dtype_known]
+            if unseen:
+                self._note_grad_dtypes(unseen)
         return GradientRead(step, present, pending, unscale_by, norm)
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
