@@ -5,6 +5,9 @@ at every step. Per model, interleaved round-robin so drift hits all of them alik
 
 * plain      - the AMP step alone (forward, scaled backward, scaler.step, update);
 * recorded   - the same step with ``Recorder.record`` (every tensor, every step, writing to SQLite);
+* every N    - the same step on an identical twin model recorded with ``--every N`` (default 10): statistics
+  stored at the multiples of N and where something happened; between multiples, on the CPU, a copy of the
+  gradients and a light pass (mean over the measured steps, so the multiples count at their share);
 * record     - ``Recorder.record`` alone, inside the recorded step;
 * statistics - ``GradStatsComputer.compute`` alone, on a copy of one step's gradients at scale 2**16;
 * yardstick  - one read of all gradients: ``torch._foreach_norm`` over the grads.
@@ -18,12 +21,13 @@ On CUDA (``--device cuda``) every timing waits for the device's queued work, exc
 time the training loop waits for the call (the statistics are read back a step later); the launches are then
 also counted as the CUDA kernels one statistics pass runs.
 
-    python bench/many_tensors.py [--steps 20] [--tensors 78 200 500] [--device cpu|cuda] [--out FILE.json]
+    python bench/many_tensors.py [--steps 20] [--tensors 78 200 500] [--every 10] [--device cpu|cuda] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import tempfile
@@ -80,50 +84,64 @@ def cuda_kernels(grads: list[torch.Tensor]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def measure(tensors: int, steps: int, device: torch.device) -> dict:
+class Trained:
+    """A model, its SGD and GradScaler, and a Recorder recording it every ``every`` steps into a fresh store."""
+
+    def __init__(self, model: nn.Module, device: torch.device, every: int):
+        self.model, self.device = model, device
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.scaler = torch.amp.GradScaler(device.type)
+        self.recorder = Recorder(model, store=Path(tempfile.mkdtemp()) / "bench.db", scaler=self.scaler,
+                                 optimizer=self.opt, every=every, name=f"many_tensors_every_{every}")
+        self.record_s: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.float16):
+            loss = nn.functional.mse_loss(self.model(x).float(), y)
+        self.scaler.scale(loss).backward()
+        if record:
+            sync(self.device)
+            start = time.perf_counter()
+            self.recorder.record(loss)
+            self.record_s.append(time.perf_counter() - start)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+
+def measure(tensors: int, steps: int, every: int, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = residual_mlp(tensors).to(device)
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=1e-3)
-    scaler = torch.amp.GradScaler(device.type)
     x, y = torch.randn(BATCH, WIDTH, device=device), torch.randn(BATCH, 1, device=device)
-    recorder = Recorder(model, store=Path(tempfile.mkdtemp()) / "bench.db", scaler=scaler, optimizer=opt,
-                        name=f"many_tensors_{tensors}")
-    record_s = []
-
-    def step(record: bool) -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.float16):
-            loss = nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
-        if record:
-            sync(device)
-            start = time.perf_counter()
-            recorder.record(loss)
-            record_s.append(time.perf_counter() - start)
-        scaler.step(opt)
-        scaler.update()
+    each, sparse = Trained(model, device, 1), Trained(copy.deepcopy(model), device, every)
 
     def yardstick() -> None:
         torch._foreach_norm([p.grad for p in params])
 
-    step(False)
+    each.step(x, y, False)
     grads = [p.grad.clone() for p in params]  # one step's gradients, kept for the statistics alone
     computer = GradStatsComputer([g.numel() for g in grads], device)
-    kinds = {"plain": lambda: step(False), "recorded": lambda: step(True),
+    kinds = {"plain": lambda: each.step(x, y, False), "recorded": lambda: each.step(x, y, True),
+             "every": lambda: sparse.step(x, y, True),
              "statistics": lambda: computer.compute(grads, 65536.0), "yardstick": yardstick}
     times = {k: [] for k in kinds}
-    for _ in range(3):  # warm: numba compiled, buffers allocated, the store created
+    for _ in range(3):  # warm: numba compiled, buffers allocated, the stores created
         for fn in kinds.values():
             fn()
-    record_s.clear()
+    each.record_s.clear()
     for _ in range(steps):
         for kind, fn in kinds.items():
             times[kind].append(timed(fn, device))
-    recorder.close()
+    each.recorder.close()
+    sparse.recorder.close()
     median = {k: statistics.median(v) for k, v in times.items()}
-    median["record"] = statistics.median(record_s)
-    return {"tensors": len(params), "median_s": median,
+    median["record"] = statistics.median(each.record_s)
+    mean_every, mean_recorded = statistics.mean(times["every"]), statistics.mean(times["recorded"])
+    return {"tensors": len(params), "every": every, "median_s": median,
+            "mean_s": {"every": mean_every, "recorded": mean_recorded, "plain": statistics.mean(times["plain"])},
+            "every_over_plain": mean_every / statistics.mean(times["plain"]),
+            "every_over_recorded": mean_every / mean_recorded,
             "record_us_per_tensor": median["record"] / len(params) * 1e6,
             "record_over_yardstick": median["record"] / median["yardstick"],
             "statistics_us_per_tensor": median["statistics"] / len(params) * 1e6,
@@ -137,16 +155,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tensors", type=int, nargs="+", default=[78, 200, 500])
+    parser.add_argument("--every", type=int, default=10, help="the twin model's --every (default 10)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "many_tensors.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
     results = []
     for n in args.tensors:
-        r = measure(n, args.steps, device)
-        m = r["median_s"]
+        r = measure(n, args.steps, args.every, device)
+        m, mean = r["median_s"], r["mean_s"]
         print(f"{r['tensors']:>4} tensors: plain {m['plain'] * 1e3:.2f} ms, recorded {m['recorded'] * 1e3:.2f} ms "
-              f"({r['recorded_over_plain']:.2f}x), one _foreach_norm {m['yardstick'] * 1e3:.3f} ms")
+              f"({r['recorded_over_plain']:.2f}x), one _foreach_norm {m['yardstick'] * 1e3:.3f} ms; means: plain "
+              f"{mean['plain'] * 1e3:.2f} ms, --every 1 {mean['recorded'] * 1e3:.2f} ms, --every {args.every} "
+              f"{mean['every'] * 1e3:.2f} ms ({r['every_over_plain']:.2f}x plain, {r['every_over_recorded']:.2f}x "
+              "--every 1)")
         results.append(r)
     print(f"{'tensors':>7} | {'record us/tensor':>16} | {'record / norm':>13} | {'statistics us/tensor':>20} | "
           f"{'statistics / norm':>17} | torch launches")
