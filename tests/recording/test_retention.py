@@ -5,12 +5,14 @@ name it; and the rules' edges on rows (a
 streak keeps its first step, not all of them). Ground truth: torch's casts of the gradients captured in the loop."""
 
 import numpy as np
+import pytest
 import torch
 from ground_truth import exponent_histogram
 
 from mpdiag import Recorder, Store
 from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.dashboard import gradients_model
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, GradStatsComputer
 from mpdiag.recording.retention import Retention
 from mpdiag.store import StepRow
 
@@ -126,3 +128,23 @@ def test_a_scale_change_known_a_step_late_stores_it_and_the_step_before_from_the
             assert stats.loc[name, "bf16_underflow"] == int(((g.bfloat16() == 0) & (g != 0)).sum()), (step, name)
             assert (hists[index["tensor"].tolist().index(name)] == exponent_histogram(g)).all(), (step, name)
             assert stats.loc[name, "absmax"] == float(g.abs().max())
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="the CPU's held steps are the numba backend's")
+def test_steps_between_multiples_run_the_full_statistics_only_when_kept(store_path, monkeypatch):
+    """With nothing happening, the full statistics pass runs at the multiples of every alone: the steps between
+    them make only the light pass over their held copy (what retention decides with)."""
+    full_passes = []
+    numba_stats = GradStatsComputer._numba_stats
+    monkeypatch.setattr(GradStatsComputer, "_numba_stats",
+                        lambda self, *args: full_passes.append(1) or numba_stats(self, *args))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Recorder(model, store=store_path, optimizer=opt, every=EVERY) as rec:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            rec.record(0.0)
+            opt.step()
+    assert Store(store_path).logged_steps(rec.run_id) == [0, 5, 10] and len(full_passes) == 3
