@@ -788,7 +788,7 @@ class Recorder:
     def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
         # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
-        kept = [k for k, i in enumerate(present) if keep is None or i in keep]
+        kept = list(range(len(present))) if keep is None else [k for k, i in enumerate(present) if i in keep]
         if not kept:
             return
         counts = stats.counts if len(kept) == len(present) else {name: c[kept] for name, c in stats.counts.items()}
