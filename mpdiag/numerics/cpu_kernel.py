@@ -243,6 +243,56 @@ def fused_pass_serial(arrays, items, bounds, common_bounds, subnormal_bounds, sh
              hist, specials, categories, maxbits, minbits, sumsq)
 
 
+@numba.njit(nogil=True)
+def _item_signals(values, factor, held_are_scaled, edges, out):
+    """Counts of one work item's ``values`` into ``out``: nan, posinf, neginf of the unscaled g, then per format
+    (``edges[f]``: the smallest magnitude that does not underflow, the smallest that overflows) the values of S*g
+    that underflow and that overflow. ``held_are_scaled``: the values are S*g, and g is their product with
+    ``factor`` (GradScaler's fp32 reciprocal); else they are g, and S*g is their product with ``factor`` (S)."""
+    nan = posinf = neginf = 0
+    for i in range(values.shape[0]):  # branch-free, so the loop vectorises
+        x = values[i]
+        g = x * factor if held_are_scaled else x
+        nan += g != g
+        posinf += g == np.inf
+        neginf += g == -np.inf
+    out[0], out[1], out[2] = nan, posinf, neginf
+    for f in range(edges.shape[0]):
+        not_under, over = edges[f, 0], edges[f, 1]
+        under_count = over_count = 0
+        for i in range(values.shape[0]):
+            x = values[i]
+            magnitude = abs(x if held_are_scaled else x * factor)
+            under_count += (magnitude > 0) & (magnitude < not_under)
+            over_count += (magnitude >= over) & (magnitude < np.inf)
+        out[3 + 2 * f], out[4 + 2 * f] = under_count, over_count
+
+
+@numba.njit(nogil=True)
+def _sum_items(items, item_counts, counts):
+    counts[:] = 0
+    for c in range(items.shape[0]):
+        counts[items[c, 0]] += item_counts[c]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def signal_pass(values, items, factor, held_are_scaled, edges, item_counts, counts):
+    """Per tensor t, into ``counts[t]``: :func:`_item_signals` of its values in ``values`` (one FP32 array;
+    ``items`` as :func:`fused_pass` takes them, the array column unused), work items in parallel; ``item_counts``
+    (items, columns) is a workspace."""
+    for c in numba.prange(items.shape[0]):
+        _item_signals(values[items[c, 2] : items[c, 3]], factor, held_are_scaled, edges, item_counts[c])
+    _sum_items(items, item_counts, counts)
+
+
+@numba.njit(cache=True, nogil=True)
+def signal_pass_serial(values, items, factor, held_are_scaled, edges, item_counts, counts):
+    """:func:`signal_pass` on the calling thread alone (see :func:`fused_pass_serial`)."""
+    for c in range(items.shape[0]):
+        _item_signals(values[items[c, 2] : items[c, 3]], factor, held_are_scaled, edges, item_counts[c])
+    _sum_items(items, item_counts, counts)
+
+
 def _as_float32(values, i, table):
     """values[i] as a float32; FP16/BF16 tensors arrive as uint16 bit patterns and go through ``table``."""
 

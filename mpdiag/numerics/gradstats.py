@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,6 +223,32 @@ def _format_columns(matrix: np.ndarray) -> np.ndarray:
 KERNEL_TABLES = (_format_columns(CATEGORY_MATRIX), _format_columns(SUBNORMAL_MATRIX), SUBNORMAL_BINS)
 
 
+def _cast_edges(fmt: Format) -> tuple[float, float]:
+    """The smallest fp32 magnitude that does not underflow ``fmt`` and the smallest that overflows it, found by
+    bisecting over the magnitude bit patterns with torch's casts (a cast's category only grows with magnitude)."""
+
+    def first(predicate) -> int:  # the first finite magnitude bit pattern where predicate holds
+        lo, hi = 0, 0x7F800000  # predicate(lo) is False, predicate(hi) True (inf overflows, is not underflow)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if predicate(mid) else (mid, hi)
+        return hi
+
+    def category(bits: int) -> int:
+        return int(_classify(torch.tensor([bits], dtype=torch.int32).view(torch.float32), fmt)[0])
+
+    edges = first(lambda bits: category(bits) != UNDERFLOW), first(lambda bits: category(bits) == OVERFLOW)
+    return tuple(float(torch.tensor([bits], dtype=torch.int32).view(torch.float32)) for bits in edges)
+
+
+#: the formats whose at-scale underflow and overflow counts :meth:`GradStatsComputer.hold` counts (what anomaly
+#: retention watches), and its count names: a subset of StepGradStats.counts, equal to them
+SIGNAL_FORMATS = ("fp16", "bf16")
+SIGNAL_COUNTS = ("nan", "posinf", "neginf", *(f"{fmt}_{kind}_at_scale" for fmt in SIGNAL_FORMATS
+                                              for kind in ("underflow", "overflow")))
+SIGNAL_EDGES = np.array([_cast_edges(LOW_PRECISION[fmt]) for fmt in SIGNAL_FORMATS], dtype=np.float32)
+
+
 #: elements per work item of the numba kernels: big tensors are split so both cores share them
 CHUNK = 1 << 17
 #: values from which the statistics kernel runs its work items in parallel. Below, one thread does all: at
@@ -280,6 +307,20 @@ class PendingStats:
         if self._result is None:
             self._result = self._finish(None if self._readback is None else self._readback.numpy())
         return self._result
+
+
+class HeldStep:
+    """A step's gradients held aside by :meth:`GradStatsComputer.hold`: ``counts`` holds :data:`SIGNAL_COUNTS`
+    (per tensor, as StepGradStats.counts names them); :meth:`stats` computes the full statistics from the copy
+    (once). The copy goes back to its computer once this object is gone."""
+
+    def __init__(self, counts: dict[str, np.ndarray], compute):
+        self.counts, self._compute, self._stats = counts, compute, None
+
+    def stats(self) -> StepGradStats:
+        if self._stats is None:
+            self._stats = self._compute()
+        return self._stats
 
 
 class _Gather:
@@ -361,9 +402,11 @@ class GradStatsComputer:
         if self.backend == "numba":
             import numba  # here, not at module import: the app never pays for it
 
-            from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial
+            from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial, signal_pass, signal_pass_serial
 
-            self._kernel = fused_pass if sum(self.numels) >= PARALLEL_FROM else fused_pass_serial
+            parallel = sum(self.numels) >= PARALLEL_FROM
+            self._kernel = fused_pass if parallel else fused_pass_serial
+            self._signal_kernel = signal_pass if parallel else signal_pass_serial
             self._typed_list = numba.typed.List
             # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
             # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
@@ -383,6 +426,12 @@ class GradStatsComputer:
             tensor = items[:, 0]
             self._items = np.stack([tensor, array[tensor], items[:, 1] + base[tensor], items[:, 2] + base[tensor],
                                     items[:, 3]], axis=1)
+            # every tensor gathered into one buffer of its own: the layout of the copies hold() keeps
+            self._held_items = np.stack([tensor, np.zeros_like(tensor), items[:, 1] + self.offsets[tensor],
+                                         items[:, 2] + self.offsets[tensor], items[:, 3]], axis=1)
+            self._held_pool: list[tuple[torch.Tensor, _Gather]] = []  # copies no held step uses any more
+            self._signal_spaces = (np.empty((len(items), len(SIGNAL_COUNTS)), np.int64),
+                                   np.empty((n, len(SIGNAL_COUNTS)), np.int64))
             self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
             self._common_bounds = np.array(COMMON_BOUNDS, dtype=np.int32)
             self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
@@ -435,17 +484,44 @@ class GradStatsComputer:
         if [g.numel() for g in grads] != self.numels:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
         if self.backend == "numba":
-            stats = self._numba_stats(grads, float(scale), grads_are_scaled)
+            stats = self._numba_stats(self._numba_sources(grads), self._items, float(scale), grads_are_scaled)
             return PendingStats(lambda _: stats)
         return self._torch_start(grads, scale, grads_are_scaled)
 
+    def hold(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool = True) -> PendingStats:
+        """numba only: copy ``grads`` aside (one FP32 buffer, reused once no held step needs it) and count only
+        :data:`SIGNAL_COUNTS`; the result is a :class:`HeldStep`, whose full statistics are computed from the copy
+        if they are asked for (they equal :meth:`compute`'s). A copy and one light pass instead of the full one:
+        for a caller that needs the full statistics of a step only if something happens at it or next to it."""
+        if self.backend != "numba":
+            raise ValueError("hold() is the numba backend's")
+        if [g.numel() for g in grads] != self.numels:
+            raise ValueError("gradient sizes differ from the sizes this computer was built for")
+        scale = float(scale)
+        buffer, gather = self._held_pool.pop() if self._held_pool else self._new_held_buffer()
+        gather(grads)
+        factor = _unscale_factor(scale) if grads_are_scaled else scale
+        item_counts, counts = self._signal_spaces
+        self._signal_kernel(buffer.numpy(), self._held_items, np.float32(factor), grads_are_scaled, SIGNAL_EDGES,
+                            item_counts, counts)
+        held = HeldStep(dict(zip(SIGNAL_COUNTS, counts.T.copy(), strict=True)),
+                        lambda: self._numba_stats([buffer], self._held_items, scale, grads_are_scaled))
+        weakref.finalize(held, self._held_pool.append, (buffer, gather))
+        return PendingStats(lambda _: held)
+
+    def _new_held_buffer(self) -> tuple[torch.Tensor, _Gather]:
+        buffer = torch.empty(int(self.offsets[-1]), dtype=torch.float32)
+        return buffer, _Gather([buffer[start:end] for start, end in zip(self.offsets[:-1].tolist(),
+                                                                        self.offsets[1:].tolist(), strict=True)])
+
     # -- numba ----------------------------------------------------------------------------------------------
-    def _numba_stats(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool) -> StepGradStats:
-        sources = self._numba_sources(grads)
+    def _numba_stats(self, sources: list[torch.Tensor], items: np.ndarray, scale: float,
+                     grads_are_scaled: bool) -> StepGradStats:
+        """The statistics of the values in ``sources`` (the arrays ``items`` index) at loss scale ``scale``."""
         k = power_of_two_exponent(scale)
         # (g, S*g) as the tensors times 2**shift: one pass counts both views, if the shift is exact
         shifts = (0, 0) if scale == 1.0 else None if k is None else (-k, 0) if grads_are_scaled else (0, k)
-        raw = self._numba_pass(sources, shifts or (0, 0))
+        raw = self._numba_pass(sources, items, shifts or (0, 0))
         if scale == 1.0:
             return _stats(raw, raw.categories[:, 0], raw.categories[:, 0], 0, "same")
         if shifts is not None and _shift_is_exact(raw.below_smallest, shifts[0] + shifts[1]):
@@ -454,7 +530,8 @@ class GradStatsComputer:
         workspace = self._unscaled_workspace()
         starts = np.cumsum([0, *(x.numel() for x in sources)]).tolist()
         derived = self._numba_pass([torch.mul(x, factor, out=workspace[start:end])
-                                    for x, start, end in zip(sources, starts[:-1], starts[1:], strict=True)], (0, 0))
+                                    for x, start, end in zip(sources, starts[:-1], starts[1:], strict=True)],
+                                   items, (0, 0))
         # raw's histogram is of its first view: shifted when the tensors hold S*g, unshifted when they hold g
         unshifted = raw.categories[:, (shifts or (0, 0)).index(0)]
         if grads_are_scaled:
@@ -471,9 +548,9 @@ class GradStatsComputer:
             self._unscaled = torch.empty(int(self.offsets[-1]), dtype=torch.float32, device=self.device)
         return self._unscaled
 
-    def _numba_pass(self, sources: list[torch.Tensor], shifts: tuple[int, int]) -> _Pass:
+    def _numba_pass(self, sources: list[torch.Tensor], items: np.ndarray, shifts: tuple[int, int]) -> _Pass:
         arrays = self._typed_list([x.numpy() for x in sources])
-        self._kernel(arrays, self._items, self._bounds, self._common_bounds, self._subnormal_bounds,
+        self._kernel(arrays, items, self._bounds, self._common_bounds, self._subnormal_bounds,
                      np.array(shifts, dtype=np.int64), KERNEL_TABLES, *self._spaces[:-1])
         hist, specials, categories, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[7:-1])  # reused next pass
         return _Pass(hist, specials, categories, *_reductions_from_bits(largest, below_smallest), np.sqrt(sumsq),

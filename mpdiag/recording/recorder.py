@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import os
 import resource
@@ -39,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.numerics.gradstats import DeviceReadback, GradStatsComputer, PendingStats
+from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, HeldStep, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
@@ -56,10 +55,8 @@ from mpdiag.store import (
     DEFAULT_STORE,
     REPRESENTABILITY_KINDS,
     RUN_FIELDS,
-    Representability,
     StepRow,
-    TensorRow,
-    encode_hists,
+    TensorBatch,
 )
 
 if TYPE_CHECKING:
@@ -156,10 +153,13 @@ class Recorder:
             one of ``model``'s parameters counts.
         every: store tensor statistics every ``every`` steps, and at the steps where something happened and
             the steps next to them (scalars are recorded every step: the loss, the scale, whether the step was
-            skipped, its time, and the three below). With ``every`` above 1 the statistics are still computed at
-            every step, so that an anomaly between two multiples is kept: :mod:`mpdiag.recording.retention` says
-            which steps are kept and why (``Store.kept_steps``). The update counts, the optimizer-step check
-            and ``fp8`` stay at the multiples of ``every``.
+            skipped, its time, and the three below). With ``every`` above 1, an anomaly between two multiples is
+            kept too: :mod:`mpdiag.recording.retention` says which steps are kept and why (``Store.kept_steps``).
+            On the CPU the steps between multiples cost a copy of their gradients and one light pass (what
+            retention decides with), and the full statistics only if kept: the copies of the last three steps
+            are held (three times the gradients' size in FP32); on a GPU the full statistics run at every step
+            (a fixed number of launches, no copy). The update counts, the optimizer-step check and ``fp8`` stay
+            at the multiples of ``every``.
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
             settings, stored with the run.
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
@@ -325,7 +325,7 @@ class Recorder:
         self._unread_fp8: deque[PendingFp8Records] = deque()
         self._fp8_rows: tuple[list[tuple], ...] = ([], [], [], [])  # records, histograms, blocks, block scales
         self._step_rows: list[tuple] = []
-        self._tensor_rows_buf: list[tuple] = []
+        self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
         self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
         self._rows_through: int | None = None  # the last step whose row is complete
         self._update_rows: list[tuple] = []
@@ -609,7 +609,8 @@ class Recorder:
         if self._closed:
             raise RuntimeError("read_gradients() called on a closed Recorder")
         try:
-            return self._read_tensors(self._step, self._scaler_state(None)[0])
+            with self._lock:  # the statistics workspaces: a held step's may be computing in the writer thread's flush
+                return self._read_tensors(self._step, self._scaler_state(None)[0])
         except StoreWriteFailed as exc:
             self._stop_recording(exc)
             return GradientRead(self._step)
@@ -656,12 +657,18 @@ class Recorder:
         computer = self._computers.get(present)
         if computer is None:
             computer = self._computers[present] = GradStatsComputer([g.numel() for g in grads], self.device)
-        pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
+        if self._retention.holds(step) and computer.backend == "numba" and self._dist.parallel != "fsdp":
+            # between multiples of every: the gradients copied aside and only what retention decides with counted;
+            # the full statistics are computed from the copy if the step is kept
+            pending = computer.hold(grads, scale, grads_are_scaled=not unscaled)
+        else:
+            pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
             return GradientRead(step)
-        unseen = [i for i in present if i not in self._grad_dtype_known]
-        if unseen:
-            self._note_grad_dtypes(unseen)
+        if len(self._grad_dtype_known) < len(self._params):  # until every grad dtype is known (no walk after)
+            unseen = [i for i in present if i not in self._grad_dtype_known]
+            if unseen:
+                self._note_grad_dtypes(unseen)
         return GradientRead(step, present, pending, unscale_by, norm)
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -781,7 +788,7 @@ class Recorder:
     def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
         # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
-        kept = [k for k, i in enumerate(present) if keep is None or i in keep]
+        kept = list(range(len(present))) if keep is None else [k for k, i in enumerate(present) if i in keep]
         if not kept:
             return
         counts = stats.counts if len(kept) == len(present) else {name: c[kept] for name, c in stats.counts.items()}
@@ -794,17 +801,16 @@ class Recorder:
             self._kept_rows += [(step, reason) for reason in reasons]
 
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, kept: list[int]) -> None:
-        # column by column: one numpy -> Python conversion per column, not one per tensor and field (at 500
-        # tensors the per-value int()/float() calls cost more than computing the statistics), and the rows made
-        # by map() over the columns, without a Python loop body per tensor
+        if isinstance(stats, HeldStep):
+            stats = stats.stats()
+        # columns, not rows: at 500 tensors, a Python object per tensor and field cost more than the statistics
         at = np.asarray(kept)
-        columns = [stats.counts[c][at].tolist() for c in ("zeros", "nan", "posinf", "neginf")]
-        columns += [stats.absmax[at].tolist(), stats.min_nonzero[at].tolist(), stats.l2[at].tolist()]
-        per_format = [map(Representability, *(stats.counts[f"{fmt}_{kind}"][at].tolist() for kind in REPRESENTABILITY_KINDS))
-                      for fmt in LOW_PRECISION]
-        representability = [dict(zip(LOW_PRECISION, counts, strict=True)) for counts in zip(*per_format, strict=True)]
-        self._tensor_rows_buf += map(TensorRow, itertools.repeat(step), [present[k] for k in kept],
-                                     encode_hists(stats.hist[at]), *columns, representability)
+        representability = np.stack([np.stack([stats.counts[f"{fmt}_{kind}"][at] for kind in REPRESENTABILITY_KINDS],
+                                               axis=1) for fmt in LOW_PRECISION], axis=1)
+        self._tensor_batches.append(TensorBatch.of_step(
+            step, np.asarray(present)[at], stats.hist[at],
+            np.stack([stats.counts[c][at] for c in SPECIAL_COUNTS], axis=1),
+            stats.absmax[at], stats.min_nonzero[at], stats.l2[at], representability))
 
     def _flush_on_timer(self) -> None:
         """On the writer's thread: hand over the rows that have arrived when the training thread has not for a
@@ -825,11 +831,11 @@ class Recorder:
 
     def _flush(self) -> None:
         self._read_arrived(wait=False)
-        steps, tensors, kept, updates = self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows
-        self._step_rows, self._tensor_rows_buf, self._kept_rows, self._update_rows = [], [], [], []
+        steps, tensors, kept, updates = self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows
+        self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows = [], [], [], []
         self._last_flush = time.monotonic()
         if steps or tensors:
-            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, tensors, kept))
+            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, TensorBatch.concat(tensors), kept))
         events = self.events.take()
         if events:
             self._writer.submit(lambda w: w.add_events(self.run_id, events))

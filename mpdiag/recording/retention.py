@@ -1,8 +1,10 @@
 """Anomaly-preserving retention: which steps' per-tensor statistics the Recorder stores, and why.
 
-The Recorder computes every step's gradient statistics (one pass over the gradients, :mod:`mpdiag.numerics.gradstats`)
-and hands them here with each completed step row. A step's tensor rows (histograms, counts, reductions) are kept
-when it is a multiple of ``every`` (reason ``every``) or when something happened at it or next to it:
+The Recorder hands here each step's gradient counts the rules read (non-finite values, FP16/BF16 underflow and
+overflow at the loss scale; :mod:`mpdiag.numerics.gradstats`) with each completed step row: the full statistics
+at the multiples of ``every``; between them (:meth:`Retention.holds`), on the CPU, only those counts, with a
+copy of the gradients from which the full statistics are computed if the step is kept. A step's tensor rows
+(histograms, counts, reductions) are kept when it is a multiple of ``every`` (reason ``every``) or when something happened at it or next to it:
 
 * ``nonfinite``: a gradient holds inf/NaN, or the loss is inf/NaN, where the step before held none;
 * ``skipped``: the optimizer step was skipped (the loss scaler backed off), the first of a streak;
@@ -15,8 +17,8 @@ when it is a multiple of ``every`` (reason ``every``) or when something happened
 * ``loss-spike``, ``grad-norm-spike``: the spike events of :mod:`mpdiag.recording.events` (their thresholds);
 * ``before``, ``after``: the :data:`AROUND` step(s) before and after a step kept for one of the reasons above.
 
-A step's neighbours are known one step later, so a step's statistics are held (on the host, as computed: never
-converted into rows, never computed again) until the next step's row and statistics have arrived; the Recorder
+A step's neighbours are known one step later, so a step's statistics (or its held copy) are held on the host,
+never converted into rows, until the next step's row and statistics have arrived; the Recorder
 builds rows only for the steps :meth:`Retention.decide` returns. "Where the step before held none" makes a lasting
 state (a diverged run's NaN at every step, a streak of skips) keep its first step, not all of them.
 
@@ -41,7 +43,8 @@ SHARE_JUMP = 0.01
 MIN_JUMP_VALUES = 64
 #: steps kept on each side of a step kept for an anomaly
 AROUND = 1
-#: the formats whose overflow and underflow shares are watched (FP8's underflow moves with every step)
+#: the formats whose overflow and underflow shares are watched (FP8's underflow moves with every step); the light
+#: pass of the steps between multiples counts these (mpdiag.numerics.gradstats.SIGNAL_FORMATS)
 WATCHED_FORMATS = ("fp16", "bf16")
 
 # StepRow fields, by position (as mpdiag.recording.events reads them)
@@ -71,6 +74,11 @@ class Retention:
     def computes(self, step: int) -> bool:
         """Whether ``step``'s statistics are needed (every step, while anomalies are watched)."""
         return self.anomalies or step % self.every == 0
+
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is kept only if something happens at it or next to it: its statistics may wait until
+        :meth:`decide` keeps it (what :meth:`see_stats` reads is all the rules need before)."""
+        return self.anomalies and step % self.every != 0
 
     def see_row(self, row, events: list[str]) -> None:
         """A completed step row (a StepRow or a tuple in its order) and the kinds of the events it raised."""

@@ -48,6 +48,8 @@ class StepGradients:
 
     def fresh(self) -> tuple[int, ...]:
         """The indices of the parameters whose ``.grad`` is this step's now."""
+        if all(self._accumulated):  # the usual step: autograd wrote every gradient, no earlier .grad to compare
+            return tuple(i for i, p in enumerate(self._params) if p.grad is not None)
         fresh = []
         for i, p in enumerate(self._params):
             grad, previous = p.grad, self._previous[i]

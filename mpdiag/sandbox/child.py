@@ -47,6 +47,7 @@ from pathlib import Path
 import psutil
 
 from mpdiag.sandbox.supervisor import Limits, Outcome, supervise
+from mpdiag.store.writer import TensorBatch
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the mpdiag package
 WORK_DIR = Path(tempfile.gettempdir()) / "mpdiag-work"
@@ -114,6 +115,8 @@ _BYTES_TAG = "__mpdiag_bytes__"
 
 
 def _encode_value(value):
+    if isinstance(value, TensorBatch):  # the Recorder's columns cross as the named rows the parent rebuilds
+        return value.rows()
     if isinstance(value, bytes | bytearray | memoryview):
         return {_BYTES_TAG: base64.b64encode(bytes(value)).decode("ascii")}
     if hasattr(value, "item"):  # numpy scalars

@@ -33,6 +33,7 @@ from mpdiag.store.writer import (
     RunTextRefused,
     StepRow,
     StoreWriter,
+    TensorBatch,
     TensorRow,
     clean_name,
     clean_note,
@@ -42,7 +43,7 @@ from mpdiag.store.writer import (
 __all__ = [
     "DEFAULT_STORE", "MAX_NAME_CHARS", "MAX_NOTE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS", "REPRESENTABILITY_COLUMNS",
     "REPRESENTABILITY_KINDS", "RUN_FIELDS", "SCHEMA_VERSION", "STATUSES", "TOTAL_COLUMNS", "Representability",
-    "RunBusy", "RunTextRefused", "StepRow", "Store", "StoreError", "StoreWriter", "TensorRow", "clean_name",
+    "RunBusy", "RunTextRefused", "StepRow", "Store", "StoreError", "StoreWriter", "TensorBatch", "TensorRow", "clean_name",
     "clean_note", "clean_tag", "decode_hist", "decode_hists", "encode_hist", "encode_hists",
 ]
 

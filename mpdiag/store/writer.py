@@ -11,6 +11,7 @@ is still open when the block raises is marked failed with the traceback, and the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -21,6 +22,7 @@ import time
 import traceback
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -140,6 +142,74 @@ class TensorRow(NamedTuple):
     min_nonzero: float
     l2: float
     representability: Mapping[str, Representability]
+
+
+@dataclass(frozen=True)
+class TensorBatch:
+    """Tensor rows as columns, one numpy array each: what the Recorder hands the writer per flush, so that a
+    step of hundreds of tensors costs no Python object per tensor on the training thread (the writer turns the
+    columns into SQL parameters in C: ``tolist`` and ``zip``). Row k is ``step[k]``, ``tensor_id[k]``, the exponent
+    histogram ``hist[k]`` (N_EXP_BINS counts), ``specials[k]`` (zeros, nan, posinf, neginf), ``absmax[k]``,
+    ``min_nonzero[k]``, ``l2[k]`` and ``representability[k, f]`` (REPRESENTABILITY_KINDS) for the f-th format of
+    LOW_PRECISION where ``formats[k, f]`` (a row may hold fewer formats: only those are stored)."""
+
+    step: np.ndarray
+    tensor_id: np.ndarray
+    hist: np.ndarray
+    specials: np.ndarray
+    absmax: np.ndarray
+    min_nonzero: np.ndarray
+    l2: np.ndarray
+    representability: np.ndarray
+    formats: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    @classmethod
+    def of_step(cls, step: int, tensor_id: np.ndarray, hist: np.ndarray, specials: np.ndarray, absmax: np.ndarray,
+                min_nonzero: np.ndarray, l2: np.ndarray, representability: np.ndarray) -> TensorBatch:
+        """One step's rows, every format present."""
+        return cls(np.full(len(tensor_id), step, dtype=np.int64), np.asarray(tensor_id, dtype=np.int64), hist,
+                   specials, absmax, min_nonzero, l2, representability,
+                   np.ones(representability.shape[:2], dtype=bool))
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[TensorRow]) -> TensorBatch:
+        """The batch of named rows (a test's, or a supervised child's rows as the channel carried them); a
+        representability key that is not a registry format is a ValueError."""
+        unknown = {fmt for row in rows for fmt in row.representability} - set(LOW_PRECISION)
+        if unknown:
+            raise ValueError(f"unknown formats {sorted(unknown)}; the known formats are {', '.join(LOW_PRECISION)}")
+        n, kinds = len(rows), len(Representability._fields)
+        representability = np.zeros((n, len(LOW_PRECISION), kinds), dtype=np.int64)
+        formats = np.zeros((n, len(LOW_PRECISION)), dtype=bool)
+        for k, row in enumerate(rows):
+            for f, fmt in enumerate(LOW_PRECISION):
+                if fmt in row.representability:
+                    representability[k, f], formats[k, f] = row.representability[fmt], True
+        columns = list(zip(*(row[:-1] for row in rows), strict=True)) or [()] * (len(TensorRow._fields) - 1)
+        step, tensor_id, hists, *specials, absmax, min_nonzero, l2 = columns
+        return cls(np.asarray(step, dtype=np.int64), np.asarray(tensor_id, dtype=np.int64), decode_hists(hists),
+                   np.asarray(specials, dtype=np.int64).T.reshape(n, len(SPECIAL_COUNT_COLUMNS)),
+                   *(np.asarray(c, dtype=np.float64) for c in (absmax, min_nonzero, l2)), representability, formats)
+
+    @classmethod
+    def concat(cls, batches: Sequence[TensorBatch]) -> TensorBatch:
+        if len(batches) == 1:
+            return batches[0]
+        if not batches:
+            return cls.from_rows([])
+        return cls(*(np.concatenate([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(cls)))
+
+    def rows(self) -> list[TensorRow]:
+        """The batch as named rows (for a channel that carries plain values: a supervised child's)."""
+        names = list(LOW_PRECISION)
+        reps = [{names[f]: Representability(*counts) for f, counts in enumerate(per_format) if present[f]}
+                for per_format, present in zip(self.representability.tolist(), self.formats.tolist(), strict=True)]
+        return list(map(TensorRow, self.step.tolist(), self.tensor_id.tolist(), encode_hists(self.hist),
+                        *self.specials.T.tolist(), self.absmax.tolist(), self.min_nonzero.tolist(), self.l2.tolist(),
+                        reps))
 
 
 def _json_fields(fields: dict) -> dict:
@@ -439,57 +509,59 @@ class StoreWriter:
                 [(int(run_id), t, n, json.dumps(list(s)), int(k), p, g) for t, n, s, k, p, g in rows],
             )
 
-    def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow],
+    def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow] | TensorBatch,
                     kept: Sequence[tuple[int, str]] = ()) -> None:
-        """Commit step and tensor rows, add the tensor rows' counts to the running totals and refresh the run's
-        heartbeat, in one transaction. Each (step, tensor) must be written once: the totals would count a
-        rewrite twice. A representability key that is not a registry format is a ValueError. ``kept``: (step,
-        reason) of the steps whose tensor rows are stored (mpdiag.recording.retention), into kept_steps; their
-        step rows, in this batch or an earlier one, are marked ``logged``."""
+        """Commit step and tensor rows (named rows or a :class:`TensorBatch`), add the tensor rows' counts to the
+        running totals and refresh the run's heartbeat, in one transaction. Each (step, tensor) must be written
+        once: the totals would count a rewrite twice. A representability key that is not a registry format is
+        a ValueError. ``kept``: (step, reason) of the steps whose tensor rows are stored
+        (mpdiag.recording.retention), into kept_steps; their step rows, in this batch or an earlier one, are
+        marked ``logged``."""
         run_id = int(run_id)
-        unknown = {fmt for row in tensor_rows for fmt in row.representability} - set(LOW_PRECISION)
-        if unknown:
-            raise ValueError(f"unknown formats {sorted(unknown)}; the known formats are {', '.join(LOW_PRECISION)}")
-        special, per_format = _sum_counts(tensor_rows)
+        batch = tensor_rows if isinstance(tensor_rows, TensorBatch) else TensorBatch.from_rows(tensor_rows)
         kinds = Representability._fields
+        steps, tensor_ids = batch.step.tolist(), batch.tensor_id.tolist()
         with self._conn:
             self._conn.executemany(f"INSERT INTO steps (run_id, {', '.join(StepRow._fields)}) "
                                    f"VALUES ({', '.join('?' * (len(StepRow._fields) + 1))})",
                                    [(run_id, *row) for row in step_rows])
             self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
-                                   [(run_id, *row[:-1]) for row in tensor_rows])
+                                   zip(itertools.repeat(run_id), steps, tensor_ids, encode_hists(batch.hist),
+                                       *batch.specials.T.tolist(), batch.absmax.tolist(), batch.min_nonzero.tolist(),
+                                       batch.l2.tolist()))
+            rows, formats = np.nonzero(batch.formats)
+            names = list(LOW_PRECISION)
             self._conn.executemany(
                 f"INSERT INTO representability VALUES ({', '.join('?' * (4 + len(kinds)))})",
-                [(run_id, row.step, row.tensor_id, fmt, *counts) for row in tensor_rows
-                 for fmt, counts in row.representability.items()])
+                zip(itertools.repeat(run_id), batch.step[rows].tolist(), batch.tensor_id[rows].tolist(),
+                    [names[f] for f in formats.tolist()], *batch.representability[rows, formats].T.tolist()))
+            special, per_format = _totals_rows(run_id, batch)
             self._conn.executemany(
                 f"INSERT INTO tensor_totals VALUES ({', '.join('?' * (3 + len(SPECIAL_COUNT_COLUMNS)))}) "
                 "ON CONFLICT (run_id, tensor_id) DO UPDATE SET "
                 + ", ".join(f"{c} = {c} + excluded.{c}" for c in ["logged_steps", *SPECIAL_COUNT_COLUMNS]),
-                [(run_id, tensor_id, *sums) for tensor_id, sums in special.items()])
+                special)
             self._conn.executemany(
                 f"INSERT INTO representability_totals VALUES ({', '.join('?' * (3 + len(kinds)))}) "
                 "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
-                [(run_id, tensor_id, fmt, *sums) for (tensor_id, fmt), sums in per_format.items()])
-            self._add_hist_totals(run_id, tensor_rows)
+                per_format)
+            self._add_hist_totals(run_id, batch)
             self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
                                    [(run_id, step, reason) for step, reason in kept])
             self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",
                                    [(run_id, step) for step in sorted({step for step, _ in kept})])
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
 
-    def _add_hist_totals(self, run_id: int, tensor_rows: Sequence[TensorRow]) -> None:
-        """Add the rows' histograms to their tensors' running sums in hist_totals (inside the caller's
+    def _add_hist_totals(self, run_id: int, batch: TensorBatch) -> None:
+        """Add the batch's histograms to their tensors' running sums in hist_totals (inside the caller's
         transaction): read the sums of the tensors present, add, write back."""
-        if not tensor_rows:
+        if not len(batch):
             return
         # all tensors at once (a per-tensor mask over the rows was O(tensors x rows) on the writer thread, which
         # holds the GIL the training thread needs)
-        tensor_ids = np.array([row.tensor_id for row in tensor_rows])
-        ids, rows_each = np.unique(tensor_ids, return_counts=True)
-        by_tensor = np.argsort(tensor_ids, kind="stable")
-        totals = np.add.reduceat(decode_hists([tensor_rows[k].hist for k in by_tensor.tolist()]),
-                                 np.cumsum(rows_each) - rows_each, axis=0)
+        ids, at = np.unique(batch.tensor_id, return_inverse=True)
+        totals = np.zeros((len(ids), batch.hist.shape[1]), dtype=np.int64)
+        np.add.at(totals, at.reshape(-1), batch.hist)
         ids = ids.tolist()
         marks = ", ".join("?" * len(ids))
         held = dict(self._conn.execute(f"SELECT tensor_id, hist FROM hist_totals WHERE run_id = ? AND tensor_id IN "
@@ -500,17 +572,19 @@ class StoreWriter:
                                zip(itertools.repeat(run_id), ids, encode_hists(totals)))
 
 
-def _sum_counts(tensor_rows: Sequence[TensorRow]) -> tuple[dict[int, list[int]], dict[tuple[int, str], list[int]]]:
-    """Over ``tensor_rows``: tensor_id -> [logged steps, zeros, nan, posinf, neginf] and
-    (tensor_id, format) -> the six representability sums."""
-    special: dict[int, list[int]] = {}
-    per_format: dict[tuple[int, str], list[int]] = {}
-    for row in tensor_rows:
-        acc = special.setdefault(row.tensor_id, [0] * (1 + len(SPECIAL_COUNT_COLUMNS)))
-        for k, value in enumerate((1, row.zeros, row.nan, row.posinf, row.neginf)):
-            acc[k] += value
-        for fmt, counts in row.representability.items():
-            sums = per_format.setdefault((row.tensor_id, fmt), [0] * len(counts))
-            for k, value in enumerate(counts):
-                sums[k] += value
-    return special, per_format
+def _totals_rows(run_id: int, batch: TensorBatch) -> tuple[list[tuple], list[tuple]]:
+    """The batch's sums as tensor_totals rows (run, tensor, logged steps, zeros, nan, posinf, neginf) and
+    representability_totals rows (run, tensor, format, the six sums), for the formats its rows hold."""
+    ids, at = np.unique(batch.tensor_id, return_inverse=True)
+    at = at.reshape(-1)
+    special = np.zeros((len(ids), 1 + batch.specials.shape[1]), dtype=np.int64)
+    np.add.at(special, at, np.concatenate([np.ones((len(batch), 1), np.int64), batch.specials], axis=1))
+    per_format = np.zeros((len(ids), *batch.representability.shape[1:]), dtype=np.int64)
+    np.add.at(per_format, at, batch.representability * batch.formats[:, :, None])
+    held = np.zeros((len(ids), batch.formats.shape[1]), dtype=bool)
+    np.logical_or.at(held, at, batch.formats)
+    tensors, formats = np.nonzero(held)
+    names = list(LOW_PRECISION)
+    return (list(zip(itertools.repeat(run_id), ids.tolist(), *special.T.tolist())),
+            list(zip(itertools.repeat(run_id), ids[tensors].tolist(), [names[f] for f in formats.tolist()],
+                     *per_format[tensors, formats].T.tolist())))

@@ -331,3 +331,51 @@ def test_many_small_tensors_equal_across_backends_and_casting(scale):
         scaled = grads[t].float().reshape(-1)
         g = gradscaler_unscale(scaled, scale) if scale != 1.0 else scaled
         assert_counts_equal_casting(stats["numba"], g, scaled, t)
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="hold() is the numba backend's")
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
+@pytest.mark.parametrize("already_unscaled", [False, True])
+def test_a_held_step_counts_its_signals_by_casting_and_its_statistics_later_from_its_copy(scale, already_unscaled):
+    """hold(): the light pass's nan/inf counts of g and FP16/BF16 underflow/overflow counts of S*g equal torch's
+    casts; the full statistics computed later come from the copy, though the gradients changed since."""
+    x = sweep()
+    small = [torch.randn(300, generator=torch.Generator().manual_seed(1)).half(),
+             (torch.randn(64, generator=torch.Generator().manual_seed(2)) * 1e-30).bfloat16()]
+    grads = [x, *small]
+    computer = GradStatsComputer([g.numel() for g in grads], backend="numba")
+    held = computer.hold(grads, scale, grads_are_scaled=not already_unscaled).result()
+    truths = []
+    for t, held_values in enumerate(grads):
+        values = held_values.float().clone()
+        if already_unscaled:
+            g, scaled = values, values * torch.tensor(scale, dtype=torch.float32)
+        else:
+            g, scaled = (gradscaler_unscale(values, scale) if scale != 1.0 else values), values
+        truths.append((g, scaled))
+        for fmt in gradstats.SIGNAL_FORMATS:
+            expected = category_counts_by_casting(scaled, LOW_PRECISION[fmt])
+            for kind in ("underflow", "overflow"):
+                assert held.counts[f"{fmt}_{kind}_at_scale"][t] == expected[kind], (t, fmt, kind)
+        assert held.counts["nan"][t] == int(g.isnan().sum())
+        assert held.counts["posinf"][t] == int((g == float("inf")).sum())
+        assert held.counts["neginf"][t] == int((g == -float("inf")).sum())
+    for g in grads:
+        g.zero_()  # the loop's next step: the held copy is what counts
+    stats = held.stats()
+    for t, (g, scaled) in enumerate(truths):
+        assert_counts_equal_casting(stats, g, scaled, t)
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="hold() is the numba backend's")
+def test_a_held_copy_is_reused_once_its_step_is_gone():
+    grads = [torch.randn(10), torch.randn(20)]
+    computer = GradStatsComputer([10, 20], backend="numba")
+    first = computer.hold(grads, 1.0).result()
+    second = computer.hold(grads, 1.0).result()
+    assert computer._held_pool == []
+    del first
+    third = computer.hold(grads, 1.0).result()  # the first step's copy, not a new one
+    assert computer._held_pool == [] and second.stats().l2.tolist() == third.stats().l2.tolist()
+    del second, third
+    assert len(computer._held_pool) == 2

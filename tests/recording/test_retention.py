@@ -5,12 +5,14 @@ name it; and the rules' edges on rows (a
 streak keeps its first step, not all of them). Ground truth: torch's casts of the gradients captured in the loop."""
 
 import numpy as np
+import pytest
 import torch
 from ground_truth import exponent_histogram
 
 from mpdiag import Recorder, Store
 from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.dashboard import gradients_model
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, GradStatsComputer
 from mpdiag.recording.retention import Retention
 from mpdiag.store import StepRow
 
@@ -91,3 +93,58 @@ def test_an_underflow_jump_counts_when_enough_values_moved_not_one_value_of_a_sm
     underflow = [[0, 100], [0, 100], [1, 100], [0, 100], [0, 300], [0, 300], [0, 300]] + [[0, 300]] * 5
     assert _kept(_rows([0] * 12, [1.0] * 12), [4, 10_000], underflow) == [
         (0, ["every"]), (3, ["before"]), (4, ["underflow"]), (5, ["after"]), (10, ["every"])]
+
+
+def test_a_scale_change_known_a_step_late_stores_it_and_the_step_before_from_their_held_gradients(store_path):
+    """Between multiples of every the Recorder holds each step's gradients and counts only what the rules read; a
+    scale growth (GradScaler's, at its growth interval) is known only once the step's update ran, yet the step and
+    the one before it are stored exactly as torch's casts count their captured gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=4)  # grows at steps 3, 7, 11
+    captured = {}
+    with Recorder(model, store=store_path, scaler=scaler, optimizer=opt, every=10) as rec:
+        for step in range(12):
+            opt.zero_grad()
+            loss = model(torch.randn(32, 8)).pow(2).mean()
+            scaler.scale(loss).backward()
+            captured[step] = (scaler.get_scale(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            rec.record(loss)
+            scaler.step(opt)
+            scaler.update()
+    store = Store(store_path)
+    assert store.kept_steps(rec.run_id).values.tolist() == [
+        [0, "every"], [2, "before"], [3, "scale-change"], [4, "after"], [6, "before"], [7, "scale-change"],
+        [8, "after"], [10, "before"], [10, "every"], [11, "scale-change"]]
+    for step in (2, 3, 4, 6, 7, 8, 10, 11):
+        scale, grads = captured[step]
+        stats = store.tensor_stats(rec.run_id, step=step).set_index("tensor")
+        index, hists = store.histogram_matrix(rec.run_id, step=step)
+        for name, scaled in grads.items():
+            g = scaled * torch.tensor(scale, dtype=torch.float64).reciprocal().float()  # GradScaler's unscale
+            assert stats.loc[name, "fp16_underflow_at_scale"] == int(((scaled.half() == 0) & (scaled != 0)).sum())
+            assert stats.loc[name, "fp16_underflow"] == int(((g.half() == 0) & (g != 0)).sum()), (step, name)
+            assert stats.loc[name, "bf16_underflow"] == int(((g.bfloat16() == 0) & (g != 0)).sum()), (step, name)
+            assert (hists[index["tensor"].tolist().index(name)] == exponent_histogram(g)).all(), (step, name)
+            assert stats.loc[name, "absmax"] == float(g.abs().max())
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="the CPU's held steps are the numba backend's")
+def test_steps_between_multiples_run_the_full_statistics_only_when_kept(store_path, monkeypatch):
+    """With nothing happening, the full statistics pass runs at the multiples of every alone: the steps between
+    them make only the light pass over their held copy (what retention decides with)."""
+    full_passes = []
+    numba_stats = GradStatsComputer._numba_stats
+    monkeypatch.setattr(GradStatsComputer, "_numba_stats",
+                        lambda self, *args: full_passes.append(1) or numba_stats(self, *args))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Recorder(model, store=store_path, optimizer=opt, every=EVERY) as rec:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            rec.record(0.0)
+            opt.step()
+    assert Store(store_path).logged_steps(rec.run_id) == [0, 5, 10] and len(full_passes) == 3
