@@ -54,7 +54,7 @@ from mpdiag.store.export import export_run
 
 if TYPE_CHECKING:
     from mpdiag.training.script import ModelScript
-    from mpdiag.training.watch import WatchConfig
+    from mpdiag.training.watch_config import WatchConfig
 
 
 def _store_arg(parser: argparse.ArgumentParser, inner: bool = False) -> None:
@@ -263,7 +263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from mpdiag.training.runner import rerun_plan
-    from mpdiag.training.watch import rerun_config
+    from mpdiag.training.watch_config import rerun_config
 
     options = _options(args)
     store = Store(args.store, create=False)

@@ -487,7 +487,7 @@ def mode_options(mode: str) -> dict[str, Option]:
     return {name: spec.in_mode(mode) for name, spec in OPTIONS.items() if mode in spec.modes}
 
 
-#: ``mpdiag watch``'s options: its flags, its form and :meth:`mpdiag.training.watch.WatchConfig.validate`'s checks
+#: ``mpdiag watch``'s options: its flags, its form and :meth:`mpdiag.training.watch_config.WatchConfig.validate`'s checks
 WATCH_OPTIONS = mode_options(WATCH)
 #: the watch options a WatchConfig holds as its own fields, so what a rerun of a watched run may change (the rest
 #: of the command is the script's own); the FP8 ones reach a WatchConfig as one recipe (its ``fp8``)

@@ -8,7 +8,8 @@ environment, where a child could read it). That supervising process:
    source and :class:`~mpdiag.training.runner.RunConfig`, or a watched command: uploaded code from the store, or
    a script ``mpdiag watch`` ran from the command line; a bad option ends here with its message), which stores
    the script and creates the run rows with status ``queued`` (two with ``pair``), owned by the supervisor - so
-   the supervisor itself never imports torch or pandas before its slot, and a queued click costs ~20 MB;
+   the supervisor itself never imports torch or pandas before its slot, and a queued click costs ~20 MB (the
+   planning imports no torch either: :mod:`mpdiag.training.planning`, :mod:`mpdiag.training.watch_config`);
 2. waits for one of :func:`max_concurrent_runs` run slots (lock files: a slot frees itself when its holder
    dies);
 3. runs the ``run`` (or ``watch``) task of :mod:`mpdiag.sandbox.child` under :meth:`Limits.for_runs`. The
@@ -198,10 +199,10 @@ class Plan:
 
 def plan(job: dict, store_path: str) -> Plan:
     """The Plan of a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
-    from mpdiag.options import UNSET
+    from mpdiag.options import UNSET, RunConfig
     from mpdiag.store import Store
-    from mpdiag.training.runner import RunConfig, fp32_twin_of, rerun_plan
-    from mpdiag.training.script import ModelScript
+    from mpdiag.training.planning import fp32_twin_of, rerun_plan
+    from mpdiag.training.script_source import ModelScript
 
     # None: not given (keep the default or the parent's value); UNSET: cleared; False stays False, so a rerun can
     # turn off a switch its parent had on.
@@ -232,7 +233,7 @@ def plan(job: dict, store_path: str) -> Plan:
 def _uploaded_watch(job: dict, options: dict):
     """The WatchConfig of uploaded code (a stored bundle's entry point)."""
     from mpdiag.options import WATCH_RERUN_OPTIONS, ConfigError
-    from mpdiag.training.watch import WatchConfig
+    from mpdiag.training.watch_config import WatchConfig
 
     unknown = sorted(set(options) - set(WATCH_RERUN_OPTIONS))
     if unknown:
@@ -243,7 +244,7 @@ def _uploaded_watch(job: dict, options: dict):
 
 def _watch_rerun(run_id: int, parent, options: dict, pair: bool):
     from mpdiag.options import ConfigError
-    from mpdiag.training.watch import rerun_config
+    from mpdiag.training.watch_config import rerun_config
 
     if pair:
         raise ConfigError(f"run {run_id} was recorded by mpdiag watch, which runs no FP32 twin.")
@@ -412,10 +413,9 @@ def last_output_line(store_path: str | os.PathLike, run_id: int) -> str | None:
 def plan_and_queue(job: dict) -> dict:
     """In the planning process: the job's plan, with its queued run rows created and handed to the supervisor
     (``job["owner_pid"]``), as JSON-able data; or ``{"error": why}`` when the job cannot run."""
+    from mpdiag.options import ConfigError, ScriptError
     from mpdiag.recording.background import BackgroundWriter
     from mpdiag.store import StoreError
-    from mpdiag.training.policies import ConfigError
-    from mpdiag.training.script import ScriptError
 
     try:
         planned = plan(job, job["store"])
@@ -432,7 +432,7 @@ def plan_and_queue(job: dict) -> dict:
 
 
 def _planned_elsewhere(job: dict) -> dict:
-    """:func:`plan_and_queue` in a process of its own, which exits once the rows exist (torch and pandas go with it)."""
+    """:func:`plan_and_queue` in a process of its own, which exits once the rows exist (pandas goes with it)."""
     done = subprocess.run([sys.executable, "-m", "mpdiag.sandbox.launch", "--plan"], env=child_env(),
                           input=json.dumps({**job, "owner_pid": os.getpid()}).encode(), capture_output=True)
     try:

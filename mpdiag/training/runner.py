@@ -2,7 +2,8 @@
 
 Data path: script -> :func:`mpdiag.training.script.build_model` -> policy (:mod:`mpdiag.training.policies`) -> this loop ->
 :class:`mpdiag.recording.recorder.Recorder` -> store. :func:`train` runs one configuration, :func:`train_pair` a mixed
-run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden.
+run with its FP32 twin, :func:`rerun` a stored run's script again with options overridden (what it reruns is decided by
+:mod:`mpdiag.training.planning`, torch-free, as the app's launcher plans it).
 
 Owns the loop, device resolution and the Recorder's wiring (the run's :class:`mpdiag.recording.run.Run`, made
 here or adopted from the distributed launcher, and the Recorder's optimizer-step check, set to every step). Must
@@ -20,14 +21,13 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mpdiag.numerics.nested import map_tensors
 from mpdiag.numerics.shadow import Fp32Shadow, rng_state
-from mpdiag.options import TWIN_LABEL, ConfigError, RunConfig, rerun_name
+from mpdiag.options import ConfigError, RunConfig
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
@@ -35,11 +35,9 @@ from mpdiag.recording.nonfinite_step import optimizer_state_dtype
 from mpdiag.recording.recorder import EVERY_STEP, Recorder
 from mpdiag.recording.run import Run
 from mpdiag.training import distributed
+from mpdiag.training.planning import fp32_twin_of, rerun_plan
 from mpdiag.training.policies import PrecisionPolicy, make_policy
 from mpdiag.training.script import ModelScript, ScriptError, build_model
-
-if TYPE_CHECKING:
-    from mpdiag.store import Store
 
 ProgressFn = Callable[[int, int, float], None]  # (run id, step, loss): a --pair command prints two runs
 
@@ -316,11 +314,6 @@ def _add_mean(total: list | None, grads: list, k: int) -> list:
     return [a if b is None else b if a is None else a + b for a, b in zip(total, parts, strict=True)]
 
 
-def fp32_twin_of(script: ModelScript, config: RunConfig) -> RunConfig:
-    """The configuration of ``config``'s FP32 twin (``--pair``), named after the run it is the twin of."""
-    return config.fp32_twin(name=(config.name or os.path.basename(script.filename)) + TWIN_LABEL)
-
-
 def train_pair(
     script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
     console=None,
@@ -338,22 +331,6 @@ def train_pair(
     finally:
         writer.close()
     return mixed_id, fp32_id
-
-
-def rerun_plan(store: Store, run_id: int, **overrides) -> tuple[ModelScript, RunConfig]:
-    """The stored script source of ``run_id`` and its configuration with ``overrides`` applied; the new run
-    records ``run_id`` as its parent. Raises StoreError / ConfigError naming what is wrong."""
-    parent = store.run(run_id)
-    stored = parent["config"].get("run")
-    if not stored:
-        raise ConfigError(f"run {run_id} was recorded by a Recorder in a user's loop; only runs started by mpdiag can be rerun")
-    filename, source = store.script_source(parent["script_sha256"])
-    base = RunConfig.from_dict(stored)
-    config = base.with_options(parent_run_id=int(run_id), **overrides)  # drops what the new level does not use
-    if overrides.get("name") is None:  # none typed: say what changed, never the parent's twin label
-        config = config.with_options(name=rerun_name(parent["name"], base.to_dict(), config.to_dict()))
-    config.validate()
-    return ModelScript(filename=parent["script_path"] or filename, source=source), config
 
 
 def rerun(store_path: str | os.PathLike, run_id: int, pair: bool = False, progress: ProgressFn | None = None,

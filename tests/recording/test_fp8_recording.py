@@ -238,7 +238,7 @@ def test_watch_fp8_records_an_unmodified_loops_linears_against_its_own_tensors(t
     assert any(f.rule == "fp8-amax-jump" and f.tensors == ["0:input"] for f in jump)  # the 100x input at step 3
     assert all("nvfp4" not in f.title for f in jump)  # the findings judge the per-tensor recipes only
     # its rerun keeps the recipe
-    from mpdiag.training.watch import rerun_config
+    from mpdiag.training.watch_config import rerun_config
 
     again = rerun_config(run_id, "x", Store(db).run(run_id)["config"]["watch"], opt_level="bf16")
     assert again.fp8 == settings

@@ -132,6 +132,46 @@ def test_a_queued_job_waits_light(tmp_path):
     assert run["status"] == "finished" and run["steps_done"] == 3
 
 
+PLAN_IN_A_CHILD = """
+import json, os, sys
+from mpdiag.sandbox.launch import plan_and_queue, watch_job
+store, script, upload = sys.argv[1], sys.argv[2], sys.argv[3]
+for job in ({"kind": "run", "script": script, "options": {"opt_level": "O1", "steps": 2, "pair": True}},
+            {"kind": "rerun", "run_id": 1, "options": {"opt_level": "bf16"}},
+            watch_job(upload, "train.py", [], False, {"opt_level": "O1"})):
+    print(json.dumps(plan_and_queue({**job, "store": store, "owner_pid": os.getppid()})["run_ids"]))  # the test: alive
+print("torch" in sys.modules)
+"""
+
+
+def test_planning_a_job_imports_no_torch(tmp_path):
+    """The planning process of every job the app starts (``--plan``) stores the script and queues its rows, then
+    exits: for a run (with its FP32 twin), a rerun and a watched upload it never imports torch (1.5-2 s of CPU a
+    click, measured), and the rows it queued are the ones the job will run."""
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLES, ROOT
+
+    from mpdiag.training.runner import RunConfig, train
+    from mpdiag.training.script import ModelScript
+
+    store_path = tmp_path / "runs.db"
+    train(ModelScript.from_path(EXAMPLES / "mlp_digits.py"), RunConfig(opt_level="O1", steps=2, device="cpu"),
+          store_path)
+    upload = stored_upload(store_path, STEPS_THEN.format(after=""))
+    done = subprocess.run([sys.executable, "-c", PLAN_IN_A_CHILD, str(store_path), str(EXAMPLES / "mlp_digits.py"),
+                           upload], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pair, rerun, watched, imported = done.stdout.strip().splitlines()[-4:]
+    assert [json.loads(pair), json.loads(rerun), json.loads(watched)] == [[2, 3], [4], [5]], done.stdout
+    assert imported == "False", done.stdout
+    runs = Store(store_path).runs().set_index("run_id")
+    assert runs.loc[[2, 3, 4, 5], "status"].tolist() == ["queued"] * 4
+    assert runs.loc[[2, 3, 4, 5], "opt_level"].tolist() == ["O1", "O0", "bf16", "O1"]
+    assert runs.loc[4, "parent_run_id"] == 1 and runs.loc[5, "config"]["watch"]["bundle"] == upload
+
+
 def test_a_run_that_hangs_reads_stalled_with_its_last_line_of_output(tmp_path, monkeypatch):
     """Uploaded code that prints, trains 3 steps and hangs: its steps reach the store, and the run reads stalled
     with the last line it printed (the log mirrored while it hangs), as the pages show it."""
