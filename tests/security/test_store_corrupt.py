@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 from app_helpers import PAGES, shown
-from conftest import FIXTURES, ROOT, run_cli
+from conftest import FIXTURES, ROOT, damage_tables, run_cli
 from streamlit.testing.v1 import AppTest
 
 from mpdiag.options import RunConfig
@@ -174,16 +174,8 @@ def _damaged(path):
     Upload's scripts and bundles), the header and the schema intact, so the store opens and its first read
     meets the damage."""
     _recorded(path)
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        page = conn.execute("PRAGMA page_size").fetchone()[0]
-        roots = [r for (r,) in conn.execute(
-            "SELECT rootpage FROM sqlite_master WHERE name IN ('runs', 'scripts', 'bundles')")]
-        pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    data = bytearray(path.read_bytes())
+    *roots, pages = damage_tables(path)
     assert len(roots) == 3 and 1 < min(roots) and max(roots) < pages // 2  # the middle, not the header or the end
-    for root in roots:
-        data[(root - 1) * page : root * page] = bytes([0xA5]) * page
-    path.write_bytes(bytes(data))
     yield
 
 
