@@ -124,7 +124,8 @@ def measure(steps: int, tensors: int, batch: int, folder: Path) -> dict:
     for name, (page, query) in SCALE_PAGES.items():
         resolved = {k: [ids[v] for v in vs] if isinstance(vs, list) else ids[vs] for k, vs in query.items()}
         pages[name] = apptest_page(path, page, resolved)
-    path.unlink()
+    for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):  # the readers' -shm stays beside it
+        leftover.unlink(missing_ok=True)
     return {"steps": steps, "tensors": tensors, "store_bytes": size,
             "bytes_per_step_tensor": big_size_estimate / (steps * tensors),
             "build_seconds": build_seconds, "build_rows_per_s": steps * tensors / build_seconds,
