@@ -124,6 +124,25 @@ def run_cli(*args, cwd=None, timeout=300, env=None):
     )
 
 
+def damage_tables(path, tables=("runs", "scripts", "bundles")) -> list[int]:
+    """Overwrite the root page of each of ``tables`` in the store at ``path`` with junk, its header and schema
+    intact, so it opens and the first read of those tables meets the damage (the defaults: what every page reads
+    first). Returns the pages overwritten (1-based) and the file's page count after them."""
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(path)) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        marks = ", ".join("?" * len(tables))
+        roots = [r for (r,) in conn.execute(f"SELECT rootpage FROM sqlite_master WHERE name IN ({marks})", tables)]
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    data = bytearray(Path(path).read_bytes())
+    for root in roots:
+        data[(root - 1) * page : root * page] = bytes([0xA5]) * page
+    Path(path).write_bytes(bytes(data))
+    return [*roots, pages]
+
+
 def imports_torch(code: str) -> bool:
     """Whether running ``code`` in a fresh interpreter (in the repository root) leaves torch imported: the
     check behind every "this part stays torch-free" test."""

@@ -121,13 +121,15 @@ def frame(title: str) -> Store | None:
     st.session_state.pop(_STORE_ERROR_SAID, None)  # a new run of the page: nothing said yet
     try:
         # The configured store is created on first use so a fresh machine opens on something; another must exist.
+        # A file that is there but empty is not created into: it is not an mpdiag store, and a page writes nothing.
+        create = path == configured and not path.exists()
         old = older_version(path) if path.exists() else None
         if old is None:
-            return Store(path, create=path == configured)
+            return Store(path, create=create)
         started = time.monotonic()
         with st.spinner(f"Upgrading the store {path.name} from schema {old} to {SCHEMA_VERSION}: once, in place, "
                         "every run kept. A store of hundreds of MB takes a minute or more."):
-            store = Store(path, create=path == configured)
+            store = Store(path, create=create)
         st.caption(f"The store {plain(path.name)} was upgraded from schema {old} to {SCHEMA_VERSION} in "
                    f"{time.monotonic() - started:,.1f} s.")
         return store

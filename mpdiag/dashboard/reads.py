@@ -20,6 +20,7 @@ import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
 from mpdiag.store import Store
+from mpdiag.store.schema import no_store
 
 FINAL_STATUSES = ("finished", "failed", "crashed", "stopped")
 
@@ -31,7 +32,10 @@ def is_final(run: pd.Series) -> bool:
 
 def _identity(path: Path) -> tuple[int, int]:
     """Changes when the store file is replaced, so cached reads of a deleted store are not reused."""
-    stat = path.stat()
+    try:
+        stat = path.stat()
+    except FileNotFoundError:  # removed since the page opened it: said in the store's one line, not a traceback
+        raise no_store(path) from None
     return stat.st_ino, stat.st_dev
 
 

@@ -12,7 +12,8 @@ schema, goes through the writer's path in schema.py to create or migrate it. Con
 * A run whose status is ``running`` or ``queued`` but whose process is gone is reported as ``crashed`` by every
   reader; a ``running`` run whose heartbeat (its last committed step, or before its first step its writer's
   heartbeat) is older than STALL_S and STALL_STEPS median steps (its process stopped or hung) as ``stalled``.
-* Every SQLite failure reaches the caller as one :class:`StoreError` naming the file.
+* Every SQLite failure, and a store file removed while it is read, reaches the caller as one :class:`StoreError`
+  naming the file.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from mpdiag.store.schema import (
     connect_read,
     decode_hists,
     needs_immutable,
+    no_store,
     open_for_writing,
     read_error,
     refuse_newer,
@@ -88,13 +90,19 @@ class Store:
         # Absolute, so a script that changes the working directory cannot redirect later opens.
         self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
         if not self.path.exists() and not create:
-            raise StoreError(f"No store at {self.path}: run `python -m mpdiag run SCRIPT` to create one.")
+            raise no_store(self.path)
         self._immutable = False
         if not self.path.exists():
-            open_for_writing(self.path).close()
+            try:
+                open_for_writing(self.path).close()
+            except StoreError as exc:
+                raise StoreError(f"No store at {self.path}, and mpdiag cannot create one there: {exc}") from exc
         self._check(create)
 
     def _connect(self) -> sqlite3.Connection:
+        # A file removed since it was opened (a read-only open would only say "unable to open database file")
+        if not self.path.exists():
+            raise no_store(self.path)
         return connect_read(self.path, immutable=self._immutable)
 
     def _check(self, create: bool) -> None:

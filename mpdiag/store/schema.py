@@ -287,6 +287,11 @@ def decode_hists(blobs: Sequence[bytes]) -> np.ndarray:
     return out
 
 
+def no_store(path: Path) -> StoreError:
+    """The StoreError for a store file that is not there (never created, or removed since it was opened)."""
+    return StoreError(f"No store at {path}: run `python -m mpdiag run SCRIPT` to create one.")
+
+
 def read_error(path: Path, exc: Exception) -> StoreError:
     """The StoreError for an SQLite error met while reading ``path``, worded for the person who chose the file."""
     text = str(exc)
@@ -409,7 +414,10 @@ def open_for_writing(path: Path) -> sqlite3.Connection:
     _check_integrity(path)
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
-        conn = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+        try:  # a file that cannot be created (its folder is not writable) fails here, before any connection
+            conn = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+        except sqlite3.Error as exc:
+            raise _cannot_write(path, exc) from exc
         try:
             conn.execute(f"PRAGMA busy_timeout={int(LOCK_WAIT_S * 1000)}")
             version = stored_version(conn, path)  # the cheap look first: a current store needs no write lock
@@ -428,13 +436,15 @@ def open_for_writing(path: Path) -> sqlite3.Connection:
             # answers "locked" at once (no busy wait) when that would deadlock with another process doing the
             # same, so racing creators take turns here.
             if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are "
-                                 "writable.") from exc
+                raise _cannot_write(path, exc) from exc
             time.sleep(0.05)
         except sqlite3.DatabaseError as exc:
             conn.close()
-            raise StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are writable.") \
-                from exc
+            raise _cannot_write(path, exc) from exc
+
+
+def _cannot_write(path: Path, exc: Exception) -> StoreError:
+    return StoreError(f"Cannot write to the store {path} ({exc}). Check that it and its folder are writable.")
 
 
 def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:

@@ -13,9 +13,10 @@ import time
 
 import pytest
 from browser_helpers import CHROMIUM, CHROMIUM_ARGS, Server, charts_fit, no_exception, settle, shot
-from conftest import ROOT
+from conftest import ROOT, damage_tables
 
 from mpdiag import Store
+from mpdiag.store import StoreWriter
 
 pytestmark = [
     pytest.mark.browser,
@@ -185,6 +186,33 @@ def test_a_foreign_host_name_gets_no_run_data(browser, tmp_path):
             b.close()
     finally:
         server.stop()
+
+
+def test_a_damaged_store_shows_mpdiags_line_not_streamlits_error_box(browser, tmp_path):
+    """Issue 28: a store damaged inside (it opens; the first read of its runs meets the damage), on the home page
+    and a single-run page in Chromium: mpdiag's one line, once, and no Streamlit exception box; the file as it
+    was. Every page and every other kind of bad store: tests/security/test_store_corrupt.py (AppTest)."""
+    store = tmp_path / "runs.db"
+    with StoreWriter(store, finish_runs=True) as writer:
+        writer.create_run(name="soon damaged")
+        writer.add_script("big.py", "x = 1\n" * 20000)
+    damage_tables(store)
+    before = store.read_bytes()
+    line = f"{store} is damaged (database disk image is malformed); mpdiag did not write to it."
+    server = Server(store)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        for name in ("", "Gradients"):
+            page.goto(f"{server.url}/{name}")
+            settle(page, "is damaged")
+            no_exception(page)
+            main = page.locator("[data-testid='stMain']")
+            assert main.get_by_text(line).count() == 1, main.inner_text()
+            assert "Traceback" not in main.inner_text()
+            shot(page, f"12_damaged_store{'_' + name.lower() if name else ''}")
+    finally:
+        server.stop()
+    assert store.read_bytes() == before
 
 
 def test_fp8_page_of_an_fp8_recording_from_its_findings_link(browser, tmp_path):
