@@ -398,68 +398,75 @@ class GradStatsComputer:
         self.offsets = np.concatenate([[0], np.cumsum(self.numels)]).astype(np.int64)
         self._unscaled: torch.Tensor | None = None
         self._spaces: list = []
-        n = len(self.numels)
         if self.backend == "numba":
-            import numba  # here, not at module import: the app never pays for it
-
-            from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial, signal_pass, signal_pass_serial
-
-            parallel = sum(self.numels) >= PARALLEL_FROM
-            self._kernel = fused_pass if parallel else fused_pass_serial
-            self._signal_kernel = signal_pass if parallel else signal_pass_serial
-            self._typed_list = numba.typed.List
-            # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
-            # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
-            # in place, where a copy would cost more than the hand-over.
-            sizes = np.asarray(self.numels, dtype=np.int64)
-            gathered = sizes < CHUNK
-            self._gathered = np.flatnonzero(gathered).tolist()
-            self._large = np.flatnonzero(~gathered).tolist()
-            self._gathered_values = torch.empty(int(sizes[gathered].sum()), dtype=torch.float32)
-            ends = np.cumsum([0, *sizes[gathered]]).tolist()
-            self._gather = _Gather([self._gathered_values[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)])
-            array = np.zeros(n, np.int64)
-            array[self._large] = np.arange(1, len(self._large) + 1)
-            base = np.zeros(n, np.int64)  # where each gathered tensor starts in the buffer
-            base[gathered] = ends[:-1]
-            items = work_items(self.numels)
-            tensor = items[:, 0]
-            self._items = np.stack([tensor, array[tensor], items[:, 1] + base[tensor], items[:, 2] + base[tensor],
-                                    items[:, 3]], axis=1)
-            # every tensor gathered into one buffer of its own: the layout of the copies hold() keeps
-            self._held_items = np.stack([tensor, np.zeros_like(tensor), items[:, 1] + self.offsets[tensor],
-                                         items[:, 2] + self.offsets[tensor], items[:, 3]], axis=1)
-            self._held_pool: list[tuple[torch.Tensor, _Gather]] = []  # copies no held step uses any more
-            self._signal_spaces = (np.empty((len(items), len(SIGNAL_COUNTS)), np.int64),
-                                   np.empty((n, len(SIGNAL_COUNTS)), np.int64))
-            self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
-            self._common_bounds = np.array(COMMON_BOUNDS, dtype=np.int32)
-            self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
-            columns, count = len(CATEGORY_COLUMNS), len(items)
-            self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares, statistics
-                np.empty((count, KEYS_PER_TENSOR), np.int64), np.empty((count, SUBNORMAL_CELLS), np.int64),
-                np.empty((count, 2), np.int32), np.empty(count, np.float64), np.empty((count, N_EXP_BINS), np.int64),
-                np.empty((count, len(SPECIAL_COUNTS)), np.int64), np.empty((count, 2, columns), np.int64),
-                # per tensor: the statistics and reductions, combined (the bit bounds as largest and below smallest)
-                np.empty((n, N_EXP_BINS), np.int64), np.empty((n, len(SPECIAL_COUNTS)), np.int64),
-                np.empty((n, 2, columns), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
-                np.empty(n, np.float64), self._gathered_values,
-            ]
+            self._init_numba(len(self.numels))
         else:
-            self._segments = _segments(self.numels, self.offsets)
-            room = max((segment.total for segment in self._segments), default=0)
-            self._values = torch.empty(room, dtype=torch.float32, device=self.device)
-            self._keys = torch.empty(room, dtype=torch.int32, device=self.device)
-            self._scratch = torch.empty(room, dtype=torch.int32, device=self.device)
-            self._ones = torch.ones(room, dtype=torch.int32, device=self.device)
-            self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
-            self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
-            self._nonempty = [t for t, size in enumerate(self.numels) if size]
-            self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
-            for segment in self._segments:
-                segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
-                                  (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
-                segment.gather = _Gather(segment.pieces["values"])
+            self._init_torch(len(self.numels))
+
+    def _init_numba(self, n: int) -> None:
+        """The fused CPU kernel's work items and workspaces, allocated once for these tensor sizes."""
+        import numba  # here, not at module import: the app never pays for it
+
+        from mpdiag.numerics.cpu_kernel import fused_pass, fused_pass_serial, signal_pass, signal_pass_serial
+
+        parallel = sum(self.numels) >= PARALLEL_FROM
+        self._kernel = fused_pass if parallel else fused_pass_serial
+        self._signal_kernel = signal_pass if parallel else signal_pass_serial
+        self._typed_list = numba.typed.List
+        # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
+        # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
+        # in place, where a copy would cost more than the hand-over.
+        sizes = np.asarray(self.numels, dtype=np.int64)
+        gathered = sizes < CHUNK
+        self._gathered = np.flatnonzero(gathered).tolist()
+        self._large = np.flatnonzero(~gathered).tolist()
+        self._gathered_values = torch.empty(int(sizes[gathered].sum()), dtype=torch.float32)
+        ends = np.cumsum([0, *sizes[gathered]]).tolist()
+        self._gather = _Gather([self._gathered_values[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)])
+        array = np.zeros(n, np.int64)
+        array[self._large] = np.arange(1, len(self._large) + 1)
+        base = np.zeros(n, np.int64)  # where each gathered tensor starts in the buffer
+        base[gathered] = ends[:-1]
+        items = work_items(self.numels)
+        tensor = items[:, 0]
+        self._items = np.stack([tensor, array[tensor], items[:, 1] + base[tensor], items[:, 2] + base[tensor],
+                                items[:, 3]], axis=1)
+        # every tensor gathered into one buffer of its own: the layout of the copies hold() keeps
+        self._held_items = np.stack([tensor, np.zeros_like(tensor), items[:, 1] + self.offsets[tensor],
+                                     items[:, 2] + self.offsets[tensor], items[:, 3]], axis=1)
+        self._held_pool: list[tuple[torch.Tensor, _Gather]] = []  # copies no held step uses any more
+        self._signal_spaces = (np.empty((len(items), len(SIGNAL_COUNTS)), np.int64),
+                               np.empty((n, len(SIGNAL_COUNTS)), np.int64))
+        self._bounds = np.array(REGION_BOUNDS, dtype=np.int32)
+        self._common_bounds = np.array(COMMON_BOUNDS, dtype=np.int32)
+        self._subnormal_bounds = np.array(SUBNORMAL_BOUNDS, dtype=np.int32)
+        columns, count = len(CATEGORY_COLUMNS), len(items)
+        self._spaces = [  # per work item: key counts, subnormal cells, bit bounds, sum of squares, statistics
+            np.empty((count, KEYS_PER_TENSOR), np.int64), np.empty((count, SUBNORMAL_CELLS), np.int64),
+            np.empty((count, 2), np.int32), np.empty(count, np.float64), np.empty((count, N_EXP_BINS), np.int64),
+            np.empty((count, len(SPECIAL_COUNTS)), np.int64), np.empty((count, 2, columns), np.int64),
+            # per tensor: the statistics and reductions, combined (the bit bounds as largest and below smallest)
+            np.empty((n, N_EXP_BINS), np.int64), np.empty((n, len(SPECIAL_COUNTS)), np.int64),
+            np.empty((n, 2, columns), np.int64), np.empty(n, np.int32), np.empty(n, np.int32),
+            np.empty(n, np.float64), self._gathered_values,
+        ]
+
+    def _init_torch(self, n: int) -> None:
+        """The torch backend's segments and device workspaces, allocated once for these tensor sizes."""
+        self._segments = _segments(self.numels, self.offsets)
+        room = max((segment.total for segment in self._segments), default=0)
+        self._values = torch.empty(room, dtype=torch.float32, device=self.device)
+        self._keys = torch.empty(room, dtype=torch.int32, device=self.device)
+        self._scratch = torch.empty(room, dtype=torch.int32, device=self.device)
+        self._ones = torch.ones(room, dtype=torch.int32, device=self.device)
+        self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
+        self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
+        self._nonempty = [t for t, size in enumerate(self.numels) if size]
+        self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
+        for segment in self._segments:
+            segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
+                              (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
+            segment.gather = _Gather(segment.pieces["values"])
 
     @property
     def workspace_bytes(self) -> int:
