@@ -116,19 +116,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     worst = totals.loc[(per_tensor > LOW_RANGE_SHARE) & big, "tensor"].tolist()
     if overall <= LOW_RANGE_SHARE and not worst:
         return None
-    basis = scale_basis(twin_hist)
-    k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
-    if k is not None:
-        fix = {"loss_scale": "dynamic", "init_scale": float(2**k)}
-        kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
-        advice = (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
-                  f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of the values underflowing or subnormal, "
-                  "with no overflow.")
-    else:
-        advice = (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
-                  f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
-                  "(FP32's range).")
-        fix = {"opt_level": "bf16"}
+    advice, fix = _scale_advice(hist, twin_hist)
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
         flushed = flushed_text(None, shadow_steps)
@@ -149,6 +137,21 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         tensors=tensors,
         fix=fix,
     )
+
+
+def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None) -> tuple[str, dict]:
+    """:func:`low_range`'s advice and fix: dynamic scaling from the scale the histogram recommends (the FP32
+    twin's when there is one), or BF16 when no single scale fits."""
+    basis = scale_basis(twin_hist)
+    k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
+    if k is None:
+        return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
+                f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
+                "(FP32's range).", {"opt_level": "bf16"})
+    kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
+    return (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
+            f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of the values underflowing or subnormal, "
+            "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)})
 
 
 def _low_range_parts(totals: pd.DataFrame) -> str:

@@ -129,49 +129,54 @@ def amax_jumps(records: pd.DataFrame, settings: Fp8Settings) -> list[Finding]:
     delayed = records[records["recipe"] == "delayed"] if len(records) else records
     if delayed.empty:
         return []
-    findings = []
-    for (module, role), one in delayed.sort_values("step", kind="stable").groupby(["module", "role"], sort=False):
-        over = overflows(one).to_numpy()
-        if not over.any():
-            continue
-        fmt = FP8_FORMATS[one["fmt"].iloc[0]]
-        amax = one["amax"].to_numpy(np.float32)
-        reference = delayed_reference(amax, settings.history)
-        jumped = np.flatnonzero(over)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = amax[jumped].astype(np.float64) / reference[jumped]
-        rankable = np.where(np.isfinite(ratios), ratios, -np.inf)
-        worst = int(np.argmax(rankable))  # the largest finite jump (a non-finite amax only where all are)
-        steps = one["step"].to_numpy()[jumped]
-        lost = one["overflow"].to_numpy()[jumped]
-        numel = one["numel"].to_numpy()[jumped]
-        others = np.delete(np.arange(len(jumped)), worst)
-        finite_others = others[np.isfinite(ratios[others])]
-        margin = _absorbing_margin(amax[jumped], reference[jumped], fmt, settings)
-        said = (f"Its amax jumps, worst at step {int(steps[worst]):,}: {number(amax[jumped][worst])}, "
-                f"{ratios[worst]:.4g} times the largest of the delayed history before it (up to "
-                f"{settings.history:,} recorded steps), and {int(lost[worst]):,} of {int(numel[worst]):,} values "
-                f"overflowed {fmt_label(fmt.name)}. In all, {_of_steps(len(jumped), len(one), 'overflow')} "
-                "(the amax chart's ▲, the layer table's \"overflowing\" steps)")
-        if len(others):
-            rise = (f"at most {ratios[finite_others].max():.4g} times the history's largest"
-                    if len(finite_others) else "at non-finite amaxes")
-            said += (f": the other {len(others):,} (step{'' if len(others) == 1 else 's'} "
-                     f"{_step_list(steps[others])}) {'is a small rise' if len(others) == 1 else 'are small rises'} "
-                     f"to a new largest amax, {rise}, past the "
-                     f"{100 * (fmt.overflow_threshold / fmt.max_finite - 1):.1f} % headroom {fmt_label(fmt.name)} "
-                     f"keeps above it ({number(fmt.max_finite)} to {number(fmt.overflow_threshold)}), losing "
-                     f"{int(lost[others].sum()):,} value{'' if lost[others].sum() == 1 else 's'} in all")
-        said += "."
-        findings.append(Finding(
-            rule="fp8-amax-jump", severity="warning", page="FP8",
-            title=f"An amax jump of {module}'s {role} overflows the delayed FP8 scale",
-            evidence=said,
-            recommendation=("Use current scaling" + (f", or a margin of {margin} (--fp8-margin)" if margin is not None else "")
-                            + " so the jump does not saturate."),
-            tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current"),
-            focus={"layer": module, "role": role, "recipe": "delayed"}))
-    return findings
+    groups = delayed.sort_values("step", kind="stable").groupby(["module", "role"], sort=False)
+    found = (_amax_jump(module, role, one, settings) for (module, role), one in groups)
+    return [finding for finding in found if finding is not None]
+
+
+def _amax_jump(module: str, role: str, one: pd.DataFrame, settings: Fp8Settings) -> Finding | None:
+    """:func:`amax_jumps`' finding for one module's role (its delayed rows by step), or None where none overflowed."""
+    over = overflows(one).to_numpy()
+    if not over.any():
+        return None
+    fmt = FP8_FORMATS[one["fmt"].iloc[0]]
+    amax = one["amax"].to_numpy(np.float32)
+    reference = delayed_reference(amax, settings.history)
+    jumped = np.flatnonzero(over)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = amax[jumped].astype(np.float64) / reference[jumped]
+    worst = int(np.argmax(np.where(np.isfinite(ratios), ratios, -np.inf)))  # the largest finite jump
+    steps, lost, numel = (one[column].to_numpy()[jumped] for column in ("step", "overflow", "numel"))
+    margin = _absorbing_margin(amax[jumped], reference[jumped], fmt, settings)
+    said = (f"Its amax jumps, worst at step {int(steps[worst]):,}: {number(amax[jumped][worst])}, "
+            f"{ratios[worst]:.4g} times the largest of the delayed history before it (up to "
+            f"{settings.history:,} recorded steps), and {int(lost[worst]):,} of {int(numel[worst]):,} values "
+            f"overflowed {fmt_label(fmt.name)}. In all, {_of_steps(len(jumped), len(one), 'overflow')} "
+            "(the amax chart's ▲, the layer table's \"overflowing\" steps)")
+    others = np.delete(np.arange(len(jumped)), worst)
+    if len(others):
+        said += _small_rises(others, ratios, steps, lost, fmt)
+    return Finding(
+        rule="fp8-amax-jump", severity="warning", page="FP8",
+        title=f"An amax jump of {module}'s {role} overflows the delayed FP8 scale",
+        evidence=said + ".",
+        recommendation=("Use current scaling" + (f", or a margin of {margin} (--fp8-margin)" if margin is not None else "")
+                        + " so the jump does not saturate."),
+        tensors=[f"{module}:{role}"], fix=_fix(fp8_recipe="current"),
+        focus={"layer": module, "role": role, "recipe": "delayed"})
+
+
+def _small_rises(others: np.ndarray, ratios: np.ndarray, steps: np.ndarray, lost: np.ndarray, fmt) -> str:
+    """The evidence's clause on the overflowing steps besides the worst: small rises past the format's headroom."""
+    finite_others = others[np.isfinite(ratios[others])]
+    rise = (f"at most {ratios[finite_others].max():.4g} times the history's largest"
+            if len(finite_others) else "at non-finite amaxes")
+    return (f": the other {len(others):,} (step{'' if len(others) == 1 else 's'} "
+            f"{_step_list(steps[others])}) {'is a small rise' if len(others) == 1 else 'are small rises'} "
+            f"to a new largest amax, {rise}, past the "
+            f"{100 * (fmt.overflow_threshold / fmt.max_finite - 1):.1f} % headroom {fmt_label(fmt.name)} "
+            f"keeps above it ({number(fmt.max_finite)} to {number(fmt.overflow_threshold)}), losing "
+            f"{int(lost[others].sum()):,} value{'' if lost[others].sum() == 1 else 's'} in all")
 
 
 def _absorbing_margin(amax: np.ndarray, reference: np.ndarray, fmt, settings: Fp8Settings) -> int | None:
