@@ -7,6 +7,7 @@ page, follows a deep link on a freshly started server, and saves screenshots to 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -121,7 +122,11 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         fresh.stop()
 
 
-LIVE_STEPS = 20  # at 40 the page showed 38 different steps here (it needs 3), a step taking 1.5 s
+#: more steps than the test waits for: it stops the run (SIGTERM) once the page has shown three different steps, so
+#: the run is long enough to watch on a fast machine (a bf16 step of the bundled transformer took 40 ms here, the
+#: whole run of 20 steps finished inside two of the page's refreshes) and the test short on a slow one (1.5 s a step)
+LIVE_STEPS = 5000
+LIVE_DEADLINE_S = 240
 
 
 def watch_live_progress(browser, store):
@@ -137,7 +142,8 @@ def watch_live_progress(browser, store):
         page.goto(server.url)
         settle(page)
         shown, committed = [], []  # (time, step) as displayed / as committed in the store
-        while trainer.poll() is None:
+        deadline = time.time() + LIVE_DEADLINE_S
+        while trainer.poll() is None and len({step for _, step in shown}) < 3 and time.time() < deadline:
             now = time.time()
             live = Store(store).runs().query("name == 'live'")
             if len(live):
@@ -146,7 +152,11 @@ def watch_live_progress(browser, store):
             if match:
                 shown.append((now, int(match.group(1))))
             time.sleep(0.5)
-        assert trainer.returncode == 0
+        assert trainer.poll() is None, "the run ended before the page showed it advance"  # still training
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=60)
+        run = Store(store).runs().query("name == 'live'").iloc[0]
+        assert run["status"] == "failed" and "stopped by signal SIGTERM" in run["error"], run["error"]
         steps_seen = sorted({step for _, step in shown})
         assert len(steps_seen) >= 3, f"the progress did not advance by itself: {shown}"
         lags = [t - min(tc for tc, done in committed if done >= step) for t, step in shown
