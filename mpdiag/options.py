@@ -307,7 +307,8 @@ class RunConfig:
     seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1,
                        widget={"label": "Seed"})
     every: int = option(1, "store tensor statistics every N steps, and at the steps where something happened "
-                           "and the steps next to them (docs/events.md)", "int", minimum=1,
+                           "and the steps next to them; on the CPU a step between multiples costs a light pass "
+                           "and a copy of its gradients, three such copies held (docs/events.md)", "int", minimum=1,
                         widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000}, watch=True)
     shadow_every: int = option(
         0, _SHADOW_HELP, "int", minimum=0,
