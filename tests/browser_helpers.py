@@ -61,11 +61,21 @@ class Server:
 #: every Altair chart on the page has been drawn (its canvas or svg exists)
 CHARTS_DRAWN = """() => [...document.querySelectorAll("[data-testid='stVegaLiteChart']")]
     .every(el => el.querySelector('canvas, svg.marks'))"""
+#: true once the page's chart drawings have kept their sizes and places for ``ms`` milliseconds (polled every
+#: animation frame): Vega sizes a drawing again after Streamlit measured its element, so the first frame is not
+#: its final size; waiting for stillness, not a fixed pause, costs a settled page ~one frame's polling
+CHARTS_STILL = """ms => {
+    const now = performance.now();
+    const layout = [...document.querySelectorAll("[data-testid='stVegaLiteChart'] :is(canvas, svg.marks)")]
+        .map(d => { const r = d.getBoundingClientRect(); return [r.x, r.y, r.width, r.height].join(); }).join('|');
+    if (window.__mpdiagLayout !== layout) { window.__mpdiagLayout = layout; window.__mpdiagSince = now; }
+    return now - window.__mpdiagSince >= ms;
+}"""
 
 
-def settle(page, text=None, timeout=60_000, wait_ms=300):
-    """Wait for the app to finish running its script (and for ``text`` to appear), then ``wait_ms`` for the
-    charts to draw."""
+def settle(page, text=None, timeout=60_000, still_ms=150):
+    """Wait for the app to finish running its script (and for ``text`` to appear), then for the charts to be
+    drawn and to keep their sizes for ``still_ms``."""
     # the script has run to its end once (right after goto the app reads "initial", then "running")
     page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
     page.wait_for_selector("[data-testid='stMain'] [data-testid='stElementContainer']", timeout=timeout)
@@ -74,10 +84,11 @@ def settle(page, text=None, timeout=60_000, wait_ms=300):
     page.wait_for_function(
         "() => !document.querySelector(\"[data-testid='stStatusWidget']\")", timeout=timeout
     )
-    # every chart element holds its drawing (Vega draws after the element exists), then ``wait_ms`` for the
-    # drawings to take their final size
+    # every chart element holds its drawing (Vega draws after the element exists), and the drawings took their
+    # final size
     page.wait_for_function(CHARTS_DRAWN, timeout=timeout)
-    page.wait_for_timeout(wait_ms)
+    page.evaluate("() => { window.__mpdiagLayout = undefined; }")
+    page.wait_for_function(CHARTS_STILL, arg=still_ms, polling="raf", timeout=timeout)
 
 
 def choose_run(page, run_id: int, label: str = "Run", timeout=60_000):
@@ -91,7 +102,7 @@ def choose_run(page, run_id: int, label: str = "Run", timeout=60_000):
     page.locator("[role='option']").filter(has_text=re.compile(rf"^#{run_id} ·")).first.click(timeout=timeout)
     page.wait_for_function("id => new URLSearchParams(location.search).getAll('run').join() === id", arg=str(run_id),
                            timeout=timeout)
-    settle(page, timeout=timeout, wait_ms=300)
+    settle(page, timeout=timeout)
 
 
 def no_exception(page):
