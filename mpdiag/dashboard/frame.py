@@ -422,7 +422,8 @@ def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
     enabled again), unless its hints say it keeps its value."""
     hints = dict(spec.widget)
     label, help_text = hints.pop("label"), _disabled_help(hints.pop("help", spec.help), disabled)
-    if disabled and not hints.pop("keeps_value_disabled", False):
+    keeps_value = hints.pop("keeps_value_disabled", False)
+    if disabled and not keeps_value:
         key, value = f"{key}_off", spec.default
     if spec.kind == "level":
         # an optional level (watch's) may be left to the script
