@@ -31,6 +31,7 @@ from mpdiag.analysis.plan import LABELS, MAX_ROUNDS, Plan, plan_run
 from mpdiag.analysis.run_choice import select_runs
 from mpdiag.options import (
     ALL_LEVELS,
+    COMMAND_OPTIONS,
     FP8_RECIPE_OPTIONS,
     OPTIONS,
     WATCH_OPTIONS,
@@ -105,7 +106,7 @@ def _run_options(parser: argparse.ArgumentParser, inherit: bool = False) -> None
     for name, spec in OPTIONS.items():
         if spec.no_flag is None:
             _add_option(parser, name, inherit)
-    parser.add_argument("--pair", action="store_true", help="also run an O0 twin on identical weights and batches")
+    parser.add_argument("--pair", action="store_true", help=COMMAND_OPTIONS["pair"].help)
     _store_arg(parser)
 
 

@@ -2,8 +2,9 @@
 opt levels and the commands (modes) it applies to.
 
 Owns :class:`RunConfig` (one frozen dataclass whose field metadata is the option table :data:`OPTIONS`), the
-torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), and
-:class:`ConfigError` and :class:`ScriptError`. The command line's run options, the dashboard's run form, a rerun's override merging and
+torch-free part of the opt-level table (:data:`LEVELS`: names, one-line summaries, default loss scaling), the
+options of the command that are not a run's (:data:`COMMAND_OPTIONS`: ``--pair``), the longest run name
+(:data:`MAX_NAME_CHARS`), and :class:`ConfigError` and :class:`ScriptError`. The command line's run options, the dashboard's run form, a rerun's override merging and
 the configuration stored with a run are all generated from or checked against this module.
 
 It sits at the bottom of the package (only :mod:`mpdiag.numerics` below it), so training, analysis, the
@@ -89,6 +90,8 @@ def rerunnable_by_watch(run_config: Mapping[str, Any], fix: Mapping[str, Any]) -
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+#: what a person may name a run, in characters (the store refuses a longer name; the form's field stops there)
+MAX_NAME_CHARS = 200
 UNSET = "default"  # on the command line, an optional number set to this is cleared (--min-scale default)
 
 
@@ -108,7 +111,9 @@ class Option:
     is under watch where that differs (:meth:`in_mode`). ``widget``: hints for a form that builds its widget from
     the table (label, widget bounds, help in the form's words; a ``device``'s ``choices``; a ``loss_scale``'s
     ``static_label`` and ``static_value``, its static scale's picker and where it starts; ``powers_of_two``: a
-    float picked among powers of two).
+    float picked among powers of two; a ``text`` option's ``choices``, picked among them, or ``max_chars``, typed;
+    ``keeps_value_disabled``: disabled, the widget keeps its key and value, for an option that then does nothing
+    whatever its value).
     """
 
     default: Any
@@ -231,6 +236,7 @@ _STOP_ON_WIDGET = {"label": "Stop the training at",
 #: how a data-parallel job shares the model, and the opt levels FSDP2 runs (mpdiag.training.distributed)
 PARALLEL = ("ddp", "fsdp")
 FSDP_LEVELS = ("O0", "O1", "bf16", "bf16-pure")
+_PARALLEL_HELP = "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)"
 
 #: why the run form has no FP8 recipe widgets: the form runs fp8-sim and --fp8 with the default recipe
 _FP8_FORM = ("the run form uses the default FP8 recipe (delayed, history 1024, margin 0, E5M2); other recipes: "
@@ -326,6 +332,9 @@ class RunConfig:
                                  "help": _DEVICE_HELP + ". A CUDA device must exist where the run starts; if not, "
                                                         "the run refuses to start and says so."})
     name: str | None = option(None, "display name of the run", "text",
+                              widget={"label": "Run name (optional)", "max_chars": MAX_NAME_CHARS,
+                                      "help": "Empty: the script's file name; a rerun: its parent's name and what "
+                                              "changed."},
                               watch={"help": "display name of the run (default: the script's file name)",
                                      "no_widget": "a watched run is named after its command, a rerun after its "
                                                   "parent and what changed"})
@@ -366,8 +375,10 @@ class RunConfig:
                                                                               "(`mpdiag plan --verify`, the Plan page)")
     nproc: int = option(1, "processes of a data-parallel job, launched through torch.distributed.run", "int",
                         minimum=1, widget={"label": "Processes (data parallel, launched like torchrun)", "max_value": 64})
-    parallel: str = option("ddp", "with --nproc above 1: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard)",
-                           "text")
+    # with one process it does nothing whatever it says: disabled, it keeps what was picked
+    parallel: str = option("ddp", _PARALLEL_HELP, "text",
+                           widget={"label": "Parallel", "choices": PARALLEL, "keeps_value_disabled": True,
+                                   "help": f"{_PARALLEL_HELP} (FSDP2 runs {', '.join(FSDP_LEVELS)})"})
     stop_on: str = option("", _STOP_ON_HELP, "events", watch=True, widget=_STOP_ON_WIDGET)
     parent_run_id: int | None = option(
         None, "the run this one reruns", "run_id", minimum=1,
@@ -488,6 +499,14 @@ def mode_options(mode: str) -> dict[str, Option]:
     return {name: spec.in_mode(mode) for name, spec in OPTIONS.items() if mode in spec.modes}
 
 
+#: the options of ``mpdiag run`` / ``rerun`` and the run form that are not a run's configuration (not stored
+#: with it): ``pair``, an FP32 twin run beside it (:meth:`RunConfig.fp32_twin`), at the levels it is offered at
+COMMAND_OPTIONS: dict[str, Option] = {"pair": Option(
+    False, "also run an O0 twin on identical weights and batches", "flag",
+    levels=tuple(level for level in ALL_LEVELS if level != "O0"),
+    # no help in the form: the label says it all
+    widget=(("label", "Also run an FP32 (O0) twin on identical weights and batches"), ("help", "")))}
+
 #: ``mpdiag watch``'s options: its flags, its form and :meth:`mpdiag.training.watch_config.WatchConfig.validate`'s checks
 WATCH_OPTIONS = mode_options(WATCH)
 #: the watch options a WatchConfig holds as its own fields, so what a rerun of a watched run may change (the rest
@@ -585,4 +604,4 @@ def rerun_name(parent_name: object, before: Mapping[str, Any], after: Mapping[st
                and (name not in OPTIONS or level not in LEVELS or applies(name, level, fp8))]
     more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
     tail = f"{RERUN_MARK}{level}" + (f": {', '.join(changes[:3])}{more}" if changes else "")
-    return base[: max(1, 200 - len(tail))] + tail
+    return base[: max(1, MAX_NAME_CHARS - len(tail))] + tail

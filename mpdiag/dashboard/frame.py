@@ -29,10 +29,9 @@ from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401
 from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
-    FSDP_LEVELS,
+    COMMAND_OPTIONS,
     LEVELS,
     OPTIONS,
-    PARALLEL,
     UNSET,
     WATCH_OPTIONS,
     ConfigError,
@@ -42,7 +41,7 @@ from mpdiag.options import (
     rerun_name,
 )
 from mpdiag.recording.events import SKIP_STREAK
-from mpdiag.store import DEFAULT_STORE, MAX_NAME_CHARS, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
+from mpdiag.store import DEFAULT_STORE, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
 from mpdiag.store.export import export_zip
 from mpdiag.store.schema import older_version
 
@@ -418,20 +417,25 @@ def watch_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
 def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
     """The widget of one option in either form (``spec`` as its mode reads it, :meth:`Option.in_mode`), by its
     kind, labelled and bounded by the table's widget hints; returns its value (None: an optional option left unset;
-    under watch, a level left to the script). ``disabled``: why it does nothing here; it then shows and returns the
-    table's default under a key of its own (what was set before stays for when it is enabled again)."""
+    under watch, a level left to the script; a text as typed). ``disabled``: why it does nothing here; it then
+    shows and returns the table's default under a key of its own (what was set before stays for when it is
+    enabled again), unless its hints say it keeps its value."""
     hints = dict(spec.widget)
-    label, help_text = hints.pop("label"), hints.pop("help", spec.help) + (f" Disabled: {disabled}" if disabled else "")
-    if disabled:
+    label, help_text = hints.pop("label"), _disabled_help(hints.pop("help", spec.help), disabled)
+    keeps_value = hints.pop("keeps_value_disabled", False)
+    if disabled and not keeps_value:
         key, value = f"{key}_off", spec.default
     if spec.kind == "level":
         # an optional level (watch's) may be left to the script
         levels = [*([AS_RECORDED] if spec.default is None else []), *spec.choices]
         level = container.selectbox(label, levels, index=levels.index(value or AS_RECORDED), key=key, help=help_text)
         return None if level == AS_RECORDED else level
-    if spec.kind == "device":
-        devices = [*hints["choices"], *([value] if value not in hints["choices"] else [])]  # a rerun's cuda:1 too
-        return container.selectbox(label, devices, index=devices.index(value), key=key, help=help_text)
+    if "choices" in hints:  # a device, or a text picked among choices
+        offered = [*hints["choices"], *([value] if value not in hints["choices"] else [])]  # a rerun's cuda:1 too
+        return container.selectbox(label, offered, index=offered.index(value), key=key, help=help_text,
+                                   disabled=bool(disabled))
+    if spec.kind == "text":
+        return container.text_input(label, value or "", key=key, help=help_text, disabled=bool(disabled), **hints)
     if spec.kind == "loss_scale":
         return loss_scale_widget(container, value, key, label, help_text, hints)
     if hints.pop("powers_of_two", False):
@@ -446,6 +450,14 @@ def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
     number = container.number_input(label, value=None if value is None else float(value), format="%g", key=key,
                                     help=help_text, disabled=bool(disabled), **hints)
     return None if number is None else float(number)
+
+
+def _disabled_help(help_text: str, disabled: str) -> str:
+    """A widget's help, ended as a sentence and followed by why it is disabled (when it is)."""
+    if not disabled:
+        return help_text
+    sentence = help_text if not help_text or help_text.endswith(".") else help_text + "."
+    return f"{sentence} Disabled: {disabled}".lstrip()
 
 
 #: how the run form offers ``loss_scale``: the level's own scaling (None), dynamic, or a static scale
@@ -550,16 +562,12 @@ def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: p
     more = {name: _widget(name, key, base) for name in ("every", "trace_modules")}
     more["fp8"] = _widget("fp8", key, base, disabled=ONE_PROCESS if several else "")
     more["nproc"] = _widget("nproc", key, base)
-    more["parallel"] = st.selectbox("Parallel", list(PARALLEL), index=list(PARALLEL).index(base.parallel),
-                                    key=key["parallel"], disabled=more["nproc"] == 1,
-                                    help=OPTIONS["parallel"].help + " (FSDP2 runs " + ", ".join(FSDP_LEVELS) + ")"
-                                    + (". Disabled: one process has nothing to parallelize; set Processes "
-                                       "above 1." if more["nproc"] == 1 else ""))
+    more["parallel"] = _widget("parallel", key, base, disabled="one process has nothing to parallelize; set "
+                                                                "Processes above 1." if more["nproc"] == 1 else "")
     more["stop_on"] = _widget("stop_on", key, base, disabled="every process would have to stop at the same step; "
                                                               "set Processes back to 1." if several else "")
-    typed = st.text_input("Run name (optional)", "" if parent is not None else base.name or "",
-                          key=key["name"], max_chars=MAX_NAME_CHARS,
-                          help="Empty: the script's file name; a rerun: its parent's name and what changed.")
+    # a rerun's name is never its parent's: left empty, it is the parent's and what changed (said below)
+    typed = option_widget(st, OPTIONS["name"], None if parent is not None else base.name, key["name"])
     try:
         more["name"] = clean_name(typed) if typed.strip() else None
     except RunTextRefused as exc:
@@ -577,11 +585,9 @@ def _more_options(key: dict[str, str], base: RunConfig, several: bool, parent: p
 
 def _pair_choice(prefix: str, level: str) -> bool:
     """Whether to run an FP32 twin too (offered disabled at O0, which is the FP32 run itself)."""
-    if level == "O0":
-        st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", False, disabled=True,
-                    key=f"{prefix}_pair_off", help="Disabled: O0 is the FP32 run itself.")
-        return False
-    return st.checkbox("Also run an FP32 (O0) twin on identical weights and batches", key=f"{prefix}_pair")
+    pair = COMMAND_OPTIONS["pair"]
+    return option_widget(st, pair, pair.default, f"{prefix}_pair",
+                         disabled="" if level in pair.levels else f"{level} is the FP32 run itself.")
 
 
 def _validated(base: RunConfig, chosen: dict, pair: bool, parent: pd.Series | None) -> dict:

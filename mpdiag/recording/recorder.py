@@ -160,8 +160,11 @@ class Recorder:
             are held (three times the gradients' size in FP32); on a GPU the full statistics run at every step
             (a fixed number of launches, no copy). The update counts, the optimizer-step check and ``fp8`` stay
             at the multiples of ``every``.
-        config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``) and free-form
-            settings, stored with the run.
+        config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``), which set those
+            columns, and free-form settings, stored with the run as given (JSON). It is the user's: never read
+            as mpdiag's own run configuration, whatever its keys (``{"run": "baseline-3"}`` or ``{"run":
+            {"opt_level": "O2"}}`` is stored as such and states no column; the rest of the row is the
+            Recorder's own: its name, ``every``, the scaler's state, level ``custom`` unless given).
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
             flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.recording.tracing`).
         update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates of the

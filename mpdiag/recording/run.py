@@ -1,7 +1,9 @@
 """The run handle: the one piece of code that writes a run's row in the store.
 
 Owns a run's lifecycle - created (or queued for a process that will run it), running, ended - and the writes of
-its row: the fields that describe it, its configuration, its end. The runner, ``watch``, the distributed launcher,
+its row: the fields that describe it, its configuration, its end, and which configuration states columns (mpdiag's
+own, marked :class:`MpdiagConfig` by the runner, ``watch``, the distributed launcher and the app's launcher; a user's
+``Recorder(config=...)`` states none). The runner, ``watch``, the distributed launcher,
 the app's launcher and the Recorder describe the run to a :class:`Run`; none of them calls the writer's
 ``create_run``/``update_run``/``end_run`` itself. Must not decide what a run records (the Recorder does) nor
 validate options (:mod:`mpdiag.options` does); it writes through the writer it is given (a
@@ -12,6 +14,7 @@ so a supervised child's writes reach its supervisor by the same forwarding as ev
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 #: the statuses a run is ended with
@@ -25,21 +28,41 @@ _DYNAMIC_SCALING_COLUMNS = ("init_scale", "growth_factor", "backoff_factor", "gr
                             "max_scale")
 
 
-def columns_from(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The run columns a run's stored configuration states, by what it holds: ``run`` (a ``mpdiag.options.RunConfig``'s
-    options, ``mpdiag run`` and the app's run form) or ``watch`` (``mpdiag watch``'s settings). Only what the
-    configuration says is derived; the rest of the row is facts of the process (the device it resolved, the
-    torch version, the script), given beside it. Anything else (a Recorder's configuration in a user's loop) states
-    no column."""
-    config = config or {}
-    if isinstance(config.get("run"), Mapping):
-        return _run_option_columns(config["run"])
-    if isinstance(config.get("watch"), Mapping):
-        settings = config["watch"]
+@dataclass(frozen=True)
+class MpdiagConfig:
+    """A run's configuration as mpdiag's own commands write it, whose options state run columns
+    (:func:`columns_from`): ``{"run": ...}`` (a ``mpdiag.options.RunConfig``'s options: ``mpdiag run`` and its
+    twin, the app's launcher, the distributed launcher) or ``{"watch": ...}`` (``mpdiag watch``'s settings), with
+    what the run found beside them. Only a configuration given as this is read as mpdiag's: a plain mapping (the
+    configuration of a user's ``Recorder(config=...)``) is stored as given and states no column, whatever its
+    keys (a ``"run"`` of its own is the user's)."""
+
+    data: Mapping[str, Any]
+
+
+def columns_from(config: MpdiagConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run columns a run's configuration states: for mpdiag's own (:class:`MpdiagConfig`), by what it holds,
+    ``run`` (a RunConfig's options) or ``watch`` (``mpdiag watch``'s settings). Only what the configuration says
+    is derived; the rest of the row is facts of the process (the device it resolved, the torch version, the
+    script), given beside it. Anything else (a Recorder's configuration in a user's loop) states no column."""
+    if not isinstance(config, MpdiagConfig):
+        return {}
+    stated = config.data
+    if isinstance(stated.get("run"), Mapping):
+        return _run_option_columns(stated["run"])
+    if isinstance(stated.get("watch"), Mapping):
+        settings = stated["watch"]
         # no level: watch leaves the script's own autocast and GradScalers alone, which the column calls custom
         columns = {"opt_level": settings["opt_level"] or "custom"} if "opt_level" in settings else {}
         return {**columns, **({"every": settings["every"]} if "every" in settings else {})}
     return {}
+
+
+def stored_config(config: MpdiagConfig | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON a configuration is stored as: mpdiag's own or a user's alike, as given."""
+    if config is None:
+        return None
+    return dict(config.data if isinstance(config, MpdiagConfig) else config)
 
 
 def _run_option_columns(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,9 +123,10 @@ class Run:
 
     The configuration (the JSON ``config`` column) is held here once: given to :meth:`create` (or :meth:`adopt`,
     when the adopter knows it), extended by :meth:`found_optimizer_step`; :attr:`config` is the handle's copy.
-    The row's columns that the configuration states (:func:`columns_from`: the level, steps, seed, the loss
-    scaling, ...) are derived from it and written with it; a caller gives the configuration, never those columns
-    (:meth:`create` and :meth:`describe` refuse them), so the columns and the JSON cannot disagree.
+    The row's columns that mpdiag's own configuration states (a :class:`MpdiagConfig`; :func:`columns_from`: the
+    level, steps, seed, the loss scaling, ...) are derived from it and written with it; a caller gives the
+    configuration, never those columns (:meth:`create` and :meth:`describe` refuse them), so the columns and the
+    JSON cannot disagree. A user's configuration (a plain dict) is stored as given and states none.
 
     While the run is running, the writer's thread keeps its heartbeat for a run it created (see
     :mod:`mpdiag.recording.background`): a handle adds no beat of its own; an adopted run gets none from this
@@ -116,24 +140,34 @@ class Run:
     :attr:`run_id` is None for a run created there.
     """
 
-    def __init__(self, writer, run_id: int | None, config: dict[str, Any] | None, state: str):
+    def __init__(self, writer, run_id: int | None, config: MpdiagConfig | dict[str, Any] | None, state: str):
         self.writer = writer
         self.run_id = run_id
-        self.config: dict[str, Any] = dict(config or {})
+        self._hold(config)
         self.state = state  # "queued", "running" or "ended" (as far as this handle knows)
+
+    def _hold(self, config: MpdiagConfig | Mapping[str, Any] | None) -> None:
+        """Hold ``config`` as the run's: its JSON (:attr:`config`) and whether it is mpdiag's own."""
+        self.config: dict[str, Any] = stored_config(config) or {}
+        self._mpdiag_owned = isinstance(config, MpdiagConfig)
+
+    def _held(self) -> MpdiagConfig | dict[str, Any]:
+        """The configuration held, as it was given (mpdiag's own, or a user's)."""
+        return MpdiagConfig(self.config) if self._mpdiag_owned else self.config
 
     # -- making one -----------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, writer, *, config: dict[str, Any] | None = None, queued: bool = False,
+    def create(cls, writer, *, config: MpdiagConfig | dict[str, Any] | None = None, queued: bool = False,
                default_name: str | None = None, **fields) -> Run:
-        """Insert a run row with ``config`` (a dict), the columns it states and ``fields`` (the other
-        ``mpdiag.store.RUN_FIELDS``) and return its handle. ``default_name``: the run's name when its
-        configuration names none; ``queued``: the row waits, status ``queued``, for the process that will run it."""
+        """Insert a run row with ``config`` (mpdiag's own, :class:`MpdiagConfig`, or a user's dict), the columns
+        it states and ``fields`` (the other ``mpdiag.store.RUN_FIELDS``) and return its handle. ``default_name``:
+        the run's name when its configuration names none; ``queued``: the row waits, status ``queued``, for the
+        process that will run it."""
         derived = columns_from(config)
         _refuse_restated(fields, derived)
         if default_name is not None and "name" not in derived:
             fields["name"] = default_name
-        fields.update(derived, **({} if config is None else {"config": config}))
+        fields.update(derived, **({} if config is None else {"config": stored_config(config)}))
 
         def insert(w) -> int:
             run_id = w.create_run(**fields)
@@ -145,7 +179,7 @@ class Run:
         return cls(writer, run_id, config, "queued" if queued else "running")
 
     @classmethod
-    def adopt(cls, writer, run_id: int, *, config: dict[str, Any] | None = None) -> Run:
+    def adopt(cls, writer, run_id: int, *, config: MpdiagConfig | dict[str, Any] | None = None) -> Run:
         """The handle of run ``run_id``, created by another process or handle; nothing is written.
         ``config``: its stored configuration, when known (so it is held here too)."""
         return cls(writer, run_id, config, "running")
@@ -168,11 +202,11 @@ class Run:
             raise RuntimeError(f"run {self.run_id} was ended; it can no longer be described ({sorted(fields)})")
         if not fields:
             return
-        config = fields.get("config", self.config)
-        _refuse_restated({k: v for k, v in fields.items() if k != "config"}, columns_from(config))
+        derived = columns_from(fields.get("config", self._held()))
+        _refuse_restated({k: v for k, v in fields.items() if k != "config"}, derived)
         if "config" in fields:
-            self.config = dict(config)
-            fields.update(columns_from(config))
+            self._hold(fields["config"])
+            fields.update(derived, config=stored_config(fields["config"]))  # a copy: found_optimizer_step adds to ours
         run_id = self.run_id
         self._write(lambda w: w.update_run(run_id, **fields), wait)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-from mpdiag.recording.run import Run  # light: no torch, no pandas
+from mpdiag.recording.run import MpdiagConfig, Run  # light: no torch, no pandas
 from mpdiag.sandbox.bundle import BundleRefused, bundle_from_zip, module_name
 from mpdiag.sandbox.child import (
     SOURCE_FILE,
@@ -267,14 +267,16 @@ def _watch_plan(config, store) -> Plan:
             raise ConfigError(f"{config.target} is not a file of the uploaded code {name}.")
     name = config.name or os.path.basename(config.target)
     settings = config.settings()
-    fields = {"name": name, "config": {"watch": settings}, "parent_run_id": config.parent_run_id,
+    fields = {"name": name, "parent_run_id": config.parent_run_id,
               "script_path": None if config.module or config.bundle else os.path.join(config.cwd, config.target)}
 
     def queue(writer) -> list[int]:
-        return [Run.create(writer, queued=True, scaling="none", **fields).run_id]
+        return [Run.create(writer, queued=True, config=MpdiagConfig({"watch": settings}), scaling="none",
+                           **fields).run_id]
 
     return Plan(task="watch", payload={"watch": settings, "name": name, "parent_run_id": config.parent_run_id},
-                files=files, queue=queue, parent_run_id=config.parent_run_id, fixed=fields)
+                files=files, queue=queue, parent_run_id=config.parent_run_id,
+                fixed={**fields, "config": {"watch": settings}})
 
 
 class RunOwner:
@@ -383,7 +385,7 @@ def _queue_rows(writer, script, configs: list) -> list[int]:
     """Store the script and create the job's run rows (a run, then its FP32 twin) with status queued, each with
     its configuration; the child fills them in."""
     sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-    return [Run.create(writer, queued=True, config={"run": config.to_dict()}, script_sha256=sha,
+    return [Run.create(writer, queued=True, config=MpdiagConfig({"run": config.to_dict()}), script_sha256=sha,
                        default_name=os.path.basename(script.filename), script_path=script.filename).run_id
             for config in configs]
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.options import MAX_NAME_CHARS
 from mpdiag.store.liveness import process_is_alive, process_start_time, this_host
 from mpdiag.store.schema import (
     RUN_FIELDS,
@@ -41,8 +42,8 @@ from mpdiag.store.schema import (
     step_summaries,
 )
 
-#: what a person may write about a run (run names, tags, notes), in characters
-MAX_NAME_CHARS = 200
+#: what a person may write about a run (tags, notes), in characters; a run's name: MAX_NAME_CHARS (the options
+#: table's, where the run form's field reads it)
 MAX_TAG_CHARS = 40
 MAX_TAGS = 20
 MAX_NOTE_CHARS = 2000

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mpdiag.recording.background import BackgroundWriter
-from mpdiag.recording.run import Run
+from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.training.policies import LossScaler, PrecisionPolicy
 from mpdiag.training.script import ModelScript
 
@@ -133,7 +133,7 @@ def launch(script: ModelScript, config, store_path: str | os.PathLike, run_facts
     writer = BackgroundWriter(store_path)
     try:
         sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-        run_id = Run.create(writer, config={"run": config.to_dict()}, **run_facts, script_sha256=sha,
+        run_id = Run.create(writer, config=MpdiagConfig({"run": config.to_dict()}), **run_facts, script_sha256=sha,
                             world_size=config.nproc, backend=backend_for(device),
                             launch_command=shlex.join(sys.orig_argv)).run_id  # running from now on: rank 0 adopts it
     finally:

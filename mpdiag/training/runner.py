@@ -33,7 +33,7 @@ from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.nonfinite_step import optimizer_state_dtype
 from mpdiag.recording.recorder import EVERY_STEP, Recorder
-from mpdiag.recording.run import Run
+from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.training import distributed
 from mpdiag.training.planning import fp32_twin_of, rerun_plan
 from mpdiag.training.policies import PrecisionPolicy, make_policy
@@ -146,11 +146,11 @@ def train(
     try:
         if run_id is None:
             sha = writer.call(lambda w: w.add_script(os.path.basename(script.filename), script.source))
-            run = Run.create(writer, config={"run": config.to_dict()}, script_sha256=sha,
+            run = Run.create(writer, config=MpdiagConfig({"run": config.to_dict()}), script_sha256=sha,
                              **_run_facts(script, device))
             output = None if console is None else OutputKeeper(writer, [run.run_id], console)
         else:  # a rank of a launched job: the launcher created the run
-            run, output = Run.adopt(writer, run_id, config={"run": config.to_dict()}), None
+            run, output = Run.adopt(writer, run_id, config=MpdiagConfig({"run": config.to_dict()})), None
         with _stop_on_sigterm():
             _train_run(run, script, config, device, policy, job, progress)
         if output is not None:
@@ -223,14 +223,15 @@ def _failure_text(exc: BaseException, script: ModelScript) -> str:
     return "".join(traceback.format_exception(exc))
 
 
-def _stored_config(config: RunConfig, optimizer: torch.optim.Optimizer, found: dict | None) -> dict:
-    """The run's stored configuration: its options, the optimizer's class and state dtype, and the first
-    optimizer step that made weights or state non-finite from finite values (when there was one)."""
+def _stored_config(config: RunConfig, optimizer: torch.optim.Optimizer, found: dict | None) -> MpdiagConfig:
+    """The run's stored configuration (mpdiag's: its options state the run's columns): its options, the
+    optimizer's class and state dtype, and the first optimizer step that made weights or state non-finite from
+    finite values (when there was one)."""
     stored = {"run": config.to_dict(),
               "optimizer": {"class": type(optimizer).__name__, "state_dtype": optimizer_state_dtype(optimizer)}}
     if found is not None:
         stored["optimizer_step_nonfinite"] = found
-    return stored
+    return MpdiagConfig(stored)
 
 
 class _BatchesRanOut(Exception):

@@ -49,7 +49,7 @@ from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.recorder import GradientRead, Recorder, scaler_run_fields
 from mpdiag.recording.replay import reduce_ex_without_replay_hooks
-from mpdiag.recording.run import Run
+from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.training.watch_config import WatchConfig
 from mpdiag.training.watch_shadow import WatchShadow
 
@@ -605,7 +605,7 @@ class WatchSession:
             # the level and every are the settings'; the scaling and device are the script's, known once its
             # first optimizer step is (Watcher._start_recorder)
             self.run = Run.create(
-                self.writer, config={"watch": settings}, name=config.name or os.path.basename(config.target),
+                self.writer, config=MpdiagConfig({"watch": settings}), name=config.name or os.path.basename(config.target),
                 script_path=None if config.module or config.bundle else os.path.abspath(config.target),
                 scaling="none", device="cpu", torch_version=torch.__version__, parent_run_id=config.parent_run_id)
             self.run_id = self.run.run_id

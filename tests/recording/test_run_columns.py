@@ -6,7 +6,9 @@ options' (tests/run_rows.py), read from the store file with sqlite3."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from run_rows import assert_columns_say_the_config, stored_row
 from mpdiag.options import RunConfig
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.recorder import Recorder
-from mpdiag.recording.run import Run
+from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.sandbox.launch import plan
 from mpdiag.training.runner import train, train_pair
 from mpdiag.training.script import ModelScript
@@ -47,6 +49,48 @@ def test_a_recorders_configuration_goes_to_its_columns_and_the_rest_to_json(stor
     assert (row["name"], row["opt_level"], row["steps"], row["seed"], row["every"]) == ("mine", "O1", 3, 7, 2)
     assert row["config"] == {"lr": 0.1}
     assert (row["scaling"], row["init_scale"], row["growth_interval"]) == ("dynamic", 1024.0, 7)
+
+
+def _record_three_steps(store_path, config: dict) -> Recorder:
+    """A user's loop: three dynamically scaled steps of a Linear, recorded by a Recorder given ``config``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    recorder = Recorder(model, store_path, name="mine", scaler=scaler, optimizer=optimizer, every=2, config=config)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 4)).square().mean()
+        scaler.scale(loss).backward()
+        recorder.record(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    recorder.close()
+    return recorder
+
+
+@pytest.mark.parametrize("config", [
+    {"run": "baseline-3", "lr": 3e-4},
+    {"run": {"opt_level": "O2", "steps": 7}},
+    {"run": {"name": "x"}},
+    {"watch": {"opt_level": "bf16", "every": 5, "init_scale": 8.0}},
+], ids=["run-text", "run-options", "run-name", "watch-settings"])
+def test_a_users_configuration_is_never_read_as_mpdiags(store_path, config):
+    """A user's Recorder(config=...) whose keys happen to be mpdiag's own ("run", "watch") records normally and
+    stores the configuration as given: the run's columns are the Recorder's own (its name, every, no level:
+    custom; the GradScaler's state), never derived from the user's dict, which mpdiag's runs alone state through
+    an MpdiagConfig."""
+    recorder = _record_three_steps(store_path, config)
+    row = stored_row(store_path, recorder.run_id)
+    assert (row["status"], row["error"]) == ("finished", None)
+    with contextlib.closing(sqlite3.connect(store_path)) as conn:
+        steps = [s for (s,) in conn.execute("SELECT step FROM steps WHERE run_id = ? ORDER BY step", (row["run_id"],))]
+    assert steps == [0, 1, 2]
+    assert row["config"] == config
+    assert (row["name"], row["opt_level"], row["steps"], row["seed"], row["every"]) == ("mine", "custom", None,
+                                                                                        None, 2)
+    assert (row["scaling"], row["loss_scale"], row["init_scale"], row["growth_interval"]) == ("dynamic", None,
+                                                                                              1024.0, 7)
 
 
 @pytest.mark.parametrize("options", [
@@ -96,17 +140,17 @@ def test_watch_and_the_app_launchers_queued_rows(store_path, tmp_path):
 
 
 def test_a_column_the_configuration_states_is_given_by_it_only(store_path):
-    """Run.create and describe refuse a column beside the configuration that states it; a configuration
-    described anew rewrites its columns with it."""
+    """Run.create and describe refuse a column beside the configuration that states it (mpdiag's own, an
+    MpdiagConfig); a configuration described anew rewrites its columns with it."""
     writer = BackgroundWriter(store_path, heartbeat=False)
     try:
-        config = {"run": RunConfig(opt_level="O1", steps=3).to_dict()}
+        config = MpdiagConfig({"run": RunConfig(opt_level="O1", steps=3).to_dict()})
         with pytest.raises(ValueError, match="steps: stated by the run's configuration"):
             Run.create(writer, config=config, steps=4, script_path="x.py")
         run = Run.create(writer, config=config, default_name="x.py", script_path="x.py", device="cpu")
         with pytest.raises(ValueError, match="opt_level: stated by the run's configuration"):
             run.describe(opt_level="O2")
-        run.describe(config={"run": RunConfig(opt_level="O3", steps=3).to_dict()}, wait=True)
+        run.describe(config=MpdiagConfig({"run": RunConfig(opt_level="O3", steps=3).to_dict()}), wait=True)
     finally:
         writer.close()
     row = stored_row(store_path, run.run_id)

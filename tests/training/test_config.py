@@ -13,7 +13,17 @@ from streamlit.testing.v1 import AppTest
 from mpdiag import Store
 from mpdiag.cli import build_parser
 from mpdiag.dashboard.frame import FORM_KEYS
-from mpdiag.options import LEVELS, OPTIONS, WATCH_OPTIONS, WATCH_RERUN_OPTIONS, ConfigError, RunConfig, flag
+from mpdiag.options import (
+    COMMAND_OPTIONS,
+    LEVELS,
+    MAX_NAME_CHARS,
+    OPTIONS,
+    WATCH_OPTIONS,
+    WATCH_RERUN_OPTIONS,
+    ConfigError,
+    RunConfig,
+    flag,
+)
 from mpdiag.training.policies import POLICIES
 from mpdiag.training.runner import rerun_plan, train
 from mpdiag.training.script import ModelScript
@@ -132,37 +142,61 @@ def _run_form():
     st.session_state["options"] = run_options_form("t")
 
 
-def _with_widget(monkeypatch, name: str, **hints) -> None:
-    """Change option ``name``'s widget hints in the options table for this test."""
-    spec = OPTIONS[name]
-    monkeypatch.setitem(OPTIONS, name, dataclasses.replace(spec, widget=tuple({**dict(spec.widget), **hints}.items())))
+def _with_widget(monkeypatch, name: str, table: dict = OPTIONS, **hints) -> None:
+    """Change option ``name``'s widget hints in the options table (``table``: OPTIONS or COMMAND_OPTIONS) for this
+    test."""
+    spec = table[name]
+    monkeypatch.setitem(table, name, dataclasses.replace(spec, widget=tuple({**dict(spec.widget), **hints}.items())))
 
 
-def test_the_run_forms_level_device_and_loss_scale_widgets_come_from_the_table(monkeypatch):
-    """The widgets read their rows of the options table: relabelled there, offered other devices or another static
-    scale to start from, the form follows; the values they set are the command line's."""
+def test_the_run_forms_widgets_come_from_the_table(monkeypatch):
+    """The widgets read their rows of the options table: relabelled there, offered other devices, parallelisms or
+    another static scale to start from, given another name length, the form follows (the FP32 twin's checkbox
+    too, from the command's own row); the values they set are the command line's."""
     at = AppTest.from_function(_run_form, default_timeout=30).run()
     level, device, mode = at.selectbox(key="t_level"), at.selectbox(key="t_device"), at.radio(key="t_mode")
     assert (level.label, level.value, level.options) == ("Opt level", "O1", list(LEVELS))
     assert (device.label, device.value, device.options) == ("Device", "auto", ["auto", "cpu", "cuda"])
     assert device.help.startswith(OPTIONS["device"].help + ". A CUDA device must exist")
     assert (mode.label, mode.value, mode.help) == ("Loss scaling", "level default", OPTIONS["loss_scale"].help)
+    parallel, name, pair = at.selectbox(key="t_parallel"), at.text_input(key="t_name"), at.checkbox(key="t_pair")
+    assert (parallel.label, parallel.value, parallel.options, parallel.disabled) == ("Parallel", "ddp",
+                                                                                     ["ddp", "fsdp"], True)
+    assert parallel.help.startswith(OPTIONS["parallel"].help + " (FSDP2 runs O0, O1, bf16, bf16-pure). Disabled:")
+    assert (name.label, name.value, name.max_chars) == ("Run name (optional)", "", MAX_NAME_CHARS)
+    assert (pair.label, pair.value) == ("Also run an FP32 (O0) twin on identical weights and batches", False)
 
     _with_widget(monkeypatch, "opt_level", label="Precision", help="the level")
     _with_widget(monkeypatch, "device", label="Where", choices=("cpu", "cuda:3"))
     _with_widget(monkeypatch, "loss_scale", label="Scaling", static_label="Fixed scale", static_value=2.0**5)
     _with_widget(monkeypatch, "init_scale", label="First scale")
+    _with_widget(monkeypatch, "parallel", label="Sharing", choices=("fsdp", "ddp"), help="how")
+    _with_widget(monkeypatch, "name", label="Call it", max_chars=12)
+    _with_widget(monkeypatch, "pair", COMMAND_OPTIONS, label="With a twin", help="two runs")
     at = AppTest.from_function(_run_form, default_timeout=30).run()
     level, device = at.selectbox(key="t_level"), at.selectbox(key="t_device")
     assert (level.label, level.help, device.label, device.options) == ("Precision", "the level", "Where",
                                                                         ["cpu", "cuda:3", "auto"])  # auto: the value
     assert at.radio(key="t_mode").label == "Scaling" and at.select_slider(key="t_init").label == "First scale"
+    parallel, name, pair = at.selectbox(key="t_parallel"), at.text_input(key="t_name"), at.checkbox(key="t_pair")
+    assert (parallel.label, parallel.options, parallel.help) == ("Sharing", ["fsdp", "ddp"], "how. Disabled: one "
+                                                                 "process has nothing to parallelize; set Processes "
+                                                                 "above 1.")
+    assert (name.label, name.max_chars, pair.label, pair.help) == ("Call it", 12, "With a twin", "two runs")
     device.set_value("cuda:3").run()
     at.radio(key="t_mode").set_value("static").run()
+    at.text_input(key="t_name").input("short").run()
+    at.checkbox(key="t_pair").check().run()
     static = at.select_slider(key="t_mode_static")
     assert (static.label, static.value) == ("Fixed scale", 2.0**5)
-    assert at.session_state["options"] == {"opt_level": "O1", "device": "cuda:3", "loss_scale": 32.0}
-    assert RunConfig().with_options(**at.session_state["options"]).validate() is None
+    assert at.session_state["options"] == {"opt_level": "O1", "device": "cuda:3", "loss_scale": 32.0,
+                                           "name": "short", "pair": True}
+    assert RunConfig().with_options(**{k: v for k, v in at.session_state["options"].items() if k != "pair"}) \
+        .validate() is None
+    at.selectbox(key="t_level").set_value("O0").run()  # O0 is the FP32 run: the twin's checkbox is disabled
+    twin = at.checkbox(key="t_pair_off")
+    assert (twin.label, twin.value, twin.disabled, twin.help) == ("With a twin", False, True,
+                                                                  "two runs. Disabled: O0 is the FP32 run itself.")
 
 
 @pytest.mark.parametrize("form, key", [(_run_form, "t_stop_on"), (_watch_form, "t_watch_stop_on")])
