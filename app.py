@@ -171,7 +171,9 @@ def new_run_form(store) -> None:
 
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
-    rerunnable = runs[runs["config"].map(lambda c: "run" in c or "watch" in c)]
+    # what mpdiag ran (a stored script's options) or watched (the command to repeat); a user's own loop neither
+    rerunnable = runs[runs["config"].map(lambda c: "run" in c or "argv" in c.get("watch", {}))
+                      & (runs["script_sha256"].notna() | runs["config"].map(lambda c: "watch" in c))]
     if rerunnable.empty:
         st.caption("Runs recorded by a Recorder in your own loop cannot be rerun from here.")
         return

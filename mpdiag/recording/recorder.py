@@ -48,7 +48,7 @@ from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
 from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
 from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, NONFINITE_GRADIENTS, ReplayResult, StepReplay
 from mpdiag.recording.retention import Retention
-from mpdiag.recording.run import Run
+from mpdiag.recording.run import RESERVED_CONFIG_KEYS, Run
 from mpdiag.recording.step_gradients import StepGradients
 from mpdiag.recording.tracing import ModuleTracer
 from mpdiag.store import (
@@ -161,10 +161,12 @@ class Recorder:
             (a fixed number of launches, no copy). The update counts, the optimizer-step check and ``fp8`` stay
             at the multiples of ``every``.
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``), which set those
-            columns, and free-form settings, stored with the run as given (JSON). It is the user's: never read
-            as mpdiag's own run configuration, whatever its keys (``{"run": "baseline-3"}`` or ``{"run":
-            {"opt_level": "O2"}}`` is stored as such and states no column; the rest of the row is the
-            Recorder's own: its name, ``every``, the scaler's state, level ``custom`` unless given).
+            columns, and free-form settings, stored with the run (JSON, ``Store.run(id)["config"]``). They are
+            the user's: never read as mpdiag's own configuration. A key mpdiag reads as its own
+            (``mpdiag.recording.run.RESERVED_CONFIG_KEYS``: ``run``, ``watch``, ``fp8``, ...) is kept under
+            ``"user"`` (``{"run": "baseline-3", "lr": 3e-4}`` is stored as ``{"lr": 3e-4, "user": {"run":
+            "baseline-3"}}`` and states no column; the rest of the row is the Recorder's own: its name,
+            ``every``, the scaler's state, level ``custom`` unless given).
         trace_modules: also record, per leaf module and step, the absmax of its output and of the gradient
             flowing into it, to find where the first inf/NaN appears (see :mod:`mpdiag.recording.tracing`).
         update_format: ``"fp16"`` or ``"bf16"``: at every logged step, also count the optimizer updates of the
@@ -277,8 +279,8 @@ class Recorder:
             self._owns_writer = True
             self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
             fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
-            self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(),
-                                                **fp8_field, **(config or {})})
+            self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field},
+                                      config or {})
         else:
             self._owns_writer = False
             self._writer = run.writer
@@ -375,9 +377,16 @@ class Recorder:
             self._run.describe(error=text, wait=True)
 
     # -- setup ----------------------------------------------------------------------------------------------
-    def _new_run(self, name: str | None, config: dict[str, Any]) -> Run:
-        fields = {k: v for k, v in config.items() if k in RUN_FIELDS and k != "config"}
-        extra = {k: v for k, v in config.items() if k not in RUN_FIELDS}
+    def _new_run(self, name: str | None, own: dict[str, Any], user: dict[str, Any]) -> Run:
+        """The run of a user's loop: ``own``, what the Recorder knows (columns, and its ``fp8`` settings kept in the
+        configuration); ``user``, the user's ``config=``, whose run fields set those columns and whose other keys
+        are stored beside them, but for the keys mpdiag reads as its own (RESERVED_CONFIG_KEYS: ``run``,
+        ``watch``, ``fp8``, ...), which are kept under ``"user"``: no key of theirs is taken for mpdiag's."""
+        fields = {k: v for k, v in {**own, **user}.items() if k in RUN_FIELDS and k != "config"}
+        extra = {k: v for k, v in own.items() if k not in RUN_FIELDS}
+        extra.update((k, v) for k, v in user.items() if k not in RUN_FIELDS and k not in RESERVED_CONFIG_KEYS)
+        if reserved := {k: v for k, v in user.items() if k in RESERVED_CONFIG_KEYS}:
+            extra["user"] = reserved
         fields.setdefault("opt_level", "custom")
         fields.setdefault("scaling", "none" if self.scaler is None else "dynamic")  # no scaler: no scale findings
         fields.setdefault("every", self.every)

@@ -17,6 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: the top-level keys of a run's configuration that mpdiag reads as its own: a user's ``Recorder(config=...)``
+#: key of one of these names is kept under "user" (mpdiag.recording.recorder), never taken for mpdiag's
+RESERVED_CONFIG_KEYS = ("run", "watch", "fp8", "optimizer", "optimizer_step_nonfinite", "user")
 #: the statuses a run is ended with
 END_STATUSES = ("finished", "failed", "crashed", "stopped")  # stopped: by --stop-on at an event
 

@@ -64,6 +64,21 @@ def _known_format(fmt: str) -> str:
     return fmt
 
 
+def _run_config(stored) -> dict:
+    """A run's stored configuration (JSON text) as a dict whose ``run`` and ``watch`` parts, when present, are
+    mpdiag's own options (objects). A store from before a user's ``Recorder(config=...)`` was kept under
+    ``"user"`` may hold that config at the top: a ``run`` or ``watch`` there that is no object (``{"run":
+    "baseline-3"}``), or a configuration that is no object at all, is the user's and is read under ``"user"``."""
+    config = json.loads(stored) if isinstance(stored, str) else {}
+    if not isinstance(config, dict):
+        return {"user": config}
+    theirs = {part: config.pop(part) for part in ("run", "watch")
+              if part in config and not isinstance(config[part], dict)}
+    if theirs:
+        config["user"] = {**(config.get("user") if isinstance(config.get("user"), dict) else {}), **theirs}
+    return config
+
+
 def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> tuple[str, str]:
     """(select list, joins) adding each format's six counts from ``table`` (representability, or
     representability_totals) to the rows of alias ``src``: named like REPRESENTABILITY_COLUMNS, in its order,
@@ -169,8 +184,8 @@ class Store:
         df.loc[unexplained & (df["world_size"] > 1), "error"] = "rank 0 (the process writing the run) exited without closing it"
         for col in ("started_at", "finished_at", "heartbeat_at"):
             df[col] = pd.to_datetime(df[col], unit="s", utc=True)
-        for col in ("config", "model_state"):
-            df[col] = df[col].map(lambda v: json.loads(v) if isinstance(v, str) else {})
+        df["model_state"] = df["model_state"].map(lambda v: json.loads(v) if isinstance(v, str) else {})
+        df["config"] = df["config"].map(_run_config)
         for col in ("parent_run_id", "pair_run_id"):  # ids stay integers; absent is <NA>, never a float NaN
             df[col] = df[col].astype("Int64")
             # a link to a deleted run reads as no link (deleting a run leaves other runs' rows as they are)

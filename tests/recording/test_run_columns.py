@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT
 from run_rows import assert_columns_say_the_config, stored_row
 
+from mpdiag import Store
 from mpdiag.options import RunConfig
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.recorder import Recorder
@@ -77,16 +78,19 @@ def _record_three_steps(store_path, config: dict) -> Recorder:
 ], ids=["run-text", "run-options", "run-name", "watch-settings"])
 def test_a_users_configuration_is_never_read_as_mpdiags(store_path, config):
     """A user's Recorder(config=...) whose keys happen to be mpdiag's own ("run", "watch") records normally and
-    stores the configuration as given: the run's columns are the Recorder's own (its name, every, no level:
-    custom; the GradScaler's state), never derived from the user's dict, which mpdiag's runs alone state through
-    an MpdiagConfig."""
+    stores the configuration as given, those keys under "user": the run's columns are the Recorder's own (its name, every,
+    no level: custom; the GradScaler's state), never derived from the user's dict, which mpdiag's runs alone
+    state through an MpdiagConfig; and the pages that read a run's configuration read none of it as mpdiag's."""
     recorder = _record_three_steps(store_path, config)
     row = stored_row(store_path, recorder.run_id)
     assert (row["status"], row["error"]) == ("finished", None)
     with contextlib.closing(sqlite3.connect(store_path)) as conn:
         steps = [s for (s,) in conn.execute("SELECT step FROM steps WHERE run_id = ? ORDER BY step", (row["run_id"],))]
     assert steps == [0, 1, 2]
-    assert row["config"] == config
+    reserved = {k: v for k, v in config.items() if k in ("run", "watch")}
+    kept = {**{k: v for k, v in config.items() if k not in reserved}, "user": reserved}
+    assert row["config"] == kept
+    assert Store(store_path).run(recorder.run_id)["config"] == kept
     assert (row["name"], row["opt_level"], row["steps"], row["seed"], row["every"]) == ("mine", "custom", None,
                                                                                         None, 2)
     assert (row["scaling"], row["loss_scale"], row["init_scale"], row["growth_interval"]) == ("dynamic", None,
@@ -157,3 +161,29 @@ def test_a_column_the_configuration_states_is_given_by_it_only(store_path):
     assert (row["opt_level"], row["scaling"], row["loss_scale"], row["init_scale"]) == ("O3", "static", 1.0, None)
     assert row["config"] == run.config
     assert_columns_say_the_config(row)
+
+
+def test_pages_read_no_users_configuration_as_mpdiags(tmp_path, monkeypatch):
+    """Every page renders a store holding users' own runs whose configuration has keys named like mpdiag's:
+    recorded now (kept under "user") and as an older mpdiag kept them, at the top of the configuration (a
+    ``run`` or ``watch`` that is no object, a configuration that is no object). The reader reads those as the
+    user's, and none is offered for a rerun (no stored script to rerun, no command to repeat)."""
+    from app_helpers import PAGES, app
+
+    store_path = tmp_path / "runs.db"
+    ids = [_record_three_steps(store_path, config).run_id
+           for config in ({"run": "baseline-3"}, {"watch": {"opt_level": "bf16", "every": 5}})]
+    older = {ids[0]: '{"run": "baseline-3", "lr": 0.0003}', ids[1]: '["not", "an", "object"]'}
+    with contextlib.closing(sqlite3.connect(store_path)) as conn, conn:
+        for run_id, text in older.items():
+            conn.execute("UPDATE runs SET config = ? WHERE run_id = ?", (text, run_id))
+    store = Store(store_path)
+    assert store.run(ids[0])["config"] == {"lr": 0.0003, "user": {"run": "baseline-3"}}
+    assert store.run(ids[1])["config"] == {"user": ["not", "an", "object"]}
+    ids.append(_record_three_steps(store_path, {"watch": {"opt_level": "bf16", "every": 5}}).run_id)
+    for page in PAGES:
+        for run_id in ids:
+            at = app(page, store_path, monkeypatch, run=str(run_id), runs=[str(i) for i in ids])
+            assert not at.exception, (page, run_id, [e.value for e in at.exception])
+    home = app("app.py", store_path, monkeypatch)
+    assert "cannot be rerun from here" in " ".join(c.value for c in home.caption)
