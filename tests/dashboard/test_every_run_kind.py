@@ -231,18 +231,46 @@ def empty_charts(at) -> list[str]:
     return empty
 
 
-@pytest.mark.parametrize("page_file", PAGES)
-def test_the_page_renders_every_kind_of_run(page_file, kinds, monkeypatch):
+def layout(node) -> tuple:
+    """The kinds of elements a rendered page shows, in order, nested as on the page (no text, no data)."""
+    children = getattr(node, "children", None)
+    inner = tuple(layout(child) for child in children.values()) if isinstance(children, dict) else ()
+    return (getattr(node, "type", type(node).__name__), inner)
+
+
+@pytest.fixture(scope="module")
+def rendered(kinds):
+    """Per page, per kind: what the page rendered under AppTest (its problems, whether it drew a chart, its
+    layout), rendered once for the module: the AppTest test judges it, the Chromium sweep reads which views
+    draw charts."""
     store, runs, partner = kinds
-    problems = {}
-    for kind, run_id in runs.items():
-        at = render(page_file, store, monkeypatch, **page_query(page_file, run_id, partner))
-        if at.exception:
-            problems[kind] = [e.value for e in at.exception]
-        elif empty := empty_charts(at):
-            problems[kind] = f"charts without a finite point: {empty}"
-        elif found := page_chart_problems(at):
-            problems[kind] = found
+    cache: dict[str, dict[str, tuple[list | str, bool, tuple]]] = {}
+
+    def of(page_file: str) -> dict[str, tuple[list | str, bool, tuple]]:
+        if page_file not in cache:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                cache[page_file] = {kind: _judged(render(page_file, store, monkeypatch,
+                                                         **page_query(page_file, run_id, partner)))
+                                    for kind, run_id in runs.items()}
+        return cache[page_file]
+
+    return of
+
+
+def _judged(at) -> tuple[list | str, bool, tuple]:
+    """(what is wrong with a rendered page, whether it drew a chart, its layout)."""
+    if at.exception:
+        problems = [e.value for e in at.exception]
+    elif empty := empty_charts(at):
+        problems = f"charts without a finite point: {empty}"
+    else:
+        problems = page_chart_problems(at)
+    return problems, bool(at.get("vega_lite_chart")), layout(at.main)
+
+
+@pytest.mark.parametrize("page_file", PAGES)
+def test_the_page_renders_every_kind_of_run(page_file, rendered):
+    problems = {kind: found for kind, (found, _, _) in rendered(page_file).items() if found}
     assert not problems, problems
 
 
@@ -297,12 +325,15 @@ def chromium(kinds):
         yield server, page, console
 
 
-def views(page_file: str, runs: dict, partner: dict) -> list[tuple[str, dict | None]]:
+def views(page_file: str, runs: dict, partner: dict, drawn: dict) -> list[tuple[str, dict | None]]:
     """What the browser sweep opens on a page: (what it shows, the query opening it by URL or None when the
     page's own run picker chooses it). The home page reads no ?run= (it lists every kind in its table and live
     panels): one load. A single-run page is opened once by its URL and every other kind is chosen in its picker,
-    as a user switches runs (no reload: ~1.5 s of the browser's CPU a kind saved). Compare shows four runs at
-    once, kinds and their partners together, each kind in one selection: a load of Compare costs the most."""
+    as a user switches runs (no reload: ~1.5 s of the browser's CPU a kind saved), each kind whose page draws a
+    chart (``drawn``: the AppTest render's (problems, charted, layout) by kind), and of the kinds that draw none
+    one per layout (the FP8 page says the same two sentences to the 28 kinds without FP8 statistics: what a
+    browser adds there, a console error, one view of that layout shows). Compare shows four runs at once, kinds
+    and their partners together, each kind in one selection: a load of Compare costs the most."""
     if page_file == "app.py":
         return [("every kind", {})]
     if page_file == "pages/3_Compare.py":
@@ -311,15 +342,21 @@ def views(page_file: str, runs: dict, partner: dict) -> list[tuple[str, dict | N
         return [(" + ".join(kind for kind, _ in group), {"runs": [str(run_id) for _, run_id in group]
                                                           + ([] if len(group) > 1 else [str(partner.get(group[0][1], 1))])})
                 for group in groups]
-    return [(kind, page_query(page_file, run_id, partner) if i == 0 else None)
-            for i, (kind, run_id) in enumerate(runs.items())]
+    layouts, shown = set(), []
+    for kind in runs:
+        _, charted, page_layout = drawn[kind]
+        if charted or page_layout not in layouts:
+            layouts.add(page_layout)
+            shown.append(kind)
+    return [(kind, page_query(page_file, runs[kind], partner) if i == 0 else None) for i, kind in enumerate(shown)]
 
 
 @pytest.mark.browser
 @pytest.mark.parametrize("page_file", list(URL_PATHS))
-def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
+def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium, rendered):
     """Real Chromium, 1400 px wide: no exception on the page, no error in the browser console, no chart
-    drawn past its element, for every kind of run. With MPDIAG_SCREENSHOTS=1, one full-page screenshot per view
+    drawn past its element: for every kind of run whose page draws a chart, and one kind of each layout that draws
+    none (``views``). With MPDIAG_SCREENSHOTS=1, one full-page screenshot per view
     (artifacts/screenshots/kinds/) to look at. One test a page, so that each stays well inside the per-test timeout
     on CI's two cores."""
     from browser_helpers import SHOTS, charts_fit, choose_run, settle
@@ -332,7 +369,8 @@ def test_the_page_shows_every_kind_in_chromium(page_file, kinds, chromium):
     # Streamlit's own probe, opening a page by its URL: /<Page>/_stcore/... answers 404 before it tries
     # /_stcore/... (streamlit/streamlit#7074); each gives one more console line, which is all it may add
     benign = re.compile(rf"404 {re.escape(server.url)}/\w+/_stcore/")
-    for shown, query in views(page_file, runs, partner):
+    drawn = rendered(page_file) if page_file in SINGLE_RUN_PAGES else {}
+    for shown, query in views(page_file, runs, partner, drawn):
         console.clear()
         if query is None:
             choose_run(page, runs[shown])
@@ -473,3 +511,4 @@ def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(t
         assert set(range(len(first) + 2)) <= drawn, drawn
     finally:
         recorder.close()
+
