@@ -15,8 +15,8 @@ The call order, per recorded step (one step: from one ``record`` to the next)::
     at_record(step)                 in Recorder.record, after the step's gradients were read and before the
                                     optimizer step: the weights and the .grad are the ones the step used
     before_optimizer_step(opt)      in each optimizer step pre-hook of that step (none when GradScaler skips it)
-    after_optimizer_step(opt)       in each optimizer step post-hook (on the optimizer's thread, not under the
-                                    Recorder's lock: it may only append to what drain takes)
+    after_optimizer_step(opt)       in each optimizer step post-hook (not under the Recorder's lock, which a
+                                    timer flush may hold: what it leaves for drain, it only appends)
     drain(wait)                     at every flush (the training thread's, or the writer thread's timer): the
                                     writer jobs for the rows that have reached the host; ``wait``: the run is
                                     ending, wait for all of them
@@ -25,8 +25,9 @@ The call order, per recorded step (one step: from one ``record`` to the next)::
 ``drain`` may also be called between ``at_record`` and the optimizer hooks (a timer flush) and after ``remove``
 (the flush that ends the run). A feature never writes to the store itself: it returns jobs, each a function of the
 writer (a :class:`mpdiag.store.StoreWriter`), which the Recorder submits in order after the step rows of the same
-flush. Owns that protocol, :class:`RecordedStep` and the update-count and shadow-comparison features; must not know
-the Recorder (a feature is given what it needs when built).
+flush; what the Recorder must know at once (the optimizer-step check's finding, a replay's result) a feature hands
+to the callback it was built with. Owns that protocol, :class:`RecordedStep` and the update-count and
+shadow-comparison features; must not know the Recorder (a feature is given what it needs when built).
 """
 
 from __future__ import annotations
