@@ -9,8 +9,9 @@ With block-scaled recipes (``Fp8Settings.block_recipes``: mxfp8, nvfp4), each te
 :func:`mpdiag.numerics.block_scaled.block_stats` (blocks along its last dimension; the pieces of several calls
 are stacked as rows), one more record per recipe, a block record and the block scales' exponent histogram. These
 counts are read back when the step is started (a synchronisation on a GPU). It owns the hooks and the naming of
-records; it does not write to a store (the Recorder does) and counts
-nothing itself.
+records, and the Recorder feature behind ``fp8`` (:class:`Fp8Feature`: starts the counts at the multiples of
+``every``, forgets the captured tensors at the other steps, hands the arrived records to the writer); it does not
+write to a store itself and counts nothing itself.
 
 Only forward passes with autograd enabled are captured (not evaluation passes). A module called several
 times in a step contributes all its calls to one input and one output-gradient tensor; its weight counts
@@ -21,6 +22,7 @@ alive.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +32,7 @@ from torch import nn
 from mpdiag.numerics.block_scaled import ELEMENT_FORMAT, BlockStats, PendingBlockStats
 from mpdiag.numerics.fp8 import EXP_MIN, Fp8Stats, Fp8StatsComputer, PendingFp8Stats
 from mpdiag.numerics.fp8_recipes import ROLES, Fp8Settings
+from mpdiag.recording.features import RecordedStep, RecorderFeature, WriterJob
 
 #: the columns of a record, as ``Store.fp8(run_id)`` is to return them
 RECORD_COLUMNS = ("step", "module", "role", "fmt", "recipe", "scale", "amax", "numel", "underflow", "subnormal",
@@ -52,6 +55,11 @@ class Fp8StepRecords:
     histograms: list[tuple]
     blocks: list[tuple] = dataclasses.field(default_factory=list)
     block_scales: list[tuple] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: Fp8StepRecords) -> None:
+        """Append ``other``'s rows (another step's) to these."""
+        for field in dataclasses.fields(self):
+            getattr(self, field.name).extend(getattr(other, field.name))
 
 
 class PendingFp8Records:
@@ -162,3 +170,34 @@ class Fp8Capture:
         for handle in self._handles:
             handle.remove()
         self.skip()
+
+
+class Fp8Feature(RecorderFeature):
+    """``fp8``: at every multiple of ``every``, what the recipe would cast in every ``nn.Linear`` (``Store.fp8``),
+    the output gradients divided by that step's loss scale; the records are named once they reach the host."""
+
+    def __init__(self, model: nn.Module, settings: Fp8Settings, device: torch.device, run_id: int):
+        self._capture, self._run_id = Fp8Capture(model, settings, device), run_id
+        self._unread: deque[PendingFp8Records] = deque()
+        self._rows = Fp8StepRecords([], [])  # the arrived steps' rows, all steps in one
+
+    def at_record(self, step: RecordedStep) -> None:
+        if step.at_multiple:
+            self._unread.append(self._capture.start(step.step, step.scale))
+        else:
+            self._capture.skip()
+        self._take(wait=False)
+
+    def _take(self, wait: bool) -> None:
+        while self._unread and (wait or self._unread[0].ready()):
+            self._rows.extend(self._unread.popleft().result())
+
+    def drain(self, wait: bool) -> list[WriterJob]:
+        self._take(wait)
+        rows, self._rows = self._rows, Fp8StepRecords([], [])
+        if not rows.records:
+            return []
+        return [lambda w: w.add_fp8_steps(self._run_id, rows.records, rows.histograms, rows.blocks, rows.block_scales)]
+
+    def remove(self) -> None:
+        self._capture.remove()

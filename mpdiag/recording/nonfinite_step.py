@@ -6,17 +6,25 @@ gradient, every weight the optimizer updates and its state are finite; after it,
 longer are. A step that starts from finite values and ends with inf/NaN ones broke inside the optimizer (e.g.
 AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides by zero).
 
-Owns that check and the record of it (a JSON-ready dict). Must not write to the store (its caller hands the
-record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs a pass over the tensors
+Owns that check and the record of it (a JSON-ready dict), and the Recorder feature behind
+``check_optimizer_step`` (:class:`OptimizerStepCheck`: which steps are checked, one check per optimizer). Must not
+write to the store (its caller hands the record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs a pass over the tensors
 (one launch per dtype) and one synchronisation before and after each checked step, and stops after the first
 finding. Under FSDP2 each rank checks the shards it holds (no collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from mpdiag.recording.distributed import local_shards
+from mpdiag.recording.features import RecordedStep, RecorderFeature
+
+#: ``check_optimizer_step``'s value for checking every optimizer step, logged or not
+EVERY_STEP = "every step"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -114,3 +122,43 @@ class NonfiniteStepCheck:
             "values": [name if key is None else f"{name} ({key})" for name, key in broken],
         }
         return self.found
+
+
+class OptimizerStepCheck(RecorderFeature):
+    """``check_optimizer_step``: around each checked optimizer step (the logged steps; ``EVERY_STEP``: every one),
+    until the first finding, which is handed to ``report``. ``named`` are the recorded (name, parameter) pairs;
+    ``targets`` the tensors the optimizer updates in their place (FP32 masters), or None."""
+
+    def __init__(self, steps: bool | str, named: list[tuple[str, torch.Tensor]], targets: list | None,
+                 report: Callable[[dict], None]):
+        self._steps, self._named, self._targets, self._report = steps, named, targets, report
+        self._checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its check
+        self._checked: tuple[int, torch.Tensor | float] | None = None  # (step, loss) of the step checked next
+        self.found: dict | None = None  # the first step whose update broke finite values
+
+    def at_record(self, step: RecordedStep) -> None:
+        checked = (step.logged and self._steps or self._steps == EVERY_STEP) and self.found is None
+        self._checked = (step.step, step.loss) if checked else None
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._checked is not None:
+            self._check_of(optimizer).before(self._checked[1])
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        check = self._checks.get(optimizer)
+        found = check.after(self._checked[0]) if check is not None and self._checked is not None else None
+        if found is not None:
+            self.found, self._checked = found, None  # one finding per run: the first step that broke
+            self._report(found)
+
+    def _check_of(self, optimizer: torch.optim.Optimizer) -> NonfiniteStepCheck:
+        """The check of ``optimizer``'s steps over the recorded parameters it holds (or, given update targets, the
+        targets it holds in their place, reported under the parameters' names), named as stored."""
+        check = self._checks.get(optimizer)
+        if check is None:
+            targets = [p for _, p in self._named] if self._targets is None else self._targets
+            mine = {id(t): (named, t) for named, t in zip(self._named, targets, strict=True)}
+            held = [mine[id(t)] for group in optimizer.param_groups for t in group["params"] if id(t) in mine]
+            check = self._checks[optimizer] = NonfiniteStepCheck([named for named, _ in held], optimizer,
+                                                                 [t for _, t in held])
+        return check

@@ -9,8 +9,13 @@ at ``close``) from the optimizer's step hooks and the scaler's own ``state_dict(
 GradScaler's rule.
 
 Owns the Recorder's constructor (a user's loop: it creates its run; mpdiag's runner and ``watch``: they hand it
-the :class:`mpdiag.recording.run.Run` they created), the per-step bookkeeping and the optimizer-step check's
-wiring. Must not write the run row itself (its Run does), validate run options (:mod:`mpdiag.options` does) nor
+the :class:`mpdiag.recording.run.Run` they created) and its core: this step's gradients and the scaler's state,
+the step rows, what retention keeps, the flush to the background writer and the end of the run. The optional
+parts - the module trace, the FP8 capture, the update counts, the optimizer-step check, the replay and the FP32
+shadow comparison - are features behind one protocol (:mod:`mpdiag.recording.features`): the Recorder builds
+the list of those its arguments ask for in one place (``_optional_features``) and calls their hooks in a loop at
+``record``, around the optimizer step, at each flush and at the end. Must not write the run row itself (its Run
+does), validate run options (:mod:`mpdiag.options` does), hold an optional part's state (its feature does) nor
 import from the training layer above it.
 """
 
@@ -25,7 +30,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +40,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.formats import LOW_PRECISION, resolution_log2
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, HeldStep, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
@@ -44,13 +48,14 @@ from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.events import EventLog
-from mpdiag.recording.fp8_capture import Fp8Capture, PendingFp8Records
-from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
-from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, NONFINITE_GRADIENTS, ReplayResult, StepReplay
+from mpdiag.recording.features import RecordedStep, RecorderFeature, ShadowComparison, UpdateCounts
+from mpdiag.recording.fp8_capture import Fp8Feature
+from mpdiag.recording.nonfinite_step import EVERY_STEP, OptimizerStepCheck
+from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, ReplayFeature, ReplayResult
 from mpdiag.recording.retention import Retention
 from mpdiag.recording.run import RESERVED_CONFIG_KEYS, Run
 from mpdiag.recording.step_gradients import StepGradients
-from mpdiag.recording.tracing import ModuleTracer
+from mpdiag.recording.tracing import ModuleTraceFeature
 from mpdiag.store import (
     DEFAULT_STORE,
     REPRESENTABILITY_KINDS,
@@ -87,9 +92,6 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
     return {"init_scale": state.get("scale"),
             **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
 
-
-#: ``check_optimizer_step``'s value for checking every optimizer step, logged or not
-EVERY_STEP = "every step"
 
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
 
@@ -266,35 +268,16 @@ class Recorder:
             raise ValueError(f"check_optimizer_step must be True, False or {EVERY_STEP!r}")
         if run is not None and (store is not None or name is not None or config is not None):
             raise ValueError("a Recorder given a run takes no store, name or config: the run has them")
-        self._start(model, scaler, optimizer, every, update_format, update_targets,
-                    check_optimizer_step=check_optimizer_step)
+        self._start(model, scaler, optimizer, every, update_format, update_targets)
         self._retention = Retention(every, [p.numel() for _, p in self._params], anomalies=retain_anomalies)
-        if run is None:
-            if fp8 is not None:
-                fp8.validate()  # before a run row exists
-            if store is None or isinstance(store, (str, os.PathLike)):
-                path = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
-            else:  # a Store
-                path = store.path
-            self._owns_writer = True
-            self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
-            fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
-            self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field},
-                                      config or {})
-        else:
-            self._owns_writer = False
-            self._writer = run.writer
-            self._run = run
-            # the job's shape is known only now, once the process group exists
-            run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
+        self._open_run(run, store, name, config, update_format, fp8)
         self.run_id = self._run.run_id
-        # replay=None (the runner's): off on a GPU without a GradScaler, where its read of the loss and norm
-        # would be the step's only synchronisation (GradScaler's step synchronises anyway)
-        sync_free = self.device.type != "cuda" or self.scaler is not None
-        self._hook_in(model, trace_modules, fp8, watch_ranks=not launcher_names_failures,
-                      replay=replay is True or (replay is None and sync_free), replay_model=replay_model)
+        self._hook_in(model, self._optional_features(
+            model, trace_modules=trace_modules, update_format=update_format, fp8=fp8,
+            check_optimizer_step=check_optimizer_step, replay=replay, replay_model=replay_model),
+            watch_ranks=not launcher_names_failures)
 
-    def _start(self, model, scaler, optimizer, every, update_format, update_targets, check_optimizer_step) -> None:
+    def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -307,35 +290,22 @@ class Recorder:
         self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
         self._update_targets = self._checked_targets(update_targets)
-        self._updates = self._update_tracker(update_format)
+        self._check_update_format(update_format)
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
         #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
         #: step over our parameters was seen
         self._observable = bool(self._optimizers) or self.scaler is not None
-        self._update_step: int | None = None  # the logged step whose optimizer update is tracked next
-        self._check_steps = check_optimizer_step  # True: the logged steps; EVERY_STEP: every one
-        self._step_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its check
-        self._checked_step: tuple[int, torch.Tensor | float] | None = None  # (step, loss) a step check may use
         self.optimizer_step_nonfinite: dict | None = None  # the first step whose update broke finite values
+        #: the replays' results once they ran (``replay``)
+        self.replayed: ReplayResult | None = None
+        self.spike_replayed: ReplayResult | None = None
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
         self._step = 0
-        # Step rows in order, each with the readback of [loss, scale, growth tracker] taken at its record();
-        # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
-        self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
-        self._unread_stats: deque[_UnreadStats] = deque()
-        self._unread_fp8: deque[PendingFp8Records] = deque()
-        self._fp8_rows: tuple[list[tuple], ...] = ([], [], [], [])  # records, histograms, blocks, block scales
-        self._step_rows: list[tuple] = []
-        self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
-        self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
-        self._rows_through: int | None = None  # the last step whose row is complete
-        self._update_rows: list[tuple] = []
-        self._last_flush = time.monotonic()
-        self._last_record = self._started = time.perf_counter()
+        self._empty_buffers()
         #: the optimizer whose param_groups[0]["lr"] is recorded: the first given, else the first seen stepping
         self._lr_optimizer = self._optimizers[0] if self._optimizers else None
         self._closed = False
@@ -346,28 +316,76 @@ class Recorder:
         #: the events raised from the completed step rows (mpdiag.recording.events); ``configure`` it for --stop-on
         self.events = EventLog(grads_read=self._dist.computes_stats)
 
-    def _hook_in(self, model: torch.nn.Module, trace_modules: bool, fp8: Fp8Settings | None,
-                 watch_ranks: bool, replay: bool = False, replay_model: torch.nn.Module | None = None) -> None:
-        """Queue the run's tensor (and traced module) rows and install the hooks: only once the writer exists,
-        so a store that cannot be opened leaves no hook behind."""
+    def _empty_buffers(self) -> None:
+        """The core's rows on their way from the device to the writer, none yet."""
+        # Step rows in order, each with the readback of [loss, scale, growth tracker] taken at its record();
+        # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
+        self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
+        self._unread_stats: deque[_UnreadStats] = deque()
+        self._step_rows: list[tuple] = []
+        self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
+        self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
+        self._rows_through: int | None = None  # the last step whose row is complete
+        self._last_flush = time.monotonic()
+        self._last_record = self._started = time.perf_counter()
+
+    def _open_run(self, run: Run | None, store, name: str | None, config: dict[str, Any] | None,
+                  update_format: str | None, fp8: Fp8Settings | None) -> None:
+        """The run the rows go to and the writer that carries them: ``run``'s, or a new run in ``store`` with a
+        writer of the Recorder's own."""
+        if run is not None:
+            self._owns_writer, self._writer, self._run = False, run.writer, run
+            # the job's shape is known only now, once the process group exists
+            run.describe(**self._dist.run_fields(), **({"update_format": update_format} if update_format else {}))
+            return
+        if fp8 is not None:
+            fp8.validate()  # before a run row exists
+        if store is None or isinstance(store, (str, os.PathLike)):
+            path = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
+        else:  # a Store
+            path = store.path
+        self._owns_writer = True
+        self._writer = BackgroundWriter(path) if self._dist.is_writer else DiscardingWriter()
+        fp8_field = {"fp8": dataclasses.asdict(fp8)} if fp8 is not None else {}
+        self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field},
+                                  config or {})
+
+    def _hook_in(self, model: torch.nn.Module, features: list[RecorderFeature], watch_ranks: bool) -> None:
+        """Queue the run's tensor rows and install the hooks: only once the writer exists, so a store that cannot
+        be opened leaves no hook behind. ``features``: the optional parts, their hooks just installed."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
-        self._stop_timer = self._writer.every(self.flush_interval_s, self._flush_on_timer)
         self._step_grads = StepGradients([p for _, p in self._params])
-        self._tracer = ModuleTracer(model) if trace_modules else None
-        self._fp8 = Fp8Capture(model, fp8, self.device) if fp8 is not None and self._dist.is_writer else None
+        #: the FP32 shadow comparison (always there: its caller decides when) and the optional parts, in the order
+        #: their hooks are called (:mod:`mpdiag.recording.features`)
+        self._shadow = ShadowComparison(self._params, self.run_id)
+        self._features = [*features, self._shadow]
         self._hooks = self._install_step_hooks()
-        #: the replay of the first non-finite step and of the first loss spike (None: off, both done, or a job of
-        #: several processes)
-        replayed = model if replay_model is None else replay_model
-        self._replay = StepReplay(replayed) if replay and not self._dist.distributed else None
-        #: their results once they ran
-        self.replayed: ReplayResult | None = None
-        self.spike_replayed: ReplayResult | None = None
+        self._stop_timer = self._writer.every(self.flush_interval_s, self._flush_on_timer)
         if watch_ranks:
             self._dist.watch_for_dead_ranks(self._name_dead_rank)
-        if self._tracer is not None:
-            modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
-            self._writer.submit(lambda w: w.add_modules(self.run_id, modules))
+
+    def _optional_features(self, model: torch.nn.Module, *, trace_modules: bool, update_format: str | None,
+                           fp8: Fp8Settings | None, check_optimizer_step: bool | str, replay: bool | None,
+                           replay_model: torch.nn.Module | None) -> list[RecorderFeature]:
+        """The optional parts the arguments ask for (see the class's docstring), each with its hooks installed; the
+        replay first, so it runs before the others take the step's captured tensors."""
+        features: list[RecorderFeature] = []
+        # replay=None (the runner's): off on a GPU without a GradScaler, where its read of the loss and norm
+        # would be the step's only synchronisation (GradScaler's step synchronises anyway)
+        sync_free = self.device.type != "cuda" or self.scaler is not None
+        if (replay is True or (replay is None and sync_free)) and not self._dist.distributed:
+            features.append(ReplayFeature(model if replay_model is None else replay_model, self.run_id,
+                                          self._replayed))
+        if trace_modules:
+            features.append(ModuleTraceFeature(model, self.run_id))
+        if fp8 is not None and self._dist.is_writer:
+            features.append(Fp8Feature(model, fp8, self.device, self.run_id))
+        if update_format is not None:
+            features.append(UpdateCounts(UpdateTracker(self._updated_tensors(), update_format), self.run_id))
+        if check_optimizer_step:
+            features.append(OptimizerStepCheck(check_optimizer_step, self._params, self._update_targets,
+                                               self._found_optimizer_step))
+        return features
 
     def _name_dead_rank(self, text: str) -> None:
         """Rank 0 under torchrun, from the dead-rank watch's thread: the run's error names the rank that died,
@@ -413,13 +431,16 @@ class Recorder:
             raise ValueError(f"update_targets must match the model's {len(shapes)} trainable parameters in order and shape")
         return targets
 
-    def _update_tracker(self, update_format) -> UpdateTracker | None:
+    def _check_update_format(self, update_format: str | None) -> None:
         if update_format is None:
-            return None
+            return
         if len(self._optimizers) != 1:
             raise ValueError("update_format needs optimizer=: updates are observed through its step hooks")
-        targets = [p for _, p in self._params] if self._update_targets is None else self._update_targets
-        return UpdateTracker(targets, update_format)
+        resolution_log2(update_format)  # refuses a format without one
+
+    def _updated_tensors(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates: the update targets, else the recorded parameters."""
+        return [p for _, p in self._params] if self._update_targets is None else self._update_targets
 
     def _install_step_hooks(self) -> list:
         """Hooks around the optimizer steps: on the given optimizers; else global ones that act on any
@@ -434,15 +455,12 @@ class Recorder:
                 self._step_grads.asked_to_step(opt)
                 if self._lr_optimizer is None:
                     self._first_seen_optimizer(opt)
-                self._before_optimizer_step(opt)
+                for feature in self._features:
+                    feature.before_optimizer_step(opt)
 
         def after(opt, args, kwargs):
             if ours(opt):
                 self._stepped = self._observable = True
-                if self._replay is not None:
-                    self._replay.stepped = True
-                if self._updates is not None:
-                    self._updates.after()
                 self._after_optimizer_step(opt)
 
         if self._optimizers:
@@ -470,33 +488,24 @@ class Recorder:
         except (TypeError, ValueError):
             return math.nan
 
-    def _before_optimizer_step(self, opt) -> None:
-        if self._update_step is not None:
-            self._updates.before(self._update_step)
-            self._update_step = None
-        if self._checked_step is not None:
-            self._step_check(opt).before(self._checked_step[1])
-
     @_never_ends_training
     def _after_optimizer_step(self, opt) -> None:
-        check = self._step_checks.get(opt)
-        found = check.after(self._checked_step[0]) if check is not None and self._checked_step is not None else None
-        if found is not None:
-            self.optimizer_step_nonfinite = found
-            self._checked_step = None  # one finding per run: the first step that broke
-            self._run.found_optimizer_step(found)
+        for feature in self._features:
+            feature.after_optimizer_step(opt)
 
-    def _step_check(self, opt) -> NonfiniteStepCheck:
-        """The check of ``opt``'s steps over the model's parameters it holds (or, given update targets, the
-        targets it holds in their place, reported under the parameters' names), named as stored."""
-        check = self._step_checks.get(opt)
-        if check is None:
-            targets = [p for _, p in self._params] if self._update_targets is None else self._update_targets
-            mine = {id(t): (named, t) for named, t in zip(self._params, targets, strict=True)}
-            held = [mine[id(t)] for group in opt.param_groups for t in group["params"] if id(t) in mine]
-            check = self._step_checks[opt] = NonfiniteStepCheck([named for named, _ in held], opt,
-                                                                [t for _, t in held])
-        return check
+    def _found_optimizer_step(self, found: dict) -> None:
+        """The optimizer-step check's first finding: stored with the run at once."""
+        self.optimizer_step_nonfinite = found
+        self._run.found_optimizer_step(found)
+
+    def _replayed(self, result: ReplayResult) -> None:
+        """A replay ran: its result, said on stderr where events are announced."""
+        if result.trigger == LOSS_SPIKE_TRIGGER:
+            self.spike_replayed = result
+        else:
+            self.replayed = result
+        if self.events.announce is not None:
+            print(result.line(), file=sys.stderr)
 
     # -- per step -------------------------------------------------------------------------------------------
     @_never_ends_training
@@ -521,27 +530,16 @@ class Recorder:
         step = self._step
         scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
         read = gradients if gradients is not None else self._read_tensors(step, scale)
-        if self._replay is not None:
-            self._replay_if_triggered(step, loss, read.norm)
+        at_multiple = step % self.every == 0
+        recorded = RecordedStep(step, loss, scale, scaled=self.scaler is not None, norm=read.norm,
+                                at_multiple=at_multiple, logged=at_multiple and read.pending is not None)
+        for feature in self._features:
+            feature.at_record(recorded)
         state = self._with_norm(values, read.norm)
         if read.pending is not None:
             self._unread_stats.append(_UnreadStats(step, read))
             self._unscale_by = read.unscale_by
-        # the update counts and the optimizer-step check: at the multiples of every, where statistics always are
-        logged = read.pending is not None and step % self.every == 0
         self._step_grads.next_step()
-        self._update_step = step if logged and self._updates is not None else None
-        checked = (logged and self._check_steps or self._check_steps == EVERY_STEP) \
-            and self.optimizer_step_nonfinite is None
-        self._checked_step = (step, loss) if checked else None
-        if self._tracer is not None:
-            traced = self._tracer.take(step)
-            self._writer.submit(lambda w: w.add_module_steps(self.run_id, traced))
-        if self._fp8 is not None:  # the output gradients hold S*g: divided by the scale of this step
-            if step % self.every == 0:
-                self._unread_fp8.append(self._fp8.start(step, scale))
-            else:
-                self._fp8.skip()
         # logged (index 8) stays 0 here: the writer sets it once the retention keeps the step
         row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), 0,
                self._learning_rate(), None, now - self._started]
@@ -552,34 +550,6 @@ class Recorder:
         self._stepped = False
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
-
-    def _replay_if_triggered(self, step: int, loss: torch.Tensor | float, norm: torch.Tensor | None) -> None:
-        """Replay this step (before its optimizer step: the weights are still those it used) when it is the
-        first to turn non-finite, or the first loss spike; otherwise what was kept of it becomes the previous
-        step's."""
-        try:
-            trigger = self._replay.triggered(step, loss, norm, scaled=self.scaler is not None)
-        except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
-            print(f"mpdiag: the replay is off for this run: {type(exc).__name__}: {exc}", file=sys.stderr)
-            self._replay.remove()
-            self._replay = None
-            return
-        if trigger is None:
-            self._replay.forget()
-            return
-        scale = self._scaler_values(None)[0] if self.scaler is not None and trigger == NONFINITE_GRADIENTS else 1.0
-        result = self._replay.replay(step, trigger, scale=float(scale))
-        if not self._replay.armed:  # both replays done, or the loss scale's overflows tried enough
-            self._replay = None
-        if result is None:  # the loss scale's overflow: nothing to store
-            return
-        if trigger == LOSS_SPIKE_TRIGGER:
-            self.spike_replayed = result
-        else:
-            self.replayed = result
-        if self.events.announce is not None:
-            print(result.line(), file=sys.stderr)
-        self._writer.submit(lambda w: w.add_replay(self.run_id, result.summary_row(), result.module_rows()))
 
     def _scaler_state(self, loss: torch.Tensor | float | None) -> tuple[float | torch.Tensor, DeviceReadback]:
         """The scale now (what the gradients were computed at) as the statistics take it, and a readback of
@@ -718,27 +688,13 @@ class Recorder:
     def shadow_rows(self, reference: Sequence[torch.Tensor | None], gradients: GradientRead) -> list[tuple]:
         """:meth:`compare_gradients`' rows for the gradients in ``.grad`` now, read as ``gradients`` (its step and
         unscaling), to be stored by :meth:`add_shadow_rows` once that step is recorded."""
-        if len(reference) != len(self._params):
-            raise ValueError(f"reference has {len(reference)} gradients; the model has {len(self._params)} trainable parameters")
-        rows, stats = [], []
-        for i, ((_, p), ref) in enumerate(zip(self._params, reference, strict=True)):
-            if p.grad is None or ref is None:
-                continue
-            g, r = p.grad.detach().double() / gradients.unscale_by, ref.detach().double()
-            ref_norm = torch.linalg.vector_norm(r)
-            stats.append(torch.stack([torch.linalg.vector_norm(g - r) / ref_norm,
-                                      (g * r).sum() / (torch.linalg.vector_norm(g) * ref_norm), ref_norm]))
-            rows.append(i)
-        if not rows:
-            return []
-        values = torch.stack(stats).tolist()
-        return [(gradients.step, i, *(v if math.isfinite(v) else None for v in vals))
-                for i, vals in zip(rows, values, strict=True)]
+        return self._shadow.rows(reference, gradients.step, gradients.unscale_by)
 
     @_never_ends_training
     def add_shadow_rows(self, rows: list[tuple]) -> None:
-        if rows:
-            self._writer.submit(lambda w: w.add_shadow_steps(self.run_id, rows))
+        """Store :meth:`shadow_rows`' rows (with the next flush)."""
+        with self._lock:  # the writer thread's timer flush drains them
+            self._shadow.add(rows)
 
     def _note_grad_dtypes(self, indices: Iterable[int]) -> None:
         """Complete the tensors table with each tensor's grad dtype, known once its first grad exists."""
@@ -787,15 +743,6 @@ class Recorder:
             through = self._rows_through if not self._unread_stats else \
                 min(self._rows_through, self._unread_stats[0].step - 1)
             self._keep(self._retention.decide(through))
-        while self._unread_fp8 and (wait or self._unread_fp8[0].ready()):
-            fp8 = self._unread_fp8.popleft().result()
-            self._fp8_rows[0].extend(fp8.records)
-            self._fp8_rows[1].extend(fp8.histograms)
-            self._fp8_rows[2].extend(fp8.blocks)
-            self._fp8_rows[3].extend(fp8.block_scales)
-        if self._updates is not None:
-            self._update_rows += [(step, i, *counts) for step, per_tensor in self._updates.take(wait)
-                                  for i, counts in enumerate(per_tensor)]
 
     def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
@@ -843,8 +790,8 @@ class Recorder:
 
     def _flush(self) -> None:
         self._read_arrived(wait=False)
-        steps, tensors, kept, updates = self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows
-        self._step_rows, self._tensor_batches, self._kept_rows, self._update_rows = [], [], [], []
+        steps, tensors, kept = self._step_rows, self._tensor_batches, self._kept_rows
+        self._step_rows, self._tensor_batches, self._kept_rows = [], [], []
         self._last_flush = time.monotonic()
         if steps or tensors:
             self._writer.submit(lambda w: w.write_batch(self.run_id, steps, TensorBatch.concat(tensors), kept))
@@ -854,12 +801,9 @@ class Recorder:
         ranks = self._dist.take_rank_rows(wait=self._closed)
         if ranks:
             self._writer.submit(lambda w: w.add_rank_steps(self.run_id, ranks))
-        if updates:
-            self._writer.submit(lambda w: w.add_update_steps(self.run_id, updates))
-        (fp8_records, fp8_histograms, fp8_blocks, fp8_scales), self._fp8_rows = self._fp8_rows, ([], [], [], [])
-        if fp8_records:
-            self._writer.submit(lambda w: w.add_fp8_steps(self.run_id, fp8_records, fp8_histograms, fp8_blocks,
-                                                          fp8_scales))
+        for feature in self._features:  # closed: the run ends, so every feature's rows are waited for
+            for job in feature.drain(wait=self._closed):
+                self._writer.submit(job)
 
     # -- end ------------------------------------------------------------------------------------------------
     @_never_ends_training
@@ -883,16 +827,15 @@ class Recorder:
             self._end_locked(status, error, note, known)
 
     def _unhook(self) -> None:
-        """Closed: the timer, the step and gradient hooks, the rank watch, the tracer and the FP8 capture removed."""
+        """Closed: the timer, the step and gradient hooks, the rank watch and the features' hooks removed."""
         self._closed = True
         self._stop_timer()
         for hook in self._hooks:
             hook.remove()
         self._step_grads.remove()
         self._dist.close()
-        for part in (self._tracer, self._fp8, self._replay):
-            if part is not None:
-                part.remove()
+        for feature in self._features:
+            feature.remove()
 
     def _end_locked(self, status: str, error: str | None, note: str | None, known: bool) -> None:
         if self._closed:

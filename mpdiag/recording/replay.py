@@ -4,9 +4,10 @@ a hook on every module.
 This module owns :class:`StepReplay`: what the Recorder keeps of every training forward so a step can be replayed
 (the kept references, the random state, the autocast state, the output's gradient), the rule that decides when a
 step is replayed (:meth:`StepReplay.triggered`), the replay itself and the rules naming its first offender
-(:class:`ReplayResult`), and how ``watch`` keeps its hooks out of the script's pickles and copies
-(:func:`reduce_ex_without_replay_hooks`). Must not write to the store (the Recorder hands the result to its writer)
-nor change the user's training in any way.
+(:class:`ReplayResult`), the Recorder feature behind ``replay`` (:class:`ReplayFeature`: asks at every ``record``,
+gives the replay up for the run when asking fails, hands each result to the writer), and how ``watch`` keeps its
+hooks out of the script's pickles and copies (:func:`reduce_ex_without_replay_hooks`). Must not write to the store
+itself (the Recorder submits its feature's writer jobs) nor change the user's training in any way.
 
 **What is kept, at every training forward** (a forward of the model's root module with gradients enabled; a
 forward under ``no_grad`` - an evaluation - keeps nothing and leaves the kept one alone): a *reference* to the
@@ -69,7 +70,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +80,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mpdiag.recording.events import LOSS_SPIKE, SpikeRule
+from mpdiag.recording.features import RecordedStep, RecorderFeature, WriterJob
 
 FORWARD, BACKWARD = "forward", "backward"
 INPUTS, LOSS = "(inputs)", "(loss)"
@@ -379,6 +383,52 @@ class StepReplay:
             if broken:  # the step's weights were already bad: an earlier optimizer step broke them
                 result.note = f"its weights already held inf/NaN before the step: {', '.join(broken[:5])}"
         result.reproduced = offender == (LOSS, BACKWARD) or any(row[3] or row[5] for row in forward + backward)
+
+
+class ReplayFeature(RecorderFeature):
+    """``replay``: at every ``record`` until both replays ran, whether the step is replayed, and the replay before its
+    optimizer step (the weights are still those it used); ``on_result`` is told each result, the writer gets it at
+    the next flush (``Store.replays``). Off for the rest of the run once asking failed (said on stderr): the replay
+    never ends the training."""
+
+    def __init__(self, model: torch.nn.Module, run_id: int, on_result: Callable[[ReplayResult], None]):
+        self._replay: StepReplay | None = StepReplay(model)
+        self._run_id, self._on_result = run_id, on_result
+        self._results: list[ReplayResult] = []
+
+    def at_record(self, step: RecordedStep) -> None:
+        if self._replay is None:
+            return
+        try:
+            trigger = self._replay.triggered(step.step, step.loss, step.norm, scaled=step.scaled)
+        except Exception as exc:  # noqa: BLE001 - the replay never ends the training: it is given up instead
+            print(f"mpdiag: the replay is off for this run: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self.remove()
+            return
+        if trigger is None:  # what was kept of this step becomes the previous step's
+            self._replay.forget()
+            return
+        # a gradient overflow is replayed at the step's loss scale, as its backward ran
+        scale = step.scale if step.scaled and trigger == NONFINITE_GRADIENTS else 1.0
+        result = self._replay.replay(step.step, trigger, scale=float(scale))
+        if not self._replay.armed:  # both replays done, or the loss scale's overflows tried enough
+            self._replay = None
+        if result is not None:  # None: the loss scale's overflow, nothing to store
+            self._results.append(result)
+            self._on_result(result)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._replay is not None:
+            self._replay.stepped = True
+
+    def drain(self, wait: bool) -> list[WriterJob]:
+        results, self._results = self._results, []
+        return [lambda w, r=r: w.add_replay(self._run_id, r.summary_row(), r.module_rows()) for r in results]
+
+    def remove(self) -> None:
+        if self._replay is not None:
+            self._replay.remove()
+            self._replay = None
 
 
 #: a module's forward-hook tables (and their companions keyed by the same handle ids, which are unique per process)

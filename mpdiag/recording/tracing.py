@@ -5,6 +5,9 @@ those outputs takes the absmax of the gradient flowing back into them (scaled by
 pass). Each is one fused ``aminmax`` kept on the device as a 0-dim tensor, in call order; the Recorder copies
 a step's values to the host once, at ``record``. A module called several times in a step keeps the first
 call's order and the largest magnitude.
+
+Owns those hooks and the rows they make (:class:`ModuleTracer`) and the Recorder feature that takes a step's rows
+at ``record`` and hands them, with the traced modules' names first, to the writer (:class:`ModuleTraceFeature`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 import torch
 
 from mpdiag.numerics.nested import map_tensors
+from mpdiag.recording.features import RecordedStep, RecorderFeature, WriterJob
 
 
 def _absmax(t: torch.Tensor) -> torch.Tensor:
@@ -69,3 +73,24 @@ class ModuleTracer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+class ModuleTraceFeature(RecorderFeature):
+    """``trace_modules``: the module rows of every step (``Store.module_steps``), taken at ``record`` (one host copy)
+    and handed over at each flush, after the traced modules' names (``Store.modules``) at the first one."""
+
+    def __init__(self, model: torch.nn.Module, run_id: int):
+        self._tracer, self._run_id = ModuleTracer(model), run_id
+        self._modules = [(i, name, type(m).__name__) for i, (name, m) in enumerate(self._tracer.modules)]
+        self._rows: list[tuple] = []
+
+    def at_record(self, step: RecordedStep) -> None:
+        self._rows += self._tracer.take(step.step)
+
+    def drain(self, wait: bool) -> list[WriterJob]:
+        modules, rows, self._modules, self._rows = self._modules, self._rows, None, []
+        jobs = [] if modules is None else [lambda w: w.add_modules(self._run_id, modules)]
+        return jobs + ([lambda w: w.add_module_steps(self._run_id, rows)] if rows else [])
+
+    def remove(self) -> None:
+        self._tracer.remove()
