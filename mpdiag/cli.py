@@ -119,12 +119,30 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="check a model script in a supervised child process, without training")
     check.add_argument("script")
     _add_option(check, "device")
+    _diagnose_parser(sub)
+    _plan_parser(sub)
+    _runs_parser(sub)
+    rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
+    rerun.add_argument("run_id", type=int)
+    _run_options(rerun, inherit=True)
+    _watch_parser(sub)
+    _export_parser(sub)
+    dashboard = sub.add_parser("dashboard", help="start the dashboard (the Streamlit app) on this machine")
+    dashboard.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501)")
+    _store_arg(dashboard)
+    return parser
+
+
+def _diagnose_parser(sub) -> None:
     diagnose = sub.add_parser("diagnose", help="findings: what is wrong with a run, where, and what to change")
     diagnose.add_argument("run_id", type=int)
     diagnose.add_argument("--json", action="store_true", help="print the findings as JSON")
     diagnose.add_argument("--no-probe", action="store_true",
                           help="skip the scale-linearity probe (it reruns one batch of the stored script in a child)")
     _store_arg(diagnose)
+
+
+def _plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="a precision plan: the cheapest precision for each Linear, the run and the "
                           "optimizer state that a run recorded with --fp8 allows, with evidence and savings")
     plan.add_argument("run_id", type=int)
@@ -135,10 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                       f"and rerun while the loss does not track FP32 (at most {MAX_ROUNDS} rounds); each round's "
                       "predicted against measured")
     _store_arg(plan)
-    _runs_parser(sub)
-    rerun = sub.add_parser("rerun", help="run a stored run's script again, overriding any option")
-    rerun.add_argument("run_id", type=int)
-    _run_options(rerun, inherit=True)
+
+
+def _watch_parser(sub) -> None:
     watch = sub.add_parser("watch", help="run an unmodified training script (python SCRIPT ARGS...) and record it",
                            usage="%(prog)s [options] (SCRIPT | -m MODULE) [ARGS...]")
     watch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE would")
@@ -147,16 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(watch)
     watch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
                        help="the script and its arguments: everything after SCRIPT belongs to the script")
+
+
+def _export_parser(sub) -> None:
     export = sub.add_parser("export", help="write a run's records as Parquet and CSV")
     export.add_argument("run_id", type=int)
     export.add_argument("--out", required=True, help="output directory: new or empty (see --force)")
     export.add_argument("--force", action="store_true", help="write into a directory that is not empty, replacing "
                         "files of the same names")
     _store_arg(export)
-    dashboard = sub.add_parser("dashboard", help="start the dashboard (the Streamlit app) on this machine")
-    dashboard.add_argument("--port", type=int, default=8501, help="port on 127.0.0.1 (default 8501)")
-    _store_arg(dashboard)
-    return parser
 
 
 def _runs_parser(sub) -> None:
