@@ -197,7 +197,7 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.45)),  # the clicked column stands out
             # a column may sum several kept steps (summaries.heatmap_cells): the tooltip says which and how many
             tooltip=[alt.Tooltip("steps:N", title="column"), alt.Tooltip("log2_lo:Q", title="log2 lower edge"),
-                     alt.Tooltip("count:Q", format=",d", title="values (exact, over the column's steps)")],
+                     alt.Tooltip("count:Q", format=",d", title="values (exact)")],
         )
     )
     return alt.layer(heat, *([_limit_rules(lines)] if len(lines) else [])).resolve_scale(color="independent").properties(title=title, height=360).properties(autosize=_FIT_WIDTH)

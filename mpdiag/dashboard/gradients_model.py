@@ -22,6 +22,10 @@ CATEGORIES = ("underflow", "subnormal", "overflow")
 GRID_FIRST = 12
 #: the table's count columns (thousands separated); the others are text
 COUNT_COLUMNS = ("numel", "nonfinite")
+#: how many stored columns the heatmap reads per column it draws, at most: the rollup levels are 16x apart, so
+#: reading the finest level within 16x its width (heatmap_cells merges them) draws it at its full width; rollup
+#: rows lie together in the file, and exact rows are read only for runs of up to 16x its width in kept steps
+READ_PER_DRAWN_COLUMN = 16
 
 
 @dataclass(frozen=True)
@@ -172,12 +176,13 @@ class GradientsRun:
                           summaries.blank_steps_text(blank, len(self.logged)) if len(blank) else None, None, kept)
 
     def _columns(self, tensor: str, at_scale: bool) -> tuple[pd.DataFrame, np.ndarray]:
-        """The tensor's histograms in as many step columns as its heatmap draws (summaries.heatmap_width), each
-        of one loss scale in the S·g view."""
+        """The tensor's histograms in at most READ_PER_DRAWN_COLUMN times as many step columns as its heatmap draws
+        (summaries.heatmap_width), each of one loss scale in the S·g view."""
         names, totals = reads.histogram_totals(self.store, self.run_id, self.final)
         width = summaries.heatmap_width(totals[names.index(tensor)] if tensor in names else np.zeros(1))
         split_at = summaries.scale_changes(self.steps) if at_scale else ()
-        return reads.tensor_columns(self.store, self.run_id, tensor, width, split_at, self.final)
+        return reads.tensor_columns(self.store, self.run_id, tensor, READ_PER_DRAWN_COLUMN * width, split_at,
+                                    self.final)
 
     def at_step(self, ranking: Ranking, shown: TensorView, step: int) -> StepView:
         """The tensor at one logged step: the histogram in the shown view, and the exact shares of S·g at the step's

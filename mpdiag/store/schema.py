@@ -522,7 +522,7 @@ def _sum_histograms_into_totals(conn: sqlite3.Connection, chunk: int = 50_000) -
                      [(run_id, tensor_id, encode_hist(hist)) for (run_id, tensor_id), hist in sums.items()])
 
 
-def _build_histogram_rollups(conn: sqlite3.Connection, chunk_steps: int = 64) -> None:
+def _build_histogram_rollups(conn: sqlite3.Connection, chunk_steps: int = 256) -> None:
     """Migration to version 15: hist_rollups for the runs recorded before, summed from their tensor_steps rows
     as the writer sums a batch (:func:`add_histogram_rollups`), ``chunk_steps`` steps of a run at a time, so a
     store of millions of rows is never held in memory at once."""
@@ -545,33 +545,36 @@ def add_histogram_rollups(conn: sqlite3.Connection, run_id: int, steps: np.ndarr
     calls it with every batch, the migration to version 15 with the stored rows."""
     if not len(steps):
         return
+    steps, tensor_ids = np.asarray(steps, dtype=np.int64), np.asarray(tensor_ids, dtype=np.int64)
     empty = (hists.sum(axis=1) == 0).astype(np.int64)
+    occupied = np.flatnonzero(hists.any(axis=0))  # the bins any row uses: a few dozen of N_EXP_BINS
+    lo, hi = (occupied[0], occupied[-1] + 1) if len(occupied) else (0, 0)
     for size in ROLLUP_BUCKET_STEPS:
-        keys, at = np.unique(np.stack([tensor_ids, steps // size], axis=1), axis=0, return_inverse=True)
-        at = at.reshape(-1)
-        sums = np.zeros((len(keys), hists.shape[1]), dtype=np.int64)
-        np.add.at(sums, at, hists)
-        first = np.full(len(keys), np.iinfo(np.int64).max)
-        np.minimum.at(first, at, steps)
-        last = np.full(len(keys), -1, dtype=np.int64)
-        np.maximum.at(last, at, steps)
-        kept, empties = np.bincount(at, minlength=len(keys)), np.bincount(at, empty, minlength=len(keys)).astype(np.int64)
+        # rows sorted by (tensor, bucket), each group summed as one segment (np.add.at is slow on 2-D rows)
+        order = np.lexsort((steps, steps // size, tensor_ids))
+        tensor, bucket, step = tensor_ids[order], steps[order] // size, steps[order]
+        starts = np.flatnonzero(np.r_[True, (np.diff(tensor) != 0) | (np.diff(bucket) != 0)])
+        sums = np.zeros((len(starts), hists.shape[1]), dtype=np.int64)
+        if hi > lo:
+            sums[:, lo:hi] = np.add.reduceat(hists[order, lo:hi], starts, axis=0)
+        first, last = step[starts], step[np.r_[starts[1:], len(step)] - 1]
+        kept, empties = np.diff(np.r_[starts, len(step)]), np.add.reduceat(empty[order], starts)
+        tensor, bucket = tensor[starts], bucket[starts]
         held = {(t, b): rest for t, b, *rest in conn.execute(
             "SELECT tensor_id, bucket, first_step, last_step, steps_kept, empty_steps, hist FROM hist_rollups "
             "WHERE run_id = ? AND bucket_steps = ? AND bucket BETWEEN ? AND ?",
-            (int(run_id), size, int(keys[:, 1].min()), int(keys[:, 1].max())))}
-        seen = [k for k, key in enumerate(map(tuple, keys.tolist())) if key in held]
+            (int(run_id), size, int(bucket.min()), int(bucket.max())))}
+        seen = [k for k, key in enumerate(zip(tensor.tolist(), bucket.tolist(), strict=True)) if key in held]
         if seen:
-            before = [held[tuple(keys[k].tolist())] for k in seen]
+            before = [held[int(tensor[k]), int(bucket[k])] for k in seen]
             first[seen] = np.minimum(first[seen], [b[0] for b in before])
             last[seen] = np.maximum(last[seen], [b[1] for b in before])
             kept[seen] += [b[2] for b in before]
             empties[seen] += [b[3] for b in before]
             sums[seen] += decode_hists([b[4] for b in before])
         conn.executemany("INSERT OR REPLACE INTO hist_rollups VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         zip(itertools.repeat(int(run_id)), keys[:, 0].tolist(), itertools.repeat(size),
-                             keys[:, 1].tolist(), first.tolist(), last.tolist(), kept.tolist(), empties.tolist(),
-                             encode_hists(sums)))
+                         zip(itertools.repeat(int(run_id)), tensor.tolist(), itertools.repeat(size), bucket.tolist(),
+                             first.tolist(), last.tolist(), kept.tolist(), empties.tolist(), encode_hists(sums)))
 
 
 # The formats whose counts schema versions 1 and 2 kept as columns named {fmt}_{kind}.

@@ -372,7 +372,7 @@ def _long_run(path) -> tuple[int, dict]:
         for start in range(0, steps, 500):
             block = np.arange(start, start + 500)
             hist = np.zeros((500, N_EXP_BINS), dtype=np.int64)
-            hist[:, 110:118] = rng.integers(0, 8, (500, 8))
+            hist[:, 100:180] = rng.integers(0, 8, (500, 80))  # 80 bins: the heatmap draws 250 columns
             hist[block == 2_500] = 0
             specials = np.zeros((500, 4), dtype=np.int64)
             specials[block == 2_500, 0] = 64
@@ -400,7 +400,7 @@ def test_a_long_runs_heatmap_reads_bucket_sums_that_are_exact_and_says_what_each
     for at_scale in (False, True):
         shown = model.tensor(model.ranking("fp16", at_scale), "w", show_bf16=False)
         cells = shown.cells
-        assert len(shown.index) < 6_000 and cells["count"].sum() == sum(h.sum() for h in exact.values())
+        assert len(shown.index) < 4_000 and cells["count"].sum() == sum(h.sum() for h in exact.values())
         for (start, end, kept, said), group in cells.groupby(["step_start", "step_end", "steps_kept", "steps"]):
             covered = [s for s in range(start, end) if s in exact]
             assert kept == len(covered)
@@ -412,6 +412,6 @@ def test_a_long_runs_heatmap_reads_bucket_sums_that_are_exact_and_says_what_each
             assert dict(zip(group["log2_lo"] - shift - EXP_MIN, group["count"], strict=True)) == {
                 b: summed[b] for b in np.flatnonzero(summed)}
         assert "the gradient was all zero at step 2,500" in shown.blank
-    spec = charts.exponent_heatmap(cells, summaries.format_lines(), (0, 6_000)).to_dict()
+    spec = charts.exponent_heatmap(cells.head(50), summaries.format_lines(), (0, 6_000)).to_dict()
     tooltips = [t.get("title") for t in spec["layer"][0]["encoding"]["tooltip"]]
     assert tooltips[0] == "column" and spec["layer"][0]["encoding"]["tooltip"][0]["field"] == "steps"
