@@ -4,8 +4,7 @@ A run that is ``final`` (finished, failed, crashed) can no longer change, so its
 ``st.cache_data`` under the store's path and file identity (a replaced store file is not served from the cache):
 each read is written once, for the store, and :func:`cached_when_final` gives it its cache. Reads of a live run go
 to the store each time; the steps read only the rows added since the session's previous call, and a tensor's
-histograms over steps are read as at most a chart's width of columns (the writer's bucket sums), so neither grows
-with the run. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
+histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
 no widgets.
 """
 
@@ -144,12 +143,37 @@ def tensors_at_step(store: Store, run_id: int, step: int) -> pd.DataFrame:
     return store.tensor_stats(run_id, step=int(step))
 
 
-@cached_when_final()
+def _live_tensor_columns(store: Store, run_id: int, tensor: str, max_columns: int,
+                         split_at: tuple[int, ...]) -> tuple[pd.DataFrame, np.ndarray]:
+    """A live run's columns: those this session read before up to its last bucket, and the store's from there on
+    (that bucket may have grown); all of them again when the run has grown past the level read before."""
+    # not keyed by max_columns (it moves as the run's bins fill): a level that no longer fits is read again below
+    key = f"columns:{store.path}:{run_id}:{tensor}:{hash(split_at)}"
+    before = st.session_state.get(key)
+    if before is None or not len(before[0]):
+        st.session_state[key] = store.histogram_columns(run_id, tensor, max_columns, split_at)
+        return st.session_state[key]
+    index, counts = before
+    level, last = index.attrs["bucket_steps"], int(index["step"].iloc[-1])
+    start = last + 1 if level == 1 else last // level * level  # an exact row never changes; a bucket may grow
+    new_index, new_counts = store.histogram_columns(run_id, tensor, max_columns, split_at, from_step=start)
+    if new_index.attrs["bucket_steps"] != level:
+        new_index, new_counts = store.histogram_columns(run_id, tensor, max_columns, split_at)
+    else:
+        held = (index["step"] < start).to_numpy()
+        new_index, new_counts = (pd.concat([index[held], new_index], ignore_index=True),
+                                 np.concatenate([counts[held], new_counts]))
+        new_index.attrs["bucket_steps"] = level
+    st.session_state[key] = (new_index, new_counts)
+    return new_index, new_counts
+
+
+@cached_when_final(live=_live_tensor_columns)
 def tensor_columns(store: Store, run_id: int, tensor: str, max_columns: int,
                    split_at: tuple[int, ...]) -> tuple[pd.DataFrame, np.ndarray]:
     """(index, counts) of one tensor's histograms in at most about ``max_columns`` step columns
-    (Store.histogram_columns: exact rows or the writer's bucket sums); a live run's are read again each time, at a
-    cost that does not grow with its steps."""
+    (Store.histogram_columns: exact rows or the writer's bucket sums); for a live run, only its last bucket and
+    the ones after it are read again."""
     return store.histogram_columns(run_id, tensor, max_columns, split_at)
 
 

@@ -83,7 +83,7 @@ def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> t
 
 #: the fields of a heatmap column as :class:`_ColumnReader` reads them, exact row or bucket sum alike
 _COLUMN_FIELDS = ("step", "last_step", "steps_kept", "empty_steps", *SPECIAL_COUNT_COLUMNS, "hist")
-_EVERY_STEP = (-(2**62), 2**62)
+_LAST_STEP = 2**62
 
 
 class _ColumnReader:
@@ -92,20 +92,21 @@ class _ColumnReader:
     def __init__(self, conn: sqlite3.Connection, run_id: int, tensor_id: int):
         self.conn, self.run_id, self.tensor_id = conn, run_id, tensor_id
 
-    def read(self, kept_steps: int, max_columns: int, split_at: np.ndarray) -> list[tuple]:
+    def read(self, kept_steps: int, max_columns: int, split_at: np.ndarray, from_step: int) -> tuple[list[tuple], int]:
+        """(the columns from bucket ``from_step`` // level on, in _COLUMN_FIELDS; the level chosen)."""
         buckets = dict(self.conn.execute(
             "SELECT bucket_steps, COUNT(*) FROM hist_rollups WHERE run_id = ? AND tensor_id = ? GROUP BY "
             "bucket_steps", (self.run_id, self.tensor_id)).fetchall())
         levels = [1, *ROLLUP_BUCKET_STEPS]
         counts = [kept_steps, *(buckets.get(size, kept_steps) for size in ROLLUP_BUCKET_STEPS)]
         chosen = next((k for k, n in enumerate(counts) if n <= max_columns), len(levels) - 1)
-        done, pending = [], self.rows(levels[chosen], *_EVERY_STEP)
+        done, pending = [], self.rows(levels[chosen], from_step, _LAST_STEP)
         for finer in reversed(levels[:chosen]):
             split = [_needs_split(row, split_at) for row in pending]
             done += [row for row, s in zip(pending, split, strict=True) if not s]
             pending = [fine for row, s in zip(pending, split, strict=True) if s
                        for fine in self.rows(finer, row[0], row[1])]
-        return done + pending
+        return done + pending, levels[chosen]
 
     def rows(self, size: int, first: int, last: int) -> list[tuple]:
         """The columns of level ``size`` (1: the exact rows) from step ``first`` to ``last``, in _COLUMN_FIELDS."""
@@ -415,8 +416,8 @@ class Store:
         df = self._tensor_steps("src.hist", run_id, tensor, since_step if step is None else step - 1, until_step=step)
         return df, decode_hists(df.pop("hist").tolist())
 
-    def histogram_columns(self, run_id: int, tensor: str, max_columns: int,
-                          split_at: Sequence[int] = ()) -> tuple[pd.DataFrame, np.ndarray]:
+    def histogram_columns(self, run_id: int, tensor: str, max_columns: int, split_at: Sequence[int] = (),
+                          from_step: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
         """One tensor's histograms over its kept steps in at most about ``max_columns`` columns, for a heatmap:
         (index, counts) in step order, counts[i] the sum of column i's exponent histograms (bin EXP_MIN + b).
 
@@ -426,21 +427,24 @@ class Store:
         with no finite non-zero value in it (so the heatmap's blank columns stay exact steps), or a step of
         ``split_at`` inside it (first_step < s <= last_step: e.g. where the loss scale changed, so each column
         has one scale). Index columns: step (the column's first kept step), last_step, steps_kept (how many kept
-        steps it sums), and for exact rows zeros, nan, posinf, neginf (NaN for a sum). Each count is exact: a
-        sum over whole kept steps, never an estimate."""
+        steps it sums), and for exact rows zeros, nan, posinf, neginf (NaN for a sum); ``index.attrs
+        ["bucket_steps"]``: the level read (1: the exact rows). Each count is exact: a sum over whole kept steps,
+        never an estimate. ``from_step``, a multiple of the level read before: only the columns of the buckets
+        from there on (a live page re-reads its last bucket, which may have grown, and the new ones)."""
         try:
             with closing(self._connect()) as conn:
                 found = conn.execute("SELECT t.tensor_id, COALESCE(s.logged_steps, 0) FROM tensors t LEFT JOIN "
                                      "tensor_totals s ON s.run_id = t.run_id AND s.tensor_id = t.tensor_id WHERE "
                                      "t.run_id = ? AND t.name = ?", (int(run_id), tensor)).fetchone()
-                rows = [] if found is None else _ColumnReader(conn, int(run_id), found[0]).read(
-                    found[1], int(max_columns), np.sort(np.asarray(split_at, dtype=np.int64)))
+                rows, level = ([], 1) if found is None else _ColumnReader(conn, int(run_id), found[0]).read(
+                    found[1], int(max_columns), np.sort(np.asarray(split_at, dtype=np.int64)), int(from_step))
         except _READ_ERRORS as exc:
             raise read_error(self.path, exc.__cause__ or exc) from exc
         rows.sort(key=lambda row: row[0])
         index = pd.DataFrame([row[:-1] for row in rows], columns=list(_COLUMN_FIELDS[:-1]))
-        index = index.drop(columns="empty_steps").astype({c: float for c in SPECIAL_COUNT_COLUMNS})
-        return index.assign(tensor=tensor), decode_hists([row[-1] for row in rows])
+        index = index.drop(columns="empty_steps").astype({c: float for c in SPECIAL_COUNT_COLUMNS}).assign(tensor=tensor)
+        index.attrs["bucket_steps"] = level
+        return index, decode_hists([row[-1] for row in rows])
 
     def histogram_totals(self, run_id: int) -> tuple[list[str], np.ndarray]:
         """(tensor names, counts): counts[i, b] is tensor i's exponent bin EXP_MIN + b summed over every logged

@@ -254,3 +254,29 @@ def test_histogram_columns_of_an_unknown_tensor_are_empty(tmp_path):
     index, counts = Store(path).histogram_columns(run_id, "no such tensor", 100)
     assert index.empty and counts.shape == (0, N_EXP_BINS)
     assert isinstance(index, pd.DataFrame)
+
+
+def test_columns_read_from_the_last_bucket_on_complete_what_was_held_as_a_fresh_read_would(tmp_path):
+    """A live page holds the columns it read and, as the run grows, reads again only from its last bucket (which
+    may have grown) on: held columns before that bucket plus the new read are the fresh read, at every level."""
+    path, rng = tmp_path / "live.db", np.random.default_rng(5)
+    with StoreWriter(path) as writer:
+        run_id = _new_run(writer, 1)
+        held = None
+        for start in range(0, 2_000, 130):
+            _write(writer, run_id, rng, list(range(start, start + 130)), 1)
+            store = Store(path)
+            for max_columns in (5_000, 100, 3):
+                fresh_index, fresh_counts = store.histogram_columns(run_id, "t0", max_columns)
+                level = fresh_index.attrs["bucket_steps"]
+                if held is not None and held[0].attrs["bucket_steps"] == level and max_columns == held[2]:
+                    index, counts = held[:2]
+                    last = int(index["step"].iloc[-1])
+                    start_at = last + 1 if level == 1 else last // level * level
+                    new_index, new_counts = store.histogram_columns(run_id, "t0", max_columns, from_step=start_at)
+                    keep = (index["step"] < start_at).to_numpy()
+                    merged = pd.concat([index[keep], new_index], ignore_index=True)
+                    pd.testing.assert_frame_equal(merged, fresh_index)
+                    assert (np.concatenate([counts[keep], new_counts]) == fresh_counts).all()
+                if max_columns == 100:
+                    held = (fresh_index, fresh_counts, max_columns)
