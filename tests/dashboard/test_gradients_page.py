@@ -376,7 +376,7 @@ def _long_run(path) -> tuple[int, dict]:
             hist[block == 2_500] = 0
             specials = np.zeros((500, 4), dtype=np.int64)
             specials[block == 2_500, 0] = 64
-            exact.update(zip(block.tolist(), hist))
+            exact.update(zip(block.tolist(), hist, strict=True))
             formats = len(LOW_PRECISION)
             batch = TensorBatch(block, np.zeros(500, dtype=np.int64), hist, specials, np.ones(500), np.ones(500),
                                 np.ones(500), np.zeros((500, formats, 6), dtype=np.int64), np.ones((500, formats), bool))
