@@ -10,9 +10,10 @@ bias, a spread of 2^-20..2^-6 between tensors), binned by exponent as mpdiag bin
 bins (underflow below the format's smallest subnormal exponent, subnormal below its smallest normal, overflow
 above its largest), unscaled and at the loss scale 2^16. A 200-step run of the same tensors is added for Compare.
 
-It reports the store's bytes per (step, tensor) (the file once the writer closed it) and each page's cold time
-under AppTest (streamlit's caches cleared, one fresh AppTest per page, bench/dashboard.py's timing), and writes
-JSON. The issue's targets, reported beside the numbers, not asserted: 100k x 500 in <= 2 GB, every page < 1 s.
+It reports the store's bytes per (step, tensor) (the file once the writer closed it), each page's cold time
+under AppTest (streamlit's caches cleared, one fresh AppTest per page, bench/dashboard.py's timing) and, with the
+big run made live, each self-refreshing page's rerun time (its live refresh), and writes JSON. The issue's
+targets, reported beside the numbers, not asserted: 100k x 500 in <= 2 GB, every page < 1 s, a refresh < 100 ms.
 
     python bench/store_scale.py [--sizes 10000x100 40000x200] [--out FILE.json]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 import tempfile
 import time
@@ -41,7 +43,10 @@ DRAWS = 16  # distinct histograms per tensor that the steps pick from
 LOSS_SCALE_LOG2 = 16
 #: every page, Plan beside bench/dashboard.py's
 SCALE_PAGES = {**PAGES, "Plan": ("pages/8_Plan.py", {"run": "big"})}
-TARGET_BYTES_100K_500, TARGET_PAGE_S = 2 * 10**9, 1.0
+TARGET_BYTES_100K_500, TARGET_PAGE_S, TARGET_LIVE_S = 2 * 10**9, 1.0, 0.1
+#: the pages that refresh themselves while a run goes (frame.live), timed on the big run made live
+LIVE_PAGES = ("Runs (home)", "Gradients", "Loss scale", "Compare", "Findings", "FP8", "Modules")
+LIVE_RERUNS = 5
 
 
 def _lost(hist: np.ndarray, exps: np.ndarray, fmt) -> tuple[int, int, int]:
@@ -120,16 +125,33 @@ def measure(steps: int, tensors: int, batch: int, folder: Path) -> dict:
     big_size_estimate = size * steps / (steps + 200)  # the short run's share taken out, by its rows
     ids = {"big": str(big), "short": str(short)}
     apptest_page(path, "app.py", {})  # the first AppTest pays streamlit's own imports: not a page's cost
-    pages = {}
-    for name, (page, query) in SCALE_PAGES.items():
-        resolved = {k: [ids[v] for v in vs] if isinstance(vs, list) else ids[vs] for k, vs in query.items()}
-        pages[name] = apptest_page(path, page, resolved)
+    pages = {name: apptest_page(path, page, _resolved(query, ids)) for name, (page, query) in SCALE_PAGES.items()}
+    live = live_refresh(path, big, ids)
     for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):  # the readers' -shm stays beside it
         leftover.unlink(missing_ok=True)
     return {"steps": steps, "tensors": tensors, "store_bytes": size,
             "bytes_per_step_tensor": big_size_estimate / (steps * tensors),
             "build_seconds": build_seconds, "build_rows_per_s": steps * tensors / build_seconds,
-            "apptest_page_seconds": pages}
+            "apptest_page_seconds": pages, "live_rerun_seconds": live}
+
+
+def _resolved(query: dict, ids: dict) -> dict:
+    return {k: [ids[v] for v in vs] if isinstance(vs, list) else ids[vs] for k, vs in query.items()}
+
+
+def live_refresh(path: Path, run_id: int, ids: dict) -> dict:
+    """The big run made live (running, owned by this process, so no page reads it as crashed or caches it):
+    per page that refreshes while a run goes, the median of LIVE_RERUNS reruns in one session after its first
+    run, as its st.fragment(run_every=...) reruns it. AppTest reruns the whole page script, so each is an upper
+    bound of the refresh itself (the fragment is the page's view: frame.single_run_page, Compare's compare_view;
+    Runs: the runs panel)."""
+    with StoreWriter(path) as writer:
+        writer.update_run(run_id, status="running", finished_at=None, heartbeat_at=time.time())
+        writer.hand_run_to(run_id, os.getpid())
+    with sqlite3.connect(path) as conn:  # a run that goes has no stored summary yet: readers sum its steps
+        conn.execute("UPDATE runs SET summary = NULL WHERE run_id = ?", (run_id,))
+    return {name: float(np.median(apptest_page(path, page, _resolved(query, ids), reruns=LIVE_RERUNS)[1]))
+            for name, (page, query) in SCALE_PAGES.items() if name in LIVE_PAGES}
 
 
 def main() -> None:
@@ -151,7 +173,10 @@ def main() -> None:
               f"{result['bytes_per_step_tensor'] * 100_000 * 500 / 1e9:.1f} GB (target <= "
               f"{TARGET_BYTES_100K_500 / 1e9:.0f} GB); built at {result['build_rows_per_s']:,.0f} rows/s")
         for name, seconds in result["apptest_page_seconds"].items():
-            print(f"  {name:<14}{seconds * 1e3:>9.0f} ms cold{'   (over the 1 s target)' if seconds >= TARGET_PAGE_S else ''}")
+            live = result["live_rerun_seconds"].get(name)
+            print(f"  {name:<14}{seconds * 1e3:>9.0f} ms cold{'   (over the 1 s target)' if seconds >= TARGET_PAGE_S else ''}"
+                  + ("" if live is None else f"\n  {'':<14}{live * 1e3:>9.0f} ms live rerun"
+                     + ("   (over the 100 ms target)" if live >= TARGET_LIVE_S else "")))
     write_result({"sizes": results, "loss_scale_log2": LOSS_SCALE_LOG2, "draws_per_tensor": DRAWS}, args.out)
 
 

@@ -376,7 +376,8 @@ def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | No
     with different numbers of logged steps compare.
 
     ``records``: per run label, (Store.tensor_totals, Store.tensor_stats of every tensor at ``step`` (None when
-    summing), and the tensor's Store.histogram_matrix over every logged step: index and counts).
+    summing), and the tensor's histogram rows as index and counts: Store.histogram_matrix's rows of the tensor,
+    over every logged step or, enough, its row at ``step`` or its Store.histogram_totals row when summing).
 
     Returns (bins, runs). ``bins``, tidy, one row per drawn run and exponent e: run, log2 (e: the bin holds
     2^e <= |g| < 2^(e+1)), count (exact), share (count / the run's finite non-zero values); every run spans the

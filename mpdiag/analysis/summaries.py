@@ -312,18 +312,51 @@ def tensor_summary_line(chosen: pd.Series, fmt: str) -> str:
             f"overflow {chosen['overflow_share']:.2%} of its finite non-zero values over all logged steps.")
 
 
+def heatmap_width(total: np.ndarray, max_marks: int = MAX_MARKS) -> int:
+    """How many step columns the gradient heatmap of a tensor draws at most: ``max_marks`` over the exponent bins
+    its histograms occupy (``total``: their sum, Store.histogram_totals' row), so its cells stay within the budget."""
+    return max(1, max_marks // max(1, int((np.asarray(total) > 0).sum())))
+
+
+def scale_changes(steps: pd.DataFrame) -> tuple[int, ...]:
+    """The steps a column of the S·g heatmap must not span with the step before (Store.histogram_columns'
+    ``split_at``): where the loss scale differs from the previous step's (no scale reads 1, as heatmap_cells
+    takes it), and each step whose scale has no finite log2 (0, inf) and the step after it, so such a step is a
+    column of its own (heatmap_cells leaves it out; blank_steps names it). ``steps``: Store.steps."""
+    if not len(steps):
+        return ()
+    scale = steps["loss_scale"].astype(float).fillna(1.0).to_numpy()
+    step = steps["step"].to_numpy(dtype=np.int64)
+    changed = step[1:][scale[1:] != scale[:-1]]
+    bad = step[~np.isfinite(scale) | (scale <= 0)]
+    return tuple(np.unique(np.concatenate([changed, bad, bad + 1])).tolist())
+
+
+def _columns_said(first: np.ndarray, last: np.ndarray, kept: np.ndarray) -> list[str]:
+    """What each heatmap column holds, for its tooltip: one step, or a sum over steps a-b (how many kept), so a
+    sum is never read as one step."""
+    return [f"step {a:,}" if n == 1 else f"steps {a:,}–{b:,}, {n:,} steps kept (counts summed)"
+            for a, b, n in zip(first.tolist(), last.tolist(), kept.tolist(), strict=True)]
+
+
 def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame | None = None,
                   at_scale: bool = False, max_marks: int = MAX_MARKS) -> pd.DataFrame:
     """Long frame of non-empty (step bucket, exponent bin) cells for one tensor's histograms over steps.
 
-    ``index``/``counts`` come from ``Store.histogram_matrix`` for one tensor. Steps are grouped into equal
-    buckets so that at most ``max_marks`` cells reach the browser. With ``at_scale`` each bin is moved by
-    log2 of that step's loss scale (``steps`` gives it), showing S*g as it was in the backward pass.
-    Columns: step_start, step_end, log2_lo, log2_hi, count.
+    ``index``/``counts``: one tensor's columns in step order, as ``Store.histogram_columns`` gives them (each row
+    the sum of the kept steps from ``step`` to ``last_step``, ``steps_kept`` of them) or exact rows as
+    ``Store.histogram_matrix`` gives them (one step each). Rows are grouped into equal buckets so that at most
+    ``max_marks`` cells reach the browser. With ``at_scale`` each bin is moved by log2 of the loss scale at the
+    row's first step (``steps`` gives it; a summed row holds one scale: Store.histogram_columns' ``split_at``),
+    showing S*g as it was in the backward pass. Columns: step_start, step_end (its last kept step + 1),
+    steps_kept, steps (the tooltip's words: the step, or "steps a–b, n steps kept"), log2_lo, log2_hi, count.
     """
+    columns = ["step_start", "step_end", "steps_kept", "steps", "log2_lo", "log2_hi", "count"]
     if len(index) == 0:
-        return pd.DataFrame(columns=["step_start", "step_end", "log2_lo", "log2_hi", "count"])
+        return pd.DataFrame(columns=columns)
     step_values = index["step"].to_numpy()
+    last = index["last_step"].to_numpy() if "last_step" in index else step_values
+    kept = index["steps_kept"].to_numpy() if "steps_kept" in index else np.ones(len(index), dtype=np.int64)
     shift = np.zeros(len(index))
     if at_scale and steps is not None:
         scale = steps.set_index("step")["loss_scale"].reindex(step_values).fillna(1.0).to_numpy()
@@ -331,21 +364,23 @@ def heatmap_cells(index: pd.DataFrame, counts: np.ndarray, steps: pd.DataFrame |
             shift = np.log2(scale)
         # at a scale of 0 (or not finite) S·g holds no finite non-zero value: such steps have no cell
         keep = np.isfinite(shift)
-        index, counts, shift = index[keep].reset_index(drop=True), counts[keep], shift[keep]
-        step_values = step_values[keep]
-        if len(index) == 0:
-            return pd.DataFrame(columns=["step_start", "step_end", "log2_lo", "log2_hi", "count"])
-    occupied = max(1, int((counts.sum(axis=0) > 0).sum()))
-    n_buckets = max(1, min(len(index), max_marks // occupied))
-    bucket = np.minimum((np.arange(len(index)) * n_buckets) // len(index), n_buckets - 1)
+        counts, shift, step_values, last, kept = counts[keep], shift[keep], step_values[keep], last[keep], kept[keep]
+        if len(step_values) == 0:
+            return pd.DataFrame(columns=columns)
+    n_buckets = min(len(step_values), heatmap_width(counts.sum(axis=0), max_marks))
+    bucket = np.minimum((np.arange(len(step_values)) * n_buckets) // len(step_values), n_buckets - 1)
     # Rows are in step order, so each (bucket, scale) group is a contiguous segment: sum segments at once.
     starts = np.flatnonzero(np.r_[True, (np.diff(bucket) != 0) | (np.diff(shift) != 0)])
     summed = np.add.reduceat(counts, starts, axis=0)
-    ends = np.r_[starts[1:], len(index)] - 1
+    ends = np.r_[starts[1:], len(step_values)] - 1
+    kept_in = np.add.reduceat(kept, starts)
+    said = np.array(_columns_said(step_values[starts], last[ends], kept_in), dtype=object)
     seg, bins = np.nonzero(summed)
     return pd.DataFrame({
         "step_start": step_values[starts][seg],
-        "step_end": step_values[ends][seg] + 1,
+        "step_end": last[ends][seg] + 1,
+        "steps_kept": kept_in[seg],
+        "steps": said[seg],
         "log2_lo": bins + EXP_MIN + shift[starts][seg],
         "log2_hi": bins + EXP_MIN + shift[starts][seg] + 1,
         "count": summed[seg, bins],
@@ -552,7 +587,7 @@ def exact_shares(at_step: pd.Series, fmt: str, at_scale: bool) -> dict[str, tupl
     """One tensor at one step (a Store.tensor_stats row): per category (underflow, subnormal, overflow) the exact
     count of values that fell in it when cast to ``fmt`` (of S·g with ``at_scale``), and the denominator (finite
     non-zero values)."""
-    denom = int(nonzero_finite(at_step.to_frame().T).iloc[0])
+    denom = int(nonzero_finite(at_step))  # on the row itself: a one-row frame of it cost ~1 ms a tensor
     suffix = "_at_scale" if at_scale else ""
     return {cat: (int(at_step[f"{fmt}_{cat}{suffix}"]), denom) for cat in ("underflow", "subnormal", "overflow")}
 

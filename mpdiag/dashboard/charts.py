@@ -174,7 +174,8 @@ PICKED_STEP = "picked_step"
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
                      title: str = "", log2_range: tuple[float, float] | None = None) -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
-    count on a log scale; dashed lines at the formats' min subnormal, min normal and max. The step axis spans
+    count on a log scale (of a column summing several kept steps, their sum: its tooltip names the steps and how
+    many were kept); dashed lines at the formats' min subnormal, min normal and max. The step axis spans
     ``steps`` (first logged step, last logged step + 1) whatever the cells hold, so steps with no finite
     non-zero value (every value zero) stay on it as empty columns rather than vanishing. Clicking a cell
     selects its column (the selection ``PICKED_STEP``, its ``step_start``): the page shows that step below.
@@ -187,15 +188,15 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
         .mark_rect()
         .add_params(pick := alt.selection_point(name=PICKED_STEP, fields=["step_start"], on="click"))
         .encode(
-            x=alt.X("step_start:Q", title="step", scale=alt.Scale(domain=list(steps), nice=False),
+            x=alt.X("step_start:Q", title="step (a column sums the kept steps it spans; hover for which)", scale=alt.Scale(domain=list(steps), nice=False),
                     axis=alt.Axis(format="d", tickMinStep=1)),
             x2="step_end:Q",
             y=alt.Y("log2_lo:Q", title="log2 |gradient|", scale=alt.Scale(domain=list(log2_range), nice=False)),
             y2="log2_hi:Q",
             color=alt.Color("count:Q", scale=alt.Scale(type="log", scheme="viridis"), title="values"),
             opacity=alt.condition(pick, alt.value(1.0), alt.value(0.45)),  # the clicked column stands out
-            tooltip=[alt.Tooltip("step_start:Q", title="from step"), alt.Tooltip("step_end:Q", title="to step"),
-                     alt.Tooltip("log2_lo:Q", title="log2 lower edge"),
+            # a column may sum several kept steps (summaries.heatmap_cells): the tooltip says which and how many
+            tooltip=[alt.Tooltip("steps:N", title="column"), alt.Tooltip("log2_lo:Q", title="log2 lower edge"),
                      alt.Tooltip("count:Q", format=",d", title="values (exact)")],
         )
     )

@@ -213,10 +213,22 @@ class CompareRuns:
         steps), and per run its values, zero share, and why it has no line where it has none."""
         records = {lab: (reads.tensor_totals(self.store, run_id, final),
                          None if step is None else reads.tensors_at_step(self.store, run_id, step, final),
-                         *reads.tensor_histograms(self.store, run_id, tensor, final))
+                         *self._tensor_histogram(run_id, final, tensor, step))
                    for lab, run_id, final in self._reads()}
         bins, per_run = overlaid_histograms(records, tensor, step)
         return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}")
+
+    def _tensor_histogram(self, run_id: int, final: bool, tensor: str,
+                          step: int | None) -> tuple[pd.DataFrame, np.ndarray]:
+        """The tensor's histogram as (index, counts) of one row, none where it has none: summed over every logged
+        step from the writer's totals (``step`` None), else the exact one at ``step``; never all its steps."""
+        if step is None:
+            names, totals = reads.histogram_totals(self.store, run_id, final)
+            picked = [k for k, name in enumerate(names) if name == tensor]
+            return pd.DataFrame({"step": [-1] * len(picked), "tensor": tensor}), totals[picked]
+        index, counts = reads.histograms_at_step(self.store, run_id, step, final)
+        picked = (index["tensor"] == tensor).to_numpy()
+        return index[picked].reset_index(drop=True), counts[picked]
 
 
 def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:

@@ -22,6 +22,10 @@ CATEGORIES = ("underflow", "subnormal", "overflow")
 GRID_FIRST = 12
 #: the table's count columns (thousands separated); the others are text
 COUNT_COLUMNS = ("numel", "nonfinite")
+#: how many stored columns the heatmap reads per column it draws, at most: the rollup levels are 16x apart, so
+#: reading the finest level within 16x its width (heatmap_cells merges them) draws it at its full width; rollup
+#: rows lie together in the file, and exact rows are read only for runs of up to 16x its width in kept steps
+READ_PER_DRAWN_COLUMN = 16
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Ranking:
 class TensorView:
     """One tensor over every logged step: the heatmap of its exponents (or why there is none)."""
     tensor: str
-    #: its exponent histograms, (index, counts) as reads.tensor_histograms gives them
+    #: its exponent histograms in the heatmap's step columns, (index, counts) as reads.tensor_columns gives them
     index: pd.DataFrame
     counts: np.ndarray
     #: the line under the selector (the tensor's shares; the flushed share when FP16 flushed values)
@@ -154,7 +158,7 @@ class GradientsRun:
             flushed = None if self.twin_totals is None else float(
                 summaries.flushed_to_zero(self.totals, self.twin_totals).get(tensor, np.nan))
             line += " " + summaries.flushed_text(flushed, self.shadow_steps)
-        index, counts = reads.tensor_histograms(self.store, self.run_id, tensor, self.final)
+        index, counts = self._columns(tensor, at_scale)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
         kept = None if self.kept is None else summaries.kept_steps_text(self.kept, self.run["every"])
@@ -165,27 +169,36 @@ class GradientsRun:
                 "exponent axis. The counts below say what it held."), kept=kept)
         lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
         drawn, extent, off = summaries.heatmap_view(cells, lines)
-        blank = summaries.blank_steps(index, counts, self.steps,
-                                      reads.tensor_over_steps(self.store, self.run_id, tensor, self.final),
-                                      at_scale=at_scale)
+        # the columns with nothing to draw are exact steps carrying their counts (Store.histogram_columns)
+        numel = self.totals.set_index("tensor")["numel_per_step"].get(tensor, np.nan)
+        blank = summaries.blank_steps(index, counts, self.steps, index.assign(numel=numel), at_scale=at_scale)
         return TensorView(tensor, index, counts, line, cells, drawn, extent, title, off,
                           summaries.blank_steps_text(blank, len(self.logged)) if len(blank) else None, None, kept)
+
+    def _columns(self, tensor: str, at_scale: bool) -> tuple[pd.DataFrame, np.ndarray]:
+        """The tensor's histograms in at most READ_PER_DRAWN_COLUMN times as many step columns as its heatmap draws
+        (summaries.heatmap_width), each of one loss scale in the S·g view."""
+        names, totals = reads.histogram_totals(self.store, self.run_id, self.final)
+        width = summaries.heatmap_width(totals[names.index(tensor)] if tensor in names else np.zeros(1))
+        split_at = summaries.scale_changes(self.steps) if at_scale else ()
+        return reads.tensor_columns(self.store, self.run_id, tensor, READ_PER_DRAWN_COLUMN * width, split_at,
+                                    self.final)
 
     def at_step(self, ranking: Ranking, shown: TensorView, step: int) -> StepView:
         """The tensor at one logged step: the histogram in the shown view, and the exact shares of S·g at the step's
         own loss scale and of g (one function, cast_shares, gives both, so tiles and what-if agree)."""
         fmt, scale = ranking.fmt, summaries.scale_at_step(self.steps, step)
-        tensor, counts = shown.tensor, shown.counts
-        row = np.flatnonzero(shown.index["step"].to_numpy() == step)
+        tensor = shown.tensor
         at_step = reads.tensor_at_step(self.store, self.run_id, tensor, step, self.final)
-        hist = counts[row[0]] if len(row) else np.zeros(counts.shape[1], dtype=np.int64)
+        h_index, h_counts = reads.histograms_at_step(self.store, self.run_id, step, self.final)
+        row = np.flatnonzero(h_index["tensor"].to_numpy() == tensor)  # the step's exact histogram, never a sum
+        hist = h_counts[row[0]] if len(row) else np.zeros(h_counts.shape[1], dtype=np.int64)
         # the multiplier the shown view applies to g: 1, or the step's loss scale (log2 of 0 is -inf: S·g all 0)
         with np.errstate(divide="ignore"):
             shown = float(np.log2(scale)) if ranking.at_scale and np.isfinite(scale) else 0.0
             own = float(np.log2(scale)) if np.isfinite(scale) else 0.0
         specials = {SPECIALS[k]: int(at_step[k]) for k in SPECIALS}
         bars = summaries.step_histogram(hist, specials, LOW_PRECISION[fmt], shown) if np.isfinite(shown) else None
-        h_index, h_counts = reads.histograms_at_step(self.store, self.run_id, step, self.final)
         flushed = self._flushed_at(at_step, tensor, step) if ranking.states_flushed else None
         return StepView(step, scale, at_step, hist, bars, summaries.cast_shares(at_step, hist, fmt, own, scale),
                         summaries.cast_shares(at_step, hist, fmt, 0, scale),

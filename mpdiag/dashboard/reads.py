@@ -3,9 +3,9 @@
 A run that is ``final`` (finished, failed, crashed) can no longer change, so its reads are cached by
 ``st.cache_data`` under the store's path and file identity (a replaced store file is not served from the cache):
 each read is written once, for the store, and :func:`cached_when_final` gives it its cache. Reads of a live run go
-to the store each time; the steps, a tensor's rows and its histograms read only the rows added since the
-session's previous call. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has
-it), no widgets.
+to the store each time; the steps read only the rows added since the session's previous call, and a tensor's
+histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
+no widgets.
 """
 
 from __future__ import annotations
@@ -88,10 +88,9 @@ def _since_last_read(store: Store, what: str, run_id: int, read_since: Callable,
     ``read_since(since_step)`` and joined by ``merge(before, new)``; None before means nothing read yet."""
     key = f"{what}:{store.path}:{run_id}:{args}"
     before = st.session_state.get(key)
-    index = None if before is None else before[0] if isinstance(before, tuple) else before
-    since = int(index["step"].max()) if index is not None and len(index) else -1
+    since = int(before["step"].max()) if before is not None and len(before) else -1
     new = read_since(since)
-    rows = new if index is None or not len(index) else merge(before, new)
+    rows = new if before is None or not len(before) else merge(before, new)
     st.session_state[key] = rows
     return rows
 
@@ -100,21 +99,6 @@ def live_steps(store: Store, run_id: int) -> pd.DataFrame:
     """The run's steps, reading only rows added since the previous call in this session."""
     return _since_last_read(store, "steps", run_id, lambda since: store.steps(int(run_id), since_step=since),
                             lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
-
-
-def _live_tensor_over_steps(store: Store, run_id: int, tensor: str) -> pd.DataFrame:
-    return _since_last_read(store, "stats", run_id, lambda since: store.tensor_stats(run_id, tensor, since_step=since),
-                            lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before,
-                            tensor)
-
-
-def _live_tensor_histograms(store: Store, run_id: int, tensor: str) -> tuple[pd.DataFrame, np.ndarray]:
-    def merge(before, new):
-        index = pd.concat([before[0], new[0]], ignore_index=True)
-        return index, np.concatenate([before[1], new[1]]) if len(new[1]) else before[1]
-
-    return _since_last_read(store, "hists", run_id,
-                            lambda since: store.histogram_matrix(run_id, tensor, since_step=since), merge, tensor)
 
 
 @cached_when_final(live=live_steps)
@@ -153,24 +137,50 @@ def tensor_at_step(store: Store, run_id: int, tensor: str, step: int) -> pd.Seri
     return store.tensor_stats(run_id, tensor, step=int(step)).iloc[0]
 
 
-@cached_when_final(live=_live_tensor_over_steps)
-def tensor_over_steps(store: Store, run_id: int, tensor: str) -> pd.DataFrame:
-    """One tensor's statistics rows at every logged step (Store.tensor_stats); for a live run, only the steps
-    logged since this session's previous read are read."""
-    return store.tensor_stats(run_id, tensor)
-
-
 @cached_when_final()
 def tensors_at_step(store: Store, run_id: int, step: int) -> pd.DataFrame:
     """Every tensor's statistics row at one logged step (Store.tensor_stats)."""
     return store.tensor_stats(run_id, step=int(step))
 
 
-@cached_when_final(live=_live_tensor_histograms)
-def tensor_histograms(store: Store, run_id: int, tensor: str) -> tuple[pd.DataFrame, np.ndarray]:
-    """(index, counts) of one tensor's exponent histograms over every logged step (Store.histogram_matrix); for
-    a live run, only the steps logged since this session's previous read are read."""
-    return store.histogram_matrix(run_id, tensor)
+def _live_tensor_columns(store: Store, run_id: int, tensor: str, max_columns: int,
+                         split_at: tuple[int, ...]) -> tuple[pd.DataFrame, np.ndarray]:
+    """A live run's columns: those this session read before up to its last bucket, and the store's from there on
+    (that bucket may have grown); all of them again when the run has grown past the level read before."""
+    # not keyed by max_columns (it moves as the run's bins fill): a level that no longer fits is read again below
+    key = f"columns:{store.path}:{run_id}:{tensor}:{hash(split_at)}"
+    before = st.session_state.get(key)
+    if before is None or not len(before[0]):
+        st.session_state[key] = store.histogram_columns(run_id, tensor, max_columns, split_at)
+        return st.session_state[key]
+    index, counts = before
+    level, last = index.attrs["bucket_steps"], int(index["step"].iloc[-1])
+    start = last + 1 if level == 1 else last // level * level  # an exact row never changes; a bucket may grow
+    new_index, new_counts = store.histogram_columns(run_id, tensor, max_columns, split_at, from_step=start)
+    if new_index.attrs["bucket_steps"] != level:
+        new_index, new_counts = store.histogram_columns(run_id, tensor, max_columns, split_at)
+    else:
+        held = (index["step"] < start).to_numpy()
+        new_index, new_counts = (pd.concat([index[held], new_index], ignore_index=True),
+                                 np.concatenate([counts[held], new_counts]))
+        new_index.attrs["bucket_steps"] = level
+    st.session_state[key] = (new_index, new_counts)
+    return new_index, new_counts
+
+
+@cached_when_final(live=_live_tensor_columns)
+def tensor_columns(store: Store, run_id: int, tensor: str, max_columns: int,
+                   split_at: tuple[int, ...]) -> tuple[pd.DataFrame, np.ndarray]:
+    """(index, counts) of one tensor's histograms in at most about ``max_columns`` step columns
+    (Store.histogram_columns: exact rows or the writer's bucket sums); for a live run, only its last bucket and
+    the ones after it are read again."""
+    return store.histogram_columns(run_id, tensor, max_columns, split_at)
+
+
+@cached_when_final()
+def histogram_totals(store: Store, run_id: int) -> tuple[list[str], np.ndarray]:
+    """(tensor names, counts): each tensor's histograms summed over every logged step (Store.histogram_totals)."""
+    return store.histogram_totals(run_id)
 
 
 @cached_when_final()

@@ -35,6 +35,7 @@ from mpdiag.store.schema import (
     DEFAULT_STORE,
     FIRST_READ_WAIT_S,
     REPRESENTABILITY_KINDS,
+    ROLLUP_BUCKET_STEPS,
     SCHEMA_VERSION,
     SPECIAL_COUNT_COLUMNS,
     STALL_S,
@@ -93,6 +94,54 @@ def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> t
     columns = [f"r{i}.{cat}{suffix} AS {fmt}_{cat}{suffix}" for suffix in ("", "_at_scale")
                for i, fmt in enumerate(formats) for cat in ("underflow", "subnormal", "overflow")]
     return ", ".join(columns), joins
+
+
+#: the fields of a heatmap column as :class:`_ColumnReader` reads them, exact row or bucket sum alike
+_COLUMN_FIELDS = ("step", "last_step", "steps_kept", "empty_steps", *SPECIAL_COUNT_COLUMNS, "hist")
+_LAST_STEP = 2**62
+
+
+class _ColumnReader:
+    """Reads one tensor's heatmap columns for :meth:`Store.histogram_columns` on one connection."""
+
+    def __init__(self, conn: sqlite3.Connection, run_id: int, tensor_id: int):
+        self.conn, self.run_id, self.tensor_id = conn, run_id, tensor_id
+
+    def read(self, kept_steps: int, max_columns: int, split_at: np.ndarray, from_step: int) -> tuple[list[tuple], int]:
+        """(the columns from bucket ``from_step`` // level on, in _COLUMN_FIELDS; the level chosen)."""
+        buckets = dict(self.conn.execute(
+            "SELECT bucket_steps, COUNT(*) FROM hist_rollups WHERE run_id = ? AND tensor_id = ? GROUP BY "
+            "bucket_steps", (self.run_id, self.tensor_id)).fetchall())
+        levels = [1, *ROLLUP_BUCKET_STEPS]
+        counts = [kept_steps, *(buckets.get(size, kept_steps) for size in ROLLUP_BUCKET_STEPS)]
+        chosen = next((k for k, n in enumerate(counts) if n <= max_columns), len(levels) - 1)
+        done, pending = [], self.rows(levels[chosen], from_step, _LAST_STEP)
+        for finer in reversed(levels[:chosen]):
+            split = [_needs_split(row, split_at) for row in pending]
+            done += [row for row, s in zip(pending, split, strict=True) if not s]
+            pending = [fine for row, s in zip(pending, split, strict=True) if s
+                       for fine in self.rows(finer, row[0], row[1])]
+        return done + pending, levels[chosen]
+
+    def rows(self, size: int, first: int, last: int) -> list[tuple]:
+        """The columns of level ``size`` (1: the exact rows) from step ``first`` to ``last``, in _COLUMN_FIELDS."""
+        if size == 1:  # an empty histogram is its 2-byte header alone (encode_hist)
+            return self.conn.execute(
+                "SELECT step, step, 1, LENGTH(hist) = 2, zeros, nan, posinf, neginf, hist FROM tensor_steps "
+                "INDEXED BY tensor_steps_by_tensor WHERE run_id = ? AND tensor_id = ? AND step BETWEEN ? AND ?",
+                (self.run_id, self.tensor_id, first, last)).fetchall()
+        return self.conn.execute(
+            "SELECT first_step, last_step, steps_kept, empty_steps, NULL, NULL, NULL, NULL, hist FROM hist_rollups "
+            "WHERE run_id = ? AND tensor_id = ? AND bucket_steps = ? AND bucket BETWEEN ? AND ?",
+            (self.run_id, self.tensor_id, size, first // size, last // size)).fetchall()
+
+
+def _needs_split(row: tuple, split_at: np.ndarray) -> bool:
+    """Whether a bucket sum (not an exact row: those carry their zeros) must be read finer: it holds a kept step
+    with an empty histogram, or a step of ``split_at`` (sorted) lies in (first step, last step]."""
+    first, last, _, empty, zeros = row[:5]
+    return zeros is None and (empty > 0 or bool(np.searchsorted(split_at, last, "right")
+                                                > np.searchsorted(split_at, first, "right")))
 
 
 class Store:
@@ -381,6 +430,36 @@ class Store:
         The compact form for aggregation; :meth:`histograms` is the long form."""
         df = self._tensor_steps("src.hist", run_id, tensor, since_step if step is None else step - 1, until_step=step)
         return df, decode_hists(df.pop("hist").tolist())
+
+    def histogram_columns(self, run_id: int, tensor: str, max_columns: int, split_at: Sequence[int] = (),
+                          from_step: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
+        """One tensor's histograms over its kept steps in at most about ``max_columns`` columns, for a heatmap:
+        (index, counts) in step order, counts[i] the sum of column i's exponent histograms (bin EXP_MIN + b).
+
+        The exact per-step rows when the tensor's kept steps fit in ``max_columns``; else the finest level of the
+        writer's bucket sums (hist_rollups, ROLLUP_BUCKET_STEPS) with at most ``max_columns`` buckets. A bucket
+        is read at the next finer level, down to the exact rows, where a sum would hide something: a kept step
+        with no finite non-zero value in it (so the heatmap's blank columns stay exact steps), or a step of
+        ``split_at`` inside it (first_step < s <= last_step: e.g. where the loss scale changed, so each column
+        has one scale). Index columns: step (the column's first kept step), last_step, steps_kept (how many kept
+        steps it sums), and for exact rows zeros, nan, posinf, neginf (NaN for a sum); ``index.attrs
+        ["bucket_steps"]``: the level read (1: the exact rows). Each count is exact: a sum over whole kept steps,
+        never an estimate. ``from_step``, a multiple of the level read before: only the columns of the buckets
+        from there on (a live page re-reads its last bucket, which may have grown, and the new ones)."""
+        try:
+            with closing(self._connect()) as conn:
+                found = conn.execute("SELECT t.tensor_id, COALESCE(s.logged_steps, 0) FROM tensors t LEFT JOIN "
+                                     "tensor_totals s ON s.run_id = t.run_id AND s.tensor_id = t.tensor_id WHERE "
+                                     "t.run_id = ? AND t.name = ?", (int(run_id), tensor)).fetchone()
+                rows, level = ([], 1) if found is None else _ColumnReader(conn, int(run_id), found[0]).read(
+                    found[1], int(max_columns), np.sort(np.asarray(split_at, dtype=np.int64)), int(from_step))
+        except _READ_ERRORS as exc:
+            raise read_error(self.path, exc.__cause__ or exc) from exc
+        rows.sort(key=lambda row: row[0])
+        index = pd.DataFrame([row[:-1] for row in rows], columns=list(_COLUMN_FIELDS[:-1]))
+        index = index.drop(columns="empty_steps").astype({c: float for c in SPECIAL_COUNT_COLUMNS}).assign(tensor=tensor)
+        index.attrs["bucket_steps"] = level
+        return index, decode_hists([row[-1] for row in rows])
 
     def histogram_totals(self, run_id: int) -> tuple[list[str], np.ndarray]:
         """(tensor names, counts): counts[i, b] is tensor i's exponent bin EXP_MIN + b summed over every logged

@@ -1,10 +1,12 @@
 """The store's on-disk format and how a store file is opened.
 
 This module owns the DDL, SCHEMA_VERSION and the migrations that bring an older file up to it in place, the
-histogram blob codec, the error type, and connections: read-only ones (falling back to ``immutable=1`` where
-the file's directory cannot be written) and the writing one, which is opened only after the file passed an
-integrity check. It must not read or write runs' data (reader.py, writer.py do), and it must never write to a
-file that is damaged, is not an mpdiag store, or carries a schema version newer than this code knows.
+histogram blob codec and the sums of histograms over step buckets (hist_rollups: the writer adds each batch with
+:func:`add_histogram_rollups`, the migration to version 15 the rows stored before), the error type, and
+connections: read-only ones (falling back to ``immutable=1`` where the file's directory cannot be written) and
+the writing one, which is opened only after the file passed an integrity check. Beyond migrations and rollups it
+must not read or write runs' data (reader.py, writer.py do), and it must never write to a file that is damaged,
+is not an mpdiag store, or carries a schema version newer than this code knows.
 
 SQLite contracts the rest of the package relies on: the file is in WAL mode, so readers never block the one
 writer; schema creation and migration run inside one ``BEGIN IMMEDIATE`` transaction, so processes that
@@ -13,6 +15,7 @@ open the same new or old file at once serialise on it and the later ones find th
 
 from __future__ import annotations
 
+import itertools
 import os
 import sqlite3
 import time
@@ -40,7 +43,9 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # runs recorded before have none.
 # 14: kept_steps, the steps whose tensor statistics are stored and why (mpdiag.recording.retention); the logged steps
 # of runs recorded before are migrated as kept for "every".
-SCHEMA_VERSION = 14
+# 15: hist_rollups, each tensor's histograms summed over buckets of ROLLUP_BUCKET_STEPS steps (runs recorded before
+# get them built from their tensor_steps rows when the store is migrated).
+SCHEMA_VERSION = 15
 #: "stopped": training ended by --stop-on at an event, the reason in the run's error
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
@@ -66,6 +71,11 @@ STEP_COLUMNS = [
 ]
 #: Counts summed per (run, tensor) over all logged steps, as :meth:`Store.tensor_totals` reports them.
 TOTAL_COLUMNS = [*SPECIAL_COUNT_COLUMNS, *REPRESENTABILITY_COLUMNS]
+#: The step buckets hist_rollups sums each tensor's histograms over: a heatmap W columns wide reads the finest
+#: level with at most W buckets, so it reads between W/16 and W rows whatever the run's length (16 steps to
+#: 4,096: 100k steps are 6,250, 391 or 25 buckets). A factor of 16 between levels keeps the extra rows at 1/16 +
+#: 1/256 + 1/4096 (6.7 %) of the exact ones, and the rows one batch of the writer updates per tensor few.
+ROLLUP_BUCKET_STEPS = (16, 256, 4096)
 #: Run columns a writer may set (run_id, status bookkeeping and process identity are managed by the writer).
 RUN_FIELDS = [
     "name", "script_path", "script_sha256", "opt_level", "scaling", "init_scale", "growth_factor",
@@ -205,6 +215,14 @@ _STATEMENTS = [
     """CREATE TABLE IF NOT EXISTS hist_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
     PRIMARY KEY (run_id, tensor_id)) WITHOUT ROWID""",
+    # per tensor and bucket of bucket_steps steps (bucket b: steps b * bucket_steps up to (b + 1) * bucket_steps - 1),
+    # the sum of the histograms of its kept steps: how many (steps_kept), the first and last of them, and how many
+    # had no finite non-zero value (empty_steps: nothing in any bin); only buckets with a kept step have a row
+    """CREATE TABLE IF NOT EXISTS hist_rollups (
+    run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, bucket_steps INTEGER NOT NULL, bucket INTEGER NOT NULL,
+    first_step INTEGER NOT NULL, last_step INTEGER NOT NULL, steps_kept INTEGER NOT NULL, empty_steps INTEGER NOT NULL,
+    hist BLOB NOT NULL,
+    PRIMARY KEY (run_id, tensor_id, bucket_steps, bucket)) WITHOUT ROWID""",
     f"""CREATE TABLE IF NOT EXISTS representability_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
     PRIMARY KEY (run_id, tensor_id, fmt)) WITHOUT ROWID""",
@@ -465,6 +483,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
                 _sum_histograms_into_totals(conn)
             if version is not None and version < 14:
                 conn.execute("INSERT INTO kept_steps SELECT run_id, step, 'every' FROM steps WHERE logged = 1")
+            if version is not None and version < 15:
+                _build_histogram_rollups(conn)
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
     except BaseException:
@@ -500,6 +520,61 @@ def _sum_histograms_into_totals(conn: sqlite3.Connection, chunk: int = 50_000) -
             sums[(run_id, tensor_id)] = sums[(run_id, tensor_id)] + hist if (run_id, tensor_id) in sums else hist
     conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)",
                      [(run_id, tensor_id, encode_hist(hist)) for (run_id, tensor_id), hist in sums.items()])
+
+
+def _build_histogram_rollups(conn: sqlite3.Connection, chunk_steps: int = 256) -> None:
+    """Migration to version 15: hist_rollups for the runs recorded before, summed from their tensor_steps rows
+    as the writer sums a batch (:func:`add_histogram_rollups`), ``chunk_steps`` steps of a run at a time, so a
+    store of millions of rows is never held in memory at once."""
+    for (run_id,) in conn.execute("SELECT DISTINCT run_id FROM tensor_steps").fetchall():
+        (last,) = conn.execute("SELECT MAX(step) FROM tensor_steps WHERE run_id = ?", (run_id,)).fetchone()
+        for start in range(0, last + 1, chunk_steps):
+            rows = conn.execute("SELECT step, tensor_id, hist FROM tensor_steps WHERE run_id = ? AND step >= ? AND "
+                                "step < ?", (run_id, start, start + chunk_steps)).fetchall()
+            if rows:
+                steps, tensor_ids, hists = zip(*rows, strict=True)
+                add_histogram_rollups(conn, run_id, np.asarray(steps, dtype=np.int64),
+                                      np.asarray(tensor_ids, dtype=np.int64), decode_hists(hists))
+
+
+def add_histogram_rollups(conn: sqlite3.Connection, run_id: int, steps: np.ndarray, tensor_ids: np.ndarray,
+                          hists: np.ndarray) -> None:
+    """Add kept steps' histograms (row k: ``hists[k]`` of tensor ``tensor_ids[k]`` at ``steps[k]``, each (step,
+    tensor) once) to hist_rollups at every level of ROLLUP_BUCKET_STEPS, inside the caller's transaction: each
+    bucket's sum, kept and empty steps and first and last step are read, added to and written back. The writer
+    calls it with every batch, the migration to version 15 with the stored rows."""
+    if not len(steps):
+        return
+    steps, tensor_ids = np.asarray(steps, dtype=np.int64), np.asarray(tensor_ids, dtype=np.int64)
+    empty = (hists.sum(axis=1) == 0).astype(np.int64)
+    occupied = np.flatnonzero(hists.any(axis=0))  # the bins any row uses: a few dozen of N_EXP_BINS
+    lo, hi = (occupied[0], occupied[-1] + 1) if len(occupied) else (0, 0)
+    for size in ROLLUP_BUCKET_STEPS:
+        # rows sorted by (tensor, bucket), each group summed as one segment (np.add.at is slow on 2-D rows)
+        order = np.lexsort((steps, steps // size, tensor_ids))
+        tensor, bucket, step = tensor_ids[order], steps[order] // size, steps[order]
+        starts = np.flatnonzero(np.r_[True, (np.diff(tensor) != 0) | (np.diff(bucket) != 0)])
+        sums = np.zeros((len(starts), hists.shape[1]), dtype=np.int64)
+        if hi > lo:
+            sums[:, lo:hi] = np.add.reduceat(hists[order, lo:hi], starts, axis=0)
+        first, last = step[starts], step[np.r_[starts[1:], len(step)] - 1]
+        kept, empties = np.diff(np.r_[starts, len(step)]), np.add.reduceat(empty[order], starts)
+        tensor, bucket = tensor[starts], bucket[starts]
+        held = {(t, b): rest for t, b, *rest in conn.execute(
+            "SELECT tensor_id, bucket, first_step, last_step, steps_kept, empty_steps, hist FROM hist_rollups "
+            "WHERE run_id = ? AND bucket_steps = ? AND bucket BETWEEN ? AND ?",
+            (int(run_id), size, int(bucket.min()), int(bucket.max())))}
+        seen = [k for k, key in enumerate(zip(tensor.tolist(), bucket.tolist(), strict=True)) if key in held]
+        if seen:
+            before = [held[int(tensor[k]), int(bucket[k])] for k in seen]
+            first[seen] = np.minimum(first[seen], [b[0] for b in before])
+            last[seen] = np.maximum(last[seen], [b[1] for b in before])
+            kept[seen] += [b[2] for b in before]
+            empties[seen] += [b[3] for b in before]
+            sums[seen] += decode_hists([b[4] for b in before])
+        conn.executemany("INSERT OR REPLACE INTO hist_rollups VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         zip(itertools.repeat(int(run_id)), tensor.tolist(), itertools.repeat(size), bucket.tolist(),
+                             first.tolist(), last.tolist(), kept.tolist(), empties.tolist(), encode_hists(sums)))
 
 
 # The formats whose counts schema versions 1 and 2 kept as columns named {fmt}_{kind}.

@@ -36,6 +36,7 @@ from mpdiag.store.schema import (
     SPECIAL_COUNT_COLUMNS,
     STATUSES,
     StoreError,
+    add_histogram_rollups,
     decode_hists,
     encode_hists,
     open_for_writing,
@@ -517,7 +518,7 @@ class StoreWriter:
         once: the totals would count a rewrite twice. A representability key that is not a registry format is
         a ValueError. ``kept``: (step, reason) of the steps whose tensor rows are stored
         (mpdiag.recording.retention), into kept_steps; their step rows, in this batch or an earlier one, are
-        marked ``logged``."""
+        marked ``logged``. The histograms are added to their step buckets' sums (hist_rollups) too."""
         run_id = int(run_id)
         batch = tensor_rows if isinstance(tensor_rows, TensorBatch) else TensorBatch.from_rows(tensor_rows)
         kinds = Representability._fields
@@ -547,6 +548,7 @@ class StoreWriter:
                 "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
                 per_format)
             self._add_hist_totals(run_id, batch)
+            add_histogram_rollups(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
             self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
                                    [(run_id, step, reason) for step, reason in kept])
             self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",

@@ -487,9 +487,9 @@ def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(t
             time.sleep(0.2)
 
     asked = []
-    real = Store.histogram_matrix
-    monkeypatch.setattr(Store, "histogram_matrix", lambda self, run_id, tensor=None, since_step=-1, step=None: (
-        asked.append((tensor, since_step, step)), real(self, run_id, tensor, since_step, step))[1])
+    real = Store.histogram_columns  # the heatmap's read since schema 15 (the bucket sums or the exact rows)
+    monkeypatch.setattr(Store, "histogram_columns", lambda self, run_id, tensor, max_columns, split_at=(), from_step=0: (
+        asked.append((tensor, from_step, None)), real(self, run_id, tensor, max_columns, split_at, from_step))[1])
     try:
         train_until(2)
         at = render("pages/1_Gradients.py", path, monkeypatch, run=str(recorder.run_id), tensor="weight")
@@ -500,7 +500,8 @@ def test_a_live_gradients_page_reads_only_the_steps_logged_since_its_last_read(t
         at.run()
         assert not at.exception
         whole = [a for a in asked if a[0] == "weight" and a[2] is None]
-        assert whole and all(since >= first[-1] for _, since, _ in whole), asked
+        # from_step is the first step read: an exact row after the last one held
+        assert whole and all(since > first[-1] for _, since, _ in whole), asked
         heat = next(c.proto for c in at.get("vega_lite_chart") if "click a column" in c.proto.spec)
         drawn = set()
         for dataset in heat.datasets:

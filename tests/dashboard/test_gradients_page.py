@@ -356,3 +356,62 @@ def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_pa
     assert shares.no_twin == [model.labels[1]] and not shares.no_stats
     flushed = shares.under[shares.under["part"] == FLUSHED_PART]
     assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05
+
+
+def _long_run(path) -> tuple[int, dict]:
+    """A 6,000-step run of one tensor written through the writer: every step kept, a blank step (no finite
+    non-zero value: all zero) at 2,500, the loss scale 2^16 halved to 2^15 at step 3,000; returns its id and the
+    exact histograms by step (the ground truth here: what was written)."""
+    from mpdiag.numerics.formats import LOW_PRECISION
+    from mpdiag.store import StepRow, StoreWriter, TensorBatch
+
+    rng, steps, exact = np.random.default_rng(0), 6_000, {}
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = writer.create_run(name="long", opt_level="O1", scaling="dynamic", steps=steps, every=1)
+        writer.add_tensors(run_id, [(0, "w", [64], 64, "float32", "float32")])
+        for start in range(0, steps, 500):
+            block = np.arange(start, start + 500)
+            hist = np.zeros((500, N_EXP_BINS), dtype=np.int64)
+            hist[:, 100:180] = rng.integers(0, 8, (500, 80))  # 80 bins: the heatmap draws 250 columns
+            hist[block == 2_500] = 0
+            specials = np.zeros((500, 4), dtype=np.int64)
+            specials[block == 2_500, 0] = 64
+            exact.update(zip(block.tolist(), hist, strict=True))
+            formats = len(LOW_PRECISION)
+            batch = TensorBatch(block, np.zeros(500, dtype=np.int64), hist, specials, np.ones(500), np.ones(500),
+                                np.ones(500), np.zeros((500, formats, 6), dtype=np.int64), np.ones((500, formats), bool))
+            writer.write_batch(run_id, [StepRow(int(s), 1.0, 2.0**16 if s < 3_000 else 2.0**15, 0, 0, 1.0, 0.1, 10, 1)
+                                        for s in block], batch, kept=[(int(s), "every") for s in block])
+    return run_id, exact
+
+
+def test_a_long_runs_heatmap_reads_bucket_sums_that_are_exact_and_says_what_each_column_sums(tmp_path):
+    """6,000 kept steps, more than the heatmap's width: its columns are the writer's bucket sums, each an exact sum
+    of whole kept steps (every count there), in the S·g view each of one loss scale (moved by its own log2), the
+    blank step its own column and named; the tooltip's words say the steps a column spans and how many it kept."""
+    from mpdiag import Store
+    from mpdiag.dashboard import gradients_model
+
+    path = tmp_path / "long.db"
+    run_id, exact = _long_run(path)
+    store = Store(path)
+    runs = store.runs()
+    model = gradients_model.gradients(store, runs.iloc[0], True, runs)
+    for at_scale in (False, True):
+        shown = model.tensor(model.ranking("fp16", at_scale), "w", show_bf16=False)
+        cells = shown.cells
+        assert len(shown.index) < 4_000 and cells["count"].sum() == sum(h.sum() for h in exact.values())
+        for (start, end, kept, said), group in cells.groupby(["step_start", "step_end", "steps_kept", "steps"]):
+            covered = [s for s in range(start, end) if s in exact]
+            assert kept == len(covered)
+            assert said == (f"step {start:,}" if kept == 1 else
+                            f"steps {start:,}–{end - 1:,}, {kept:,} steps kept (counts summed)")
+            shift = (16 if start < 3_000 else 15) if at_scale else 0
+            assert not (start < 3_000 < end) if at_scale else True  # one loss scale per column
+            summed = sum(exact[s] for s in covered)
+            assert dict(zip(group["log2_lo"] - shift - EXP_MIN, group["count"], strict=True)) == {
+                b: summed[b] for b in np.flatnonzero(summed)}
+        assert "the gradient was all zero at step 2,500" in shown.blank
+    spec = charts.exponent_heatmap(cells.head(50), summaries.format_lines(), (0, 6_000)).to_dict()
+    tooltips = [t.get("title") for t in spec["layer"][0]["encoding"]["tooltip"]]
+    assert tooltips[0] == "column" and spec["layer"][0]["encoding"]["tooltip"][0]["field"] == "steps"
