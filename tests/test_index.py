@@ -261,9 +261,10 @@ def file_reach(path: Path) -> dict[str, bool]:
 def named_after(module: str, test: str) -> int:
     """0 for a test file named after the module (test_reader.py or test_store_reader.py for mpdiag/store/reader.py,
     test_gradients.py for pages/1_Gradients.py), 1 for one whose name starts so (test_reader_*.py), 2 otherwise."""
-    subject = re.sub(r"^\d+_", "", Path(module).stem).lower()
-    names = (subject, f"{Path(module).parent.name}_{subject}")
-    name = Path(test).stem.removeprefix("test_")
+    folder, _, file = module.rpartition("/")
+    subject = re.sub(r"^\d+_", "", file.removesuffix(".py")).lower()
+    names = (subject, f"{folder.rpartition('/')[2]}_{subject}")
+    name = test.rpartition("/")[2].removesuffix(".py").removeprefix("test_")
     return 0 if name in names else 1 if name.startswith(tuple(f"{prefix}_" for prefix in names)) else 2
 
 
@@ -271,7 +272,7 @@ def imports(importer: str, module: str) -> bool:
     """Whether one shipped module imports another (or runs it by its dotted name). Parsed only where its text names
     the other so (`mpdiag.store.liveness`, `from mpdiag.store import ... liveness`): parsing every module would
     take most of the index's time."""
-    package, stem = ".".join(Path(module).parent.parts), Path(module).stem
+    package, _, stem = module.removesuffix(".py").replace("/", ".").rpartition(".")
     named = rf"{re.escape(package)}\.{stem}\b|from {re.escape(package)} import (\([^)]*|[^\n(]*)\b{stem}\b"
     return bool(re.search(named, source(ROOT / importer))) and module in shipped_imports(importer)
 
@@ -292,8 +293,8 @@ def through_importers(reached: set[str]) -> dict[str, list[str]]:
 
 def ordered(module: str, tests: set[str]) -> list[str]:
     """The files named after the module first, then those in its package's folder, then the rest."""
-    folder = Path(module).parent.name
-    return sorted(tests, key=lambda test: (named_after(module, test), Path(test).parent.name != folder, test))
+    folder = module.rpartition("/")[0].rpartition("/")[2]  # "store" for mpdiag/store/reader.py
+    return sorted(tests, key=lambda test: (named_after(module, test), test.rpartition("/")[0] != folder, test))
 
 
 Row = tuple[list[str], list[str], list[str]]  # test files reaching it themselves, only indirectly; its importers
@@ -301,16 +302,20 @@ Row = tuple[list[str], list[str], list[str]]  # test files reaching it themselve
 
 @contextmanager
 def cyclic_gc_paused():
-    """The cyclic collector would sweep the parsed trees dozens of times (none of them garbage): a third of the time."""
+    """The cyclic collector paused while the trees are parsed and walked (it would sweep them dozens of times, none of
+    them garbage: a third of the time), and the trees dropped before it is back."""
     collecting = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        parse.cache_clear()  # the trees go by reference counting, before the collector is back to sweep them
+        top_level.cache_clear()
         if collecting:
             gc.enable()
 
 
+@cache
 @cyclic_gc_paused()
 def index() -> dict[str, Row]:
     """Module -> (the test files that reach it themselves, those that reach it only through a page, a helper or a
