@@ -212,7 +212,8 @@ def test_a_config_stored_before_the_table_is_read():
                                              "max_scale": None},
               "steps": 3, "seed": 0, "every": 1, "device": "cpu", "name": None, "parent_run_id": None,
               "trace_modules": False, "shadow_every": 0}
-    assert RunConfig.from_dict(legacy) == RunConfig(opt_level="O1", loss_scale=64.0, steps=3, device="cpu")
+    # every=1 was the default then; stored, it stays what that run recorded (the default is now None: thinned)
+    assert RunConfig.from_dict(legacy) == RunConfig(opt_level="O1", loss_scale=64.0, steps=3, every=1, device="cpu")
     with pytest.raises(ConfigError, match="unknown run options: colour"):
         RunConfig.from_dict({**legacy, "colour": "red"})
 
