@@ -102,6 +102,13 @@ def live_steps(store: Store, run_id: int) -> pd.DataFrame:
                             lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
 
 
+def live_step_signal_totals(store: Store, run_id: int) -> pd.DataFrame:
+    """The run's per-step signal totals, reading only rows added since the previous call in this session."""
+    return _since_last_read(store, "signals", run_id,
+                            lambda since: store.step_signal_totals(int(run_id), since_step=since),
+                            lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
+
+
 def _live_tensor_over_steps(store: Store, run_id: int, tensor: str) -> pd.DataFrame:
     return _since_last_read(store, "stats", run_id, lambda since: store.tensor_stats(run_id, tensor, since_step=since),
                             lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before,
@@ -121,6 +128,13 @@ def _live_tensor_histograms(store: Store, run_id: int, tensor: str) -> tuple[pd.
 def steps(store: Store, run_id: int) -> pd.DataFrame:
     """Every recorded step of the run (Store.steps): cached when final, else read incrementally."""
     return store.steps(run_id)
+
+
+@cached_when_final(live=live_step_signal_totals)
+def step_signal_totals(store: Store, run_id: int) -> pd.DataFrame:
+    """Every counted step's inf/NaN and FP16/BF16 under/overflow at the scale, summed over tensors, kept or not
+    (Store.step_signal_totals)."""
+    return store.step_signal_totals(run_id)
 
 
 @cached_when_final()

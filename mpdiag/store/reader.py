@@ -319,12 +319,12 @@ class Store:
         return self._query("SELECT step, reason FROM kept_steps WHERE run_id = ? ORDER BY step, reason",
                            (int(run_id),))
 
-    def step_signal_totals(self, run_id: int) -> pd.DataFrame:
-        """Per step with signals (every step the Recorder counted, kept or not; runs recorded before schema 15:
-        their logged steps only): step and each of SIGNAL_COUNTS (``nan``, ``posinf``, ``neginf``,
-        ``fp16_underflow_at_scale``, ..., ``bf16_overflow_at_scale``) summed over the step's tensors."""
-        return self._query(f"SELECT step, {', '.join(SIGNAL_COUNTS)} FROM step_signals WHERE run_id = ? "
-                           "ORDER BY step", (int(run_id),))
+    def step_signal_totals(self, run_id: int, since_step: int = -1) -> pd.DataFrame:
+        """Per step with signals after ``since_step`` (every step the Recorder counted, kept or not; runs
+        recorded before schema 15: their logged steps only): step and each of SIGNAL_COUNTS (``nan``, ``posinf``,
+        ``neginf``, ``fp16_underflow_at_scale``, ..., ``bf16_overflow_at_scale``) summed over the step's tensors."""
+        return self._query(f"SELECT step, {', '.join(SIGNAL_COUNTS)} FROM step_signals WHERE run_id = ? AND step > ? "
+                           "ORDER BY step", (int(run_id), int(since_step)))
 
     def step_signals(self, run_id: int, first_step: int = 0, last_step: int | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

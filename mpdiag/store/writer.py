@@ -511,7 +511,8 @@ class StoreWriter:
             )
 
     def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow] | TensorBatch,
-                    kept: Sequence[tuple[int, str]] = (), signals: Sequence[tuple[int, Sequence, Sequence]] = ()) -> None:
+                    kept: Sequence[tuple[int, str]] = (),
+                    signals: Sequence[tuple[int, Sequence, Sequence]] = ()) -> None:
         """Commit step and tensor rows (named rows or a :class:`TensorBatch`), add the tensor rows' counts to the
         running totals and refresh the run's heartbeat, in one transaction. Each (step, tensor) must be written
         once: the totals would count a rewrite twice. A representability key that is not a registry format is
@@ -548,8 +549,8 @@ class StoreWriter:
                 "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
                 per_format)
             self._add_hist_totals(run_id, batch)
-            self._conn.executemany(f"INSERT OR IGNORE INTO step_signals VALUES ({', '.join('?' * (3 + len(SIGNAL_COUNTS)))})",
-                                   _signal_rows(run_id, signals))
+            self._conn.executemany(f"INSERT OR IGNORE INTO step_signals VALUES "
+                                   f"({', '.join('?' * (3 + len(SIGNAL_COUNTS)))})", _signal_rows(run_id, signals))
             self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
                                    [(run_id, step, reason) for step, reason in kept])
             self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",
