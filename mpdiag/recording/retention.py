@@ -13,9 +13,11 @@ copy of the gradients from which the full statistics are computed if the step is
 * ``nonfinite``: a gradient holds inf/NaN, or the loss is inf/NaN, where the step before held none;
 * ``skipped``: the optimizer step was skipped (the loss scaler backed off), the first of a streak;
 * ``scale-change``: the loss scale after the step's update differs from the scale it ran at, the first of a streak;
-* ``overflow``: a tensor's values that overflow FP16 or BF16 at the loss scale in use went from none to some, or
-  their share of the tensor rose by :data:`SHARE_JUMP` or more (and :data:`MIN_JUMP_VALUES` values) since the step
-  before;
+* ``overflow``: a tensor's values that overflow FP16 or BF16 at the loss scale in use went from none to some for
+  the first time in the run, or their share of the tensor rose by :data:`SHARE_JUMP` or more (and
+  :data:`MIN_JUMP_VALUES` values) since the step before. A tensor at the edge of a format's range flickers between
+  none and a few values: counting every return kept half of a long run's steps (bench/store_scale.py), and each
+  step's counts are in its signals anyway;
 * ``underflow``: the share of a tensor's values that underflow FP16 or BF16 at that scale rose by :data:`SHARE_JUMP`
   or more (and :data:`MIN_JUMP_VALUES` values) since the step before;
 * ``loss-spike``, ``grad-norm-spike``: the spike events of :mod:`mpdiag.recording.events` (their thresholds);
@@ -85,6 +87,7 @@ class Retention:
         # NaN until a tensor's first statistics: a run's first step has no step before to jump from
         shape = (len(WATCHED_FORMATS), len(numel))
         self._overflow, self._underflow = np.full(shape, np.nan), np.full(shape, np.nan)
+        self._overflowed = np.zeros(shape, dtype=bool)  # whether each tensor has overflowed yet
 
     def regular(self, step: int) -> bool:
         """Whether ``step`` is kept whatever happens: in the dense start, or a multiple of ``every``."""
@@ -127,8 +130,10 @@ class Retention:
             over, under = counts[f"{fmt}_overflow_at_scale"], counts[f"{fmt}_underflow_at_scale"]
             over_share, under_share = over / size, under / size
             before_over, before_under = self._overflow[f, tensor_ids], self._underflow[f, tensor_ids]
-            if (((over > 0) & (before_over == 0)) | self._jumped(over_share - before_over, size)).any():
+            first = (over > 0) & ~self._overflowed[f, tensor_ids]
+            if (first | self._jumped(over_share - before_over, size)).any():
                 found.add(OVERFLOW)
+            self._overflowed[f, tensor_ids] |= over > 0
             if self._jumped(under_share - before_under, size).any():
                 found.add(UNDERFLOW)
             self._overflow[f, tensor_ids], self._underflow[f, tensor_ids] = over_share, under_share

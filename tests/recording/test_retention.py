@@ -64,9 +64,9 @@ def _rows(skipped, scale):
             for s, (sk, sc) in enumerate(zip(skipped, scale, strict=True))]
 
 
-def _kept(rows, numel, underflow=None, every=10):
-    """(step, reasons) of the steps a Retention(every) keeps of ``rows``; ``underflow``: per step, the FP16
-    underflow count of each tensor (else none)."""
+def _kept(rows, numel, underflow=None, every=10, overflow=None):
+    """(step, reasons) of the steps a Retention(every) keeps of ``rows``; ``underflow``, ``overflow``: per step,
+    the FP16 underflow or overflow count of each tensor (else none)."""
     retention = Retention(every=every, numel=numel)
     zeros = np.zeros(len(numel), dtype=np.int64)
     kept = []
@@ -75,6 +75,8 @@ def _kept(rows, numel, underflow=None, every=10):
         counts |= {f"{fmt}_{kind}_at_scale": zeros for fmt in ("fp16", "bf16") for kind in ("overflow", "underflow")}
         if underflow is not None:
             counts["fp16_underflow_at_scale"] = np.array(underflow[row.step])
+        if overflow is not None:
+            counts["fp16_overflow_at_scale"] = np.array(overflow[row.step])
         retention.see_row(row, [])
         retention.see_stats(row.step, np.arange(len(numel)), counts, row.step)
         kept += [(step, reasons) for step, _, reasons in retention.decide(row.step)]
@@ -211,3 +213,13 @@ def test_the_default_recorder_stores_every_steps_signals_as_torch_casts_count_th
     assert dropped.sum() == 54 and counts[dropped][..., SIGNAL_COUNTS.index("fp16_underflow_at_scale")].sum() > 0
     totals = store.step_signal_totals(rec.run_id)
     assert totals[list(SIGNAL_COUNTS)].values.tolist() == counts.sum(axis=1).tolist()
+
+
+def test_a_tensor_flickering_at_the_edge_of_fp16_keeps_its_first_overflow_not_every_return():
+    """A 10,000-element weight whose FP16 overflow flickers between none and one value (a tensor at the edge of
+    the range, for hundreds of steps in a long run) keeps its first overflowing step; its returns are in the
+    signals only. A real jump (2 points, 200 values) later is kept again."""
+    overflow = [[0], [0], [1], [0], [1], [0], [0], [1], [1], [0], [0], [0], [0], [200], [0]]
+    assert _kept(_rows([0] * 15, [1.0] * 15), [10_000], overflow=overflow) == [
+        (0, ["every"]), (1, ["before"]), (2, ["overflow"]), (3, ["after"]), (10, ["every"]), (12, ["before"]),
+        (13, ["overflow"]), (14, ["after"])]
