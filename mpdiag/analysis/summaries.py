@@ -439,42 +439,48 @@ def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
     return steps[keep]
 
 
-#: the per-step signal lines (Store.step_signal_totals' columns summed into each), in drawing order
+#: the per-step signal lines: Store.step_signal_totals' column of each, in drawing order
 SIGNAL_LINES = {
-    "inf/NaN values": ("nan", "posinf", "neginf"),
-    "FP16 overflow at the scale": ("fp16_overflow_at_scale",),
-    "FP16 underflow at the scale": ("fp16_underflow_at_scale",),
-    "BF16 overflow at the scale": ("bf16_overflow_at_scale",),
-    "BF16 underflow at the scale": ("bf16_underflow_at_scale",),
+    "NaN values": "nan",
+    "+inf values": "posinf",
+    "-inf values": "neginf",
+    "FP16 overflow at the scale": "fp16_overflow_at_scale",
+    "FP16 underflow at the scale": "fp16_underflow_at_scale",
+    "BF16 overflow at the scale": "bf16_overflow_at_scale",
+    "BF16 underflow at the scale": "bf16_underflow_at_scale",
 }
+#: the most points a signal line is drawn with
+SIGNAL_POINTS = 5000
 
 
-def signal_lines(totals: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
+def signal_lines(totals: pd.DataFrame) -> pd.DataFrame:
     """The per-step signals as lines to draw: step, line (a SIGNAL_LINES name) and values (summed over the
-    step's tensors), for the lines with a value above 0 at some step. Over ``max_points`` steps, each run of
-    steps is drawn as its largest value at its first step, so a one-step spike is never thinned away.
-    ``totals``: Store.step_signal_totals."""
-    summed = pd.DataFrame({"step": totals["step"].to_numpy()} | {
-        line: totals[list(columns)].sum(axis=1).to_numpy() for line, columns in SIGNAL_LINES.items()})
-    if len(summed) > max_points:
-        bucket = np.arange(len(summed)) // math.ceil(len(summed) / max_points)
-        summed = summed.groupby(bucket).agg({"step": "first"} | {line: "max" for line in SIGNAL_LINES})
-    drawn = [line for line in SIGNAL_LINES if (summed[line] > 0).any()]
-    return summed.melt(id_vars="step", value_vars=drawn, var_name="line", value_name="values")
+    step's tensors), for the lines with a value above 0 at some step. Over SIGNAL_POINTS rows (a live run's,
+    read step by step), each run of rows is drawn as its largest value at its first step, as
+    Store.step_signal_totals' ranges are, so a one-step spike is never thinned away. ``totals``: that read."""
+    drawn = pd.DataFrame({"step": totals["step"].to_numpy()}
+                         | {line: totals[column].to_numpy() for line, column in SIGNAL_LINES.items()})
+    if len(drawn) > SIGNAL_POINTS:
+        bucket = np.arange(len(drawn)) // math.ceil(len(drawn) / SIGNAL_POINTS)
+        drawn = drawn.groupby(bucket).agg({"step": "first"} | {line: "max" for line in SIGNAL_LINES})
+    shown = [line for line in SIGNAL_LINES if (drawn[line] > 0).any()]
+    return drawn.melt(id_vars="step", value_vars=shown, var_name="line", value_name="values")
 
 
 def signal_note(totals: pd.DataFrame, kept_steps: int) -> str:
     """What the per-step signal panel shows, in words: how many steps were counted against how many kept
-    their full statistics, or that none overflowed (``kept_steps``: the number of logged steps)."""
+    their full statistics, or that none overflowed (``totals``: Store.step_signal_totals; ``kept_steps``: the
+    number of logged steps)."""
     if totals.empty:
         return ("No per-step over/underflow counts: this run was recorded before mpdiag stored them at every step "
                 "(schema 15), and its kept steps hold none either.")
-    counted = f"{len(totals):,} steps counted, {kept_steps:,} of them with full statistics (the Gradients page)"
-    if not (totals.drop(columns="step").to_numpy() > 0).any():
+    counted = (f"{int(totals['steps'].sum()):,} steps counted, {kept_steps:,} of them with full statistics (the "
+               "Gradients page)")
+    if not (totals[list(SIGNAL_LINES.values())].to_numpy() > 0).any():
         return f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
     return (f"Values that overflow or underflow FP16/BF16 at the loss scale (S·g, as the backward produced them) "
             f"and inf/NaN values, summed over the tensors, at every step whether its full statistics were kept or "
-            f"not ({counted}); symmetric-log axis, 0 at the bottom.")
+            f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis.")
 
 
 def recorded_norms(steps: pd.DataFrame) -> pd.Series:

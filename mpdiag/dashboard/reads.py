@@ -19,6 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.summaries import SIGNAL_POINTS
 from mpdiag.store import Store
 from mpdiag.store.schema import no_store
 
@@ -133,8 +134,8 @@ def steps(store: Store, run_id: int) -> pd.DataFrame:
 @cached_when_final(live=live_step_signal_totals)
 def step_signal_totals(store: Store, run_id: int) -> pd.DataFrame:
     """Every counted step's inf/NaN and FP16/BF16 under/overflow at the scale, summed over tensors, kept or not
-    (Store.step_signal_totals)."""
-    return store.step_signal_totals(run_id)
+    (Store.step_signal_totals), in at most SIGNAL_POINTS ranges of steps (each count's largest in its range)."""
+    return store.step_signal_totals(run_id, max_rows=SIGNAL_POINTS)
 
 
 @cached_when_final()

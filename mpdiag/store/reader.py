@@ -319,12 +319,20 @@ class Store:
         return self._query("SELECT step, reason FROM kept_steps WHERE run_id = ? ORDER BY step, reason",
                            (int(run_id),))
 
-    def step_signal_totals(self, run_id: int, since_step: int = -1) -> pd.DataFrame:
+    def step_signal_totals(self, run_id: int, since_step: int = -1, max_rows: int | None = None) -> pd.DataFrame:
         """Per step with signals after ``since_step`` (every step the Recorder counted, kept or not; runs
-        recorded before schema 15: their logged steps only): step and each of SIGNAL_COUNTS (``nan``, ``posinf``,
-        ``neginf``, ``fp16_underflow_at_scale``, ..., ``bf16_overflow_at_scale``) summed over the step's tensors."""
-        return self._query(f"SELECT step, {', '.join(SIGNAL_COUNTS)} FROM step_signals WHERE run_id = ? AND step > ? "
-                           "ORDER BY step", (int(run_id), int(since_step)))
+        recorded before schema 15: their logged steps only): step, each of SIGNAL_COUNTS (``nan``, ``posinf``,
+        ``neginf``, ``fp16_underflow_at_scale``, ..., ``bf16_overflow_at_scale``) summed over the step's tensors,
+        and ``steps`` (1). With ``max_rows``, more steps than that are read in ranges of consecutive steps, one row
+        each: its first step, each count's largest value at one of its steps, and ``steps`` the range holds."""
+        where, params = "FROM step_signals WHERE run_id = ? AND step > ?", [int(run_id), int(since_step)]
+        count, first, last = (0, 0, 0) if max_rows is None else \
+            self._query(f"SELECT COUNT(*), MIN(step), MAX(step) {where}", params).iloc[0].tolist()
+        if count <= (max_rows or count):
+            return self._query(f"SELECT step, {', '.join(SIGNAL_COUNTS)}, 1 AS steps {where} ORDER BY step", params)
+        largest = ", ".join(f"MAX({c}) AS {c}" for c in SIGNAL_COUNTS)
+        return self._query(f"SELECT MIN(step) AS step, {largest}, COUNT(*) AS steps {where} GROUP BY (step - ?) / ? "
+                           "ORDER BY step", [*params, int(first), -(-(int(last) - int(first) + 1) // max_rows)])
 
     def step_signals(self, run_id: int, first_step: int = 0, last_step: int | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

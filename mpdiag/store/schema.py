@@ -217,6 +217,9 @@ _STATEMENTS = [
     f"""CREATE TABLE IF NOT EXISTS step_signals (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, {", ".join(f"{c} INTEGER NOT NULL" for c in SIGNAL_COUNTS)},
     counts BLOB NOT NULL, UNIQUE (run_id, step))""",
+    # the sums alone, so a run's per-step line is read from this index without the blobs' pages (100,000 steps:
+    # 0.4 s through the table, a few MB here)
+    f"CREATE INDEX IF NOT EXISTS step_signal_sums ON step_signals (run_id, step, {', '.join(SIGNAL_COUNTS)})",
 ]
 
 

@@ -420,5 +420,8 @@ def test_step_signals_round_trip_per_tensor_with_absent_tensors_and_wrong_shapes
     assert counts[0].tolist() == first.tolist()
     assert counts[1].tolist() == [[-1] * 7, [-1] * 7, [0, 0, 0, big, 1, 0, 2]]
     assert store.step_signals(run_id, first_step=1)[0].tolist() == [5]
-    assert store.step_signal_totals(run_id).values.tolist() == [[0, *first.sum(axis=0).tolist()],
-                                                                [5, 0, 0, 0, big, 1, 0, 2]]
+    assert store.step_signal_totals(run_id).values.tolist() == [[0, *first.sum(axis=0).tolist(), 1],
+                                                                [5, 0, 0, 0, big, 1, 0, 2, 1]]
+    # in ranges of steps: each count's largest at one step of the range, its first step, the steps it holds
+    assert store.step_signal_totals(run_id, max_rows=1).values.tolist() == [
+        [0, *np.maximum(first.sum(axis=0), [0, 0, 0, big, 1, 0, 2]).tolist(), 2]]
