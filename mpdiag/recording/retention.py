@@ -130,7 +130,7 @@ class Retention:
             over, under = counts[f"{fmt}_overflow_at_scale"], counts[f"{fmt}_underflow_at_scale"]
             over_share, under_share = over / size, under / size
             before_over, before_under = self._overflow[f, tensor_ids], self._underflow[f, tensor_ids]
-            first = (over > 0) & ~self._overflowed[f, tensor_ids]
+            first = (over > 0) & (before_over == 0) & ~self._overflowed[f, tensor_ids]  # none before, never yet
             if (first | self._jumped(over_share - before_over, size)).any():
                 found.add(OVERFLOW)
             self._overflowed[f, tensor_ids] |= over > 0
