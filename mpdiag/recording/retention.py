@@ -16,8 +16,8 @@ copy of the gradients from which the full statistics are computed if the step is
 * ``overflow``: a tensor's values that overflow FP16 or BF16 at the loss scale in use went from none to some for
   the first time in the run, or their share of the tensor rose by :data:`SHARE_JUMP` or more (and
   :data:`MIN_JUMP_VALUES` values) since the step before. A tensor at the edge of a format's range flickers between
-  none and a few values: counting every return kept half of a long run's steps (bench/store_scale.py), and each
-  step's counts are in its signals anyway;
+  none and a few values: counting every return kept 17% of the steps of a synthetic 500-tensor run past its start
+  (bench/store_scale.py), and each step's counts are in its signals anyway;
 * ``underflow``: the share of a tensor's values that underflow FP16 or BF16 at that scale rose by :data:`SHARE_JUMP`
   or more (and :data:`MIN_JUMP_VALUES` values) since the step before;
 * ``loss-spike``, ``grad-norm-spike``: the spike events of :mod:`mpdiag.recording.events` (their thresholds);
