@@ -312,10 +312,13 @@ class RunConfig:
     # numpy's seed is at most 2**32 - 1; a negative one is refused by numpy too
     seed: int = option(0, "seed for torch, numpy and random", "int", minimum=0, maximum=2**32 - 1,
                        widget={"label": "Seed"})
-    every: int = option(1, "store tensor statistics every N steps, and at the steps where something happened "
-                           "and the steps next to them; on the CPU a step between multiples costs a light pass "
-                           "and a copy of its gradients, three such copies held (docs/events.md)", "int", minimum=1,
-                        widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000}, watch=True)
+    every: int | None = option(
+        None, "store tensor statistics every N steps, and at the steps where something happened and the steps next "
+              "to them; default: every step for the first 1000, then every 50th (each step's inf/NaN and FP16/BF16 "
+              "over/underflow counts are stored either way); on the CPU a step between multiples costs a light pass "
+              "and a copy of its gradients, three such copies held (docs/events.md)", "int", minimum=1,
+        widget={"label": "Tensor statistics every N steps", "max_value": 1_000_000,
+                "placeholder": "every step to 1000, then every 50th"}, watch=True)
     shadow_every: int = option(
         0, _SHADOW_HELP, "int", minimum=0,
         widget={"label": "FP32 shadow every N steps (0: off)", "max_value": 1_000_000,
@@ -560,7 +563,7 @@ _CHANGE_WORDS = {
     "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {_power_text(v)}",
     "steps": lambda v: f"{v} steps",
     "shadow_every": lambda v: "no FP32 shadow" if not v else f"FP32 shadow every {v}",
-    "every": lambda v: f"statistics every {v}",
+    "every": lambda v: "statistics thinned after 1000 steps" if v is None else f"statistics every {v}",
     "trace_modules": lambda v: "modules traced" if v else "modules not traced",
     "fp8": lambda v: "FP8 statistics" if v else "no FP8 statistics",
     "fp8_recipe": lambda v: f"{str(v).upper()} blocks" if v in BLOCK_RECIPES else f"{v} scaling",

@@ -1,5 +1,5 @@
 """Loss scale: the scale per step (log2), skipped steps, the growth tracker, and the loss, learning rate and global
-gradient norm beneath.
+gradient norm beneath; each step's over/underflow counts, kept or not.
 
 Asks mpdiag.dashboard.loss_scale_model for what to show and draws it with the chart layer; no store queries, no
 torch.
@@ -39,6 +39,9 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded. "
                "The learning rate and the gradient norm (of all gradients, unscaled, before any clipping: what "
                "clip_grad_norm_ returns) are recorded at every step, logged or not.")
+    if not model.signals.empty:
+        ui.show_chart(charts.signal_lines(model.signals), width="stretch")
+    st.caption(plain(model.signal_note))
     if model.ranks is not None:
         ranks_view(run, model.ranks)
 

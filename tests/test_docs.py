@@ -175,5 +175,5 @@ def test_the_events_thresholds_are_the_codes():
     assert EVENTS_MARKER in (DOCS / "events.md").read_text()
     table = thresholds_table(EVENTS_MODULES)
     for name in ("SKIP_STREAK", "SCALE_FLOOR", "SPIKE_WINDOW", "SPIKE_SIGMAS", "SPIKE_MIN_VALUES", "SPIKE_MIN_RISE",
-                 "MAX_PER_KIND", "SHARE_JUMP", "MIN_JUMP_VALUES", "AROUND"):
+                 "MAX_PER_KIND", "SHARE_JUMP", "MIN_JUMP_VALUES", "AROUND", "DENSE_START_STEPS", "THIN_EVERY"):
         assert f"| `{name}` |" in table, name

@@ -12,7 +12,7 @@ import pandas as pd
 
 from mpdiag.analysis.run_choice import script_names
 from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
-from mpdiag.recording.retention import AFTER, BEFORE, EVERY
+from mpdiag.recording.retention import AFTER, BEFORE, DENSE_START_STEPS, EVERY, START, THIN_EVERY
 
 #: Largest number of marks one chart sends to the browser.
 MAX_MARKS = 20_000
@@ -255,12 +255,19 @@ def blank_steps_text(blank: pd.DataFrame, logged: int) -> str:
 
 def kept_steps_text(kept: pd.DataFrame, every) -> str | None:
     """The sentence under the gradient heatmap saying why its columns have gaps: statistics stored every ``every``
-    steps (the run's --every) and, named with their reasons, the steps kept for an anomaly (``kept``:
-    Store.kept_steps; mpdiag.recording.retention); None when every step was stored."""
-    if every is None or pd.isna(every) or int(every) <= 1:
+    steps (the run's --every; None: the default retention, every step to DENSE_START_STEPS, then every THIN_EVERY)
+    and, named with their reasons, the steps kept for an anomaly (``kept``: Store.kept_steps;
+    mpdiag.recording.retention); None when every step was stored."""
+    if (every is None or pd.isna(every)) and (kept["reason"] == START).any():
+        if kept["step"].max() < DENSE_START_STEPS:
+            return None  # a run short enough to be kept whole
+        text = (f"Statistics are stored at every step up to step {DENSE_START_STEPS - 1:,}, then every "
+                f"{THIN_EVERY:,} steps; the columns between them are not stored")
+    elif every is None or pd.isna(every) or int(every) <= 1:
         return None
-    anomalies = kept[~kept["reason"].isin((EVERY, BEFORE, AFTER))]
-    text = f"Statistics are stored every {int(every):,} steps; the columns between them are not stored"
+    else:
+        text = f"Statistics are stored every {int(every):,} steps; the columns between them are not stored"
+    anomalies = kept[~kept["reason"].isin((START, EVERY, BEFORE, AFTER))]
     if anomalies.empty:
         return text + "."
     around = kept.loc[kept["reason"].isin((BEFORE, AFTER)), "step"].nunique()
@@ -465,6 +472,50 @@ def thin_steps(steps: pd.DataFrame, max_points: int = 5000) -> pd.DataFrame:
     if "grad_norm" in steps:  # a non-finite gradient norm is a red rule: never thinned away
         keep |= recorded_norms(steps).to_numpy() & ~np.isfinite(steps["grad_norm"].to_numpy(dtype=float))
     return steps[keep]
+
+
+#: the per-step signal lines: Store.step_signal_totals' column of each, in drawing order
+SIGNAL_LINES = {
+    "NaN values": "nan",
+    "+inf values": "posinf",
+    "-inf values": "neginf",
+    "FP16 overflow at the scale": "fp16_overflow_at_scale",
+    "FP16 underflow at the scale": "fp16_underflow_at_scale",
+    "BF16 overflow at the scale": "bf16_overflow_at_scale",
+    "BF16 underflow at the scale": "bf16_underflow_at_scale",
+}
+#: the most points a signal line is drawn with
+SIGNAL_POINTS = 5000
+
+
+def signal_lines(totals: pd.DataFrame) -> pd.DataFrame:
+    """The per-step signals as lines to draw: step, line (a SIGNAL_LINES name) and values (summed over the
+    step's tensors), for the lines with a value above 0 at some step. Over SIGNAL_POINTS rows (a live run's,
+    read step by step), each run of rows is drawn as its largest value at its first step, as
+    Store.step_signal_totals' ranges are, so a one-step spike is never thinned away. ``totals``: that read."""
+    drawn = pd.DataFrame({"step": totals["step"].to_numpy()}
+                         | {line: totals[column].to_numpy() for line, column in SIGNAL_LINES.items()})
+    if len(drawn) > SIGNAL_POINTS:
+        bucket = np.arange(len(drawn)) // math.ceil(len(drawn) / SIGNAL_POINTS)
+        drawn = drawn.groupby(bucket).agg({"step": "first"} | {line: "max" for line in SIGNAL_LINES})
+    shown = [line for line in SIGNAL_LINES if (drawn[line] > 0).any()]
+    return drawn.melt(id_vars="step", value_vars=shown, var_name="line", value_name="values")
+
+
+def signal_note(totals: pd.DataFrame, kept_steps: int) -> str:
+    """What the per-step signal panel shows, in words: how many steps were counted against how many kept
+    their full statistics, or that none overflowed (``totals``: Store.step_signal_totals; ``kept_steps``: the
+    number of logged steps)."""
+    if totals.empty:
+        return ("No per-step over/underflow counts: this run was recorded before mpdiag stored them at every step "
+                "(schema 16), and its kept steps hold none either.")
+    counted = (f"{int(totals['steps'].sum()):,} steps counted, {kept_steps:,} of them with full statistics (the "
+               "Gradients page)")
+    if not (totals[list(SIGNAL_LINES.values())].to_numpy() > 0).any():
+        return f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
+    return (f"Values that overflow or underflow FP16/BF16 at the loss scale (S·g, as the backward produced them) "
+            f"and inf/NaN values, summed over the tensors, at every step whether its full statistics were kept or "
+            f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis.")
 
 
 def recorded_norms(steps: pd.DataFrame) -> pd.Series:

@@ -349,6 +349,16 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     return stacked_over_steps(*panels)
 
 
+def signal_lines(lines: pd.DataFrame) -> alt.Chart:
+    """The per-step signals (summaries.signal_lines): one line per kind, values summed over the tensors on a
+    symmetric-log axis (0 stays drawable), every counted step whether its full statistics were kept or not."""
+    return _fit(alt.Chart(lines).mark_line(interpolate="step-after").encode(
+        x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)", scale=alt.Scale(type="symlog")),
+        color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top")),
+        tooltip=["step:Q", "line:N", alt.Tooltip("values:Q", format=",d")],
+    ).properties(height=180, title="over/underflow per step, kept or not"))
+
+
 def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
     """The learning rate of every step (Store.steps' ``lr``), or None when no step has one (a run recorded before
     schema 9, or without a known optimizer: the page says so, :func:`mpdiag.analysis.summaries.lr_norm_notes`)."""

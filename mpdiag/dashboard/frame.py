@@ -442,9 +442,11 @@ def option_widget(container, spec: Option, value, key: str, disabled: str = ""):
         return scale_picker(container, label, value, key, help_text)
     if spec.kind == "flag":
         return container.checkbox(label, bool(value), key=key, help=help_text, disabled=bool(disabled))
-    if spec.kind == "int":
-        return int(container.number_input(label, spec.minimum, hints.get("max_value", spec.maximum), int(value),
-                                          key=key, help=help_text, disabled=bool(disabled)))
+    if spec.kind == "int":  # an optional one (default None) may be left empty: its placeholder says what then
+        number = container.number_input(label, spec.minimum, hints.get("max_value", spec.maximum),
+                                        None if value is None else int(value), step=1, key=key, help=help_text,
+                                        disabled=bool(disabled), placeholder=hints.get("placeholder"))
+        return None if number is None else int(number)
     if spec.kind == "events":
         return stop_on_widget(container, value, key, label, help_text, disabled=bool(disabled))
     number = container.number_input(label, value=None if value is None else float(value), format="%g", key=key,

@@ -1,11 +1,13 @@
 """The Loss scale page's view-model: what pages/2_Loss_scale.py shows of one run (its steps for the scale panel,
-the scale's events, the notes beneath, and a distributed run's per-rank rows with the rank-nonfinite finding), as
+the scale's events, the notes beneath, each step's over/underflow counts whether its full statistics were kept or
+not, and a distributed run's per-rank rows with the rank-nonfinite finding), as
 typed values built from the cached reads (reads.py) and mpdiag.analysis. No widgets and no drawing here, so every
 part is testable without Streamlit; the page draws these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pandas as pd
@@ -29,12 +31,15 @@ class Ranks:
 class LossScaleRun:
     """One run's loss scale: ``steps`` as drawn (a static scale's growth tracker left out: it has no growth to
     track, so its flat line says nothing and the notes say why), the scale's events counted on the steps as
-    recorded, the notes, and the ranks (None for one process)."""
+    recorded, the notes, the per-step signal lines (summaries.signal_lines; empty: nothing to draw) and what they
+    show, and the ranks (None for one process)."""
     steps: pd.DataFrame
     events: dict[str, int]
     nonfinite_losses: int
     notes: list[str]
     ranks: Ranks | None
+    signals: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    signal_note: str = ""
 
 
 def ranks(store: Store, run: pd.Series, steps: pd.DataFrame, final: bool) -> Ranks:
@@ -51,5 +56,8 @@ def loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
         return LossScaleRun(recorded, {}, 0, [], None)
     steps = recorded.assign(growth_tracker=float("nan")) if run["scaling"] == "static" else recorded
     notes = summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps)
+    signals = reads.step_signal_totals(store, int(run["run_id"]), final)
     return LossScaleRun(steps, summaries.scale_events(recorded), summaries.nonfinite_losses(recorded), notes,
-                        ranks(store, run, steps, final) if int(run["world_size"]) > 1 else None)
+                        ranks(store, run, steps, final) if int(run["world_size"]) > 1 else None,
+                        summaries.signal_lines(signals),
+                        summaries.signal_note(signals, len(reads.logged_steps(store, int(run["run_id"]), final))))

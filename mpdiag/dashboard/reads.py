@@ -19,6 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.summaries import SIGNAL_POINTS
 from mpdiag.store import Store
 from mpdiag.store.schema import no_store
 
@@ -101,10 +102,24 @@ def live_steps(store: Store, run_id: int) -> pd.DataFrame:
                             lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
 
 
+def live_step_signal_totals(store: Store, run_id: int) -> pd.DataFrame:
+    """The run's per-step signal totals, reading only rows added since the previous call in this session."""
+    return _since_last_read(store, "signals", run_id,
+                            lambda since: store.step_signal_totals(int(run_id), since_step=since),
+                            lambda before, new: pd.concat([before, new], ignore_index=True) if len(new) else before)
+
+
 @cached_when_final(live=live_steps)
 def steps(store: Store, run_id: int) -> pd.DataFrame:
     """Every recorded step of the run (Store.steps): cached when final, else read incrementally."""
     return store.steps(run_id)
+
+
+@cached_when_final(live=live_step_signal_totals)
+def step_signal_totals(store: Store, run_id: int) -> pd.DataFrame:
+    """Every counted step's inf/NaN and FP16/BF16 under/overflow at the scale, summed over tensors, kept or not
+    (Store.step_signal_totals), in at most SIGNAL_POINTS ranges of steps (each count's largest in its range)."""
+    return store.step_signal_totals(run_id, max_rows=SIGNAL_POINTS)
 
 
 @cached_when_final()

@@ -26,9 +26,9 @@ class MpdiagTrainerCallback(TrainerCallback):
     (default: the script's file name), with watch's ``every``, ``trace_modules`` and ``shadow_every``."""
 
     def __init__(self, store: str | os.PathLike | None = None, name: str | None = None,
-                 every: int = WATCH_OPTIONS["every"].default, *,
+                 every: int | None = WATCH_OPTIONS["every"].default, *,
                  trace_modules: bool = WATCH_OPTIONS["trace_modules"].default,
-                 shadow_every: int = WATCH_OPTIONS["shadow_every"].default):
+                 shadow_every: int | None = WATCH_OPTIONS["shadow_every"].default):
         self.store = store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE
         self.config = dict(name=name, every=every, trace_modules=trace_modules, shadow_every=shadow_every)
         self.session: WatchSession | None = None

@@ -29,7 +29,8 @@ class MpdiagCallback(pl.Callback):
     the LightningModule's class name); ``every``, ``trace_modules`` and ``fp8`` as the Recorder takes them."""
 
     def __init__(self, store: str | os.PathLike | None = None, name: str | None = None,
-                 every: int = OPTIONS["every"].default, *, trace_modules: bool = OPTIONS["trace_modules"].default,
+                 every: int | None = OPTIONS["every"].default, *,
+                 trace_modules: bool = OPTIONS["trace_modules"].default,
                  fp8: Fp8Settings | None = None):
         self.store, self.name, self.every, self.trace_modules, self.fp8 = store, name, every, trace_modules, fp8
         self.recorder: Recorder | None = None

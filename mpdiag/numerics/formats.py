@@ -65,6 +65,14 @@ FP8_E5M2 = Format("fp8_e5m2", "float8_e5m2", max_finite=57344.0, min_normal=2.0*
 #: Linear's tensors is mpdiag.numerics.fp8.
 LOW_PRECISION = {fmt.name: fmt for fmt in (FP16, BF16, FP8_E4M3, FP8_E5M2)}
 
+#: The per-step signals: the formats whose at-scale underflow and overflow are counted at every step, kept or not
+#: (what anomaly retention watches, mpdiag.recording.retention), and the count names, in the order the light pass
+#: (mpdiag.numerics.gradstats) counts them and the store keeps them (step_signals); each equals the full statistics'
+#: count of the same name (StepGradStats.counts).
+SIGNAL_FORMATS = ("fp16", "bf16")
+SIGNAL_COUNTS = ("nan", "posinf", "neginf", *(f"{fmt}_{kind}_at_scale" for fmt in SIGNAL_FORMATS
+                                              for kind in ("underflow", "overflow")))
+
 #: Exponent bins of an fp32 histogram: every finite non-zero fp32 value falls in one of these.
 EXP_MIN = FP32.min_subnormal_exponent  # -149
 EXP_MAX = FP32.max_exponent  # 127

@@ -37,7 +37,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpdiag.numerics.formats import BF16, EXP_MIN, FP16, FP32, LOW_PRECISION, N_EXP_BINS, Format
+from mpdiag.numerics.formats import (
+    BF16,
+    EXP_MIN,
+    FP16,
+    FP32,
+    LOW_PRECISION,
+    N_EXP_BINS,
+    SIGNAL_COUNTS,
+    SIGNAL_FORMATS,
+    Format,
+)
 from mpdiag.numerics.keys import COMMON_BOUNDS, FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGION_BOUNDS, REGIONS
 
 #: whether the fused CPU kernel (mpdiag.numerics.cpu_kernel) can be used; numba itself is imported on first use
@@ -241,11 +251,8 @@ def _cast_edges(fmt: Format) -> tuple[float, float]:
     return tuple(float(torch.tensor([bits], dtype=torch.int32).view(torch.float32)) for bits in edges)
 
 
-#: the formats whose at-scale underflow and overflow counts :meth:`GradStatsComputer.hold` counts (what anomaly
-#: retention watches), and its count names: a subset of StepGradStats.counts, equal to them
-SIGNAL_FORMATS = ("fp16", "bf16")
-SIGNAL_COUNTS = ("nan", "posinf", "neginf", *(f"{fmt}_{kind}_at_scale" for fmt in SIGNAL_FORMATS
-                                              for kind in ("underflow", "overflow")))
+# :meth:`GradStatsComputer.hold` counts SIGNAL_COUNTS (mpdiag.numerics.formats): a subset of StepGradStats.counts,
+# equal to them
 SIGNAL_EDGES = np.array([_cast_edges(LOW_PRECISION[fmt]) for fmt in SIGNAL_FORMATS], dtype=np.float32)
 
 

@@ -56,8 +56,8 @@ class _OpenRuns:
         if fields.get("status") in _ENDED:
             self.open.discard(int(run_id))
 
-    def write_batch(self, run_id: int, step_rows, tensor_rows, kept=()) -> None:
-        self.sink.write_batch(run_id, step_rows, tensor_rows, kept)
+    def write_batch(self, run_id: int, step_rows, tensor_rows, kept=(), signals=()) -> None:
+        self.sink.write_batch(run_id, step_rows, tensor_rows, kept, signals)
         if step_rows:
             self.stepping.add(int(run_id))
 

@@ -52,7 +52,8 @@ class RecordedStep:
     step: its index; loss: the unscaled loss as ``record`` was given it; scale: the loss scale the gradients were
     computed at (GradScaler's scale tensor on a GPU, else a float; 1.0 without a scaler); scaled: a loss scaler is
     in use; norm: the global gradient norm, unscaled, as a 0-dim device tensor (None where this process reads no
-    statistics); at_multiple: the step is a multiple of ``every``; logged: at a multiple and its statistics were
+    statistics); at_multiple: a regular step (a multiple of ``every``, or one of the default's first 1,000 steps:
+    Retention.regular); logged: at a regular step and its statistics were
     started (the steps where the update counts and the optimizer-step check run)."""
 
     step: int

@@ -40,7 +40,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from mpdiag.numerics.formats import LOW_PRECISION, resolution_log2
+from mpdiag.numerics.formats import LOW_PRECISION, SIGNAL_COUNTS, resolution_log2
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, HeldStep, PendingStats
 from mpdiag.numerics.updates import UpdateTracker
@@ -154,14 +154,17 @@ class Recorder:
         optimizer: the optimizer whose ``step`` marks a completed step. When None, any optimizer holding
             one of ``model``'s parameters counts.
         every: store tensor statistics every ``every`` steps, and at the steps where something happened and
-            the steps next to them (scalars are recorded every step: the loss, the scale, whether the step was
-            skipped, its time, and the three below). With ``every`` above 1, an anomaly between two multiples is
+            the steps next to them; None (the default): every step below ``DENSE_START_STEPS`` (1,000), then
+            every ``THIN_EVERY`` (50) and the anomalies (:mod:`mpdiag.recording.retention`). Each step's
+            non-finite and FP16/BF16 under/overflow counts per tensor are stored whatever is kept
+            (``Store.step_signals``); scalars are recorded every step: the loss, the scale, whether the step was
+            skipped, its time, and the three below. With ``every`` above 1, an anomaly between two multiples is
             kept too: :mod:`mpdiag.recording.retention` says which steps are kept and why (``Store.kept_steps``).
             On the CPU the steps between multiples cost a copy of their gradients and one light pass (what
             retention decides with), and the full statistics only if kept: the copies of the last three steps
             are held (three times the gradients' size in FP32); on a GPU the full statistics run at every step
             (a fixed number of launches, no copy). The update counts, the optimizer-step check and ``fp8`` stay
-            at the multiples of ``every``.
+            at the regular steps (the multiples of ``every``, and the default's first 1,000).
         config: run fields (see ``mpdiag.store.RUN_FIELDS``, e.g. ``opt_level``, ``seed``), which set those
             columns, and free-form settings, stored with the run (JSON, ``Store.run(id)["config"]``). They are
             the user's: never read as mpdiag's own configuration. A key mpdiag reads as its own
@@ -250,7 +253,7 @@ class Recorder:
         name: str | None = None,
         scaler=None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-        every: int = OPTIONS["every"].default,
+        every: int | None = OPTIONS["every"].default,
         config: dict[str, Any] | None = None,
         *,
         trace_modules: bool = OPTIONS["trace_modules"].default,
@@ -279,7 +282,7 @@ class Recorder:
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
-        if every < 1:
+        if every is not None and every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
@@ -325,6 +328,7 @@ class Recorder:
         self._step_rows: list[tuple] = []
         self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
         self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
+        self._signal_rows: list[tuple] = []  # (step, tensor ids, SIGNAL_COUNTS per tensor) of every counted step
         self._rows_through: int | None = None  # the last step whose row is complete
         self._last_flush = time.monotonic()
         self._last_record = self._started = time.perf_counter()
@@ -530,7 +534,7 @@ class Recorder:
         step = self._step
         scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
         read = gradients if gradients is not None else self._read_tensors(step, scale)
-        at_multiple = step % self.every == 0
+        at_multiple = self._retention.regular(step)  # a multiple of every, or one of the default's first steps
         recorded = RecordedStep(step, loss, scale, scaled=self.scaler is not None, norm=read.norm,
                                 at_multiple=at_multiple, logged=at_multiple and read.pending is not None)
         for feature in self._features:
@@ -751,7 +755,10 @@ class Recorder:
         if not kept:
             return
         counts = stats.counts if len(kept) == len(present) else {name: c[kept] for name, c in stats.counts.items()}
-        self._retention.see_stats(step, np.asarray(present)[kept], counts, (present, stats, kept))
+        tensor_ids = np.asarray(present)[kept]
+        # stored for every step, kept or not: the same counts the rules read (light pass or full statistics)
+        self._signal_rows.append((step, tensor_ids, np.stack([counts[c] for c in SIGNAL_COUNTS], axis=1)))
+        self._retention.see_stats(step, tensor_ids, counts, (present, stats, kept))
 
     def _keep(self, decided: list[tuple[int, Any, list[str]]]) -> None:
         """The rows of the steps the retention kept, and why it kept them."""
@@ -790,11 +797,12 @@ class Recorder:
 
     def _flush(self) -> None:
         self._read_arrived(wait=False)
-        steps, tensors, kept = self._step_rows, self._tensor_batches, self._kept_rows
-        self._step_rows, self._tensor_batches, self._kept_rows = [], [], []
+        steps, tensors, kept, signals = self._step_rows, self._tensor_batches, self._kept_rows, self._signal_rows
+        self._step_rows, self._tensor_batches, self._kept_rows, self._signal_rows = [], [], [], []
         self._last_flush = time.monotonic()
-        if steps or tensors:
-            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, TensorBatch.concat(tensors), kept))
+        if steps or tensors or signals:
+            self._writer.submit(lambda w: w.write_batch(self.run_id, steps, TensorBatch.concat(tensors), kept,
+                                                        signals))
         events = self.events.take()
         if events:
             self._writer.submit(lambda w: w.add_events(self.run_id, events))

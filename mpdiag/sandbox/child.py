@@ -119,6 +119,8 @@ def _encode_value(value):
         return value.rows()
     if isinstance(value, bytes | bytearray | memoryview):
         return {_BYTES_TAG: base64.b64encode(bytes(value)).decode("ascii")}
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0):  # numpy arrays (a step's signals)
+        return value.tolist()
     if hasattr(value, "item"):  # numpy scalars
         return value.item()
     raise TypeError(f"{type(value).__name__} cannot cross the child channel")

@@ -370,15 +370,17 @@ def _error_of(result: TaskResult) -> str:
     return result.outcome.message + (f"\nLast output:\n{tail}" if tail else "")
 
 
-def _row_records(step_rows: list, tensor_rows: list, kept: list = ()) -> tuple[list, list, list]:
-    """write_batch's rows as the writer takes them: the channel carries named records and the kept steps'
-    (step, reason) pairs as plain lists."""
+def _row_records(step_rows: list, tensor_rows: list, kept: list = (), signals: list = ()) -> tuple[list, ...]:
+    """write_batch's rows as the writer takes them: the channel carries named records, the kept steps'
+    (step, reason) pairs and the signals' (step, tensor ids, counts) as plain lists (the writer checks their
+    shapes)."""
     from mpdiag.store import Representability, StepRow, TensorRow
 
     return ([StepRow(*row) for row in step_rows],
             [TensorRow(*row[:-1], {fmt: Representability(*counts) for fmt, counts in row[-1].items()})
              for row in tensor_rows],
-            [(int(step), str(reason)) for step, reason in kept])
+            [(int(step), str(reason)) for step, reason in kept],
+            [(int(step), tensor_ids, counts) for step, tensor_ids, counts in signals])
 
 
 def _queue_rows(writer, script, configs: list) -> list[int]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION
+from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION, SIGNAL_COUNTS
 from mpdiag.store.liveness import process_is_alive
 from mpdiag.store.schema import (
     DEFAULT_STORE,
@@ -46,6 +46,7 @@ from mpdiag.store.schema import (
     StoreError,
     connect_read,
     decode_hists,
+    decode_signals,
     needs_immutable,
     no_store,
     open_for_writing,
@@ -381,6 +382,38 @@ class Store:
         ``after``). Runs recorded before schema version 14 read ``every`` for each of their logged steps."""
         return self._query("SELECT step, reason FROM kept_steps WHERE run_id = ? ORDER BY step, reason",
                            (int(run_id),))
+
+    def step_signal_totals(self, run_id: int, since_step: int = -1, max_rows: int | None = None) -> pd.DataFrame:
+        """Per step with signals after ``since_step`` (every step the Recorder counted, kept or not; runs
+        recorded before schema 16: their logged steps only): step, each of SIGNAL_COUNTS (``nan``, ``posinf``,
+        ``neginf``, ``fp16_underflow_at_scale``, ..., ``bf16_overflow_at_scale``) summed over the step's tensors,
+        and ``steps`` (1). With ``max_rows``, more steps than that are read in ranges of consecutive steps, one row
+        each: its first step, each count's largest value at one of its steps, and ``steps`` the range holds."""
+        where, params = "FROM step_signals WHERE run_id = ? AND step > ?", [int(run_id), int(since_step)]
+        count, first, last = (0, 0, 0) if max_rows is None else \
+            self._query(f"SELECT COUNT(*), MIN(step), MAX(step) {where}", params).iloc[0].tolist()
+        if count <= (max_rows or count):
+            return self._query(f"SELECT step, {', '.join(SIGNAL_COUNTS)}, 1 AS steps {where} ORDER BY step", params)
+        largest = ", ".join(f"MAX({c}) AS {c}" for c in SIGNAL_COUNTS)
+        return self._query(f"SELECT MIN(step) AS step, {largest}, COUNT(*) AS steps {where} GROUP BY (step - ?) / ? "
+                           "ORDER BY step", [*params, int(first), -(-(int(last) - int(first) + 1) // max_rows)])
+
+    def step_signals(self, run_id: int, first_step: int = 0, last_step: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-tensor signals of the steps from ``first_step`` to ``last_step`` (None: the last) that have them,
+        as arrays: steps (n,), the run's tensor ids (m,) and counts (n, m, len(SIGNAL_COUNTS)) in SIGNAL_COUNTS'
+        order, -1 for a tensor not counted at that step (no fresh gradient). A range bounds the memory: a whole
+        100,000-step, 500-tensor run is 2.8 GB of counts."""
+        sql, params = "SELECT step, counts FROM step_signals WHERE run_id = ? AND step >= ?", [int(run_id), first_step]
+        if last_step is not None:
+            sql, params = sql + " AND step <= ?", [*params, int(last_step)]
+        rows = self._query(sql + " ORDER BY step", params)
+        tensor_ids = self.tensors(run_id)["tensor_id"].to_numpy(dtype=np.int64)
+        counts = np.full((len(rows), len(tensor_ids), len(SIGNAL_COUNTS)), -1, dtype=np.int64)
+        for k, blob in enumerate(rows["counts"]):
+            ids, step_counts = decode_signals(blob)
+            counts[k, np.searchsorted(tensor_ids, ids)] = step_counts
+        return rows["step"].to_numpy(dtype=np.int64), tensor_ids, counts
 
     def first_overflow(self, run_id: int, fmt: str) -> pd.DataFrame:
         """The first logged step at which a gradient at the loss scale in use (S*g) holds values that overflow

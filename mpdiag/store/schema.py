@@ -19,6 +19,7 @@ import itertools
 import os
 import sqlite3
 import time
+import zlib
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
@@ -26,7 +27,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS
+from mpdiag.numerics.formats import LOW_PRECISION, N_EXP_BINS, SIGNAL_COUNTS
 
 DEFAULT_STORE = "mpdiag_runs.db"
 # 2: runs.update_format, update_steps, shadow_steps. 3: representability counts in a long table keyed by format.
@@ -45,7 +46,9 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # of runs recorded before are migrated as kept for "every".
 # 15: hist_rollups, each tensor's histograms summed over buckets of ROLLUP_BUCKET_STEPS steps (runs recorded before
 # get them built from their tensor_steps rows when the store is migrated).
-SCHEMA_VERSION = 15
+# 16: step_signals, each step's per-tensor inf/NaN and FP16/BF16 under/overflow counts at the loss scale, stored at
+# every step, kept or not (issue 28); runs recorded before get them back from their kept steps' tensor rows.
+SCHEMA_VERSION = 16
 #: "stopped": training ended by --stop-on at an event, the reason in the run's error
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
@@ -226,6 +229,15 @@ _STATEMENTS = [
     f"""CREATE TABLE IF NOT EXISTS representability_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
     PRIMARY KEY (run_id, tensor_id, fmt)) WITHOUT ROWID""",
+    # per step, kept or not: SIGNAL_COUNTS summed over the step's tensors (what a per-step line reads without
+    # decoding), and per tensor in ``counts`` (encode_signals). A rowid table: its ~1 kB blobs would overflow the
+    # pages of a WITHOUT ROWID table's b-tree.
+    f"""CREATE TABLE IF NOT EXISTS step_signals (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, {", ".join(f"{c} INTEGER NOT NULL" for c in SIGNAL_COUNTS)},
+    counts BLOB NOT NULL, UNIQUE (run_id, step))""",
+    # the sums alone, so a run's per-step line is read from this index without the blobs' pages (100,000 steps:
+    # 0.4 s through the table, a few MB here)
+    f"CREATE INDEX IF NOT EXISTS step_signal_sums ON step_signals (run_id, step, {', '.join(SIGNAL_COUNTS)})",
 ]
 
 
@@ -284,6 +296,27 @@ def encode_hists(matrix: np.ndarray) -> list[bytes]:
     heads, data, row_bytes = first.astype("<i2").tobytes(), counts.tobytes(), counts.shape[1] * 8
     return [heads[2 * j : 2 * j + 2] + data[j * row_bytes + 8 * start : j * row_bytes + 8 * stop]
             for j, (start, stop) in enumerate(zip(first.tolist(), end.tolist(), strict=True))]
+
+
+def encode_signals(tensor_ids: np.ndarray, counts: np.ndarray) -> bytes:
+    """One step's signals as a blob: ``counts`` (tensors, len(SIGNAL_COUNTS)) of the tensors ``tensor_ids``, as
+    zlib of int32 (tensors, columns), the tensor ids' differences (int32: consecutive ids compress to nothing),
+    then the counts column by column (int64: a column of zeros compresses to a few bytes)."""
+    ids, counts = np.asarray(tensor_ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if counts.shape != (len(ids), len(SIGNAL_COUNTS)) or ids.ndim != 1:
+        raise ValueError(f"signals of {len(ids)} tensors must be ({len(ids)}, {len(SIGNAL_COUNTS)}) counts, "
+                         f"got {counts.shape}")
+    head = np.array(counts.shape, dtype="<i4").tobytes()
+    return zlib.compress(head + np.diff(ids, prepend=0).astype("<i4").tobytes()
+                         + np.ascontiguousarray(counts.T, dtype="<i8").tobytes())
+
+
+def decode_signals(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`encode_signals`: (tensor ids (n,), counts (n, len(SIGNAL_COUNTS))), int64."""
+    data = zlib.decompress(blob)
+    n, columns = np.frombuffer(data[:8], dtype="<i4").tolist()
+    ids = np.cumsum(np.frombuffer(data[8 : 8 + 4 * n], dtype="<i4").astype(np.int64))
+    return ids, np.frombuffer(data[8 + 4 * n :], dtype="<i8").reshape(columns, n).T.astype(np.int64)
 
 
 def decode_hist(blob: bytes) -> np.ndarray:
@@ -485,6 +518,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
                 conn.execute("INSERT INTO kept_steps SELECT run_id, step, 'every' FROM steps WHERE logged = 1")
             if version is not None and version < 15:
                 _build_histogram_rollups(conn)
+            if version is not None and version < 16:
+                _signals_from_tensor_rows(conn)
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
     except BaseException:
@@ -597,3 +632,36 @@ def _move_representability_to_long_table(conn: sqlite3.Connection) -> None:
         conn.execute(f"INSERT INTO {table} SELECT {columns} FROM {table}_v2")
         conn.execute(f"DROP TABLE {table}_v2")  # its index went with it
     conn.execute(_TENSOR_STEPS_INDEX_DDL)
+
+
+def _signals_from_tensor_rows(conn: sqlite3.Connection, chunk: int = 50_000) -> None:
+    """Migration to version 16: step_signals for the runs recorded before, at their logged steps (the only steps
+    whose counts they stored), from tensor_steps' special counts and the FP16/BF16 representability rows at the
+    scale, read in chunks of rows in (run, step) order."""
+    at_scale = [c for c in SIGNAL_COUNTS if c.endswith("_at_scale")]
+    picks = ", ".join(f"MAX(CASE WHEN r.fmt = '{c.split('_')[0]}' THEN r.{c.split('_', 1)[1]} END)" for c in at_scale)
+    cursor = conn.execute(
+        f"SELECT t.run_id, t.step, t.tensor_id, t.nan, t.posinf, t.neginf, {picks} FROM tensor_steps t "
+        "LEFT JOIN representability r ON r.run_id = t.run_id AND r.step = t.step AND r.tensor_id = t.tensor_id "
+        "GROUP BY t.run_id, t.step, t.tensor_id ORDER BY t.run_id, t.step, t.tensor_id")
+    carried: list[tuple] = []  # a step's rows cut by the chunk's end, finished with the next chunk
+    while rows := cursor.fetchmany(chunk):
+        carried += rows
+        last = carried[-1][:2]
+        done = [row for row in carried if row[:2] != last]
+        carried = carried[len(done):]
+        _insert_signals(conn, done)
+    _insert_signals(conn, carried)
+
+
+def _insert_signals(conn: sqlite3.Connection, rows: list[tuple]) -> None:
+    """step_signals rows from (run, step, tensor, SIGNAL_COUNTS...) rows in (run, step) order (a count missing
+    from an old store reads 0)."""
+    if not rows:
+        return
+    values = np.array([[*row[:3], *(0 if v is None else v for v in row[3:])] for row in rows], dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, (np.diff(values[:, :2], axis=0) != 0).any(axis=1)])
+    marks = ", ".join("?" * (3 + len(SIGNAL_COUNTS)))
+    conn.executemany(f"INSERT OR IGNORE INTO step_signals VALUES ({marks})",
+                     [(int(part[0, 0]), int(part[0, 1]), *part[:, 3:].sum(axis=0).tolist(),
+                       encode_signals(part[:, 2], part[:, 3:])) for part in np.split(values, starts[1:])])

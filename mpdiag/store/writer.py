@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.formats import LOW_PRECISION, SIGNAL_COUNTS
 from mpdiag.options import MAX_NAME_CHARS
 from mpdiag.store.liveness import process_is_alive, process_start_time, this_host
 from mpdiag.store.schema import (
@@ -39,6 +39,7 @@ from mpdiag.store.schema import (
     add_histogram_rollups,
     decode_hists,
     encode_hists,
+    encode_signals,
     open_for_writing,
     step_summaries,
 )
@@ -512,13 +513,16 @@ class StoreWriter:
             )
 
     def write_batch(self, run_id: int, step_rows: Sequence[StepRow], tensor_rows: Sequence[TensorRow] | TensorBatch,
-                    kept: Sequence[tuple[int, str]] = ()) -> None:
+                    kept: Sequence[tuple[int, str]] = (),
+                    signals: Sequence[tuple[int, Sequence, Sequence]] = ()) -> None:
         """Commit step and tensor rows (named rows or a :class:`TensorBatch`), add the tensor rows' counts to the
         running totals and refresh the run's heartbeat, in one transaction. Each (step, tensor) must be written
         once: the totals would count a rewrite twice. A representability key that is not a registry format is
         a ValueError. ``kept``: (step, reason) of the steps whose tensor rows are stored
         (mpdiag.recording.retention), into kept_steps; their step rows, in this batch or an earlier one, are
-        marked ``logged``. The histograms are added to their step buckets' sums (hist_rollups) too."""
+        marked ``logged``. The histograms are added to their step buckets' sums (hist_rollups) too. ``signals``:
+        (step, tensor ids, counts (tensors, SIGNAL_COUNTS)) of any step, kept or not, into step_signals (a step's
+        second set is ignored: the first came from the same gradients)."""
         run_id = int(run_id)
         batch = tensor_rows if isinstance(tensor_rows, TensorBatch) else TensorBatch.from_rows(tensor_rows)
         kinds = Representability._fields
@@ -549,6 +553,8 @@ class StoreWriter:
                 per_format)
             self._add_hist_totals(run_id, batch)
             add_histogram_rollups(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
+            self._conn.executemany(f"INSERT OR IGNORE INTO step_signals VALUES "
+                                   f"({', '.join('?' * (3 + len(SIGNAL_COUNTS)))})", _signal_rows(run_id, signals))
             self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
                                    [(run_id, step, reason) for step, reason in kept])
             self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",
@@ -573,6 +579,15 @@ class StoreWriter:
         totals[seen] += decode_hists([held[ids[k]] for k in seen])
         self._conn.executemany("INSERT OR REPLACE INTO hist_totals VALUES (?, ?, ?)",
                                zip(itertools.repeat(run_id), ids, encode_hists(totals)))
+
+
+def _signal_rows(run_id: int, signals: Sequence[tuple[int, Sequence, Sequence]]) -> list[tuple]:
+    """step_signals rows: (run, step, each count summed over the step's tensors, the per-tensor blob)."""
+    rows = []
+    for step, tensor_ids, counts in signals:
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1, len(SIGNAL_COUNTS))
+        rows.append((run_id, int(step), *counts.sum(axis=0).tolist(), encode_signals(tensor_ids, counts)))
+    return rows
 
 
 def _totals_rows(run_id: int, batch: TensorBatch) -> tuple[list[tuple], list[tuple]]:

@@ -61,10 +61,10 @@ class WatchConfig:
     args: tuple[str, ...] = ()
     module: bool = False
     name: str | None = WATCH_OPTIONS["name"].default
-    every: int = WATCH_OPTIONS["every"].default
+    every: int | None = WATCH_OPTIONS["every"].default
     trace_modules: bool = WATCH_OPTIONS["trace_modules"].default
     #: every N steps, FP32 gradients of the same step (mpdiag.training.watch_shadow) to compare with; 0: never
-    shadow_every: int = WATCH_OPTIONS["shadow_every"].default
+    shadow_every: int | None = WATCH_OPTIONS["shadow_every"].default
     opt_level: str | None = WATCH_OPTIONS["opt_level"].default
     init_scale: float | None = WATCH_OPTIONS["init_scale"].default
     stop_on: str = WATCH_OPTIONS["stop_on"].default  # --stop-on: the events that end the script (status stopped)

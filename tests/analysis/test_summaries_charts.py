@@ -255,3 +255,34 @@ def test_cast_shares_is_exact_at_two_to_the_zero_and_at_the_steps_own_scale():
     assert own["underflow"] == (0.25, 0.25, True) and own["subnormal"] == (0.5, 0.5, True)  # the record, not the histogram
     assert summaries.cast_shares(row, hist, "fp16", 9, 256.0)["underflow"][2] is False
     assert summaries.share_text((np.nan, np.nan, True)) == "n/a"
+
+
+def test_the_heatmap_caption_names_the_default_thinning_only_once_a_run_is_past_its_dense_start():
+    """A default-retention run (every None) kept whole (under 1,000 steps) needs no caption; past it, the
+    caption says where the thinning starts and names the anomalies, not the start or the multiples."""
+    start = pd.DataFrame({"step": range(1000), "reason": "start"})
+    assert summaries.kept_steps_text(start.iloc[:600], None) is None
+    later = pd.DataFrame({"step": [1000, 1026, 1027, 1028, 1050],
+                          "reason": ["every", "before", "overflow", "after", "every"]})
+    assert summaries.kept_steps_text(pd.concat([start, later]), None) == (
+        "Statistics are stored at every step up to step 999, then every 50 steps; the columns between them are not "
+        "stored, except where something happened: overflow at step 1,027, and 2 steps next to them.")
+    # a run recorded before --every had a default of None (every NULL, every step 'every') has no gaps to explain
+    assert summaries.kept_steps_text(pd.DataFrame({"step": range(1200), "reason": "every"}), None) is None
+
+
+def test_signal_lines_thin_a_live_runs_steps_without_losing_a_one_step_spike():
+    """12,000 steps read one by one (a live run): at most SIGNAL_POINTS points a line, the spike at its value, and
+    only the lines with something to draw."""
+    columns = list(summaries.SIGNAL_LINES.values())
+    totals = pd.DataFrame(0, index=range(12_000), columns=["step", *columns, "steps"]).assign(
+        step=range(12_000), steps=1)
+    totals.loc[7_777, "fp16_overflow_at_scale"] = 42
+    totals.loc[::3, "fp16_underflow_at_scale"] = 5
+    lines = summaries.signal_lines(totals)
+    assert set(lines["line"]) == {"FP16 overflow at the scale", "FP16 underflow at the scale"}
+    overflow = lines[lines["line"] == "FP16 overflow at the scale"]
+    assert len(overflow) <= summaries.SIGNAL_POINTS and overflow["values"].max() == 42
+    assert (lines[lines["line"] == "FP16 underflow at the scale"]["values"] == 5).all()  # every range holds one
+    assert summaries.signal_note(totals, 1_200).startswith("Values that overflow") and "12,000 steps counted, 1,200" \
+        in summaries.signal_note(totals, 1_200)

@@ -241,3 +241,25 @@ def test_the_loss_scale_view_model_counts_the_stored_steps_and_says_why_panels_a
     assert model.nonfinite_losses == int((~np.isfinite(db.steps(1)["loss"].astype(float))).sum())
     old = loss_scale_model.loss_scale(db, runs.loc[4], True)
     assert any(note.startswith("No learning-rate or gradient-norm panel") for note in old.notes)
+
+
+def test_the_loss_scale_page_draws_every_steps_over_and_underflow_kept_or_not(store, monkeypatch):
+    """Run 1 (--every 2, GradScaler from 2**24: its first steps' gradients hold inf/NaN): the signal panel
+    draws each line's stored sum at all 16 steps, the steps without full statistics included, labelled as such;
+    run 4 (written without signals, as an older mpdiag did) says it has none."""
+    from mpdiag.analysis.summaries import SIGNAL_LINES
+
+    totals, logged = Store(store).step_signal_totals(1), len(Store(store).logged_steps(1))
+    assert totals["step"].tolist() == list(range(STEPS)) and logged < STEPS
+    assert totals["nan"].iloc[0] > 0  # its first, skipped steps' gradients overflowed FP32 itself: inf/NaN
+    at = page("2_Loss_scale.py", store, monkeypatch, run="1")
+    assert not at.exception and not page_chart_problems(at)
+    chart = next(c for c in at.get("vega_lite_chart") if "over/underflow per step" in c.proto.spec)
+    drawn = pd.concat(frames(chart))
+    assert set(drawn["line"]) == {line for line, column in SIGNAL_LINES.items() if totals[column].any()}
+    for line in set(drawn["line"]):
+        mine = drawn[drawn["line"] == line].set_index("step")["values"]
+        assert mine.to_dict() == totals.set_index("step")[SIGNAL_LINES[line]].to_dict(), line
+    assert f"{STEPS} steps counted, {logged} of them with full statistics" in said(at)
+    at = page("2_Loss_scale.py", store, monkeypatch, run="4")
+    assert "No per-step over/underflow counts" in said(at) and not at.exception

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 
-from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.numerics.formats import LOW_PRECISION, SIGNAL_COUNTS
 from mpdiag.store import (
     REPRESENTABILITY_COLUMNS,
     REPRESENTABILITY_KINDS,
@@ -372,3 +372,56 @@ def test_schema_13_store_migrates_to_14_keeping_every_row_and_reads_its_logged_s
     assert store.kept_steps(run_id).values.tolist() == [[0, "before"], [0, "every"], [1, "overflow"]]
     pd.testing.assert_frame_equal(run_tables(store, run_id)["kept_steps"], store.kept_steps(run_id))  # exported
     assert store.logged_steps(run_id) == [0, 1]  # the kept steps' rows are marked logged
+
+
+def test_a_store_before_schema_15_gains_step_signals_at_its_logged_steps_from_its_tensor_rows(tmp_path):
+    """Schema 15 adds step_signals (every step's inf/NaN and FP16/BF16 under/overflow at the scale, kept or not):
+    a real schema-13 file (every=2) keeps every row of every table, and each of its logged steps reads back, per
+    tensor, the special counts of its tensor_steps rows and the at-scale counts of its FP16/BF16 representability
+    rows as they were stored before (the steps in between were never counted: they have none)."""
+    store, _, before, after = _migrated(tmp_path, 13)
+    for table, old in before.items():
+        if table != "meta":
+            pd.testing.assert_frame_equal(after[table], old, check_dtype=False, obj=table)
+    rows, reps = before["tensor_steps"], before["representability"]
+    for run_id in (1, 2):
+        steps, tensor_ids, counts = store.step_signals(run_id)
+        assert steps.tolist() == [0, 2, 4]
+        for k, step in enumerate(steps.tolist()):
+            for t, tensor_id in enumerate(tensor_ids.tolist()):
+                at = (rows["run_id"] == run_id) & (rows["step"] == step) & (rows["tensor_id"] == tensor_id)
+                expected = rows.loc[at, ["nan", "posinf", "neginf"]].iloc[0].tolist()
+                for name in SIGNAL_COUNTS[3:]:
+                    fmt, kind = name.split("_", 1)
+                    rep = reps[(reps["run_id"] == run_id) & (reps["step"] == step) & (reps["tensor_id"] == tensor_id)
+                               & (reps["fmt"] == fmt)]
+                    expected.append(int(rep[kind].iloc[0]))
+                assert counts[k, t].tolist() == expected, (run_id, step, tensor_id)
+        totals = store.step_signal_totals(run_id)
+        assert totals[list(SIGNAL_COUNTS)].values.tolist() == counts.sum(axis=1).tolist()
+
+
+def test_step_signals_round_trip_per_tensor_with_absent_tensors_and_wrong_shapes_refused(tmp_path):
+    """What the writer takes is what the reader returns: a step may count a subset of the run's tensors (-1 for
+    the others), counts beyond 32 bits survive, a step's second write is ignored, a mis-shaped one is refused."""
+    path = tmp_path / "signals.db"
+    big = 2**40
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = writer.create_run(name="signals")
+        writer.add_tensors(run_id, [(t, f"w{t}", [4], 4, "float32", "float32") for t in range(3)])
+        first = np.arange(21).reshape(3, 7)
+        writer.write_batch(run_id, [], [], signals=[(0, [0, 1, 2], first), (5, [2], [[0, 0, 0, big, 1, 0, 2]])])
+        writer.write_batch(run_id, [], [], signals=[(0, [0, 1, 2], first * 0)])  # ignored: step 0 is stored
+        with pytest.raises(ValueError, match="signals of 2 tensors"):
+            writer.write_batch(run_id, [], [], signals=[(6, [0, 1], first)])
+    store = Store(path)
+    steps, tensor_ids, counts = store.step_signals(run_id)
+    assert steps.tolist() == [0, 5] and tensor_ids.tolist() == [0, 1, 2]
+    assert counts[0].tolist() == first.tolist()
+    assert counts[1].tolist() == [[-1] * 7, [-1] * 7, [0, 0, 0, big, 1, 0, 2]]
+    assert store.step_signals(run_id, first_step=1)[0].tolist() == [5]
+    assert store.step_signal_totals(run_id).values.tolist() == [[0, *first.sum(axis=0).tolist(), 1],
+                                                                [5, 0, 0, 0, big, 1, 0, 2, 1]]
+    # in ranges of steps: each count's largest at one step of the range, its first step, the steps it holds
+    assert store.step_signal_totals(run_id, max_rows=1).values.tolist() == [
+        [0, *np.maximum(first.sum(axis=0), [0, 0, 0, big, 1, 0, 2]).tolist(), 2]]

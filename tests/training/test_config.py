@@ -246,7 +246,8 @@ def test_a_config_stored_before_the_table_is_read():
                                              "max_scale": None},
               "steps": 3, "seed": 0, "every": 1, "device": "cpu", "name": None, "parent_run_id": None,
               "trace_modules": False, "shadow_every": 0}
-    assert RunConfig.from_dict(legacy) == RunConfig(opt_level="O1", loss_scale=64.0, steps=3, device="cpu")
+    # every=1 was the default then; stored, it stays what that run recorded (the default is now None: thinned)
+    assert RunConfig.from_dict(legacy) == RunConfig(opt_level="O1", loss_scale=64.0, steps=3, every=1, device="cpu")
     with pytest.raises(ConfigError, match="unknown run options: colour"):
         RunConfig.from_dict({**legacy, "colour": "red"})
 
@@ -274,3 +275,22 @@ def test_default_on_the_command_line_clears_an_inherited_optional_number():
     assert args.min_scale is None and args.loss_scale is None
     assert build_parser().parse_args(["rerun", "1", "--no-trace-modules"]).trace_modules is False
     assert not hasattr(build_parser().parse_args(["rerun", "1"]), "trace_modules")  # untyped: inherited
+
+
+@pytest.mark.parametrize("form, key", [(_run_form, "t_every"), (_watch_form, "t_watch_every")])
+def test_every_defaults_to_the_thinned_retention_in_the_table_the_flags_and_both_forms(form, key):
+    """Issue 28: no --every means the default retention (every step to DENSE_START_STEPS, then every THIN_EVERY);
+    the table's help says those numbers, both commands' flags and both forms leave it unset, and a form's typed
+    value is the command line's (1: every step, as before)."""
+    from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
+
+    assert OPTIONS["every"].default is None and WATCH_OPTIONS["every"].default is None
+    assert f"every step for the first {DENSE_START_STEPS}, then every {THIN_EVERY}th" in OPTIONS["every"].help
+    for command in ("run", "watch"):
+        assert _flags(build_parser(), command)["every"].default is None
+    at = AppTest.from_function(form, default_timeout=30).run()
+    widget = at.number_input(key=key)
+    assert widget.value is None and at.session_state["options"].get("every") is None  # unset: the default
+    widget.set_value(1).run()
+    assert at.session_state["options"]["every"] == 1
+    assert RunConfig(every=1).validate() is None and RunConfig().validate() is None
