@@ -32,20 +32,7 @@ AMP_LOOP = ROOT / "tests" / "fixtures" / "scripts" / "amp_loop.py"
 def test_a_recorders_configuration_goes_to_its_columns_and_the_rest_to_json(store_path):
     """In a user's loop the configuration given to the Recorder is the user's: what names a run column is
     stored there, the rest as JSON; the scaling columns are the GradScaler's own state."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
-    recorder = Recorder(model, store_path, name="mine", scaler=scaler, optimizer=optimizer, every=2,
-                        config={"opt_level": "O1", "steps": 3, "seed": 7, "lr": 0.1})
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = model(torch.randn(8, 4)).square().mean()
-        scaler.scale(loss).backward()
-        recorder.record(loss)
-        scaler.step(optimizer)
-        scaler.update()
-    recorder.close()
+    recorder = _record_three_steps(store_path, {"opt_level": "O1", "steps": 3, "seed": 7, "lr": 0.1})
     row = stored_row(store_path, recorder.run_id)
     assert (row["name"], row["opt_level"], row["steps"], row["seed"], row["every"]) == ("mine", "O1", 3, 7, 2)
     assert row["config"] == {"lr": 0.1}
