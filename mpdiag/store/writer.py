@@ -525,34 +525,12 @@ class StoreWriter:
         second set is ignored: the first came from the same gradients)."""
         run_id = int(run_id)
         batch = tensor_rows if isinstance(tensor_rows, TensorBatch) else TensorBatch.from_rows(tensor_rows)
-        kinds = Representability._fields
-        steps, tensor_ids = batch.step.tolist(), batch.tensor_id.tolist()
         with self._conn:
             self._conn.executemany(f"INSERT INTO steps (run_id, {', '.join(StepRow._fields)}) "
                                    f"VALUES ({', '.join('?' * (len(StepRow._fields) + 1))})",
                                    [(run_id, *row) for row in step_rows])
-            self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
-                                   zip(itertools.repeat(run_id), steps, tensor_ids, encode_hists(batch.hist),
-                                       *batch.specials.T.tolist(), batch.absmax.tolist(), batch.min_nonzero.tolist(),
-                                       batch.l2.tolist()))
-            rows, formats = np.nonzero(batch.formats)
-            names = list(LOW_PRECISION)
-            self._conn.executemany(
-                f"INSERT INTO representability VALUES ({', '.join('?' * (4 + len(kinds)))})",
-                zip(itertools.repeat(run_id), batch.step[rows].tolist(), batch.tensor_id[rows].tolist(),
-                    [names[f] for f in formats.tolist()], *batch.representability[rows, formats].T.tolist()))
-            special, per_format = _totals_rows(run_id, batch)
-            self._conn.executemany(
-                f"INSERT INTO tensor_totals VALUES ({', '.join('?' * (3 + len(SPECIAL_COUNT_COLUMNS)))}) "
-                "ON CONFLICT (run_id, tensor_id) DO UPDATE SET "
-                + ", ".join(f"{c} = {c} + excluded.{c}" for c in ["logged_steps", *SPECIAL_COUNT_COLUMNS]),
-                special)
-            self._conn.executemany(
-                f"INSERT INTO representability_totals VALUES ({', '.join('?' * (3 + len(kinds)))}) "
-                "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
-                per_format)
-            self._add_hist_totals(run_id, batch)
-            add_histogram_rollups(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
+            self._insert_tensor_rows(run_id, batch)
+            self._add_totals(run_id, batch)
             self._conn.executemany(f"INSERT OR IGNORE INTO step_signals VALUES "
                                    f"({', '.join('?' * (3 + len(SIGNAL_COUNTS)))})", _signal_rows(run_id, signals))
             self._conn.executemany("INSERT OR IGNORE INTO kept_steps VALUES (?, ?, ?)",
@@ -560,6 +538,37 @@ class StoreWriter:
             self._conn.executemany("UPDATE steps SET logged = 1 WHERE run_id = ? AND step = ?",
                                    [(run_id, step) for step in sorted({step for step, _ in kept})])
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
+
+    def _insert_tensor_rows(self, run_id: int, batch: TensorBatch) -> None:
+        """The batch's tensor_steps rows and a representability row per (step, tensor, format) it holds (inside
+        the caller's transaction)."""
+        self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
+                               zip(itertools.repeat(run_id), batch.step.tolist(), batch.tensor_id.tolist(),
+                                   encode_hists(batch.hist), *batch.specials.T.tolist(), batch.absmax.tolist(),
+                                   batch.min_nonzero.tolist(), batch.l2.tolist()))
+        rows, formats = np.nonzero(batch.formats)
+        names = list(LOW_PRECISION)
+        self._conn.executemany(
+            f"INSERT INTO representability VALUES ({', '.join('?' * (4 + len(Representability._fields)))})",
+            zip(itertools.repeat(run_id), batch.step[rows].tolist(), batch.tensor_id[rows].tolist(),
+                [names[f] for f in formats.tolist()], *batch.representability[rows, formats].T.tolist()))
+
+    def _add_totals(self, run_id: int, batch: TensorBatch) -> None:
+        """Add the batch to its tensors' running totals: counts, representability, histograms and the histograms'
+        step-bucket sums (hist_rollups), inside the caller's transaction."""
+        kinds = Representability._fields
+        special, per_format = _totals_rows(run_id, batch)
+        self._conn.executemany(
+            f"INSERT INTO tensor_totals VALUES ({', '.join('?' * (3 + len(SPECIAL_COUNT_COLUMNS)))}) "
+            "ON CONFLICT (run_id, tensor_id) DO UPDATE SET "
+            + ", ".join(f"{c} = {c} + excluded.{c}" for c in ["logged_steps", *SPECIAL_COUNT_COLUMNS]),
+            special)
+        self._conn.executemany(
+            f"INSERT INTO representability_totals VALUES ({', '.join('?' * (3 + len(kinds)))}) "
+            "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
+            per_format)
+        self._add_hist_totals(run_id, batch)
+        add_histogram_rollups(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
 
     def _add_hist_totals(self, run_id: int, batch: TensorBatch) -> None:
         """Add the batch's histograms to their tensors' running sums in hist_totals (inside the caller's
