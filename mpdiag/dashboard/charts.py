@@ -352,8 +352,14 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
 def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     """The per-step signals (summaries.signal_lines): one line per kind, values summed over the tensors on a
     symmetric-log axis (0 stays drawable), every counted step whether its full statistics were kept or not."""
+    top = float(pd.to_numeric(lines["values"], errors="coerce").max()) if len(lines) else 0.0
+    # a labelled tick at 0 and each power of ten up to the one above the highest line (the axis's top): Vega's own
+    # symlog ticks were 0 and the top alone, so a flat line (an all-NaN run's ~18k a step) could not be read off
+    ticks = [0] + [10**k for k in range(1, max(1, math.ceil(math.log10(top)) if top > 0 else 1) + 1)]  # 1 would sit on 0
     return _fit(alt.Chart(lines).mark_line(interpolate="step-after").encode(
-        x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)", scale=alt.Scale(type="symlog")),
+        x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)",
+                          scale=alt.Scale(type="symlog", domain=[0, ticks[-1]]),
+                          axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
         color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top")),
         tooltip=["step:Q", "line:N", alt.Tooltip("values:Q", format=",d")],
     ).properties(height=180, title="over/underflow per step, kept or not"))
