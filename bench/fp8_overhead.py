@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from common import add_transformer_options, bf16_step, interleaved_times, transformer_setup, write_result  # noqa: E402
 
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, Fp8Settings  # noqa: E402
+from mpdiag.recording.fp8_capture import Fp8Feature  # noqa: E402
 from mpdiag.recording.recorder import Recorder  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def main() -> None:
             bf16_step(models[name], optimizers[name], inputs, targets, vocab, device, recorders.get(name))
 
         times = interleaved_times(step, list(models), args.steps, device)
-        capture = recorders["fp8"]._fp8
+        capture = next(f.capture for f in recorders["fp8"].features if isinstance(f, Fp8Feature))
         linears, workspace = len(capture.modules), capture.workspace_bytes
         for recorder in recorders.values():
             recorder.close()

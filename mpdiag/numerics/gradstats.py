@@ -29,6 +29,7 @@ mean reading counts back first.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import weakref
@@ -467,9 +468,11 @@ class GradStatsComputer:
         self._scratch = torch.empty(room, dtype=torch.int32, device=self.device)
         self._ones = torch.ones(room, dtype=torch.int32, device=self.device)
         self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
+        self._decoded = torch.empty((2 * n, DECODED_COLUMNS + 1), dtype=torch.int32, device=self.device)
+        self._decoding = [torch.from_numpy(index).to(self.device) for index in bucket_decoding()]
         self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
         self._nonempty = [t for t, size in enumerate(self.numels) if size]
-        self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts]
+        self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts, self._decoded]
         for segment in self._segments:
             segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
                               (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
@@ -591,7 +594,7 @@ class GradStatsComputer:
             if not same:
                 values.mul_(factor)
                 reductions[1].append(self._torch_pass(segment, self._counts[1]))
-        parts = [self._counts[:views].reshape(-1)]
+        parts = [self._decode_on_device(views)]
         for per_segment in reductions:
             largest, below_smallest, l2 = (torch.cat(part) for part in zip(*per_segment, strict=True)) \
                 if per_segment else (torch.zeros(0, dtype=dtype, device=self.device)
@@ -599,6 +602,17 @@ class GradStatsComputer:
             parts += [largest, below_smallest, l2.view(torch.int32)]
         packed = torch.cat(parts)
         return PendingStats(lambda host: self._torch_finish(host, views, grads_are_scaled), DeviceReadback(packed))
+
+    def _decode_on_device(self, views: int) -> torch.Tensor:
+        """The views' bucket counts decoded on the device into DECODED_COLUMNS per tensor (see
+        :func:`bucket_decoding`): a fixed number of index_add_ launches, and a copy to the host of 293 counts a
+        tensor instead of 2 x BUCKETS (decoding those on the host cost ~100 us a tensor, more than the pass)."""
+        n = len(self.numels)
+        counts, decoded = self._counts[:views].view(views * n, 2 * BUCKETS), self._decoded[: views * n]
+        decoded.zero_()
+        for index in self._decoding:
+            decoded.index_add_(1, index, counts)
+        return decoded[:, :DECODED_COLUMNS].reshape(-1)
 
     def _torch_pass(self, segment: _Segment, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Adds the bucket counts of ``segment``'s values (gathered at the start of the workspaces) into
@@ -625,8 +639,8 @@ class GradStatsComputer:
 
     def _torch_finish(self, host: np.ndarray, views: int, grads_are_scaled: bool) -> StepGradStats:
         n, present = len(self.numels), len(self._nonempty)
-        counts = host[: views * n * 2 * BUCKETS].reshape(views, n, 2, BUCKETS).astype(np.int64)
-        rest = host[views * n * 2 * BUCKETS :].reshape(views, 4 * present)
+        decoded = host[: views * n * DECODED_COLUMNS].reshape(views, n, DECODED_COLUMNS).astype(np.int64)
+        rest = host[views * n * DECODED_COLUMNS :].reshape(views, 4 * present)
         passes = []
         for v in range(views):
             largest = np.zeros(n, np.int32)
@@ -635,7 +649,7 @@ class GradStatsComputer:
             largest[self._nonempty] = rest[v, :present]
             below_smallest[self._nonempty] = rest[v, present : 2 * present]
             l2[self._nonempty] = rest[v, 2 * present :].view(np.float64)
-            hist, specials, categories = _decode(*_keys_from_buckets(counts[v]))
+            hist, specials, categories = np.split(decoded[v], [N_EXP_BINS, N_EXP_BINS + len(SPECIAL_COUNTS)], axis=1)
             passes.append(_Pass(hist, specials, categories[:, None], *_reductions_from_bits(largest, below_smallest),
                                 l2, below_smallest))
         if views == 1:
@@ -700,6 +714,46 @@ def _decode(key_counts: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.n
                          key_counts[:, 1, FIELDS - 1, 0], key_counts[:, 0, FIELDS - 1, 0]], axis=1)
     per_category = magnitude.reshape(n, -1) @ CATEGORY_MATRIX + cells @ SUBNORMAL_MATRIX
     return hist, specials, np.rint(per_category).astype(np.int64)
+
+
+#: what the torch backend decodes each tensor's bucket counts into on the device: the histogram (N_EXP_BINS),
+#: SPECIAL_COUNTS and CATEGORY_COLUMNS, as :func:`_decode` gives them
+DECODED_COLUMNS = N_EXP_BINS + len(SPECIAL_COUNTS) + len(CATEGORY_COLUMNS)
+
+
+@functools.cache
+def bucket_decoding() -> tuple[np.ndarray, ...]:
+    """The torch backend's decoding as index_add_ indices: per group of output columns in which no (sign,
+    bucket) counts twice (the histogram with SPECIAL_COUNTS: a value is in one bin or special; each format's
+    CATEGORY_COLUMNS), the column each of the 2 x BUCKETS counts adds to, DECODED_COLUMNS for none.
+
+    Found by decoding every (sign, bucket) alone with :func:`_keys_from_buckets` and :func:`_decode` (the host
+    decoding, which stays the definition): the decoding is a sum over buckets, so adding each bucket's count
+    into the columns its unit count lands in gives the same numbers. Fails if a unit count lands anywhere
+    twice or with a weight other than 1."""
+    columns = np.concatenate([np.concatenate(_decode(*_keys_from_buckets(units)), axis=1)
+                              for units in _unit_counts(chunk=128)])  # (sign x bucket, DECODED_COLUMNS)
+    groups = [np.arange(N_EXP_BINS + len(SPECIAL_COUNTS))]
+    first = N_EXP_BINS + len(SPECIAL_COUNTS)
+    groups += [first + np.arange(f, f + len(CATEGORY_NAMES)) for f in range(0, len(CATEGORY_COLUMNS), len(CATEGORY_NAMES))]
+    indices = []
+    for group in groups:
+        part = columns[:, group]
+        if not np.isin(part, (0, 1)).all() or (part.sum(axis=1) > 1).any():
+            raise AssertionError("a bucket's count decodes into one group's columns more than once")
+        indices.append(np.where(part.any(axis=1), group[part.argmax(axis=1)], DECODED_COLUMNS).astype(np.int64))
+    if (columns.sum(axis=1) != sum((index != DECODED_COLUMNS) for index in indices)).any():
+        raise AssertionError("a bucket's count decodes into a column no group holds")
+    return tuple(indices)
+
+
+def _unit_counts(chunk: int):
+    """Every (sign, bucket) count of 1 alone, as (T, sign, bucket) count arrays of ``chunk`` rows at a time."""
+    for first in range(0, 2 * BUCKETS, chunk):
+        rows = np.arange(first, min(first + chunk, 2 * BUCKETS))
+        units = np.zeros((len(rows), 2 * BUCKETS), np.int64)
+        units[np.arange(len(rows)), rows] = 1
+        yield units.reshape(len(rows), 2, BUCKETS)
 
 
 def category_counts_by_casting(values: torch.Tensor, fmt: Format) -> dict[str, int]:

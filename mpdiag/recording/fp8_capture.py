@@ -177,15 +177,16 @@ class Fp8Feature(RecorderFeature):
     the output gradients divided by that step's loss scale; the records are named once they reach the host."""
 
     def __init__(self, model: nn.Module, settings: Fp8Settings, device: torch.device, run_id: int):
-        self._capture, self._run_id = Fp8Capture(model, settings, device), run_id
+        #: what the feature casts and holds (its Linears, its workspaces); public for benches that size it
+        self.capture, self._run_id = Fp8Capture(model, settings, device), run_id
         self._unread: deque[PendingFp8Records] = deque()
         self._rows = Fp8StepRecords([], [])  # the arrived steps' rows, all steps in one
 
     def at_record(self, step: RecordedStep) -> None:
         if step.at_multiple:
-            self._unread.append(self._capture.start(step.step, step.scale))
+            self._unread.append(self.capture.start(step.step, step.scale))
         else:
-            self._capture.skip()
+            self.capture.skip()
         self._take(wait=False)
 
     def _take(self, wait: bool) -> None:
@@ -200,4 +201,4 @@ class Fp8Feature(RecorderFeature):
         return [lambda w: w.add_fp8_steps(self._run_id, rows.records, rows.histograms, rows.blocks, rows.block_scales)]
 
     def remove(self) -> None:
-        self._capture.remove()
+        self.capture.remove()

@@ -68,6 +68,11 @@ if TYPE_CHECKING:
     from mpdiag.store import Store
 
 
+def gpu_name(device: torch.device) -> str | None:
+    """The GPU's name a run on ``device`` is recorded with (None off CUDA): runs compare across machines by it."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: the CUDA caching allocator's peak on a GPU, the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -413,6 +418,7 @@ class Recorder:
         fields.setdefault("scaling", "none" if self.scaler is None else "dynamic")  # no scaler: no scale findings
         fields.setdefault("every", self.every)
         fields.setdefault("device", str(self.device))
+        fields.setdefault("gpu_name", gpu_name(self.device))
         fields.setdefault("torch_version", torch.__version__)
         if self.scaler is not None:
             for key, value in scaler_run_fields(self.scaler).items():
@@ -788,6 +794,11 @@ class Recorder:
                 self.flush()
         finally:
             self._lock.release()
+
+    @property
+    def features(self) -> tuple[RecorderFeature, ...]:
+        """The features this Recorder runs, in the order their hooks are called (benches size their workspaces)."""
+        return tuple(self._features)
 
     @_never_ends_training
     def flush(self) -> None:

@@ -32,7 +32,7 @@ from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter
 from mpdiag.recording.nonfinite_step import optimizer_state_dtype
-from mpdiag.recording.recorder import EVERY_STEP, Recorder
+from mpdiag.recording.recorder import EVERY_STEP, Recorder, gpu_name
 from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.training import distributed
 from mpdiag.training.planning import fp32_twin_of, rerun_plan
@@ -114,7 +114,7 @@ def _run_facts(script: ModelScript, device: torch.device) -> dict:
         default_name=os.path.basename(script.filename),
         script_path=script.filename,
         device=str(device),
-        gpu_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        gpu_name=gpu_name(device),
         torch_version=torch.__version__,
     )
 

@@ -243,7 +243,9 @@ def test_torch_backend_segments_equal_casting(monkeypatch):
         if scaled.numel():
             np.testing.assert_equal(stats.absmax[t], g.abs().max().item())
     largest_segment = tensors[3].numel()  # alone: larger than a segment
-    assert comp.workspace_bytes == 16 * largest_segment + 4 * 2 * len(tensors) * 2 * gradstats.BUCKETS  # + counts
+    counts = 4 * 2 * len(tensors) * 2 * gradstats.BUCKETS  # per view, tensor, sign and bucket
+    decoded = 4 * 2 * len(tensors) * (gradstats.DECODED_COLUMNS + 1)  # per view and tensor, decoded on the device
+    assert comp.workspace_bytes == 16 * largest_segment + counts + decoded
 
 
 def test_torch_backend_work_does_not_grow_with_tensors_and_never_reads_a_scalar():

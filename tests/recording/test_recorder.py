@@ -121,7 +121,11 @@ def test_scale_trajectory_matches_gradscaler_state(store_path, arrival, device):
     assert steps["skipped"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0]
     assert math.isinf(steps.loc[2, "loss"])  # inf loss kept as such, never dropped
     assert (steps["step_time_s"] > 0).all() and (steps["peak_mem_bytes"] > 0).all()
-    assert Store(store_path).run(run_id)["status"] == "finished"
+    run = Store(store_path).run(run_id)
+    assert run["status"] == "finished"
+    # the machine, as torch names it: a watched or hand-instrumented run on a GPU says which (it said None)
+    assert (run["device"], run["gpu_name"]) == ((f"cuda:{torch.cuda.current_device()}",
+                                                 torch.cuda.get_device_name()) if device == "cuda" else ("cpu", None))
 
 
 def test_grads_unscaled_before_record_are_recognised(store_path, arrival):
