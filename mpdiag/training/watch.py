@@ -47,7 +47,7 @@ from mpdiag.options import WATCH_LEVEL_NAMES
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.console import OutputKeeper
 from mpdiag.recording.distributed import DiscardingWriter, RankContext
-from mpdiag.recording.recorder import GradientRead, Recorder, scaler_run_fields
+from mpdiag.recording.recorder import GradientRead, Recorder, gpu_name, scaler_run_fields
 from mpdiag.recording.replay import reduce_ex_without_replay_hooks
 from mpdiag.recording.run import MpdiagConfig, Run
 from mpdiag.training.watch_config import WatchConfig
@@ -480,7 +480,7 @@ class Watcher:
         enabled = scaler is not None and scaler.is_enabled()
         device = next((p.device for _, p in params.named_parameters() if p.requires_grad), torch.device("cpu"))
         fields = {"scaling": "dynamic" if enabled else "none", **(scaler_run_fields(scaler) if enabled else {}),
-                  "device": str(device)}  # the Recorder's device: that of the first parameter it records
+                  "device": str(device), "gpu_name": gpu_name(device)}  # the Recorder's: its first parameter's
         try:
             self.run.describe(**fields)
         except StoreWriteFailed as exc:  # the Recorder would stop at its first write: say it once, never start

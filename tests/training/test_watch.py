@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
+from conftest import DEVICES, disk_fills_after
 from conftest import ROOT as REPOSITORY
-from conftest import disk_fills_after
 
 from mpdiag.options import ConfigError
 from mpdiag.store import Store
@@ -64,6 +64,18 @@ def test_amp_loop_norms_loss_and_scaler_trajectory_are_the_loops_own(store_path,
             assert (rows["nan"] + rows["posinf"] + rows["neginf"]).sum() > 0
     names = store.tensors(run_id)["name"].tolist()
     assert names == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_watched_run_names_the_device_and_gpu_it_trained_on(store_path, tmp_path, device):
+    """The run row says where the script's parameters lived and, on a GPU, which one (it said gpu_name None
+    for every watched run on an H200), with the scaler's own first scale."""
+    store, run_id, code = watched(store_path, AMP_LOOP, tmp_path / "log.json", "--steps", 2, "--device", device)
+    run = store.run(run_id)
+    assert (code, run["status"], run["scaling"]) == (0, "finished", "dynamic")
+    on_gpu = (f"cuda:{torch.cuda.current_device()}", torch.cuda.get_device_name()) if device == "cuda" else None
+    assert (run["device"], run["gpu_name"]) == (on_gpu or ("cpu", None))
+    assert store.steps(run_id)["loss_scale"].tolist()[0] == json.loads((tmp_path / "log.json").read_text())["scale"][0]
 
 
 def test_fp32_loop_without_scaler_has_no_scaling_and_no_skips(store_path, tmp_path):
