@@ -29,6 +29,7 @@ from mpdiag.sandbox.launch import Launched, launch, rerun_job, run_job, watch_jo
 from mpdiag.sandbox.launch import last_output_line as last_output_line  # a stalled run's last line
 from mpdiag.sandbox.launch import limits_text as limits_text  # the pages state the limits of what they start
 from mpdiag.sandbox.probe import run_probe
+from mpdiag.sandbox.supervisor import STOP_GRACE_S as STOP_GRACE_S  # the Stop button says how long a run has
 from mpdiag.store import Store, StoreWriter
 
 MAX_UPLOAD_BYTES = 1_000_000  # a single model script; server.maxUploadSize (20 MB) is for zips of training code
@@ -164,6 +165,12 @@ def verification(run_id: int) -> Launched | None:
 def launched() -> list[tuple[Launched, str]]:
     """The processes this browser session started, oldest first, with what each is."""
     return list(st.session_state.get(_LAUNCHED, []))
+
+
+def stop(proc: Launched) -> None:
+    """Stop a process this session started (its Stop button): its run ends itself on a SIGTERM, the signal
+    named, with what it recorded kept; a verification stops its rerun and starts no further round."""
+    proc.request_stop()
 
 
 def check_upload(filename: str, source: str) -> CheckReport:

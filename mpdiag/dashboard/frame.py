@@ -302,12 +302,13 @@ def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFr
 def launched_runs(store: Store, runs: pd.DataFrame) -> None:
     """What this browser session started (runs, reruns, fixes): a process still starting, one that ended
     before recording a run (with its output), or each run it recorded with its status, progress and links
-    to its pages."""
+    to its pages; a Stop button under each one still going."""
     for proc, what in actions.launched():
         rows = runs[runs["run_id"].isin(proc.run_ids())] if len(runs) else runs
         if rows.empty:
             if proc.is_alive():
                 st.info(f"Starting {plain(what)}…")
+                _stop_button(proc)
             else:
                 st.error(f"{plain(what)} ended before recording a run: "
                          f"{plain(proc.ending() or 'the supervisor stopped')}. Its output:")
@@ -321,6 +322,19 @@ def launched_runs(store: Store, runs: pd.DataFrame) -> None:
             st.markdown(plain(f"You started {what}: {run_label(run)}, {run['status']}, {words}.") + f" {links}")
             if run["status"] == "running" and fraction is not None:
                 st.progress(fraction)
+        _stop_button(proc)
+
+
+def _stop_button(proc) -> None:
+    """Stop for a process still going (acts on a click only); once clicked, says it is stopping until it has."""
+    if not proc.is_alive():
+        return
+    if not proc.stop_requested():
+        if not st.button("Stop", key=f"stop_{proc.pid}", help="End this run now; what it recorded so far stays."):
+            return
+        actions.stop(proc)
+    st.caption(f"Stopping: the run is sent SIGTERM to end itself (its rows kept), and SIGKILL "
+               f"{actions.STOP_GRACE_S:g} s later if it is still there.")
 
 
 def launched_panel(store: Store) -> None:

@@ -26,6 +26,7 @@ from mpdiag.sandbox.child import child_env, scratch_dir
 from mpdiag.sandbox.launch import (
     LOG_FILE,
     STATUS_FILE,
+    STOP_FILE,
     Launched,
     forbid_inspection,
     launch,
@@ -39,6 +40,10 @@ POLL_S = 0.5
 
 class RerunRefused(RuntimeError):
     """A verification's rerun recorded no run; the message is its supervisor's reason."""
+
+
+class VerificationStopped(RuntimeError):
+    """The user stopped the verification (its Stop button): its rerun was stopped, and no round follows."""
 
 
 def start(store_path: str | os.PathLike, run_id: int, first: int, first_modules: str) -> Launched:
@@ -84,7 +89,11 @@ def supervised(store_path: str, progress: Progress) -> RerunFn:
         while job.is_alive():
             for new in job.run_ids():
                 progress.seen(int(new))
+            if (progress.record / STOP_FILE).exists() and not job.stop_requested():
+                job.request_stop()  # the rerun ends itself (crashed, SIGTERM); this loop waits for it
             time.sleep(POLL_S)
+        if (progress.record / STOP_FILE).exists():
+            raise VerificationStopped(f"run {run_id}'s rerun was stopped: {job.ending() or 'no message'}")
         ids = job.run_ids()
         if not ids:
             raise RerunRefused(job.ending() or "the rerun's supervisor ended without saying why")
@@ -103,6 +112,8 @@ def drive(job: dict, progress: Progress) -> str:
                                    first=job["first"], first_modules=job["first_modules"])
     except RerunRefused as exc:
         return f"the verification stopped: a rerun could not run: {exc}"
+    except VerificationStopped as exc:
+        return f"the verification was stopped from the dashboard: {exc}"
     last = rounds[-1]
     return (f"verified: run {last.run_id} tracks FP32 run {reference}" if last.tracked else
             f"not verified: the last round, run {last.run_id}, does not track FP32 run {reference}")

@@ -234,11 +234,12 @@ class _ChannelReader:
 def run_task(task: str, payload: dict, limits: Limits, files: dict[str, bytes] | None = None,
              log_path: Path | None = None, on_call: OnCall | None = None,
              on_start: Callable[[int], None] | None = None,
-             on_output: Callable[[bytes], None] | None = None) -> TaskResult:
+             on_output: Callable[[bytes], None] | None = None,
+             stop_requested: Callable[[], bool] | None = None) -> TaskResult:
     """Run ``task`` (a key of TASKS) in a supervised child whose working directory is a fresh scratch
     directory holding ``files`` (by relative path); removes the directory when the child ends. Never raises for what the child
     does. ``payload`` travels in argv (it must not hold the store's path); ``on_output`` gets the child's output as it
-    arrives (see :func:`~mpdiag.sandbox.supervisor.supervise`)."""
+    arrives and ``stop_requested()`` says the user asked it to stop (see :func:`~mpdiag.sandbox.supervisor.supervise`)."""
     if task not in TASKS:
         raise ValueError(f"unknown child task {task!r}")
     work = scratch_dir(task)
@@ -258,7 +259,8 @@ def run_task(task: str, payload: dict, limits: Limits, files: dict[str, bytes] |
 
         try:
             outcome = supervise(command, limits, work, log_path=log_path, env=child_env(), on_start=started,
-                                pass_fds=(write_fd,), refusal=lambda: reader.refused, on_output=on_output)
+                                pass_fds=(write_fd,), refusal=lambda: reader.refused, on_output=on_output,
+                                stop_requested=stop_requested)
         except BaseException:
             _close_quietly(write_fd)
             raise

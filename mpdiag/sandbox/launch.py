@@ -56,6 +56,8 @@ from mpdiag.sandbox.child import (
 from mpdiag.sandbox.supervisor import Limits, cuda_present
 
 STATUS_FILE = "status.json"
+#: written into a job's record directory by the page that started it (a click on Stop): its process stops the job
+STOP_FILE = "stop"
 LOG_FILE = "output.log"
 STORED_PREFIX = "sha256:"
 #: store writer methods a run child may call, each with the run id as its first argument
@@ -125,6 +127,14 @@ class Launched:
             return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
+    def request_stop(self) -> None:
+        """Ask the job's process to stop it: a run's child gets SIGTERM (its run ends itself, the signal named, rows
+        flushed) and SIGKILL if still there STOP_GRACE_S later; a verification stops its rerun and goes no further."""
+        (Path(self.log_path).parent / STOP_FILE).touch()
+
+    def stop_requested(self) -> bool:
+        return (Path(self.log_path).parent / STOP_FILE).exists()
 
     def ending(self) -> str | None:
         """The supervisor's account of how the job ended, once it has."""
@@ -473,7 +483,8 @@ def supervise_job(job: dict) -> None:
             output = OutputKeeper(writer, run_ids, console)  # this process writes it, from the child's pipe
             try:
                 result = run_task(planned["task"], {**planned["payload"], "run_ids": run_ids}, Limits.for_runs(),
-                                  files=files, log_path=record / LOG_FILE, on_call=owner.apply, on_output=console.add)
+                                  files=files, log_path=record / LOG_FILE, on_call=owner.apply, on_output=console.add,
+                                  stop_requested=(record / STOP_FILE).exists)
             except BaseException as exc:  # noqa: BLE001 - whatever stopped this process, its runs say so
                 message = f"the run could not be supervised: {type(exc).__name__}: {exc}"
                 owner.close_unfinished(store_path, message)

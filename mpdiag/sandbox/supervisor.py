@@ -3,7 +3,9 @@
 :func:`supervise` starts a command in its own process group with a wall-time limit, a memory limit (an
 address-space rlimit on CPU-only machines, and a resident-memory watchdog over every process of the run
 everywhere), and its output captured to a bounded log that keeps the *last* part of a huge output, mirrored to
-its file twice a second. The processes of a run are the child and everything it starts, also in a session of
+its file twice a second. A stop asked for by the caller (the dashboard's Stop button) sends the child's group
+SIGTERM, so a training child ends its run itself with its rows flushed, and SIGKILL ``STOP_GRACE_S`` later if it
+is still there. The processes of a run are the child and everything it starts, also in a session of
 its own (``setsid``, a daemon's double fork): the supervising process makes itself their subreaper (Linux), so
 orphans come back to it rather than to init, and each carries the run's token in its environment. When the child
 ends, every process of the run still there is killed, and the outcome says which were left running. It never
@@ -138,6 +140,8 @@ def _limit_address_space(memory_mb: float):
 
 
 DISK_CHECK_S = 1.0  # how often a child's directory is measured against its disk cap
+#: seconds a child asked to stop (SIGTERM) has to end its run itself before it is killed
+STOP_GRACE_S = 10.0
 
 
 def _directory_bytes(path: str | os.PathLike) -> int:
@@ -224,13 +228,14 @@ class RunProcesses:
 def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_path: Path | None = None,
               env: dict | None = None, on_start: Callable[[int], None] | None = None, pass_fds: tuple[int, ...] = (),
               refusal: Callable[[], str | None] | None = None,
-              on_output: Callable[[bytes], None] | None = None) -> Outcome:
+              on_output: Callable[[bytes], None] | None = None,
+              stop_requested: Callable[[], bool] | None = None) -> Outcome:
     """Run ``command`` under ``limits`` in ``cwd``; returns when it ends or is stopped at a limit.
 
     ``pass_fds`` are inherited by the child (its verdict channel); ``on_start(pid)`` runs once it started;
     ``refusal()``, polled while it runs, returns why the parent wants it stopped (or None to let it run);
     ``on_output(chunk)`` is given every chunk of the child's output (stdout and stderr, as it arrives), on the
-    thread reading it."""
+    thread reading it; ``stop_requested()``, polled too, says the user asked for it to stop (see the module)."""
     log = BoundedLog(log_path, limits.log_bytes)
     start = time.monotonic()
     _become_subreaper()
@@ -246,7 +251,13 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     reader = threading.Thread(target=_read_output, args=(proc, log, on_output), daemon=True)
     reader.start()
     processes = RunProcesses(psutil.Process(proc.pid), token)
-    reason, refused = _watch(proc, limits, cwd, processes, log, refusal, start)
+    reason, refused = _watch(proc, limits, cwd, processes, log, refusal, stop_requested, start)
+    if reason == "stopped":
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
     _kill_group(proc)
     proc.wait()
     left = processes.end_leftovers()  # nothing the run started outlives it, in its group or not
@@ -270,7 +281,8 @@ def _read_output(proc: subprocess.Popen, log: BoundedLog, on_output: Callable[[b
 
 
 def _watch(proc: subprocess.Popen, limits: Limits, cwd: str | os.PathLike, processes: RunProcesses,
-           log: BoundedLog, refusal: Callable[[], str | None] | None, start: float) -> tuple[str, str | None]:
+           log: BoundedLog, refusal: Callable[[], str | None] | None, stop_requested: Callable[[], bool] | None,
+           start: float) -> tuple[str, str | None]:
     """Poll the running child every 0.1 s until it exits or passes a limit: (reason it ended, the parent's refusal
     or None). The disk is measured every DISK_CHECK_S only (walking the directory costs)."""
     disk_checked = start
@@ -278,6 +290,8 @@ def _watch(proc: subprocess.Popen, limits: Limits, cwd: str | os.PathLike, proce
         refused = refusal() if refusal is not None else None
         if refused is not None:
             return "refused", refused
+        if stop_requested is not None and stop_requested():
+            return "stopped", None
         if time.monotonic() - start > limits.wall_s:
             return "wall_time", None
         if processes.rss() > limits.memory_mb * MiB:
@@ -292,13 +306,19 @@ def _watch(proc: subprocess.Popen, limits: Limits, cwd: str | os.PathLike, proce
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
 
 
 def _describe(reason: str, code: int | None, limits: Limits) -> str:
+    if reason == "stopped":
+        return "stopped from the dashboard (its Stop button)"
     if reason == "wall_time":
         return f"stopped at the wall-time limit of {limits.wall_s:g} s (does the script loop forever or wait on input?)"
     if reason == "memory":

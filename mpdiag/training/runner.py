@@ -42,8 +42,10 @@ from mpdiag.training.script import ModelScript, ScriptError, build_model
 ProgressFn = Callable[[int, int, float], None]  # (run id, step, loss): a --pair command prints two runs
 
 
-class RunStopped(Exception):
-    """The run was asked to stop (SIGTERM)."""
+class RunStopped(BaseException):
+    """The run was asked to stop (SIGTERM; the dashboard's Stop button sends it). A BaseException, as
+    KeyboardInterrupt is: raised inside the script's own code (its loss_fn, mostly), it is not the script's error,
+    so no ``except Exception`` (script_errors', the script's own) turns it into one; the run's error is its words."""
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -190,7 +192,7 @@ def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.d
         run.describe(model_state=state, params=state["params"],
                      config=_stored_config(config, optimizer, recorder.optimizer_step_nonfinite))
         recorder.close(note=note)
-    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - anything is recorded, never lost
+    except (Exception, KeyboardInterrupt, SystemExit, RunStopped) as exc:  # noqa: BLE001 - anything is recorded
         error = _failure_text(exc, script)
         if job is not None:  # every rank's error reaches the launching process, which names the first
             job.report_failure(error)

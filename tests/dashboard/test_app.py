@@ -11,6 +11,7 @@ from app_helpers import PAGES, app, confirm, shown, texts, wait_for_runs
 from conftest import EXAMPLES, ROOT
 
 from mpdiag import Store
+from mpdiag.dashboard import actions
 from mpdiag.training.runner import RunConfig, train, train_pair
 from mpdiag.training.script import ModelScript
 
@@ -209,6 +210,34 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     runs = wait_for_runs(store, 2)
     child = runs.iloc[0]
     assert child["parent_run_id"] == 1 and child["opt_level"] == "O2" and child["steps"] == 5
+
+
+def test_a_started_run_can_be_stopped_with_a_click_and_keeps_what_it_recorded(tmp_path, monkeypatch):
+    """A run started from the home page shows a Stop button while it goes; nothing stops until it is clicked;
+    then the page says it is stopping, and the run ends itself on the SIGTERM, as mpdiag run records a stop by a
+    signal (failed, the signal named, as the CLI's own SIGTERM test reads it), its recorded steps kept."""
+    store = tmp_path / "ui.db"
+    at = app("app.py", store, monkeypatch)
+    at.number_input(key="new_steps").set_value(100_000).run()
+    confirm(at, "new_start")
+    try:
+        stops = [b for b in at.run().button if str(b.key).startswith("stop_")]
+        assert [b.label for b in stops] == ["Stop"]  # one process started, still going
+        deadline = time.time() + 90
+        while time.time() < deadline:  # let it record a few steps first
+            runs = Store(store).runs()
+            if not runs.empty and (runs["steps_done"].fillna(0) >= 2).all():
+                break
+            time.sleep(0.3)
+        assert Store(store).runs().iloc[0]["status"] == "running"  # loading pages stopped nothing
+        stops[0].click().run()
+        assert "Stopping: the run is sent SIGTERM" in texts(at)
+    finally:  # a failure above must not leave a 100,000-step run training
+        for proc, _ in at.session_state[actions._LAUNCHED]:
+            proc.request_stop()
+    [run] = wait_for_runs(store, 1).to_dict("records")
+    assert (run["status"], run["error"]) == ("failed", "stopped by signal SIGTERM")
+    assert 2 <= run["steps_done"] < 100_000 and len(Store(store).steps(run["run_id"])) == run["steps_done"]
 
 
 HOSTILE_DIR = ROOT / "tests" / "fixtures" / "hostile"

@@ -112,6 +112,24 @@ def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path):
     assert run["steps_done"] == 3
 
 
+def test_a_run_stopped_from_the_dashboard_ends_itself_and_says_so(tmp_path):
+    """The Stop button (Launched.request_stop): the training child gets SIGTERM, so the watched run ends itself,
+    crashed with the signal named and its 3 steps kept; the job's ending, which the page shows, says who stopped it."""
+    store_path, started = tmp_path / "runs.db", tmp_path / "started"
+    after = f"open({str(started)!r}, 'w').write('x'); time.sleep(120)"
+    sha = stored_upload(store_path, STEPS_THEN.format(after=after))
+    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
+    deadline = time.time() + 90
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not proc.stop_requested()
+    proc.request_stop()
+    run = wait_final(store_path, proc)
+    assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
+    assert run["steps_done"] == 3 and len(Store(store_path).steps(int(run["run_id"]))) == 3
+    assert proc.ending() == "stopped from the dashboard (its Stop button)"
+
+
 def test_a_queued_job_waits_light(tmp_path):
     """While a job waits for a run slot, its supervising process holds no torch or pandas (the planning process that
     needed them has exited): a queued click costs tens of MB, not hundreds."""

@@ -93,3 +93,24 @@ def test_a_child_that_fills_its_directory_is_stopped_at_the_disk_cap(tmp_path):
     assert outcome.reason == "disk"
     assert outcome.message.startswith("stopped by the disk cap (50 MB)")
     assert outcome.seconds < 20
+
+
+@pytest.mark.parametrize("child_ends_itself", [True, False])
+def test_a_stop_sends_sigterm_then_sigkill_after_the_grace(tmp_path, monkeypatch, child_ends_itself):
+    """The dashboard's Stop: once ``stop_requested()`` says so, the child's group gets SIGTERM, so a child that
+    handles it ends on its own (here: writes that it did, exits 0); one that ignores it is killed once
+    STOP_GRACE_S has passed. Either way the outcome says it was stopped from the dashboard, not a crash."""
+    from mpdiag.sandbox import supervisor
+
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.0)
+    ready, handled = tmp_path / "ready", tmp_path / "handled"
+    on_term = (f"lambda *_: (open({str(handled)!r}, 'w').write('x'), sys.exit(0))" if child_ends_itself
+               else "signal.SIG_IGN")
+    script = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, {on_term})\n"
+              f"open({str(ready)!r}, 'w').write('x')\ntime.sleep(60)")
+    started = time.monotonic()
+    outcome = supervise(["python3", "-c", script], LIMITS, tmp_path, stop_requested=ready.exists)
+    assert outcome.reason == "stopped" and outcome.message == "stopped from the dashboard (its Stop button)"
+    assert not outcome.ok and time.monotonic() - started < 30  # not the child's 60 s sleep
+    assert handled.exists() == child_ends_itself
+    assert outcome.exit_code == (0 if child_ends_itself else -9)  # SIGKILL only for the one that ignored SIGTERM
