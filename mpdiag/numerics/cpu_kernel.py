@@ -2,8 +2,11 @@
 (:mod:`mpdiag.numerics.updates`), in their own module so numba is imported (and the kernels loaded from numba's
 on-disk cache, or compiled) only when a CPU run first needs them, not when the app starts."""
 
+import functools
+
 import numba
 import numpy as np
+import torch
 from numba.extending import overload
 
 from mpdiag.numerics.formats import EXP_MIN, FP32
@@ -17,6 +20,24 @@ EXPONENT_MASK = np.int32(0x7F800000)
 # no flag that assumes away NaN or inf, which must propagate into the result.
 _FLAGS = {"reassoc", "contract"}
 FIRST_NORMAL_BIN = FP32.min_normal_exponent - EXP_MIN  # the histogram bin of fp32 field 1
+
+
+def on_torch_threads(kernel):
+    """``kernel`` (a parallel one) launched on as many threads as torch has, and torch's thread count left as it
+    was. numba's OpenMP layer sets the launching thread's OpenMP thread count to numba's own at each parallel
+    launch, and torch shares that runtime: without this, a training script's ``torch.set_num_threads(1)`` became
+    the number of cores from mpdiag's first parallel kernel on (seen as an O1 run taking 6x the CPU)."""
+    @functools.wraps(kernel)
+    def launch(*args):
+        threads = torch.get_num_threads()
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        try:
+            return kernel(*args)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    return launch
 
 
 @numba.njit(nogil=True, fastmath=_FLAGS)

@@ -78,11 +78,11 @@ class UpdateTracker:
             return None
         from numba.typed import List
 
-        from mpdiag.numerics.cpu_kernel import update_counts
+        from mpdiag.numerics.cpu_kernel import on_torch_threads, update_counts
 
         items = work_items([t.numel() for t in self.targets])
         snapshots, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once
-        return _CpuKernel(update_counts, List, items, np.empty((len(items), 3), np.int64), List(snapshots), table)
+        return _CpuKernel(on_torch_threads(update_counts), List, items, np.empty((len(items), 3), np.int64), List(snapshots), table)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""

@@ -2,10 +2,15 @@
 
 import collections
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpdiag.numerics import gradstats
@@ -381,3 +386,38 @@ def test_a_held_copy_is_reused_once_its_step_is_gone():
     assert computer._held_pool == [] and second.stats().l2.tolist() == third.stats().l2.tolist()
     del second, third
     assert len(computer._held_pool) == 2
+
+
+def test_the_kernels_leave_torch_on_the_threads_the_script_gave_it():
+    """numba's OpenMP layer sets the launching thread's OpenMP thread count to numba's own at each parallel launch,
+    and torch shares that runtime: a script's ``torch.set_num_threads(1)`` became 2 (numba's) after mpdiag's first
+    parallel statistics pass or update count. Each parallel kernel (statistics, the light signals pass, update
+    counts) must leave torch on the script's count. In a child: thread counts are process state, and numba's must
+    be 2 there (the suite runs it on 1)."""
+    code = textwrap.dedent("""
+        import torch
+        from mpdiag.numerics.gradstats import GradStatsComputer
+        from mpdiag.numerics.updates import UpdateTracker
+        seen = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            grads = [torch.randn(1 << 22, generator=torch.Generator().manual_seed(threads))]  # parallel from 2**22
+            computer = GradStatsComputer([grads[0].numel()])
+            computer.compute(grads, 1000.0)
+            after_statistics = torch.get_num_threads()
+            computer.hold(grads, 1024.0)
+            after_signals = torch.get_num_threads()
+            weight = torch.nn.Parameter(torch.ones(1000))
+            weight.grad = torch.full_like(weight, 1e-3)
+            tracker = UpdateTracker([weight], "fp16")
+            tracker.before(0)
+            with torch.no_grad():
+                weight.sub_(1e-5)
+            tracker.after()
+            seen.append([after_statistics, after_signals, torch.get_num_threads()])
+        print(seen)
+    """)
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[[1, 1, 1], [2, 2, 2]]"
