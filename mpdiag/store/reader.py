@@ -415,19 +415,32 @@ class Store:
             counts[k, np.searchsorted(tensor_ids, ids)] = step_counts
         return rows["step"].to_numpy(dtype=np.int64), tensor_ids, counts
 
-    def first_overflow(self, run_id: int, fmt: str) -> pd.DataFrame:
-        """The first logged step at which a gradient at the loss scale in use (S*g) holds values that overflow
-        ``fmt`` (a registry format): columns step, tensor and overflow (that tensor's count), one row per
-        overflowing tensor at that step; empty when none ever does. Steps are searched only when the run's
-        totals hold such values, so a run without any costs one key lookup per tensor."""
-        fmt = _known_format(fmt)
-        return self._query(
-            "SELECT r.step, t.name AS tensor, r.overflow_at_scale AS overflow FROM representability r "
-            "JOIN tensors t ON t.run_id = r.run_id AND t.tensor_id = r.tensor_id "
-            "WHERE r.run_id = ? AND r.fmt = ? AND r.overflow_at_scale > 0 AND r.step = ("
-            "  SELECT MIN(step) FROM representability WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0 "
-            "  AND EXISTS (SELECT 1 FROM representability_totals WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0)"
-            ") ORDER BY r.tensor_id", (int(run_id), fmt) * 3)
+    def step_signal_sums(self, run_id: int) -> pd.Series:
+        """Over every step with signals (kept or not; see :meth:`step_signal_totals`): ``steps``, how many, and each
+        of SIGNAL_COUNTS summed over them and their tensors. Read from the sums' index alone, one row."""
+        sums = ", ".join(f"COALESCE(SUM({c}), 0) AS {c}" for c in SIGNAL_COUNTS)
+        return self._query(f"SELECT COUNT(*) AS steps, {sums} FROM step_signals WHERE run_id = ?",
+                           (int(run_id),)).iloc[0].astype("int64")
+
+    def signal_counts(self, run_id: int, signal: str) -> pd.DataFrame:
+        """One of SIGNAL_COUNTS (``signal``: ``nan``, ..., ``fp16_overflow_at_scale``) per step and tensor, at every
+        step with signals (kept or not), where it is above 0: columns step, tensor, count, in step and tensor
+        order; empty when no step holds any. Only the steps whose sum is above 0 are decoded, found from the
+        sums' index, so a run without any costs one index scan. Raises ValueError for any other ``signal``."""
+        if signal not in SIGNAL_COUNTS:
+            raise ValueError(f"unknown signal {signal!r}; the signals are {', '.join(SIGNAL_COUNTS)}")
+        rows = self._query(f"SELECT step, counts FROM step_signals WHERE run_id = ? AND {signal} > 0 ORDER BY step",
+                           (int(run_id),))
+        column, found = SIGNAL_COUNTS.index(signal), []
+        for step, blob in zip(rows["step"].tolist(), rows["counts"], strict=True):
+            ids, counts = decode_signals(blob)
+            held = counts[:, column] > 0
+            found.append(pd.DataFrame({"step": step, "tensor_id": ids[held], "count": counts[held, column]}))
+        names = self.tensors(run_id).set_index("tensor_id")["name"]
+        held = pd.concat(found, ignore_index=True) if found else pd.DataFrame(
+            {"step": pd.Series(dtype="int64"), "tensor_id": pd.Series(dtype="int64"), "count": pd.Series(dtype="int64")})
+        return pd.DataFrame({"step": held["step"].astype("int64"), "tensor": held["tensor_id"].map(names).astype(object),
+                             "count": held["count"].astype("int64")})
 
     def tensor_stats(
         self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
