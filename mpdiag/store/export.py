@@ -10,9 +10,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from mpdiag.numerics.formats import SIGNAL_COUNTS
 from mpdiag.store.reader import Store
+
+#: steps of per-tensor signals decoded at once: the dense read of a whole 100,000-step, 500-tensor run would be
+#: 2.8 GB of counts (Store.step_signals)
+SIGNAL_CHUNK_STEPS = 10_000
 
 
 def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
@@ -26,6 +32,9 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "tensor_stats": store.tensor_stats(run_id),
         "kept_steps": store.kept_steps(run_id),
         "histograms": store.histograms(run_id).assign(exponent=lambda d: d["exponent"].map(str)),
+        "hist_rollups": store.histogram_rollups(run_id),
+        "step_signals": step_signals(store, run_id),
+        "step_signal_totals": store.step_signal_totals(run_id).drop(columns="steps"),
         "module_stats": store.module_stats(run_id),
         "update_stats": store.update_stats(run_id),
         "shadow_stats": store.shadow_stats(run_id),
@@ -38,6 +47,22 @@ def run_tables(store: Store, run_id: int) -> dict[str, pd.DataFrame]:
         "replay_modules": store.replay_modules(run_id),
         "console_output": _console_output(store, run_id),
     }
+
+
+def step_signals(store: Store, run_id: int) -> pd.DataFrame:
+    """Every step's per-tensor signals (Store.step_signals: kept in full or not), long: step, tensor and each of
+    SIGNAL_COUNTS, one row per tensor counted at that step (a tensor without a fresh gradient has none)."""
+    names = store.tensors(run_id)["name"].to_numpy(dtype=object)
+    frames, last = [], store.max_step(run_id)
+    for first in range(0, last + 1, SIGNAL_CHUNK_STEPS):
+        steps, _, counts = store.step_signals(run_id, first, first + SIGNAL_CHUNK_STEPS - 1)
+        at, tensor = np.nonzero(counts[..., 0] >= 0)  # -1: not counted at that step
+        frames.append(pd.DataFrame({"step": steps[at], "tensor": names[tensor]}
+                                   | {c: counts[at, tensor, k] for k, c in enumerate(SIGNAL_COUNTS)}))
+    if frames:
+        return pd.concat(frames, ignore_index=True)
+    return pd.DataFrame({"step": pd.Series(dtype="int64"), "tensor": pd.Series(dtype=object)}
+                        | {c: pd.Series(dtype="int64") for c in SIGNAL_COUNTS})
 
 
 def _console_output(store: Store, run_id: int) -> pd.DataFrame:

@@ -515,6 +515,27 @@ class Store:
                          "AND t.tensor_id = h.tensor_id WHERE h.run_id = ? ORDER BY h.tensor_id", (int(run_id),))
         return df["tensor"].tolist(), decode_hists(df["hist"].tolist())
 
+    def histogram_rollups(self, run_id: int) -> pd.DataFrame:
+        """The writer's bucket sums of each tensor's histograms (hist_rollups, what :meth:`histogram_columns` reads
+        for a long heatmap), long: tensor, bucket_steps (ROLLUP_BUCKET_STEPS), bucket (steps bucket * bucket_steps
+        to (bucket + 1) * bucket_steps - 1), first_step and last_step (its first and last kept step), steps_kept,
+        empty_steps (kept steps with no finite non-zero value), exponent (bin 2^e <= |g| < 2^(e+1)) and count, one
+        row per non-empty bin; a bucket whose kept steps were all empty has one row, its exponent and count <NA>."""
+        df = self._query("SELECT t.name AS tensor, r.bucket_steps, r.bucket, r.first_step, r.last_step, r.steps_kept, "
+                         "r.empty_steps, r.hist FROM hist_rollups r JOIN tensors t ON t.run_id = r.run_id AND "
+                         "t.tensor_id = r.tensor_id WHERE r.run_id = ? ORDER BY r.tensor_id, r.bucket_steps, r.bucket",
+                         (int(run_id),))
+        counts = decode_hists(df.pop("hist").tolist())
+        rows, bins = np.nonzero(counts)
+        empty = np.flatnonzero(~counts.any(axis=1))  # a bucket of empty steps only: one row, without a bin
+        row, binned = np.r_[rows, empty], np.r_[np.ones(len(rows), bool), np.zeros(len(empty), bool)]
+        order = np.lexsort((np.r_[bins, np.zeros(len(empty), np.int64)], row))  # the query's order, then the bins
+        long = df.iloc[row[order]].reset_index(drop=True)
+        for column, values in (("exponent", bins + EXP_MIN), ("count", counts[rows, bins])):
+            long[column] = pd.Series(np.r_[values, np.zeros(len(empty), np.int64)][order], dtype="Int64").where(
+                binned[order])
+        return long
+
     def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
         """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
         index, counts = self.histogram_matrix(run_id, tensor)
