@@ -415,6 +415,15 @@ class Store:
             counts[k, np.searchsorted(tensor_ids, ids)] = step_counts
         return rows["step"].to_numpy(dtype=np.int64), tensor_ids, counts
 
+    def step_signals_at(self, run_id: int, step: int) -> pd.DataFrame:
+        """The signals of one step (kept in full or not) per tensor counted at it: tensor and each of SIGNAL_COUNTS;
+        empty where the step has none (not counted, or a store from before schema 16 at a step it did not keep)."""
+        _, tensor_ids, counts = self.step_signals(run_id, int(step), int(step))
+        names = self.tensors(run_id)["name"].to_numpy(dtype=object)
+        per_tensor = counts[0] if len(counts) else np.full((len(tensor_ids), len(SIGNAL_COUNTS)), -1, np.int64)
+        counted = per_tensor[:, 0] >= 0  # -1: no fresh gradient at that step
+        return pd.DataFrame({"tensor": names[counted]} | {c: per_tensor[counted, k] for k, c in enumerate(SIGNAL_COUNTS)})
+
     def step_signal_sums(self, run_id: int) -> pd.Series:
         """Over every step with signals (kept or not; see :meth:`step_signal_totals`): ``steps``, how many, and each
         of SIGNAL_COUNTS summed over them and their tensors. Read from the sums' index alone, one row."""
