@@ -440,16 +440,17 @@ class Store:
             raise ValueError(f"unknown signal {signal!r}; the signals are {', '.join(SIGNAL_COUNTS)}")
         rows = self._query(f"SELECT step, counts FROM step_signals WHERE run_id = ? AND {signal} > 0 ORDER BY step",
                            (int(run_id),))
-        column, found = SIGNAL_COUNTS.index(signal), []
+        column, none = SIGNAL_COUNTS.index(signal), np.zeros(0, dtype=np.int64)
+        steps, ids, counts = [none], [none], [none]
         for step, blob in zip(rows["step"].tolist(), rows["counts"], strict=True):
-            ids, counts = decode_signals(blob)
-            held = counts[:, column] > 0
-            found.append(pd.DataFrame({"step": step, "tensor_id": ids[held], "count": counts[held, column]}))
+            tensor_ids, step_counts = decode_signals(blob)
+            held = step_counts[:, column] > 0
+            steps.append(np.full(int(held.sum()), step, dtype=np.int64))
+            ids.append(tensor_ids[held])
+            counts.append(step_counts[held, column])
         names = self.tensors(run_id).set_index("tensor_id")["name"]
-        held = pd.concat(found, ignore_index=True) if found else pd.DataFrame(
-            {"step": pd.Series(dtype="int64"), "tensor_id": pd.Series(dtype="int64"), "count": pd.Series(dtype="int64")})
-        return pd.DataFrame({"step": held["step"].astype("int64"), "tensor": held["tensor_id"].map(names).astype(object),
-                             "count": held["count"].astype("int64")})
+        return pd.DataFrame({"step": np.concatenate(steps), "tensor": names.reindex(np.concatenate(ids)).to_numpy(
+            dtype=object), "count": np.concatenate(counts)})
 
     def tensor_stats(
         self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None

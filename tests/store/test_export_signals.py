@@ -1,7 +1,8 @@
 """`mpdiag export` writes the per-step signals (every step, kept in full or not) and the histogram rollups, and
-both read back from its Parquet and CSV files as the run recorded them (issue 28). Ground truth: the gradients
-planted in a real Recorder loop with --every 5, cast with torch (signals) and binned with Python's frexp
-(histograms, summed over each bucket's kept steps); never the store's own code."""
+both read back from its Parquet and CSV files as the run recorded them (issue 28); the Store's reads of the signals
+that the findings and Compare use give the same numbers. Ground truth: the gradients planted in a real Recorder loop
+with --every 5, cast with torch (signals) and binned with Python's frexp (histograms, summed over each bucket's kept
+steps); never the store's own code."""
 
 import numpy as np
 import pandas as pd
@@ -106,3 +107,19 @@ def test_the_histogram_rollups_round_trip_as_the_sums_of_each_buckets_kept_steps
             assert list(found[key][:4]) == meta and (found[key][4] == hist).all(), key
     gate = _read_back(out, run_id, "hist_rollups")[0].query("tensor == 'gate'")
     assert gate["exponent"].isna().all() and (gate["empty_steps"] == gate["steps_kept"]).all()
+
+
+def test_the_signal_reads_the_findings_and_compare_use_count_every_step_as_torch_casts(exported):
+    store, run_id, planted, _ = exported
+    truth = {(step, name): _signals_by_casting(g) for step, grads in planted.items() for name, g in grads.items()}
+    for k, signal in enumerate(SIGNAL_COUNTS):
+        held = [[step, name, counts[k]] for (step, name), counts in truth.items() if counts[k] > 0]
+        assert store.signal_counts(run_id, signal).values.tolist() == held, signal
+    sums = store.step_signal_sums(run_id)
+    assert sums.to_dict() == {"steps": STEPS} | {c: sum(counts[k] for counts in truth.values())
+                                                  for k, c in enumerate(SIGNAL_COUNTS)}
+    at = store.step_signals_at(run_id, OVERFLOW_AT)  # a dropped step
+    assert at.values.tolist() == [[name, *truth[(OVERFLOW_AT, name)]] for name in ("weight", "bias", "gate")]
+    assert store.step_signals_at(run_id, STEPS + 10).empty
+    with pytest.raises(ValueError, match="unknown signal"):  # the name is put into SQL: only the known ones
+        store.signal_counts(run_id, "nan > 0 OR 1")
