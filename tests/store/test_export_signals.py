@@ -12,6 +12,7 @@ from ground_truth import exponent_histogram
 
 from mpdiag import Recorder, Store
 from mpdiag.numerics.formats import EXP_MIN, SIGNAL_COUNTS
+from mpdiag.store import export
 from mpdiag.store.export import export_run
 from mpdiag.store.schema import ROLLUP_BUCKET_STEPS
 
@@ -77,6 +78,18 @@ def test_every_steps_signals_round_trip_as_torch_casts_count_them_kept_or_not(ex
             for step, grads in planted.items()]
     for read in _read_back(out, run_id, "step_signal_totals"):
         assert read.columns.tolist() == ["step", *SIGNAL_COUNTS] and read.values.tolist() == sums
+
+
+def test_the_signals_written_a_chunk_of_steps_at_a_time_read_back_the_same(exported, tmp_path, monkeypatch):
+    """A long run's signals are written SIGNAL_CHUNK_STEPS steps at a time: with chunks of 4 steps (7 of them here,
+    the last partial) the files hold the same rows as in one chunk."""
+    store, run_id, _, out = exported
+    monkeypatch.setattr(export, "SIGNAL_CHUNK_STEPS", 4)
+    export.export_run(store, run_id, tmp_path)
+    for whole, chunked in zip(_read_back(out, run_id, "step_signals"), _read_back(tmp_path, run_id, "step_signals"),
+                              strict=True):
+        pd.testing.assert_frame_equal(whole, chunked)
+    assert len(chunked) == STEPS * 3
 
 
 def test_the_histogram_rollups_round_trip_as_the_sums_of_each_buckets_kept_steps(exported):
