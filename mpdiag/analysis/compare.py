@@ -317,8 +317,9 @@ def config_table(chosen: pd.DataFrame, labels: list[str], only_differences: bool
     """Settings (rows, as text: :func:`setting_text`) by run (columns named by ``labels``); with
     ``only_differences`` only the settings on which the runs disagree, a setting one run has and another lacks
     (MISSING) included; ``every`` at the default retention is DEFAULT_RETENTION, and a run that planned no number
-    of steps (a loop of your own, a watched script) says how many it recorded (``steps_done``). Rows: CONFIG_FIELDS the store has, CONFIG_EXTRAS some run's config holds, and the
-    runs' links (LINK_FIELDS): "paired with" is also set on the twin whose pair among ``chosen`` names it."""
+    of steps (a loop of your own, a watched script) says how many it recorded (``steps_done``). Rows: CONFIG_FIELDS
+    the store has, CONFIG_EXTRAS some run's config holds, and the runs' links (LINK_FIELDS): "paired with" is also
+    set on the twin whose pair among ``chosen`` names it."""
     rows: dict[str, list[str]] = {}
     for field in CONFIG_FIELDS:
         if field in chosen:

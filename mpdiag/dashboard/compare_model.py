@@ -229,9 +229,12 @@ class CompareRuns:
         unlogged = set(per_run.loc[per_run["missing"] == NO_STEP, "run"])
         said = []
         for lab, run_id, final in self._reads():
-            signals = reads.signals_at_step(self.store, run_id, step, final) if lab in unlogged else None
-            if signals is not None and tensor in set(signals["tensor"]):
-                said.append(f"{plain(lab)}: {counted_text(signals[signals['tensor'] == tensor].iloc[0])}")
+            if lab not in unlogged:
+                continue
+            signals = reads.signals_at_step(self.store, run_id, step, final)
+            counted = signals[signals["tensor"] == tensor]
+            if len(counted):  # none: the run did not count the step (or the tensor had no gradient there)
+                said.append(f"{plain(lab)}: {counted_text(counted.iloc[0])}")
         return said
 
     def _tensor_histogram(self, run_id: int, final: bool, tensor: str,
