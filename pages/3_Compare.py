@@ -174,6 +174,9 @@ def overlay_table(overlay: compare_model.Overlay, tensor: str, step: int | None)
         missing = per_run.loc[per_run["missing"] == why, "run"].tolist()
         if missing:
             st.caption(plain(f"{sentence}: " + "; ".join(missing) + "."))
+    if overlay.counted:
+        st.caption(f"Counted at {when} all the same (every step's inf/NaN and FP16 over/underflow are kept, its "
+                   "histogram only at the steps kept in full): " + "; ".join(overlay.counted) + ".")
     drawn = per_run[~per_run["missing"].isin([NO_TENSOR, NO_STEP])]
     if len(drawn):
         st.dataframe(pd.DataFrame({

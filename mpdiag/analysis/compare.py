@@ -14,6 +14,7 @@ import pandas as pd
 from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
 from mpdiag.options import applies
+from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
 #: one of the two is non-finite.
@@ -244,6 +245,8 @@ def setting_label(field: str) -> str:
 
 #: how the table writes a setting a run does not have (missing is a value: a setting only some runs have differs)
 MISSING = "—"
+#: how the table writes ``every`` of a run recorded at the default retention (stored as none: --every not given)
+DEFAULT_RETENTION = f"every step to {DENSE_START_STEPS - 1:,}, then every {THIN_EVERY}th (the default)"
 
 
 def _missing(value) -> bool:
@@ -273,7 +276,7 @@ def setting_text(field: str, value) -> str:
     """One setting of one run as the Configuration table writes it: MISSING when the run has none (never "nan" or
     "None"), a scale as 2^k, a count with separators, a run link as #id, yes/no for a switch."""
     if _missing(value):
-        return MISSING
+        return DEFAULT_RETENTION if field == "every" else MISSING
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if field in LINK_FIELDS:
@@ -313,12 +316,17 @@ def _config_extra(config, field: str):
 def config_table(chosen: pd.DataFrame, labels: list[str], only_differences: bool) -> pd.DataFrame:
     """Settings (rows, as text: :func:`setting_text`) by run (columns named by ``labels``); with
     ``only_differences`` only the settings on which the runs disagree, a setting one run has and another lacks
-    (MISSING) included. Rows: CONFIG_FIELDS the store has, CONFIG_EXTRAS some run's config holds, and the
-    runs' links (LINK_FIELDS): "paired with" is also set on the twin whose pair among ``chosen`` names it."""
+    (MISSING) included; ``every`` at the default retention is DEFAULT_RETENTION, and a run that planned no number
+    of steps (a loop of your own, a watched script) says how many it recorded (``steps_done``). Rows: CONFIG_FIELDS
+    the store has, CONFIG_EXTRAS some run's config holds, and the runs' links (LINK_FIELDS): "paired with" is also
+    set on the twin whose pair among ``chosen`` names it."""
     rows: dict[str, list[str]] = {}
     for field in CONFIG_FIELDS:
         if field in chosen:
             rows[field] = [setting_text(field, v) for v in chosen[field]]
+    if "steps" in rows and "steps_done" in chosen:  # a loop of your own plans no count: the steps it recorded
+        rows["steps"] = [f"{int(done):,} recorded (none planned)" if text == MISSING else text
+                         for text, done in zip(rows["steps"], chosen["steps_done"], strict=True)]
     if "config" in chosen:
         for field in CONFIG_EXTRAS:
             values = [_config_extra(c, field) for c in chosen["config"]]
@@ -367,6 +375,14 @@ def histogram_steps(logged: list[list[int]]) -> tuple[list[int], int | None]:
 NO_TENSOR = "did not record this tensor"
 NO_STEP = "did not log this step"
 NO_VALUES = "held no finite non-zero value of it"
+
+
+def counted_text(signals: pd.Series) -> str:
+    """One tensor's signals at one step (a Store.step_signals_at row), in words: what a run that kept no histogram
+    there counted all the same (its inf/NaN values, and those overflowing and underflowing FP16 at its scale)."""
+    nonfinite = int(signals["nan"] + signals["posinf"] + signals["neginf"])
+    return (f"{nonfinite:,} inf/NaN, {int(signals['fp16_overflow_at_scale']):,} overflowing and "
+            f"{int(signals['fp16_underflow_at_scale']):,} underflowing FP16 at its loss scale")
 
 
 def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame, np.ndarray]],

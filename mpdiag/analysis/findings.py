@@ -100,12 +100,15 @@ def scale_basis(twin_hist: np.ndarray | None) -> str:
 
 
 def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
-              shadow_steps: int = 0, twin_hist: np.ndarray | None = None) -> Finding | None:
+              shadow_steps: int = 0, twin_hist: np.ndarray | None = None,
+              signals: pd.Series | None = None) -> Finding | None:
     """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use. The values
     FP16 flushed to zero are exact zeros in the record; their share is estimated against the FP32 twin
     (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it. The
     recommended scale is read from the twin's summed histogram (``twin_hist``) when there is one: the run's own
-    lacks the flushed values, and a scale chosen from it can leave the rerun with the same finding."""
+    lacks the flushed values, and a scale chosen from it can leave the rerun with the same finding. The shares
+    are of the steps whose statistics were kept (the values' total is known there only); where the run counted
+    more steps (``signals``: Store.step_signal_sums), the evidence says so and adds the underflow over every step."""
     if run["opt_level"] not in FP16_LEVELS or totals.empty:
         return None
     values = nonzero_finite(totals)
@@ -130,9 +133,10 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     return Finding(
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
-        evidence=(f"At the scale used, {overall:.2%} of the recorded finite non-zero gradient values "
-                  f"{_low_range_parts(totals)}; values FP16 already flushed are exact zeros "
-                  f"in the record, {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. {flushed}"),
+        evidence=(f"At the scale used, {overall:.2%} of the finite non-zero gradient values recorded "
+                  f"{_kept_words(totals, signals)}{_low_range_parts(totals)}; values FP16 already flushed are exact "
+                  f"zeros in the record, {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. "
+                  f"{flushed}{_underflow_every_step(totals, signals)}"),
         recommendation=advice,
         tensors=tensors,
         fix=fix,
@@ -152,6 +156,30 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None) -> tuple[str, 
     return (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
             f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of the values underflowing or subnormal, "
             "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)})
+
+
+def _counted_beyond_kept(totals: pd.DataFrame, signals: pd.Series | None) -> int:
+    """How many steps the run counted (its per-step signals: ``signals``, Store.step_signal_sums) where that is
+    more than the steps whose full statistics were kept (``totals``: Store.tensor_totals), else 0: a finding read
+    from the kept steps then says so, and adds what the signals counted at every step."""
+    counted = 0 if signals is None else int(signals["steps"])
+    return counted if len(totals) and counted > int(totals["logged_steps"].max()) else 0
+
+
+def _kept_words(totals: pd.DataFrame, signals: pd.Series | None) -> str:
+    """'at the 1,003 steps kept in full (of 1,100 counted) ' where the run counted more steps than it kept."""
+    counted = _counted_beyond_kept(totals, signals)
+    return f"at the {int(totals['logged_steps'].max()):,} steps kept in full (of {counted:,} counted) " if counted else ""
+
+
+def _underflow_every_step(totals: pd.DataFrame, signals: pd.Series | None) -> str:
+    """:func:`low_range`'s FP16 underflow over every step the run counted, where it kept fewer in full."""
+    counted = _counted_beyond_kept(totals, signals)
+    if not counted:
+        return ""
+    return (f" Counted at every one of the {counted:,} steps, kept in full or not: "
+            f"{int(signals['fp16_underflow_at_scale']):,} values would underflow in FP16 at the scale used "
+            f"({int(totals['fp16_underflow_at_scale'].sum()):,} of them at the kept steps).")
 
 
 def _low_range_parts(totals: pd.DataFrame) -> str:
@@ -263,8 +291,9 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     )
 
 
-def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
-    """Tensors whose gradient was exactly zero at every logged step."""
+def dead_gradients(run: pd.Series, totals: pd.DataFrame, signals: pd.Series | None = None) -> Finding | None:
+    """Tensors whose gradient was exactly zero at every logged step. Exact zeros are counted at the kept steps
+    only: where the run counted more steps (``signals``: Store.step_signal_sums), the evidence says how many."""
     if totals.empty:
         return None
     dead = totals[(totals["zeros"] == totals["numel"]) & (totals["numel"] > 0)]["tensor"].tolist()
@@ -280,9 +309,16 @@ def dead_gradients(run: pd.Series, totals: pd.DataFrame) -> Finding | None:
         rule="dead-gradients", severity="warning",
         title=f"{len(dead)} tensor(s) received an all-zero gradient at every logged step",
         evidence=f"{', '.join(dead[:5])}{' …' if len(dead) > 5 else ''}: every value exactly zero at all "
-                 f"{int(totals['logged_steps'].max())} logged steps.",
+                 f"{int(totals['logged_steps'].max())} logged steps" + _dead_steps_said(totals, signals) + ".",
         recommendation=advice, tensors=dead, fix=fix,
     )
+
+
+def _dead_steps_said(totals: pd.DataFrame, signals: pd.Series | None) -> str:
+    """dead-gradients' note where the run counted more steps than it kept in full: zeros are not counted between."""
+    counted = _counted_beyond_kept(totals, signals)
+    return (f" (the steps whose full statistics were kept, of {counted:,} counted: exact zeros are counted at kept "
+            "steps only)") if counted else ""
 
 
 def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray) -> Finding | None:
@@ -311,28 +347,60 @@ def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray)
     )
 
 
-def fp16_overflow(run: pd.Series, first: pd.DataFrame, kept: pd.DataFrame) -> Finding | None:
-    """Runs without loss scaling (FP32, BF16, a loop without a GradScaler): the first stored step at which
-    gradient values exceed FP16's largest value (``first``: Store.first_overflow for fp16), and why that step's
-    statistics were kept (``kept``: Store.kept_steps; with --every N such a step is kept even between two multiples
-    of N). With a loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot)."""
-    if first.empty or run["scaling"] != "none":
+def fp16_overflow(run: pd.Series, overflow: pd.DataFrame, kept: pd.DataFrame) -> Finding | None:
+    """Runs without loss scaling (FP32, BF16, a loop without a GradScaler): gradient values that exceed FP16's
+    largest value, counted at every step whether its statistics were kept or not (``overflow``:
+    Store.signal_counts of ``fp16_overflow_at_scale``; the scale is 1). The evidence names the first such step,
+    why its statistics were kept (``kept``: Store.kept_steps; with --every N such a step is kept even between two
+    multiples of N) and its tensors with their counts, then every step: how many held such values and, per
+    tensor, its values and the step with the most, said where that step's full statistics were not kept. With a
+    loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot)."""
+    if overflow.empty or run["scaling"] != "none":
         return None
-    step = int(first["step"].iloc[0])
+    step = int(overflow["step"].iloc[0])
     why = kept.loc[kept["step"] == step, "reason"].tolist()
-    worst = first.sort_values("overflow", ascending=False)
+    worst = overflow[overflow["step"] == step].sort_values("count", ascending=False, kind="stable")
+    per_tensor = _overflow_per_tensor(overflow)
     return Finding(
         rule="fp16-overflow", severity="info",
         title=f"Gradient values exceed FP16's range, first at step {step:,}",
         evidence=(f"At step {step:,}" + (f" (statistics kept: {', '.join(why)})" if why else "") + ", "
-                  + "; ".join(f"{t}: {int(n):,} values" for t, n in zip(worst["tensor"][:5], worst["overflow"][:5],
+                  + "; ".join(f"{t}: {int(n):,} values" for t, n in zip(worst["tensor"][:5], worst["count"][:5],
                                                                           strict=True))
-                  + f" cast to inf in FP16 (its largest value is {FP16.max_finite:g})."),
+                  + f" cast to inf in FP16 (its largest value is {FP16.max_finite:g}). "
+                  + _overflow_over_steps(overflow, per_tensor, set(kept["step"].tolist()))),
         recommendation=("This run would overflow at that step in FP16 without a loss scale below 1; BF16 holds these "
                         "values (FP32's exponent range)."),
-        tensors=worst["tensor"].tolist(),
+        tensors=list(dict.fromkeys(worst["tensor"].tolist() + per_tensor.index.tolist())),
         focus={"step": step},  # the Gradients page opens at that step
     )
+
+
+def _overflow_per_tensor(overflow: pd.DataFrame) -> pd.DataFrame:
+    """Per tensor of Store.signal_counts' rows, most values first: total (summed over the steps), steps (how many
+    held any), worst_step and worst (the step with the most, the first of equals, and its count)."""
+    worst = overflow.sort_values(["count", "step"], ascending=[False, True], kind="stable").drop_duplicates("tensor")
+    worst = worst.set_index("tensor")
+    grouped = overflow.groupby("tensor", sort=False)["count"]
+    return pd.DataFrame({"total": grouped.sum(), "steps": grouped.size(), "worst_step": worst["step"],
+                         "worst": worst["count"]}).sort_values("total", ascending=False, kind="stable")
+
+
+def _overflow_over_steps(overflow: pd.DataFrame, per_tensor: pd.DataFrame, kept: set[int]) -> str:
+    """fp16-overflow's sentence over every step: how many steps held such values (how many of them were not kept
+    in full) and, for the five tensors with the most, their values, steps and worst step."""
+    steps = overflow["step"].unique()
+    if len(steps) == 1:
+        return "No other step held such values (every step counted, kept in full or not)."
+    dropped = sum(int(s) not in kept for s in steps)
+    held = (f"{len(steps):,} steps held such values"
+            + (f", {dropped:,} of them with statistics not kept in full (their counts are the per-step signals)"
+               if dropped else ""))
+    tensors = "; ".join(
+        f"{t}: {total:,} values at {n:,} step{'s' if n > 1 else ''}, the most at step {step:,} "
+        f"({worst:,}{'' if step in kept else ', statistics not kept'})"
+        for t, total, n, step, worst in per_tensor.head(5).astype("int64").itertuples())
+    return f"Counted at every step, kept or not: {held}; {tensors}."
 
 
 def scale_ignored(run: pd.Series, probe: dict | None) -> Finding | None:
@@ -597,6 +665,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
     run = runs[runs["run_id"] == int(run_id)].iloc[0]
     totals = store.tensor_totals(run_id)
     steps = store.steps(run_id)
+    signals = store.step_signal_sums(run_id)  # every step's counts, kept in full or not
     tensors, per_tensor = store.histogram_totals(run_id)  # each tensor's histogram over all logged steps
     hist = per_tensor.sum(axis=0)
     probe = store.probe(run_id, "scale-linearity")
@@ -606,7 +675,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
     twin = fp32_twin(run)
     underflow = None if ignored else low_range(
         run, totals, hist, None if twin is None else store.tensor_totals(twin), int(shadow["step"].nunique()),
-        None if twin is None else store.histogram_totals(twin)[1].sum(axis=0))
+        None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals)
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
@@ -617,9 +686,9 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         # after it: where the first inf/NaN was born, once scale-collapse has said what to change
         nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         loss_spike_origin(store.replays(run_id)),
-        dead_gradients(run, totals),
+        dead_gradients(run, totals, signals),
         needs_bf16_range(run, tensors, per_tensor),
-        fp16_overflow(run, store.first_overflow(run_id, "fp16"), store.kept_steps(run_id)),
+        fp16_overflow(run, store.signal_counts(run_id, "fp16_overflow_at_scale"), store.kept_steps(run_id)),
         fp32_divergence(run, runs, store, shadow),
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]

@@ -14,8 +14,10 @@ import pandas as pd
 from mpdiag.analysis import summaries
 from mpdiag.analysis.compare import (
     DIVERGENCE_RTOL,
+    NO_STEP,
     STEP_TIME_OUTLIER,
     cost_table,
+    counted_text,
     first_divergence,
     fp16_underflow_parts,
     histogram_steps,
@@ -79,6 +81,9 @@ class Overlay:
     bins: pd.DataFrame
     per_run: pd.DataFrame
     when: str
+    #: the runs without the step's histogram (its full statistics not kept) that counted it all the same (their
+    #: per-step signals): what each counted of the tensor, label first (Markdown, the label through ``plain``)
+    counted: list[str]
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,21 @@ class CompareRuns:
                          *self._tensor_histogram(run_id, final, tensor, step))
                    for lab, run_id, final in self._reads()}
         bins, per_run = overlaid_histograms(records, tensor, step)
-        return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}")
+        return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}",
+                       [] if step is None else self._counted_at(per_run, tensor, step))
+
+    def _counted_at(self, per_run: pd.DataFrame, tensor: str, step: int) -> list[str]:
+        """What the runs that kept no histogram at ``step`` counted of ``tensor`` there (their per-step signals)."""
+        unlogged = set(per_run.loc[per_run["missing"] == NO_STEP, "run"])
+        said = []
+        for lab, run_id, final in self._reads():
+            if lab not in unlogged:
+                continue
+            signals = reads.signals_at_step(self.store, run_id, step, final)
+            counted = signals[signals["tensor"] == tensor]
+            if len(counted):  # none: the run did not count the step (or the tensor had no gradient there)
+                said.append(f"{plain(lab)}: {counted_text(counted.iloc[0])}")
+        return said
 
     def _tensor_histogram(self, run_id: int, final: bool, tensor: str,
                           step: int | None) -> tuple[pd.DataFrame, np.ndarray]:

@@ -158,6 +158,12 @@ def tensors_at_step(store: Store, run_id: int, step: int) -> pd.DataFrame:
     return store.tensor_stats(run_id, step=int(step))
 
 
+@cached_when_final()
+def signals_at_step(store: Store, run_id: int, step: int) -> pd.DataFrame:
+    """Every tensor's signals at one step, kept in full or not (Store.step_signals_at)."""
+    return store.step_signals_at(run_id, int(step))
+
+
 def _live_tensor_columns(store: Store, run_id: int, tensor: str, max_columns: int,
                          split_at: tuple[int, ...]) -> tuple[pd.DataFrame, np.ndarray]:
     """A live run's columns: those this session read before up to its last bucket, and the store's from there on

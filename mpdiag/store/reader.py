@@ -415,19 +415,42 @@ class Store:
             counts[k, np.searchsorted(tensor_ids, ids)] = step_counts
         return rows["step"].to_numpy(dtype=np.int64), tensor_ids, counts
 
-    def first_overflow(self, run_id: int, fmt: str) -> pd.DataFrame:
-        """The first logged step at which a gradient at the loss scale in use (S*g) holds values that overflow
-        ``fmt`` (a registry format): columns step, tensor and overflow (that tensor's count), one row per
-        overflowing tensor at that step; empty when none ever does. Steps are searched only when the run's
-        totals hold such values, so a run without any costs one key lookup per tensor."""
-        fmt = _known_format(fmt)
-        return self._query(
-            "SELECT r.step, t.name AS tensor, r.overflow_at_scale AS overflow FROM representability r "
-            "JOIN tensors t ON t.run_id = r.run_id AND t.tensor_id = r.tensor_id "
-            "WHERE r.run_id = ? AND r.fmt = ? AND r.overflow_at_scale > 0 AND r.step = ("
-            "  SELECT MIN(step) FROM representability WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0 "
-            "  AND EXISTS (SELECT 1 FROM representability_totals WHERE run_id = ? AND fmt = ? AND overflow_at_scale > 0)"
-            ") ORDER BY r.tensor_id", (int(run_id), fmt) * 3)
+    def step_signals_at(self, run_id: int, step: int) -> pd.DataFrame:
+        """The signals of one step (kept in full or not) per tensor counted at it: tensor and each of SIGNAL_COUNTS;
+        empty where the step has none (not counted, or a store from before schema 16 at a step it did not keep)."""
+        _, tensor_ids, counts = self.step_signals(run_id, int(step), int(step))
+        names = self.tensors(run_id)["name"].to_numpy(dtype=object)
+        per_tensor = counts[0] if len(counts) else np.full((len(tensor_ids), len(SIGNAL_COUNTS)), -1, np.int64)
+        counted = per_tensor[:, 0] >= 0  # -1: no fresh gradient at that step
+        return pd.DataFrame({"tensor": names[counted]} | {c: per_tensor[counted, k] for k, c in enumerate(SIGNAL_COUNTS)})
+
+    def step_signal_sums(self, run_id: int) -> pd.Series:
+        """Over every step with signals (kept or not; see :meth:`step_signal_totals`): ``steps``, how many, and each
+        of SIGNAL_COUNTS summed over them and their tensors. Read from the sums' index alone, one row."""
+        sums = ", ".join(f"COALESCE(SUM({c}), 0) AS {c}" for c in SIGNAL_COUNTS)
+        return self._query(f"SELECT COUNT(*) AS steps, {sums} FROM step_signals WHERE run_id = ?",
+                           (int(run_id),)).iloc[0].astype("int64")
+
+    def signal_counts(self, run_id: int, signal: str) -> pd.DataFrame:
+        """One of SIGNAL_COUNTS (``signal``: ``nan``, ..., ``fp16_overflow_at_scale``) per step and tensor, at every
+        step with signals (kept or not), where it is above 0: columns step, tensor, count, in step and tensor
+        order; empty when no step holds any. Only the steps whose sum is above 0 are decoded, found from the
+        sums' index, so a run without any costs one index scan. Raises ValueError for any other ``signal``."""
+        if signal not in SIGNAL_COUNTS:
+            raise ValueError(f"unknown signal {signal!r}; the signals are {', '.join(SIGNAL_COUNTS)}")
+        rows = self._query(f"SELECT step, counts FROM step_signals WHERE run_id = ? AND {signal} > 0 ORDER BY step",
+                           (int(run_id),))
+        column, none = SIGNAL_COUNTS.index(signal), np.zeros(0, dtype=np.int64)
+        steps, ids, counts = [none], [none], [none]
+        for step, blob in zip(rows["step"].tolist(), rows["counts"], strict=True):
+            tensor_ids, step_counts = decode_signals(blob)
+            held = step_counts[:, column] > 0
+            steps.append(np.full(int(held.sum()), step, dtype=np.int64))
+            ids.append(tensor_ids[held])
+            counts.append(step_counts[held, column])
+        names = self.tensors(run_id).set_index("tensor_id")["name"]
+        return pd.DataFrame({"step": np.concatenate(steps), "tensor": names.reindex(np.concatenate(ids)).to_numpy(
+            dtype=object), "count": np.concatenate(counts)})
 
     def tensor_stats(
         self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None
@@ -501,6 +524,27 @@ class Store:
         df = self._query("SELECT t.name AS tensor, h.hist FROM hist_totals h JOIN tensors t ON t.run_id = h.run_id "
                          "AND t.tensor_id = h.tensor_id WHERE h.run_id = ? ORDER BY h.tensor_id", (int(run_id),))
         return df["tensor"].tolist(), decode_hists(df["hist"].tolist())
+
+    def histogram_rollups(self, run_id: int) -> pd.DataFrame:
+        """The writer's bucket sums of each tensor's histograms (hist_rollups, what :meth:`histogram_columns` reads
+        for a long heatmap), long: tensor, bucket_steps (ROLLUP_BUCKET_STEPS), bucket (steps bucket * bucket_steps
+        to (bucket + 1) * bucket_steps - 1), first_step and last_step (its first and last kept step), steps_kept,
+        empty_steps (kept steps with no finite non-zero value), exponent (bin 2^e <= |g| < 2^(e+1)) and count, one
+        row per non-empty bin; a bucket whose kept steps were all empty has one row, its exponent and count <NA>."""
+        df = self._query("SELECT t.name AS tensor, r.bucket_steps, r.bucket, r.first_step, r.last_step, r.steps_kept, "
+                         "r.empty_steps, r.hist FROM hist_rollups r JOIN tensors t ON t.run_id = r.run_id AND "
+                         "t.tensor_id = r.tensor_id WHERE r.run_id = ? ORDER BY r.tensor_id, r.bucket_steps, r.bucket",
+                         (int(run_id),))
+        counts = decode_hists(df.pop("hist").tolist())
+        rows, bins = np.nonzero(counts)
+        empty = np.flatnonzero(~counts.any(axis=1))  # a bucket of empty steps only: one row, without a bin
+        row, binned = np.r_[rows, empty], np.r_[np.ones(len(rows), bool), np.zeros(len(empty), bool)]
+        order = np.lexsort((np.r_[bins, np.zeros(len(empty), np.int64)], row))  # the query's order, then the bins
+        long = df.iloc[row[order]].reset_index(drop=True)
+        for column, values in (("exponent", bins + EXP_MIN), ("count", counts[rows, bins])):
+            long[column] = pd.Series(np.r_[values, np.zeros(len(empty), np.int64)][order], dtype="Int64").where(
+                binned[order])
+        return long
 
     def histograms(self, run_id: int, tensor: str | None = None) -> pd.DataFrame:
         """Long format: step, tensor, exponent (int, or 'zero'/'nan'/'posinf'/'neginf'), count; empty bins omitted."""
