@@ -95,8 +95,11 @@ def test_a_queued_run_whose_supervisor_is_gone_reads_crashed(tmp_path):
     assert run["status"] == "crashed" and run["error"] == "the training process exited without closing the run"
 
 
-def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path):
-    """SIGTERM to the training child: the run ends crashed with the signal named, not a protocol refusal."""
+@pytest.mark.parametrize("how", ["SIGTERM to the child", "Stop button"])
+def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path, how):
+    """SIGTERM to the training child, sent to it directly or by the dashboard's Stop (Launched.request_stop): the
+    run ends itself, crashed with the signal named (not a protocol refusal), its 3 steps kept; after a Stop, the
+    job's ending, which the page shows, says who stopped it."""
     store_path, started = tmp_path / "runs.db", tmp_path / "started"
     after = f"open({str(started)!r}, 'w').write('x'); time.sleep(120)"
     sha = stored_upload(store_path, STEPS_THEN.format(after=after))
@@ -104,30 +107,18 @@ def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path):
     deadline = time.time() + 90
     while not started.exists() and time.time() < deadline:
         time.sleep(0.2)
-    supervisor = psutil.Process(proc.pid)
-    [child] = [c for c in supervisor.children() if "mpdiag.sandbox.child" in " ".join(c.cmdline())]
-    child.send_signal(signal.SIGTERM)
-    run = wait_final(store_path, proc)
-    assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
-    assert run["steps_done"] == 3
-
-
-def test_a_run_stopped_from_the_dashboard_ends_itself_and_says_so(tmp_path):
-    """The Stop button (Launched.request_stop): the training child gets SIGTERM, so the watched run ends itself,
-    crashed with the signal named and its 3 steps kept; the job's ending, which the page shows, says who stopped it."""
-    store_path, started = tmp_path / "runs.db", tmp_path / "started"
-    after = f"open({str(started)!r}, 'w').write('x'); time.sleep(120)"
-    sha = stored_upload(store_path, STEPS_THEN.format(after=after))
-    proc = launching.launch(launching.watch_job(sha, "train.py", [], False, {}), store_path)
-    deadline = time.time() + 90
-    while not started.exists() and time.time() < deadline:
-        time.sleep(0.2)
-    assert not proc.stop_requested()
-    proc.request_stop()
+    if how == "Stop button":
+        assert not proc.stop_requested()
+        proc.request_stop()
+    else:
+        supervisor = psutil.Process(proc.pid)
+        [child] = [c for c in supervisor.children() if "mpdiag.sandbox.child" in " ".join(c.cmdline())]
+        child.send_signal(signal.SIGTERM)
     run = wait_final(store_path, proc)
     assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
     assert run["steps_done"] == 3 and len(Store(store_path).steps(int(run["run_id"]))) == 3
-    assert proc.ending() == "stopped from the dashboard (its Stop button)"
+    if how == "Stop button":
+        assert proc.ending() == "stopped from the dashboard (its Stop button)"
 
 
 def test_a_queued_job_waits_light(tmp_path):
