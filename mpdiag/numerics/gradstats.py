@@ -415,17 +415,11 @@ class GradStatsComputer:
         """The fused CPU kernel's work items and workspaces, allocated once for these tensor sizes."""
         import numba  # here, not at module import: the app never pays for it
 
-        from mpdiag.numerics.cpu_kernel import (
-            fused_pass,
-            fused_pass_serial,
-            on_torch_threads,
-            signal_pass,
-            signal_pass_serial,
-        )
+        from mpdiag.numerics import cpu_kernel as kernels
 
         parallel = sum(self.numels) >= PARALLEL_FROM
-        self._kernel = on_torch_threads(fused_pass) if parallel else fused_pass_serial
-        self._signal_kernel = on_torch_threads(signal_pass) if parallel else signal_pass_serial
+        self._kernel = kernels.on_torch_threads(kernels.fused_pass) if parallel else kernels.fused_pass_serial
+        self._signal_kernel = kernels.on_torch_threads(kernels.signal_pass) if parallel else kernels.signal_pass_serial
         self._typed_list = numba.typed.List
         # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
         # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read

@@ -252,14 +252,7 @@ def supervise(command: list[str], limits: Limits, cwd: str | os.PathLike, log_pa
     reader.start()
     processes = RunProcesses(psutil.Process(proc.pid), token)
     reason, refused = _watch(proc, limits, cwd, processes, log, refusal, stop_requested, start)
-    if reason == "stopped":
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    _kill_group(proc)
-    proc.wait()
+    _end_child(proc, stopped=reason == "stopped")
     left = processes.end_leftovers()  # nothing the run started outlives it, in its group or not
     reader.join(timeout=5)
     log.flush()
@@ -305,8 +298,17 @@ def _watch(proc: subprocess.Popen, limits: Limits, cwd: str | os.PathLike, proce
     return "exited", None
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _end_child(proc: subprocess.Popen, stopped: bool) -> None:
+    """Kill the child's process group and reap the child; a stop the user asked for first sends SIGTERM and gives
+    the child STOP_GRACE_S to end its run itself."""
+    if stopped:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
     _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
