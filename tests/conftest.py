@@ -14,15 +14,10 @@ import pytest
 # 64-wide model 4.6 s against 0.5 s. The numbers tested do not depend on it: each is checked against ground truth
 # computed in the same process. Set OMP_NUM_THREADS to run the tests on more.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# numba's parallel CPU kernels (mpdiag.numerics.cpu_kernel) on one thread too, and not only for the same reason:
-# numba's OpenMP threading layer sets OpenMP's thread count of the thread that launches a kernel to numba's own
-# (NUMBA_NUM_THREADS, the cores: 2), and torch shares that OpenMP runtime, so from the first parallel launch on
-# (an O2 run's update counts, a 4M-value model's statistics) every later torch op of that process ran on 2 threads
-# whatever OMP_NUM_THREADS said: with --dist loadfile, every test file a worker ran after it. Measured here, in one
-# process: cnn_digits at O1, 60 steps, 15.7 CPU-s after an O2 run against 2.5 s with this. Each item of a
-# parallel kernel writes its own row: the counts do not depend on the threads (tests/numerics/test_gradstats.py
-# runs the kernels on several threads in a child of its own).
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+# mpdiag's parallel numba kernels run on torch's thread count (mpdiag.numerics.cpu_kernel.on_torch_threads), so on
+# one here too. Before they did, numba's OpenMP layer moved torch onto numba's count (the cores) at the first
+# parallel launch, and every later test file of that xdist worker ran on 2 threads: cnn_digits at O1, 60 steps,
+# 15.7 CPU-s after an O2 run against 2.5 s. tests/numerics/test_parallel_kernels.py runs them on two threads.
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,8 @@
-"""The numba kernels' work items on two threads at once. The suite runs numba on one thread (tests/conftest.py:
-its OpenMP layer would otherwise move torch onto numba's thread count); a kernel's items, each writing its own row,
-must give the same counts when they do run in parallel: the tests of the parallel kernels, against casting and
-float64 arithmetic, rerun here in a child process with NUMBA_NUM_THREADS=2 (numba fixes its threads when it loads)."""
+"""The numba kernels' work items on two threads at once. The suite runs torch on one thread (tests/conftest.py), and
+mpdiag launches its parallel kernels on torch's thread count; a kernel's items, each writing its own row, must give
+the same counts when they do run in parallel: the tests of the parallel kernels, against casting and float64
+arithmetic, rerun here in a child process with torch and numba on two threads (numba fixes its threads when it
+loads; the conftest's OMP_NUM_THREADS is a default the child's environment overrides)."""
 
 import os
 import subprocess
@@ -12,6 +13,7 @@ from conftest import ROOT
 
 from mpdiag.numerics.gradstats import NUMBA_AVAILABLE
 
+TWO_THREADS = {"NUMBA_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
 PARALLEL_KERNEL_TESTS = [
     "tests/numerics/test_gradstats.py::test_tensors_split_into_work_items_still_equal_casting[numba-True]",
     "tests/numerics/test_updates_and_shadow.py::test_update_counts_equal_float64_arithmetic",
@@ -21,9 +23,9 @@ PARALLEL_KERNEL_TESTS = [
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="numba's own threads")
 def test_the_parallel_kernels_equal_the_ground_truth_on_two_threads():
     done = subprocess.run([sys.executable, "-c", "import numba; print('numba threads:', numba.get_num_threads())"],
-                          env={**os.environ, "NUMBA_NUM_THREADS": "2"}, capture_output=True, text=True, check=True)
+                          env={**os.environ, **TWO_THREADS}, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "numba threads: 2"
     done = subprocess.run([sys.executable, "-m", "pytest", *PARALLEL_KERNEL_TESTS, "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, env={**os.environ, "NUMBA_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT, env={**os.environ, **TWO_THREADS, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "7 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
