@@ -230,7 +230,7 @@ GRID_HEIGHT = 150
 
 
 def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, log2_range: tuple[float, float],
-                   title: str = "") -> alt.ConcatChart:
+                   title: str = "") -> alt.FacetChart:
     """Small multiples: one exponent histogram per tensor (``summaries.histogram_grid``'s bars), in the order of
     ``drawn`` (worst first), GRID_COLUMNS per row, each GRID_WIDTH x GRID_HEIGHT px. x: log2 |value| (bin e holds
     2^e to 2^(e+1)) over ``log2_range``, the same for every panel (``summaries.heatmap_view``: the data and the
@@ -238,31 +238,34 @@ def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, lo
     small tensor stays readable). Bars are coloured by the region of the format they fall in, as the single-step
     histogram colours them; the format's limits ``lines`` (``summaries.format_lines``, those near the data) are
     rules in the format's colour, dotted at the min subnormal, dashed at the min normal, long-dashed at the max
-    (the page names them). Tensor names are panel titles (Vega draws them as text)."""
+    (the page names them), drawn in every panel. Tensor names are the panels' headers (Vega draws them as text).
+    One chart faceted by tensor, its bars one dataset: twelve charts, each with its slice of the bars, took ten
+    times as long to build and convert (1.5 + 1.1 s against 0.13 + 0.17 s), and every tensor of a 100-tensor run
+    22 s against 0.2 s."""
     regions = {**{r: c for r, c in REGION_COLOURS.items() if r != "zero / non-finite"},
                "subnormal (edge bin)": "#ffbb78", "normal (edge bin)": "#98df8a"}
     colour = alt.Color("region:N", title=None, scale=alt.Scale(domain=list(regions), range=list(regions.values())),
                        legend=alt.Legend(orient="top", labelLimit=200, columns=3))
     x = alt.X("log2_lo:Q", title="log2 |value|", scale=alt.Scale(domain=list(log2_range), nice=False, zero=False),
               axis=alt.Axis(format="d", tickMinStep=1))
-    rules = None
-    if len(lines):
+    bar = alt.Chart().mark_rect().encode(
+        x=x, x2="log2_hi:Q",
+        y=alt.Y("share:Q", title="share of values", axis=alt.Axis(format="%", tickCount=4)), y2=alt.datum(0),
+        color=colour,
+        tooltip=[alt.Tooltip("tensor:N"), alt.Tooltip("log2_lo:Q", title="bin 2^e, e"),
+                 alt.Tooltip("count:Q", format=",d", title="values (exact)"),
+                 alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero"), "region:N"])
+    layers = [bar]
+    if len(lines):  # their own data: not faceted, so every panel draws them
         names = list(lines["limit"])
-        rules = alt.Chart(lines).mark_rule(strokeWidth=1.5, color=LIMIT_COLOURS.get(lines["format"].iloc[0], "#000")) \
-            .encode(x="log2:Q", tooltip=["limit:N"], strokeDash=alt.StrokeDash("limit:N", legend=None, scale=alt.Scale(
-                domain=names, range=[LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]])))
-    panels = []
-    for name in drawn:
-        bar = alt.Chart(bars[bars["tensor"] == name]).mark_rect().encode(
-            x=x, x2="log2_hi:Q",
-            y=alt.Y("share:Q", title="share of values", axis=alt.Axis(format="%", tickCount=4)), y2=alt.datum(0),
-            color=colour,
-            tooltip=[alt.Tooltip("tensor:N"), alt.Tooltip("log2_lo:Q", title="bin 2^e, e"),
-                     alt.Tooltip("count:Q", format=",d", title="values (exact)"),
-                     alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero"), "region:N"])
-        panels.append(alt.layer(bar, *([rules] if rules is not None else [])).properties(
-            width=GRID_WIDTH, height=GRID_HEIGHT, title=alt.TitleParams(str(name), fontSize=12, limit=GRID_WIDTH + 40)))
-    return (alt.concat(*panels, columns=GRID_COLUMNS).resolve_scale(y="independent")
+        layers.append(alt.Chart(lines).mark_rule(strokeWidth=1.5, color=LIMIT_COLOURS.get(lines["format"].iloc[0], "#000"))
+                      .encode(x="log2:Q", tooltip=["limit:N"], strokeDash=alt.StrokeDash("limit:N", legend=None, scale=alt.Scale(
+                          domain=names, range=[LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]]))))
+    header = alt.Header(labelFontSize=12, labelFontWeight="bold", labelLimit=GRID_WIDTH + 40)
+    return (alt.layer(*layers, data=bars).properties(width=GRID_WIDTH, height=GRID_HEIGHT)
+            .facet(facet=alt.Facet("tensor:N", sort=list(drawn), title=None, header=header), columns=GRID_COLUMNS)
+            # each panel its own share axis, and its own log2 axis as the separate charts had (same scale)
+            .resolve_scale(y="independent").resolve_axis(x="independent")
             .properties(title=title, autosize=alt.AutoSizeParams(type="pad")))
 
 
