@@ -92,7 +92,9 @@ def log2_exponent(scale: float) -> int | None:
 def whatif_exponents(steps: pd.DataFrame) -> list[int]:
     """The powers of two the what-if control offers: -WHATIF_SPAN..WHATIF_SPAN, widened to every scale the run
     used (``steps``: Store.steps), so the scale of any recorded step is always one of them."""
-    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float)) if k is not None] if len(steps) else []
+    # each scale once: a long run has 100k steps and a handful of scales
+    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float).unique()) if k is not None] \
+        if len(steps) else []
     return list(range(min([-WHATIF_SPAN, *used]), max([WHATIF_SPAN, *used]) + 1))
 
 

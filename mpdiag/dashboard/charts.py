@@ -5,7 +5,9 @@ Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no ch
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 
 import altair as alt
@@ -26,6 +28,43 @@ REGION_COLOURS = {
     "zero / non-finite": "#7f7f7f",
 }
 LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "fp8_e5m2": "#8c564b"}
+
+
+#: how many charts each reused chart function holds (a live page draws one or a few of each)
+REUSED_CHARTS = 16
+
+
+def _same_value(value):
+    """A key for one argument of a chart function: plain values by value, anything else (frames, lists) by
+    identity."""
+    if value is None or isinstance(value, (str, int, float, bool, np.integer, np.floating)):
+        return type(value).__name__, value
+    if isinstance(value, tuple):
+        return ("tuple", *map(_same_value, value))
+    return "id", id(value)
+
+
+def _reused(build):
+    """``build`` handing back the chart it built before when called again with the very same frames and equal
+    plain values: a live page's view-model hands back the frames it held while the run's data stayed the same, so
+    a refresh with nothing new builds no chart (building validates every encoding: tens of milliseconds each).
+    The frames a chart was built from are held with it, so their identities are not reused while it is held;
+    nothing changes a frame in place once a chart is built from it (the view-models build new ones)."""
+    built, lock = {}, threading.Lock()
+
+    @functools.wraps(build)
+    def reuse(*args, **kwargs):
+        key = (tuple(map(_same_value, args)), tuple((k, _same_value(v)) for k, v in sorted(kwargs.items())))
+        with lock:
+            if key in built:
+                return built[key][1]
+        chart = build(*args, **kwargs)
+        with lock:
+            while len(built) >= REUSED_CHARTS:
+                del built[next(iter(built))]
+            built[key] = ((args, kwargs), chart)
+        return chart
+    return reuse
 
 
 #: stacked charts (vconcat) whose parts are "container" wide: without fit-x on the whole, each part takes the
@@ -171,6 +210,7 @@ def _limit_rules(lines: pd.DataFrame, along: str = "y") -> alt.Chart:
 PICKED_STEP = "picked_step"
 
 
+@_reused
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
                      title: str = "", log2_range: tuple[float, float] | None = None) -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
@@ -203,6 +243,7 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
     return alt.layer(heat, *([_limit_rules(lines)] if len(lines) else [])).resolve_scale(color="independent").properties(title=title, height=360).properties(autosize=_FIT_WIDTH)
 
 
+@_reused
 def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
     """Bars of one step's exponent histogram, coloured by the region the values fall in for the format;
     zero / NaN / inf as separate bars on the right."""
@@ -229,6 +270,7 @@ GRID_WIDTH = 170
 GRID_HEIGHT = 150
 
 
+@_reused
 def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, log2_range: tuple[float, float],
                    title: str = "") -> alt.FacetChart:
     """Small multiples: one exponent histogram per tensor (``summaries.histogram_grid``'s bars), in the order of
@@ -309,6 +351,7 @@ def drawable_on_log(values: pd.Series) -> pd.Series:
     return np.isfinite(v) & (v > 0)
 
 
+@_reused
 def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
     beneath, sharing the step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
@@ -352,6 +395,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     return stacked_over_steps(*panels)
 
 
+@_reused
 def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     """The per-step signals (summaries.signal_lines): one line per kind, values summed over the tensors on a
     symmetric-log axis (0 stays drawable), every counted step whether its full statistics were kept or not."""
@@ -558,6 +602,7 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
     return _fit(alt.Chart(df).mark_bar().encode(**encoding).properties(height=260, width="container", title=title))
 
 
+@_reused
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
     return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
