@@ -115,7 +115,7 @@ def whatif(model: gradients_model.GradientsRun, ranking: Ranking, at: StepView) 
     st.subheader("What if the loss scale were different?")
     # The offered powers include every scale the run used, so the default is always one of them.
     used = summaries.log2_exponent(at.scale)
-    k = st.select_slider("Multiply the unscaled gradient g by", summaries.whatif_exponents(model.steps),
+    k = st.select_slider("Multiply the unscaled gradient g by", model.whatif_exponents,
                          value=0 if used is None else used, format_func=lambda e: f"2^{e}", key="whatif")
     shares = model.whatif(ranking, at, k)
     for col, cat in zip(st.columns(3), CATEGORIES, strict=True):

@@ -33,7 +33,7 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
-    ui.show_chart(charts.loss_scale_panel(summaries.thin_steps(steps)), width="stretch")
+    ui.show_chart(charts.loss_scale_panel(model.drawn_steps), width="stretch")
     for note in model.notes:
         st.caption(plain(note))
     st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded. "

@@ -1,7 +1,7 @@
 """The chart check (issue 27): what every Altair chart a page draws must be, read from the Vega-Lite spec and the
 data Streamlit ships with it (an AppTest ``vega_lite_chart`` element's proto).
 
-Every drawn view (a mark, alone or in a layer or a concatenation):
+Every drawn view (a mark, alone or in a layer, a concatenation or a facet, whose panels split its data):
 - has rows to draw, with a finite value in each quantitative position field it encodes (x, y, and their
   second ends): a panel of nothing, or of nothing but NaN, must be a sentence on the page instead;
 - is at least MIN_PX tall, and, where its width is a number, that wide (``"container"`` and an unset width
@@ -84,7 +84,8 @@ def _views(spec: dict, inherited: dict):
         "transform": [*inherited.get("transform", []), *spec.get("transform", [])],
         "title": spec.get("title") or inherited.get("title"),
     }
-    children = [*spec.get("layer", []), *spec.get("vconcat", []), *spec.get("hconcat", []), *spec.get("concat", [])]
+    children = [*spec.get("layer", []), *spec.get("vconcat", []), *spec.get("hconcat", []), *spec.get("concat", []),
+                *([spec["spec"]] if "facet" in spec else [])]  # a faceted chart's panels, its data split among them
     if "mark" in spec:
         yield spec, here
     for child in children:

@@ -92,7 +92,9 @@ def log2_exponent(scale: float) -> int | None:
 def whatif_exponents(steps: pd.DataFrame) -> list[int]:
     """The powers of two the what-if control offers: -WHATIF_SPAN..WHATIF_SPAN, widened to every scale the run
     used (``steps``: Store.steps), so the scale of any recorded step is always one of them."""
-    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float)) if k is not None] if len(steps) else []
+    # each scale once: a long run has 100k steps and a handful of scales
+    used = [k for k in map(log2_exponent, steps["loss_scale"].astype(float).unique()) if k is not None] \
+        if len(steps) else []
     return list(range(min([-WHATIF_SPAN, *used]), max([WHATIF_SPAN, *used]) + 1))
 
 
@@ -288,7 +290,8 @@ def histogram_grid(index: pd.DataFrame, counts: np.ndarray, order: list[str], fm
     finite non-zero values, region in ``fmt``); ``drawn``: the tensors drawn, worst first; ``empty``: those
     (within the limit) with no finite non-zero value at that step, so nothing to draw."""
     rows = dict(zip(index["tensor"], np.asarray(counts), strict=True)) if len(index) else {}
-    ranked = [t for t in order if t in rows] + [t for t in index["tensor"] if t not in set(order)]
+    ordered = set(order)  # once: a 500-tensor run asked it 500 times
+    ranked = [t for t in order if t in rows] + [t for t in index["tensor"] if t not in ordered]
     chosen = ranked if limit is None else ranked[:limit]
     parts, drawn, empty = [], [], []
     if math.isfinite(log2_scale):

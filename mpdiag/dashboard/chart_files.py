@@ -1,21 +1,26 @@
 """Every chart of the dashboard, downloadable as PNG and SVG: :func:`show_chart` (and :func:`show_chart_in` for a
-column) draws an Altair chart as ``st.altair_chart`` does and adds two small download buttons under it.
+column) draws an Altair chart as ``st.altair_chart`` draws it and adds two small download buttons under it.
 
 Streamlit draws Altair with vega-embed's actions menu turned off, so the browser offers no way to save a chart.
 The files are rendered here, in the server, by vl-convert (Vega-Lite to SVG and PNG without a browser), and only
 when a button is clicked (the buttons are given a function, not bytes: rendering a chart costs tens to hundreds of
 milliseconds, which no page load pays). A chart that fills its container (``width="container"``) is drawn
-EXPORT_WIDTH pixels wide. Owns the rendering (:func:`chart_svg`, :func:`chart_png`) and the buttons. Must not
-build charts (charts.py does) or read the store.
+EXPORT_WIDTH pixels wide. A chart is converted for Streamlit once per chart object (:func:`streamlit_spec`, as
+``st.altair_chart`` converts it) and drawn from that with ``st.vega_lite_chart``: a live page's refresh that finds no
+new data draws the very charts it drew before (charts.py hands them back), without converting them again. Owns the
+rendering (:func:`chart_svg`, :func:`chart_png`, :func:`streamlit_spec`) and the buttons. Must not build charts
+(charts.py does) or read the store.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import threading
 from collections.abc import Callable
 
 import streamlit as st
+from streamlit.elements.vega_charts import _convert_altair_to_vega_lite_spec  # st.altair_chart's own conversion
 
 #: the width, in pixels, of a chart drawn for a file when on the page it fills its container
 EXPORT_WIDTH = 900
@@ -92,9 +97,32 @@ def _downloads(where, chart, key: str) -> None:
                         help="Download this chart as an SVG image")
 
 
+#: how many charts' converted specs are held (a page draws a dozen at most; a live one the same ones again)
+HELD_SPECS = 32
+_held_specs: dict[int, tuple] = {}
+_held_lock = threading.Lock()
+
+
+def streamlit_spec(chart) -> dict:
+    """The chart as ``st.altair_chart`` converts it (Vega-Lite, each dataset as Arrow bytes under its content's
+    hash), once per chart object: converting validates every part of the chart (20-150 ms a chart). The chart is
+    held with its spec, so its id is not reused while the spec is held; the spec is never changed (Streamlit
+    copies it before moving the datasets out)."""
+    with _held_lock:
+        held = _held_specs.get(id(chart))
+    if held is not None:
+        return held[1]
+    spec = _convert_altair_to_vega_lite_spec(chart)
+    with _held_lock:
+        while len(_held_specs) >= HELD_SPECS:
+            del _held_specs[next(iter(_held_specs))]
+        _held_specs[id(chart)] = (chart, spec)
+    return spec
+
+
 def _show(where, chart, key: str | None, kwargs: dict):
     key = key or kwargs.get("key") or _call_site()
-    shown = where.altair_chart(chart, **kwargs)
+    shown = where.vega_lite_chart(spec=dict(streamlit_spec(chart)), **kwargs)
     _downloads(where, chart, str(key))
     return shown
 

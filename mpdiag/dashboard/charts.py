@@ -5,7 +5,9 @@ Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no ch
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 
 import altair as alt
@@ -26,6 +28,43 @@ REGION_COLOURS = {
     "zero / non-finite": "#7f7f7f",
 }
 LIMIT_COLOURS = {"fp16": "#d62728", "bf16": "#1f77b4", "fp8_e4m3": "#ff7f0e", "fp8_e5m2": "#8c564b"}
+
+
+#: how many charts each reused chart function holds (a live page draws one or a few of each)
+REUSED_CHARTS = 16
+
+
+def _same_value(value):
+    """A key for one argument of a chart function: plain values by value, anything else (frames, lists) by
+    identity."""
+    if value is None or isinstance(value, (str, int, float, bool, np.integer, np.floating)):
+        return type(value).__name__, value
+    if isinstance(value, tuple):
+        return ("tuple", *map(_same_value, value))
+    return "id", id(value)
+
+
+def _reused(build):
+    """``build`` handing back the chart it built before when called again with the very same frames and equal
+    plain values: a live page's view-model hands back the frames it held while the run's data stayed the same, so
+    a refresh with nothing new builds no chart (building validates every encoding: tens of milliseconds each).
+    The frames a chart was built from are held with it, so their identities are not reused while it is held;
+    nothing changes a frame in place once a chart is built from it (the view-models build new ones)."""
+    built, lock = {}, threading.Lock()
+
+    @functools.wraps(build)
+    def reuse(*args, **kwargs):
+        key = (tuple(map(_same_value, args)), tuple((k, _same_value(v)) for k, v in sorted(kwargs.items())))
+        with lock:
+            if key in built:
+                return built[key][1]
+        chart = build(*args, **kwargs)
+        with lock:
+            while len(built) >= REUSED_CHARTS:
+                del built[next(iter(built))]
+            built[key] = ((args, kwargs), chart)
+        return chart
+    return reuse
 
 
 #: stacked charts (vconcat) whose parts are "container" wide: without fit-x on the whole, each part takes the
@@ -171,6 +210,7 @@ def _limit_rules(lines: pd.DataFrame, along: str = "y") -> alt.Chart:
 PICKED_STEP = "picked_step"
 
 
+@_reused
 def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int, int],
                      title: str = "", log2_range: tuple[float, float] | None = None) -> alt.LayerChart:
     """Heatmap of gradient magnitude over steps: x step, y log2|g| (one row per exponent bin), colour =
@@ -203,6 +243,7 @@ def exponent_heatmap(cells: pd.DataFrame, lines: pd.DataFrame, steps: tuple[int,
     return alt.layer(heat, *([_limit_rules(lines)] if len(lines) else [])).resolve_scale(color="independent").properties(title=title, height=360).properties(autosize=_FIT_WIDTH)
 
 
+@_reused
 def step_histogram(bars: pd.DataFrame, title: str = "") -> alt.Chart:
     """Bars of one step's exponent histogram, coloured by the region the values fall in for the format;
     zero / NaN / inf as separate bars on the right."""
@@ -229,8 +270,9 @@ GRID_WIDTH = 170
 GRID_HEIGHT = 150
 
 
+@_reused
 def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, log2_range: tuple[float, float],
-                   title: str = "") -> alt.ConcatChart:
+                   title: str = "") -> alt.FacetChart:
     """Small multiples: one exponent histogram per tensor (``summaries.histogram_grid``'s bars), in the order of
     ``drawn`` (worst first), GRID_COLUMNS per row, each GRID_WIDTH x GRID_HEIGHT px. x: log2 |value| (bin e holds
     2^e to 2^(e+1)) over ``log2_range``, the same for every panel (``summaries.heatmap_view``: the data and the
@@ -238,31 +280,34 @@ def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, lo
     small tensor stays readable). Bars are coloured by the region of the format they fall in, as the single-step
     histogram colours them; the format's limits ``lines`` (``summaries.format_lines``, those near the data) are
     rules in the format's colour, dotted at the min subnormal, dashed at the min normal, long-dashed at the max
-    (the page names them). Tensor names are panel titles (Vega draws them as text)."""
+    (the page names them), drawn in every panel. Tensor names are the panels' headers (Vega draws them as text).
+    One chart faceted by tensor, its bars one dataset: twelve charts, each with its slice of the bars, took ten
+    times as long to build and convert (1.5 + 1.1 s against 0.13 + 0.17 s), and every tensor of a 100-tensor run
+    22 s against 0.2 s."""
     regions = {**{r: c for r, c in REGION_COLOURS.items() if r != "zero / non-finite"},
                "subnormal (edge bin)": "#ffbb78", "normal (edge bin)": "#98df8a"}
     colour = alt.Color("region:N", title=None, scale=alt.Scale(domain=list(regions), range=list(regions.values())),
                        legend=alt.Legend(orient="top", labelLimit=200, columns=3))
     x = alt.X("log2_lo:Q", title="log2 |value|", scale=alt.Scale(domain=list(log2_range), nice=False, zero=False),
               axis=alt.Axis(format="d", tickMinStep=1))
-    rules = None
-    if len(lines):
+    bar = alt.Chart().mark_rect().encode(
+        x=x, x2="log2_hi:Q",
+        y=alt.Y("share:Q", title="share of values", axis=alt.Axis(format="%", tickCount=4)), y2=alt.datum(0),
+        color=colour,
+        tooltip=[alt.Tooltip("tensor:N"), alt.Tooltip("log2_lo:Q", title="bin 2^e, e"),
+                 alt.Tooltip("count:Q", format=",d", title="values (exact)"),
+                 alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero"), "region:N"])
+    layers = [bar]
+    if len(lines):  # their own data: not faceted, so every panel draws them
         names = list(lines["limit"])
-        rules = alt.Chart(lines).mark_rule(strokeWidth=1.5, color=LIMIT_COLOURS.get(lines["format"].iloc[0], "#000")) \
-            .encode(x="log2:Q", tooltip=["limit:N"], strokeDash=alt.StrokeDash("limit:N", legend=None, scale=alt.Scale(
-                domain=names, range=[LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]])))
-    panels = []
-    for name in drawn:
-        bar = alt.Chart(bars[bars["tensor"] == name]).mark_rect().encode(
-            x=x, x2="log2_hi:Q",
-            y=alt.Y("share:Q", title="share of values", axis=alt.Axis(format="%", tickCount=4)), y2=alt.datum(0),
-            color=colour,
-            tooltip=[alt.Tooltip("tensor:N"), alt.Tooltip("log2_lo:Q", title="bin 2^e, e"),
-                     alt.Tooltip("count:Q", format=",d", title="values (exact)"),
-                     alt.Tooltip("share:Q", format=".3%", title="share of finite non-zero"), "region:N"])
-        panels.append(alt.layer(bar, *([rules] if rules is not None else [])).properties(
-            width=GRID_WIDTH, height=GRID_HEIGHT, title=alt.TitleParams(str(name), fontSize=12, limit=GRID_WIDTH + 40)))
-    return (alt.concat(*panels, columns=GRID_COLUMNS).resolve_scale(y="independent")
+        layers.append(alt.Chart(lines).mark_rule(strokeWidth=1.5, color=LIMIT_COLOURS.get(lines["format"].iloc[0], "#000"))
+                      .encode(x="log2:Q", tooltip=["limit:N"], strokeDash=alt.StrokeDash("limit:N", legend=None, scale=alt.Scale(
+                          domain=names, range=[LIMIT_DASHES.get(k, [6, 3]) for k in lines["kind"]]))))
+    header = alt.Header(labelFontSize=12, labelFontWeight="bold", labelLimit=GRID_WIDTH + 40)
+    return (alt.layer(*layers, data=bars).properties(width=GRID_WIDTH, height=GRID_HEIGHT)
+            .facet(facet=alt.Facet("tensor:N", sort=list(drawn), title=None, header=header), columns=GRID_COLUMNS)
+            # each panel its own share axis, and its own log2 axis as the separate charts had (same scale)
+            .resolve_scale(y="independent").resolve_axis(x="independent")
             .properties(title=title, autosize=alt.AutoSizeParams(type="pad")))
 
 
@@ -306,6 +351,7 @@ def drawable_on_log(values: pd.Series) -> pd.Series:
     return np.isfinite(v) & (v > 0)
 
 
+@_reused
 def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
     beneath, sharing the step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
@@ -349,6 +395,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     return stacked_over_steps(*panels)
 
 
+@_reused
 def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     """The per-step signals (summaries.signal_lines): one line per kind, values summed over the tensors on a
     symmetric-log axis (0 stays drawable), every counted step whether its full statistics were kept or not."""
@@ -555,6 +602,7 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
     return _fit(alt.Chart(df).mark_bar().encode(**encoding).properties(height=260, width="container", title=title))
 
 
+@_reused
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
     return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)

@@ -26,7 +26,7 @@ from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions, events_model
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
-from mpdiag.dashboard.reads import finding_severities, findings_version, is_final
+from mpdiag.dashboard.reads import finding_severities, findings_version, is_final, live_findings
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
     COMMAND_OPTIONS,
@@ -289,9 +289,9 @@ def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFr
     a link promises is on the page it opens. Returns what was said, so the page does not say it twice.
     ``runs``: the runs table the page read; a final run's findings are diagnosed against it, not a second read.
     A live run's view refreshes without the page, so its ``runs`` is as the page read it: its findings read the
-    table afresh, as they did before pages passed it."""
+    table afresh, as they did before pages passed it, held while nothing they read changed (reads.live_findings)."""
     said = []
-    for finding in diagnose(store, int(run["run_id"]), runs if is_final(run) else None):
+    for finding in diagnose(store, int(run["run_id"]), runs) if is_final(run) else live_findings(store, run):
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")

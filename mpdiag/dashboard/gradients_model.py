@@ -6,7 +6,9 @@ Texts are returned as written, unescaped: the page passes user-named parts (tens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -103,6 +105,21 @@ class Grid:
     said: str
 
 
+def _held(key_of: Callable):
+    """A GradientsRun method whose value is held by the run's view for the arguments' ``key_of(*args)``: the view
+    itself is held while a live run's data stays the same (:func:`gradients`), so a refresh with nothing new hands
+    back the very values (and frames) of the previous one, and the chart layer reuses its charts of them."""
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def held(self, *args, **kwargs):
+            key = (method.__name__, *key_of(*args, **kwargs))
+            if key not in self.held:
+                self.held[key] = method(self, *args, **kwargs)
+            return self.held[key]
+        return held
+    return wrap
+
+
 @dataclass(frozen=True)
 class GradientsRun:
     """One run as the page opens on it; its methods give what the page shows for its widgets' choices."""
@@ -119,6 +136,8 @@ class GradientsRun:
     shadow_steps: int
     #: why each logged step was kept (Store.kept_steps)
     kept: pd.DataFrame | None = None
+    #: what the methods below gave, by their arguments (_held)
+    held: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def run_id(self) -> int:
@@ -130,6 +149,11 @@ class GradientsRun:
             return "No gradient statistics recorded yet; this view updates as the run records its first step."
         return f"Run #{self.run_id} recorded no gradient statistics (it stopped before its first step completed)."
 
+    @functools.cached_property
+    def whatif_exponents(self) -> list[int]:
+        """The powers of two the what-if control offers (summaries.whatif_exponents over the run's steps)."""
+        return summaries.whatif_exponents(self.steps)
+
     @property
     def formats(self) -> list[str]:
         return summaries.recorded_formats(self.totals)
@@ -140,6 +164,7 @@ class GradientsRun:
                 "to each Linear's tensors is on the FP8 page" + ("" if len(self.formats) == len(LOW_PRECISION) else
                 ". This run was recorded before FP8 counts existed; rerun it to get them."))
 
+    @_held(lambda fmt, at_scale: (fmt, at_scale))
     def ranking(self, fmt: str, at_scale: bool) -> Ranking:
         """The tensors worst first. FP16 leaves the values it flushed as exact zeros, invisible to the exact
         counts: such a run is ranked by that share (against its FP32 twin) or, without a twin, by its zeros."""
@@ -149,6 +174,7 @@ class GradientsRun:
         return Ranking(fmt, at_scale, states_flushed, rows, ranked_by,
                        table_columns(fmt, what, states_flushed and self.twin_totals is not None))
 
+    @_held(lambda ranking, tensor, show_bf16: (ranking.fmt, ranking.at_scale, tensor, show_bf16))
     def tensor(self, ranking: Ranking, tensor: str, show_bf16: bool) -> TensorView:
         """The chosen tensor's line and heatmap, with FP16's (or the chosen format's) limits, BF16's too if asked."""
         fmt, at_scale, what = ranking.fmt, ranking.at_scale, ranking.what
@@ -184,6 +210,7 @@ class GradientsRun:
         return reads.tensor_columns(self.store, self.run_id, tensor, READ_PER_DRAWN_COLUMN * width, split_at,
                                     self.final)
 
+    @_held(lambda ranking, shown, step: (ranking.fmt, ranking.at_scale, shown.tensor, step))
     def at_step(self, ranking: Ranking, shown: TensorView, step: int) -> StepView:
         """The tensor at one logged step: the histogram in the shown view, and the exact shares of S·g at the step's
         own loss scale and of g (one function, cast_shares, gives both, so tiles and what-if agree)."""
@@ -219,6 +246,7 @@ class GradientsRun:
         """The tensor's shares were g multiplied by 2^k (exact at the powers cast_shares counts exactly)."""
         return summaries.cast_shares(at.at_step, at.hist, ranking.fmt, k, at.scale)
 
+    @_held(lambda ranking, at, k: (ranking.fmt, ranking.at_scale, at.step, k))  # the same for every tensor
     def table(self, ranking: Ranking, at: StepView, k: int) -> tuple[pd.DataFrame, list[tuple[str, str, str]]]:
         """The ranking as the table shows it, with the underflow at the what-if's power at this step beside the
         underflow over all steps (at 1,280 px a last column is off screen); its ``(column, label, help)``s."""
@@ -243,6 +271,7 @@ class GradientsRun:
                                                 "what-if above); a range where a bin straddles the edge."))
         return table, columns
 
+    @_held(lambda ranking, at, everything: (ranking.fmt, ranking.at_scale, at.step, everything))
     def grid(self, ranking: Ranking, at: StepView, everything: bool) -> Grid:
         """Every tensor's exponent histogram at the step, worst first (the ranking's order), the first GRID_FIRST
         unless ``everything``; the caption names the rules drawn and the tensors with nothing to draw."""
@@ -294,7 +323,16 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
 
 def gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> GradientsRun:
     """The Gradients page's view of ``run`` (a row of ``runs``, the runs table the page read once: its FP32 twin's
-    row is found there, not read again)."""
+    row is found there, not read again). A live run's view, with what its methods gave, is held by the session
+    while the run's data and its twin's stay the same (its refresh every second finds nothing new most times);
+    a final run's reads are cached (reads.py)."""
+    if final:
+        return _gradients(store, run, final, runs)
+    return reads.while_unchanged("gradients", reads.data_version(store, run),
+                                 lambda: _gradients(store, run, final, runs), str(store.path), int(run["run_id"]))
+
+
+def _gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> GradientsRun:
     run_id = int(run["run_id"])
     twin = summaries.fp32_twin_row(runs, run)
     return GradientsRun(store, run, final, reads.logged_steps(store, run_id, final),

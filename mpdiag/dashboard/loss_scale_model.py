@@ -8,6 +8,7 @@ part is testable without Streamlit; the page draws these.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import pandas as pd
@@ -41,6 +42,11 @@ class LossScaleRun:
     signals: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     signal_note: str = ""
 
+    @functools.cached_property
+    def drawn_steps(self) -> pd.DataFrame:
+        """The steps the scale panel draws (summaries.thin_steps), once per view."""
+        return summaries.thin_steps(self.steps)
+
 
 def ranks(store: Store, run: pd.Series, steps: pd.DataFrame, final: bool) -> Ranks:
     rows = reads.rank_steps(store, int(run["run_id"]), final)
@@ -50,7 +56,15 @@ def ranks(store: Store, run: pd.Series, steps: pd.DataFrame, final: bool) -> Ran
 
 
 def loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
-    """The Loss scale page's view of ``run``; empty ``steps`` where it recorded none."""
+    """The Loss scale page's view of ``run``; empty ``steps`` where it recorded none. A live run's view is held
+    by the session while its data stays the same (its refresh every second finds nothing new most times)."""
+    if final:
+        return _loss_scale(store, run, final)
+    return reads.while_unchanged("loss_scale", reads.data_version(store, run), lambda: _loss_scale(store, run, final),
+                                 str(store.path), int(run["run_id"]))
+
+
+def _loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
     recorded = reads.steps(store, int(run["run_id"]), final)
     if recorded.empty:
         return LossScaleRun(recorded, {}, 0, [], None)

@@ -4,7 +4,9 @@ A run that is ``final`` (finished, failed, crashed) can no longer change, so its
 ``st.cache_data`` under the store's path and file identity (a replaced store file is not served from the cache):
 each read is written once, for the store, and :func:`cached_when_final` gives it its cache. Reads of a live run go
 to the store each time; the steps read only the rows added since the session's previous call, and a tensor's
-histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on. This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
+histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on;
+what a live page derives from them is held by the session while the run's data stays the same (:func:`while_unchanged`,
+keyed by :func:`data_version`). This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
 no widgets.
 """
 
@@ -49,6 +51,34 @@ def _severities(key: tuple, run_id: int, version: tuple) -> list[str]:
     return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
 
 
+def data_version(store: Store, run: pd.Series) -> tuple:
+    """What changes whenever the stored data of ``run`` (a runs-table row) or of its pair (its FP32 twin, or the
+    run it is the twin of) does (Store.data_version): one indexed read each, to learn that a live view has
+    nothing new to show."""
+    pair = run.get("pair_run_id")
+    return store.data_version(int(run["run_id"])), None if pd.isna(pair) else store.data_version(int(pair))
+
+
+#: how many values :func:`while_unchanged` holds per session; a live page holds a few, each replaced when its
+#: run's data changes
+HELD_UNCHANGED = 32
+
+
+def while_unchanged(what: str, version: tuple, build: Callable, *key):
+    """``build()``, or the value it gave this session for the same ``what`` and ``key`` while ``version``
+    (:func:`data_version`) has stayed the same: a live page's refresh that finds no new rows does no work."""
+    held = st.session_state.setdefault("_while_unchanged", {})
+    name = (what, *key)
+    if name in held and held[name][0] == version:
+        return held[name][1]
+    held.pop(name, None)
+    while len(held) >= HELD_UNCHANGED:  # the oldest first (dicts keep insertion order)
+        del held[next(iter(held))]
+    value = build()
+    held[name] = (version, value)
+    return value
+
+
 def findings_version(store: Store, runs: pd.DataFrame) -> tuple:
     """What a final run's findings depend on beyond its own rows: the other runs and their statuses (its FP32
     twin or a rerun finishing) and the probes stored (a scale-linearity probe adds a finding)."""
@@ -57,11 +87,21 @@ def findings_version(store: Store, runs: pd.DataFrame) -> tuple:
 
 def finding_severities(store: Store, run: pd.Series, version: tuple) -> list[str]:
     """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final
-    for as long as ``version`` (:func:`findings_version`) stays the same."""
-    run_id = int(run["run_id"])
+    for as long as ``version`` (:func:`findings_version`) stays the same; a live run's held by the session
+    (:func:`live_findings`)."""
     if is_final(run):
-        return _severities(_key(store), run_id, version)
-    return [f.severity for f in diagnose(store, run_id)]
+        return _severities(_key(store), int(run["run_id"]), version)
+    return [f.severity for f in live_findings(store, run, version)]
+
+
+def live_findings(store: Store, run: pd.Series, version: tuple = ()) -> list:
+    """A live run's findings (diagnose, reading the runs table afresh), held by the session while what they read
+    stays the same: the run's data and its pair's (:func:`data_version`), the events (written beside the batches)
+    and the probes stored, and ``version``."""
+    run_id = int(run["run_id"])
+    return while_unchanged("findings", (version, data_version(store, run), store.events_version(),
+                                        store.probes_version()),
+                           lambda: diagnose(store, run_id), str(store.path), run_id)
 
 
 def cached_when_final(max_entries: int = 64, live: Callable | None = None):

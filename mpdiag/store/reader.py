@@ -701,6 +701,16 @@ class Store:
         """Every stored probe result of a run: kind, result (JSON text)."""
         return self._query("SELECT kind, result FROM probes WHERE run_id = ? ORDER BY kind", (int(run_id),))
 
+    def data_version(self, run_id: int) -> tuple:
+        """What changes whenever the run's stored data does, in one indexed read: its status, when it finished,
+        its heartbeat (every batch of rows the writer commits refreshes it) and its last step. ``()`` for a run
+        that does not exist. Rows written outside a batch (events, shadow and update rows, a few a flush) show
+        with the next batch's heartbeat."""
+        rows = self._query("SELECT status, finished_at, heartbeat_at, (SELECT MAX(step) FROM steps WHERE run_id = ?) "
+                           "AS last_step FROM runs WHERE run_id = ?", (int(run_id), int(run_id)))
+        # NULL reads NaN, which equals nothing, not even itself: None compares
+        return tuple(None if pd.isna(v) else v for v in rows.iloc[0].tolist()) if len(rows) else ()
+
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""
         df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))

@@ -144,7 +144,16 @@ def test_the_heatmap_names_its_blank_columns_from_the_data(store_path, monkeypat
 
 
 def grid_chart(at):
-    return next(c for c in at.get("vega_lite_chart") if "concat" in json.loads(c.proto.spec))
+    return next(c for c in at.get("vega_lite_chart") if "facet" in json.loads(c.proto.spec))
+
+
+def grid_panels(spec: dict, named: dict) -> tuple[list[str], pd.DataFrame, pd.DataFrame]:
+    """The small multiples' spec read as panels: the tensors in panel order (the facet's sort, by tensor), every
+    panel's bars (one dataset, the facet splits it) and the rules drawn in each panel (their own dataset)."""
+    assert spec["facet"]["field"] == "tensor" and spec["spec"]["layer"][0]["mark"]["type"] == "rect"
+    assert spec["spec"]["width"] >= 150 and spec["spec"]["height"] >= 150  # each panel's plot
+    return (spec["facet"]["sort"], named[spec["data"]["name"]],
+            named[spec["spec"]["layer"][1]["data"]["name"]])
 
 
 def test_every_tensors_histogram_as_small_multiples_matches_the_store(store_path, monkeypatch):
@@ -158,24 +167,21 @@ def test_every_tensors_histogram_as_small_multiples_matches_the_store(store_path
     assert chart_problems(element.proto) == []  # non-empty, finite, at least 150 px each way
     spec = json.loads(element.proto.spec)
     named = {**{k: pd.DataFrame(v) for k, v in spec.get("datasets", {}).items()}, **datasets(element.proto)}
-    panels = spec["concat"]
-    titles = [p["title"]["text"] for p in panels]
+    titles, every_bar, rules = grid_panels(spec, named)
     order = ranking_table(at)["tensor"].tolist()
     stats = store.tensor_stats(1, step=step).set_index("tensor")
     finite = stats["numel"] - stats["zeros"] - stats["nan"] - stats["posinf"] - stats["neginf"]
     assert titles == [t for t in order if finite[t] > 0]  # worst first; a tensor with nothing to draw is named
+    assert set(every_bar["tensor"]) == set(titles)  # no panel beyond those
     index, counts = store.histogram_matrix(1, step=step)
-    for panel, name in zip(panels, titles, strict=True):
-        assert panel["width"] >= 150 and panel["height"] >= 150
-        bars = named[panel["layer"][0]["data"]["name"]]
-        assert set(bars["tensor"]) == {name}
+    for name in titles:
+        bars = every_bar[every_bar["tensor"] == name]
         assert bars["count"].sum() == finite[name]
         truth = counts[index["tensor"].tolist().index(name)]
         assert dict(zip(bars["log2_lo"].astype(int), bars["count"], strict=True)) == {
             int(b) + EXP_MIN: int(truth[b]) for b in np.flatnonzero(truth)}
-        # FP16's limits near the data are rules (max 65,504 is 30 binades away: named in the caption instead)
-        rules = named[panel["layer"][1]["data"]["name"]]
-        assert sorted(rules["log2"]) == [-24, -14]
+    # FP16's limits near the data are rules in every panel (max 65,504 is 30 binades away: named in the caption)
+    assert sorted(rules["log2"]) == [-24, -14]
     assert "fp16 max 65,504 is" in captions(at) and "Dotted rule: fp16 min subnormal 2^-24" in captions(at)
     empty = [t for t in order if finite[t] == 0]
     if empty:
@@ -188,7 +194,7 @@ def test_the_small_multiples_say_so_when_no_tensor_has_a_value(monkeypatch, tmp_
                     "--store", str(path), "--opt-level", "O1", "--loss-scale", repr(2.0**-83), "--steps", "2"],
                    check=True, cwd=ROOT, capture_output=True)
     at = page(path, monkeypatch, run="1")
-    assert not any("concat" in json.loads(c.proto.spec) for c in at.get("vega_lite_chart"))
+    assert not any("facet" in json.loads(c.proto.spec) for c in at.get("vega_lite_chart"))
     assert "Nothing to draw for 4" in captions(at)  # every recorded gradient was zero: a sentence, no chart
 
 
@@ -228,13 +234,12 @@ def test_the_histogram_grid_chart_draws_every_tensor_worst_first():
     lines = summaries.format_lines(("fp16",))
     chart = charts.histogram_grid(bars, drawn, lines, (-40.0, 17.0), "t")
     spec = chart.to_dict()
-    assert [p["title"]["text"] for p in spec["concat"]] == drawn
+    titles, every_bar, rules = grid_panels(spec, {k: pd.DataFrame(v) for k, v in spec["datasets"].items()})
+    assert titles == drawn
     assert spec["columns"] == charts.GRID_COLUMNS
-    rules = pd.DataFrame(spec["datasets"][spec["concat"][0]["layer"][1]["data"]["name"]])
     assert sorted(rules["log2"]) == pytest.approx([-24, -14, np.log2(65504)])  # FP16's range marked
-    for panel in spec["concat"]:
-        assert panel["width"] >= 150 and panel["height"] >= 150
-        data = pd.DataFrame(spec["datasets"][panel["layer"][0]["data"]["name"]])
+    for name in drawn:
+        data = every_bar[every_bar["tensor"] == name]
         assert len(data) and np.isfinite(data[["log2_lo", "log2_hi", "share", "count"]].to_numpy(float)).all()
 
     class Proto:  # what AppTest hands the chart check: the spec with its datasets inline

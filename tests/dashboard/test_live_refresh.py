@@ -1,0 +1,141 @@
+"""A live page's refresh that finds no new rows does no chart or findings work (issue 28), and one after a new
+batch shows it: the Gradients page's view and charts and the Runs page's health badge of a running run are held
+by the session while the run's stored data (Store.data_version) stays the same. The work is counted by wrapping
+the functions that do it (the heatmap's cells, the small multiples' bars, every Altair chart made, Streamlit's
+conversion of a chart, the findings), never by time; the new step is read from the chart's own data."""
+
+from collections import Counter
+
+import altair as alt
+import numpy as np
+import pyarrow as pa
+import pytest
+from app_helpers import app
+
+from mpdiag.analysis import summaries
+from mpdiag.dashboard import chart_files, reads
+from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION, N_EXP_BINS
+from mpdiag.store import StepRow, Store, StoreWriter, TensorBatch
+from mpdiag.store.schema import REPRESENTABILITY_KINDS
+
+TENSORS = 3
+
+
+def write_step(path, run_id: int, step: int) -> None:
+    """One step of a live run as the Recorder commits it: its steps row and, kept, every tensor's row (tensor t's
+    values all in bin 2^(t - 10))."""
+    hist = np.zeros((TENSORS, N_EXP_BINS), dtype=np.int64)
+    hist[np.arange(TENSORS), np.arange(TENSORS) - 10 - EXP_MIN] = 64
+    exponent = np.arange(TENSORS, dtype=float) - 10
+    representability = np.zeros((TENSORS, len(LOW_PRECISION), len(REPRESENTABILITY_KINDS)), dtype=np.int64)
+    batch = TensorBatch.of_step(step, np.arange(TENSORS), hist, np.zeros((TENSORS, 4), dtype=np.int64),
+                                2.0 ** (exponent + 0.5), 2.0**exponent, 8 * 2.0 ** (exponent + 0.5), representability)
+    with StoreWriter(path) as writer:
+        writer.write_batch(run_id, [StepRow(step, 1.0, 1.0, 0, 0, 1.0, 0.1, 0, 1, 1e-3, 1.0, 0.1)], batch,
+                           kept=[(step, "every")])
+
+
+@pytest.fixture
+def live_run(tmp_path):
+    """(store path, run id): a running run of this process with TENSORS tensors and steps 0 and 1 kept."""
+    path = tmp_path / "live.db"
+    with StoreWriter(path) as writer:
+        run_id = writer.create_run(name="live", opt_level="O1")
+        writer.add_tensors(run_id, [(t, f"layer{t}.weight", [8, 8], 64, "float32", "float32") for t in range(TENSORS)])
+    for step in (0, 1):
+        write_step(path, run_id, step)
+    return path, run_id
+
+
+def counting(monkeypatch, counts: Counter, owner, name: str) -> None:
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
+
+
+def heatmap_steps(at) -> set[int]:
+    chart = next(c.proto for c in at.get("vega_lite_chart") if "click a column" in c.proto.spec)
+    return {s for d in chart.datasets for table in [pa.ipc.open_stream(d.data.data).read_all()]
+            if "step_start" in table.column_names for s in table.column("step_start").to_pylist()}
+
+
+def test_a_gradients_refresh_without_new_rows_builds_nothing_and_a_new_batch_shows(live_run, monkeypatch):
+    path, run_id = live_run
+    counts = Counter()
+    for owner, name in ((summaries, "heatmap_cells"), (summaries, "histogram_grid"), (alt.Chart, "__init__"),
+                        (chart_files, "_convert_altair_to_vega_lite_spec")):
+        counting(monkeypatch, counts, owner, name)
+    at = app("pages/1_Gradients.py", path, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["heatmap_cells"] and counts["histogram_grid"] and counts["__init__"]
+    assert heatmap_steps(at) == {0, 1}
+    drawn = len(at.get("vega_lite_chart"))
+
+    counts.clear()
+    at.run()  # what the live fragment does every LIVE_REFRESH_S, with nothing committed since
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts == Counter()
+    assert len(at.get("vega_lite_chart")) == drawn and heatmap_steps(at) == {0, 1}  # drawn again, as they were
+
+    write_step(path, run_id, 2)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["heatmap_cells"] and counts["_convert_altair_to_vega_lite_spec"]
+    assert heatmap_steps(at) == {0, 1, 2}
+
+
+def test_a_runs_refresh_diagnoses_a_live_run_again_only_when_its_rows_or_events_change(live_run, monkeypatch):
+    path, run_id = live_run
+    counts = Counter()
+    counting(monkeypatch, counts, reads, "diagnose")
+    at = app("app.py", path, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["diagnose"] == 1
+    at.run()
+    assert counts["diagnose"] == 1  # nothing new: the badge held
+    write_step(path, run_id, 2)
+    at.run()
+    assert counts["diagnose"] == 2
+    with StoreWriter(path) as writer:  # an event is written beside the batches, without a heartbeat
+        writer.add_events(run_id, [(2, "skips", '{"summary": "5 optimizer steps skipped in a row"}', 1.0)])
+    at.run()
+    assert counts["diagnose"] == 3
+
+
+def test_a_runs_data_version_changes_with_each_batch_and_its_end_only(live_run):
+    path, run_id = live_run
+    store = Store(path)
+    before = store.data_version(run_id)
+    assert before == store.data_version(run_id) and before[-1] == 1  # its last step; NULLs compare equal
+    store.tensor_stats(run_id)  # reading changes nothing
+    assert store.data_version(run_id) == before
+    write_step(path, run_id, 2)
+    grown = store.data_version(run_id)
+    assert grown != before and grown[-1] == 2
+    with StoreWriter(path) as writer:
+        writer.end_run(run_id, "finished")
+    assert store.data_version(run_id) not in (before, grown)
+    assert store.data_version(run_id + 1) == ()
+
+
+def test_a_loss_scale_refresh_without_new_rows_builds_nothing_and_a_new_batch_shows(live_run, monkeypatch):
+    path, run_id = live_run
+    counts = Counter()
+    for owner, name in ((summaries, "thin_steps"), (reads, "diagnose"), (alt.Chart, "__init__"),
+                        (chart_files, "_convert_altair_to_vega_lite_spec")):
+        counting(monkeypatch, counts, owner, name)
+    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["thin_steps"] and counts["diagnose"] and counts["__init__"]
+    assert {m.label: m.value for m in at.metric}["steps"] == "2"
+    counts.clear()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts == Counter()
+    write_step(path, run_id, 2)
+    at.run()
+    assert counts["thin_steps"] and counts["diagnose"] and counts["_convert_altair_to_vega_lite_spec"]
+    assert {m.label: m.value for m in at.metric}["steps"] == "3"
