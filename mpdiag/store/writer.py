@@ -35,8 +35,8 @@ from mpdiag.store.schema import (
     RUN_FIELDS,
     SPECIAL_COUNT_COLUMNS,
     STATUSES,
+    HistogramRollups,
     StoreError,
-    add_histogram_rollups,
     decode_hists,
     encode_hists,
     encode_signals,
@@ -235,6 +235,7 @@ class StoreWriter:
         self._conn = open_for_writing(self.path)  # checks, creates or migrates; raises StoreError having written nothing
         self._finish_runs = finish_runs
         self._open_runs: list[int] = []  # created here and not yet ended
+        self._rollups = HistogramRollups()  # each tensor's open step buckets, written as they close
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -254,7 +255,17 @@ class StoreWriter:
             self.close()
 
     def close(self) -> None:
-        self._conn.close()
+        """Write the open histogram buckets of the runs written here (a run written on later, by another writer,
+        adds to them) and close the connection."""
+        try:
+            if self._rollups.open_runs():
+                with self._conn:
+                    for run_id in self._rollups.open_runs():
+                        self._rollups.close_run(self._conn, run_id)
+        except sqlite3.Error:  # lost as in a crash: readers sum those buckets' steps from their exact rows
+            pass
+        finally:
+            self._conn.close()
 
     def add_script(self, filename: str, source: str) -> str:
         """Store a script's source under its SHA-256 (idempotent) and return the hash."""
@@ -407,6 +418,7 @@ class StoreWriter:
         summary = step_summaries(self._conn, [run_id])[int(run_id)]
         fields = {"status": status, "error": error, "finished_at": time.time(), **({"note": note} if note else {})}
         with self._conn:
+            self._rollups.close_run(self._conn, run_id)
             self._update_run(run_id, fields)
             self._conn.execute("UPDATE runs SET summary = ? WHERE run_id = ?", (json.dumps(summary), int(run_id)))
         if int(run_id) in self._open_runs:
@@ -497,6 +509,7 @@ class StoreWriter:
             deleted = {table: self._conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,)).rowcount
                        for table in tables}
             self._conn.commit()
+            self._rollups.forget(run_id)
         except BaseException:
             self._conn.rollback()
             raise
@@ -520,7 +533,8 @@ class StoreWriter:
         once: the totals would count a rewrite twice. A representability key that is not a registry format is
         a ValueError. ``kept``: (step, reason) of the steps whose tensor rows are stored
         (mpdiag.recording.retention), into kept_steps; their step rows, in this batch or an earlier one, are
-        marked ``logged``. The histograms are added to their step buckets' sums (hist_rollups) too. ``signals``:
+        marked ``logged``. The histograms are added to their step buckets' sums (hist_rollups, written as each
+        bucket closes: :class:`mpdiag.store.schema.HistogramRollups`) too. ``signals``:
         (step, tensor ids, counts (tensors, SIGNAL_COUNTS)) of any step, kept or not, into step_signals (a step's
         second set is ignored: the first came from the same gradients)."""
         run_id = int(run_id)
@@ -568,7 +582,7 @@ class StoreWriter:
             "ON CONFLICT (run_id, tensor_id, fmt) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in kinds),
             per_format)
         self._add_hist_totals(run_id, batch)
-        add_histogram_rollups(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
+        self._rollups.add(self._conn, run_id, batch.step, batch.tensor_id, batch.hist)
 
     def _add_hist_totals(self, run_id: int, batch: TensorBatch) -> None:
         """Add the batch's histograms to their tensors' running sums in hist_totals (inside the caller's
