@@ -604,25 +604,44 @@ class _BucketSums:
         return _BucketSums(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)])
                              for f in dataclasses.fields(self)))
 
-    def take(self, at: np.ndarray) -> _BucketSums:
-        return _BucketSums(*(getattr(self, f.name)[at] for f in dataclasses.fields(self)))
+    def plus(self, at: np.ndarray, other: _BucketSums) -> _BucketSums:
+        """A copy with ``other``'s entries added to the entries ``at`` (one each, the same buckets)."""
+        summed = self.take(slice(None))
+        summed.first[at] = np.minimum(summed.first[at], other.first)
+        summed.last[at] = np.maximum(summed.last[at], other.last)
+        summed.kept[at] += other.kept
+        summed.empty[at] += other.empty
+        summed.hist[at] += other.hist
+        return summed
+
+    def take(self, at: np.ndarray | slice) -> _BucketSums:
+        """The entries ``at``, copied."""
+        return _BucketSums(*(getattr(self, f.name)[at].copy() for f in dataclasses.fields(self)))
 
     def grouped(self, size: int) -> _BucketSums:
         """One entry per (tensor, bucket of ``size`` steps), sorted by tensor then bucket (entries of a finer level
         lie inside one bucket of a coarser one, so they group as rows do)."""
+        if (np.diff(self.tensor) > 0).all():  # one entry per tensor, in order (one step's rows): grouped already
+            return self
         bucket = self.first // size
         order = np.lexsort((bucket, self.tensor))
         tensor, bucket = self.tensor[order], bucket[order]
         starts = np.flatnonzero(np.r_[True, (np.diff(tensor) != 0) | (np.diff(bucket) != 0)])
-        occupied = np.flatnonzero(self.hist.any(axis=0))  # the bins any entry uses: a few dozen of N_EXP_BINS
-        hist = np.zeros((len(starts), self.hist.shape[1]), dtype=np.int64)
-        if len(occupied):  # np.add.at is slow on 2-D rows: sorted segments summed by reduceat
-            lo, hi = occupied[0], occupied[-1] + 1
-            hist[:, lo:hi] = np.add.reduceat(self.hist[order, lo:hi], starts, axis=0)
         return _BucketSums(tensor[starts], np.minimum.reduceat(self.first[order], starts),
                            np.maximum.reduceat(self.last[order], starts), np.add.reduceat(self.kept[order], starts),
-                           np.add.reduceat(self.empty[order], starts), hist,
+                           np.add.reduceat(self.empty[order], starts), summed_histograms(self.hist, order, starts),
                            np.logical_or.reduceat(self.held[order], starts))
+
+
+def summed_histograms(hists: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The sums of the histograms ``hists[order]`` over the segments beginning at ``starts`` (np.add.at is slow on
+    2-D rows: sorted segments are summed by reduceat, over the bins any row uses, a few dozen of N_EXP_BINS)."""
+    occupied = np.flatnonzero(hists.any(axis=0))
+    sums = np.zeros((len(starts), hists.shape[1]), dtype=np.int64)
+    if len(occupied) and len(starts):
+        lo, hi = occupied[0], occupied[-1] + 1
+        sums[:, lo:hi] = np.add.reduceat(hists[order, lo:hi], starts, axis=0)
+    return sums
 
 
 class _Level:
@@ -636,6 +655,11 @@ class _Level:
         """Add ``entries`` (rows, or a finer level's sums); write the buckets this closes. Returns the entries'
         sums at this level (for the next coarser one)."""
         grouped = entries.grouped(self.size)
+        at = np.searchsorted(self.open.tensor, grouped.tensor).clip(max=max(len(self.open.tensor) - 1, 0))
+        if len(self.open.tensor) and ((self.open.tensor[at] == grouped.tensor)
+                                      & (self.open.first[at] // self.size == grouped.first // self.size)).all():
+            self.open = self.open.plus(at, grouped)  # the usual batch: every entry in its tensor's open bucket
+            return grouped
         merged = self.open.concat(grouped).grouped(self.size)
         stored = ~merged.held & (merged.first // self.size <= self.highest)
         if stored.any():  # steps written late, or a run a writer before this one wrote on: add its stored sums
@@ -710,6 +734,19 @@ class HistogramRollups:
     def open_runs(self) -> list[int]:
         """The runs with open buckets held here."""
         return list(self._runs)
+
+    def state(self, run_id: int) -> list[tuple] | None:
+        """What is held of the run now, for :meth:`restore` (a batch's sums are never added in place)."""
+        levels = self._runs.get(int(run_id))
+        return None if levels is None else [(level.open, level.highest) for level in levels]
+
+    def restore(self, run_id: int, state: list[tuple] | None) -> None:
+        """Back to :meth:`state`'s (the transaction that added a batch was rolled back)."""
+        if state is None:
+            self._runs.pop(int(run_id), None)
+            return
+        for level, (held, highest) in zip(self._runs[int(run_id)], state, strict=True):
+            level.open, level.highest = held, highest
 
     def forget(self, run_id: int) -> None:
         """Drop the run's open buckets unwritten (the run was deleted)."""

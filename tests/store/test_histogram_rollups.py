@@ -344,3 +344,30 @@ def test_after_a_crash_the_columns_still_sum_every_kept_step_once(tmp_path):
         for first, last, steps, column in zip(firsts, lasts, n, counts, strict=True):
             covered = [s for s in kept if first <= s <= last]
             assert steps == len(covered) and (column == sum(exact[(s, 1)] for s in covered)).all()
+
+
+def test_a_batch_whose_transaction_fails_adds_nothing_to_the_sums_held_in_memory(tmp_path):
+    """A batch SQLite refuses after its sums were added (here its kept_steps insert, as a full disk would refuse
+    the commit) is rolled back; the open buckets and the histogram totals the writer holds in memory are too, so
+    the rows written after it still sum to the stored exact rows."""
+    import sqlite3 as sqlite
+
+    def refuse_kept_steps(action, table, *_):
+        return sqlite.SQLITE_DENY if action == sqlite.SQLITE_INSERT and table == "kept_steps" else sqlite.SQLITE_OK
+
+    path, rng, tensors = tmp_path / "s.db", np.random.default_rng(8), 2
+    with StoreWriter(path) as writer:
+        run_id = _new_run(writer, tensors)
+        _write(writer, run_id, rng, list(range(0, 40)), tensors)
+        writer._conn.set_authorizer(refuse_kept_steps)
+        with pytest.raises(sqlite.DatabaseError):
+            _write(writer, run_id, rng, list(range(40, 60)), tensors)
+        writer._conn.set_authorizer(None)
+        _write(writer, run_id, rng, list(range(40, 300)), tensors)
+        writer.end_run(run_id, "finished")
+    _assert_rollups_are_the_sums(path, run_id)
+    exact = _exact(path, run_id)
+    totals = dict(_raw(path, "SELECT tensor_id, hist FROM hist_totals WHERE run_id = ?", (run_id,)))
+    for tensor in range(tensors):
+        truth = sum(hist for (_, t), hist in exact.items() if t == tensor)
+        assert (decode_hists([totals[tensor]])[0] == truth).all()
