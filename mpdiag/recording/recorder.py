@@ -778,10 +778,10 @@ class Recorder:
         # tensors kept (the usual step), the statistics' own arrays, not copies (each step's are its own)
         at = slice(None) if len(kept) == len(present) else np.asarray(kept)
         representability = np.stack([stats.counts[name] for name in _REPRESENTABILITY_COUNTS], axis=1)[at]
+        specials = np.stack([stats.counts[c] for c in SPECIAL_COUNTS], axis=1)[at]
         self._tensor_batches.append(TensorBatch.of_step(
-            step, np.asarray(present)[at], stats.hist[at], np.stack([stats.counts[c] for c in SPECIAL_COUNTS], axis=1)[at],
-            stats.absmax[at], stats.min_nonzero[at], stats.l2[at],
-            representability.reshape(-1, len(LOW_PRECISION), len(REPRESENTABILITY_KINDS))))
+            step, np.asarray(present)[at], stats.hist[at], specials, stats.absmax[at], stats.min_nonzero[at],
+            stats.l2[at], representability.reshape(-1, len(LOW_PRECISION), len(REPRESENTABILITY_KINDS))))
 
     def _flush_on_timer(self) -> None:
         """On the writer's thread: hand over the rows that have arrived when the training thread has not for a
