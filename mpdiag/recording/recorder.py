@@ -98,6 +98,9 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
             **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
 
 
+#: the StepGradStats counts of a TensorBatch's representability, format by format (LOW_PRECISION), kind by kind
+_REPRESENTABILITY_COUNTS = [f"{fmt}_{kind}" for fmt in LOW_PRECISION for kind in REPRESENTABILITY_KINDS]
+
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
 
 
@@ -757,11 +760,13 @@ class Recorder:
     def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
         # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
-        kept = list(range(len(present))) if keep is None else [k for k, i in enumerate(present) if i in keep]
+        if keep is None or keep.issuperset(present):  # the usual step: every tensor, no per-tensor test
+            kept, counts, tensor_ids = list(range(len(present))), stats.counts, np.asarray(present)
+        else:
+            kept = [k for k, i in enumerate(present) if i in keep]
+            counts, tensor_ids = {name: c[kept] for name, c in stats.counts.items()}, np.asarray(present)[kept]
         if not kept:
             return
-        counts = stats.counts if len(kept) == len(present) else {name: c[kept] for name, c in stats.counts.items()}
-        tensor_ids = np.asarray(present)[kept]
         # stored for every step, kept or not: the same counts the rules read (light pass or full statistics)
         self._signal_rows.append((step, tensor_ids, np.stack([counts[c] for c in SIGNAL_COUNTS], axis=1)))
         self._retention.see_stats(step, tensor_ids, counts, (present, stats, kept))
@@ -775,14 +780,14 @@ class Recorder:
     def _add_tensor_rows(self, step: int, present: tuple[int, ...], stats, kept: list[int]) -> None:
         if isinstance(stats, HeldStep):
             stats = stats.stats()
-        # columns, not rows: at 500 tensors, a Python object per tensor and field cost more than the statistics
-        at = np.asarray(kept)
-        representability = np.stack([np.stack([stats.counts[f"{fmt}_{kind}"][at] for kind in REPRESENTABILITY_KINDS],
-                                               axis=1) for fmt in LOW_PRECISION], axis=1)
+        # columns, not rows: at 500 tensors, a Python object per tensor and field cost more than the statistics; all
+        # tensors kept (the usual step), the statistics' own arrays, not copies (each step's are its own)
+        at = slice(None) if len(kept) == len(present) else np.asarray(kept)
+        representability = np.stack([stats.counts[name] for name in _REPRESENTABILITY_COUNTS], axis=1)[at]
+        specials = np.stack([stats.counts[c] for c in SPECIAL_COUNTS], axis=1)[at]
         self._tensor_batches.append(TensorBatch.of_step(
-            step, np.asarray(present)[at], stats.hist[at],
-            np.stack([stats.counts[c][at] for c in SPECIAL_COUNTS], axis=1),
-            stats.absmax[at], stats.min_nonzero[at], stats.l2[at], representability))
+            step, np.asarray(present)[at], stats.hist[at], specials, stats.absmax[at], stats.min_nonzero[at],
+            stats.l2[at], representability.reshape(-1, len(LOW_PRECISION), len(REPRESENTABILITY_KINDS))))
 
     def _flush_on_timer(self) -> None:
         """On the writer's thread: hand over the rows that have arrived when the training thread has not for a

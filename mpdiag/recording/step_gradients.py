@@ -38,6 +38,9 @@ class StepGradients:
         self._accumulated = [False] * len(self._params)
         self._previous: list[weakref.ref | None] = [None] * len(self._params)  # each .grad when the step began
         self._asked: dict[int, torch.optim.Optimizer] = {}  # optimizers asked to step in the open step
+        #: per optimizer seen: (a weak reference to it, its parameter groups' lists and lengths, the indices of ours
+        #: it holds)
+        self._held: dict[int, tuple[weakref.ref, tuple, frozenset[int]]] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(self._params)]
 
     def _marker(self, index: int):
@@ -59,8 +62,7 @@ class StepGradients:
 
     def next_step(self) -> None:
         """The step's gradients have been read: what is in ``.grad`` now is stale from here on."""
-        for i, p in enumerate(self._params):
-            self._previous[i] = None if p.grad is None else weakref.ref(p.grad)
+        self._previous = [grad if grad is None else weakref.ref(grad) for grad in [p.grad for p in self._params]]
         self._accumulated = [False] * len(self._params)
 
     def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -71,9 +73,19 @@ class StepGradients:
         """Close the open step: the indices of the recorded parameters the optimizers asked to step in it hold;
         None when none holds any (the step's owner is unknown: keep every fresh gradient)."""
         asked, self._asked = self._asked, {}
-        held = frozenset(self._index[id(p)] for opt in asked.values() for group in opt.param_groups
-                         for p in group["params"] if id(p) in self._index)
+        held = frozenset().union(*(self._held_by(opt) for opt in asked.values()))
         return held or None
+
+    def _held_by(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """The indices of the recorded parameters ``optimizer`` holds, looked up again only when its parameter
+        groups changed (a group added, or a group's list of parameters replaced or resized)."""
+        groups = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+        cached = self._held.get(id(optimizer))
+        if cached is None or cached[0]() is not optimizer or cached[1] != groups:
+            held = frozenset(self._index[id(p)] for group in optimizer.param_groups for p in group["params"]
+                             if id(p) in self._index)
+            cached = self._held[id(optimizer)] = (weakref.ref(optimizer), groups, held)
+        return cached[2]
 
     def remove(self) -> None:
         for handle in self._handles:

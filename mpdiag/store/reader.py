@@ -109,19 +109,30 @@ class _ColumnReader:
         self.conn, self.run_id, self.tensor_id = conn, run_id, tensor_id
 
     def read(self, kept_steps: int, max_columns: int, split_at: np.ndarray, from_step: int) -> tuple[list[tuple], int]:
-        """(the columns from bucket ``from_step`` // level on, in _COLUMN_FIELDS; the level chosen)."""
+        """(the columns from bucket ``from_step`` // level on, in _COLUMN_FIELDS; the level chosen).
+
+        The writer stores a bucket's sum once the bucket is closed (mpdiag.store.schema.HistogramRollups): the
+        steps after a level's last stored bucket (its open one, or the ones a crash lost) are read at the next
+        finer level, down to the exact rows, which are always there."""
         buckets = dict(self.conn.execute(
             "SELECT bucket_steps, COUNT(*) FROM hist_rollups WHERE run_id = ? AND tensor_id = ? GROUP BY "
             "bucket_steps", (self.run_id, self.tensor_id)).fetchall())
-        levels = [1, *ROLLUP_BUCKET_STEPS]
-        counts = [kept_steps, *(buckets.get(size, kept_steps) for size in ROLLUP_BUCKET_STEPS)]
+        levels, counts = [1, *ROLLUP_BUCKET_STEPS], [kept_steps]
+        for size in ROLLUP_BUCKET_STEPS:  # a level with no stored bucket yet is read at the finer one
+            counts.append(buckets.get(size, counts[-1]))
         chosen = next((k for k, n in enumerate(counts) if n <= max_columns), len(levels) - 1)
-        done, pending = [], self.rows(levels[chosen], from_step, _LAST_STEP)
-        for finer in reversed(levels[:chosen]):
+        done, pending, tail_from = [], [], from_step
+        for k in range(chosen, -1, -1):
+            tail = self.rows(levels[k], tail_from, _LAST_STEP)
+            pending += tail
+            if not k:
+                break
+            if tail:
+                tail_from = (max(row[1] for row in tail) // levels[k] + 1) * levels[k]
             split = [_needs_split(row, split_at) for row in pending]
             done += [row for row, s in zip(pending, split, strict=True) if not s]
             pending = [fine for row, s in zip(pending, split, strict=True) if s
-                       for fine in self.rows(finer, row[0], row[1])]
+                       for fine in self.rows(levels[k - 1], row[0], row[1])]
         return done + pending, levels[chosen]
 
     def rows(self, size: int, first: int, last: int) -> list[tuple]:

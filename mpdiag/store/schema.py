@@ -2,7 +2,7 @@
 
 This module owns the DDL, SCHEMA_VERSION and the migrations that bring an older file up to it in place, the
 histogram blob codec and the sums of histograms over step buckets (hist_rollups: the writer adds each batch with
-:func:`add_histogram_rollups`, the migration to version 15 the rows stored before), the error type, and
+:class:`HistogramRollups`, the migration to version 15 the rows stored before), the error type, and
 connections: read-only ones (falling back to ``immutable=1`` where the file's directory cannot be written) and
 the writing one, which is opened only after the file passed an integrity check. Beyond migrations and rollups it
 must not read or write runs' data (reader.py, writer.py do), and it must never write to a file that is damaged,
@@ -15,6 +15,7 @@ open the same new or old file at once serialise on it and the later ones find th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sqlite3
@@ -22,6 +23,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -559,8 +561,9 @@ def _sum_histograms_into_totals(conn: sqlite3.Connection, chunk: int = 50_000) -
 
 def _build_histogram_rollups(conn: sqlite3.Connection, chunk_steps: int = 256) -> None:
     """Migration to version 15: hist_rollups for the runs recorded before, summed from their tensor_steps rows
-    as the writer sums a batch (:func:`add_histogram_rollups`), ``chunk_steps`` steps of a run at a time, so a
+    as the writer sums its batches (:class:`HistogramRollups`), ``chunk_steps`` steps of a run at a time, so a
     store of millions of rows is never held in memory at once."""
+    rollups = HistogramRollups()
     for (run_id,) in conn.execute("SELECT DISTINCT run_id FROM tensor_steps").fetchall():
         (last,) = conn.execute("SELECT MAX(step) FROM tensor_steps WHERE run_id = ?", (run_id,)).fetchone()
         for start in range(0, last + 1, chunk_steps):
@@ -568,48 +571,186 @@ def _build_histogram_rollups(conn: sqlite3.Connection, chunk_steps: int = 256) -
                                 "step < ?", (run_id, start, start + chunk_steps)).fetchall()
             if rows:
                 steps, tensor_ids, hists = zip(*rows, strict=True)
-                add_histogram_rollups(conn, run_id, np.asarray(steps, dtype=np.int64),
-                                      np.asarray(tensor_ids, dtype=np.int64), decode_hists(hists))
+                rollups.add(conn, run_id, np.asarray(steps, dtype=np.int64), np.asarray(tensor_ids, dtype=np.int64),
+                            decode_hists(hists))
+        rollups.close_run(conn, run_id)
 
 
-def add_histogram_rollups(conn: sqlite3.Connection, run_id: int, steps: np.ndarray, tensor_ids: np.ndarray,
-                          hists: np.ndarray) -> None:
-    """Add kept steps' histograms (row k: ``hists[k]`` of tensor ``tensor_ids[k]`` at ``steps[k]``, each (step,
-    tensor) once) to hist_rollups at every level of ROLLUP_BUCKET_STEPS, inside the caller's transaction: each
-    bucket's sum, kept and empty steps and first and last step are read, added to and written back. The writer
-    calls it with every batch, the migration to version 15 with the stored rows."""
-    if not len(steps):
-        return
-    steps, tensor_ids = np.asarray(steps, dtype=np.int64), np.asarray(tensor_ids, dtype=np.int64)
-    empty = (hists.sum(axis=1) == 0).astype(np.int64)
-    occupied = np.flatnonzero(hists.any(axis=0))  # the bins any row uses: a few dozen of N_EXP_BINS
-    lo, hi = (occupied[0], occupied[-1] + 1) if len(occupied) else (0, 0)
-    for size in ROLLUP_BUCKET_STEPS:
-        # rows sorted by (tensor, bucket), each group summed as one segment (np.add.at is slow on 2-D rows)
-        order = np.lexsort((steps, steps // size, tensor_ids))
-        tensor, bucket, step = tensor_ids[order], steps[order] // size, steps[order]
+@dataclass
+class _BucketSums:
+    """Histogram sums over step buckets of one level, one entry per (tensor, bucket): the first and last kept step
+    summed, how many (kept), how many of them had an empty histogram, the summed histogram (rows of N_EXP_BINS);
+    ``held``: the entry holds a bucket the writer kept open (its sum so far is all of that bucket's)."""
+
+    tensor: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    kept: np.ndarray
+    empty: np.ndarray
+    hist: np.ndarray
+    held: np.ndarray
+
+    @classmethod
+    def of_rows(cls, steps: np.ndarray, tensor_ids: np.ndarray, hists: np.ndarray) -> _BucketSums:
+        steps = np.asarray(steps, dtype=np.int64)
+        return cls(np.asarray(tensor_ids, dtype=np.int64), steps, steps, np.ones(len(steps), dtype=np.int64),
+                   (hists.sum(axis=1) == 0).astype(np.int64), hists, np.zeros(len(steps), dtype=bool))
+
+    @classmethod
+    def none(cls) -> _BucketSums:
+        return cls.of_rows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, N_EXP_BINS), np.int64))
+
+    def concat(self, other: _BucketSums) -> _BucketSums:
+        return _BucketSums(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)])
+                             for f in dataclasses.fields(self)))
+
+    def plus(self, at: np.ndarray, other: _BucketSums) -> _BucketSums:
+        """A copy with ``other``'s entries added to the entries ``at`` (one each, the same buckets)."""
+        summed = self.take(slice(None))
+        summed.first[at] = np.minimum(summed.first[at], other.first)
+        summed.last[at] = np.maximum(summed.last[at], other.last)
+        summed.kept[at] += other.kept
+        summed.empty[at] += other.empty
+        summed.hist[at] += other.hist
+        return summed
+
+    def take(self, at: np.ndarray | slice) -> _BucketSums:
+        """The entries ``at``, copied."""
+        return _BucketSums(*(getattr(self, f.name)[at].copy() for f in dataclasses.fields(self)))
+
+    def grouped(self, size: int) -> _BucketSums:
+        """One entry per (tensor, bucket of ``size`` steps), sorted by tensor then bucket (entries of a finer level
+        lie inside one bucket of a coarser one, so they group as rows do)."""
+        if (np.diff(self.tensor) > 0).all():  # one entry per tensor, in order (one step's rows): grouped already
+            return self
+        bucket = self.first // size
+        order = np.lexsort((bucket, self.tensor))
+        tensor, bucket = self.tensor[order], bucket[order]
         starts = np.flatnonzero(np.r_[True, (np.diff(tensor) != 0) | (np.diff(bucket) != 0)])
-        sums = np.zeros((len(starts), hists.shape[1]), dtype=np.int64)
-        if hi > lo:
-            sums[:, lo:hi] = np.add.reduceat(hists[order, lo:hi], starts, axis=0)
-        first, last = step[starts], step[np.r_[starts[1:], len(step)] - 1]
-        kept, empties = np.diff(np.r_[starts, len(step)]), np.add.reduceat(empty[order], starts)
-        tensor, bucket = tensor[starts], bucket[starts]
-        held = {(t, b): rest for t, b, *rest in conn.execute(
-            "SELECT tensor_id, bucket, first_step, last_step, steps_kept, empty_steps, hist FROM hist_rollups "
-            "WHERE run_id = ? AND bucket_steps = ? AND bucket BETWEEN ? AND ?",
-            (int(run_id), size, int(bucket.min()), int(bucket.max())))}
-        seen = [k for k, key in enumerate(zip(tensor.tolist(), bucket.tolist(), strict=True)) if key in held]
-        if seen:
-            before = [held[int(tensor[k]), int(bucket[k])] for k in seen]
-            first[seen] = np.minimum(first[seen], [b[0] for b in before])
-            last[seen] = np.maximum(last[seen], [b[1] for b in before])
-            kept[seen] += [b[2] for b in before]
-            empties[seen] += [b[3] for b in before]
-            sums[seen] += decode_hists([b[4] for b in before])
-        conn.executemany("INSERT OR REPLACE INTO hist_rollups VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         zip(itertools.repeat(int(run_id)), tensor.tolist(), itertools.repeat(size), bucket.tolist(),
-                             first.tolist(), last.tolist(), kept.tolist(), empties.tolist(), encode_hists(sums)))
+        return _BucketSums(tensor[starts], np.minimum.reduceat(self.first[order], starts),
+                           np.maximum.reduceat(self.last[order], starts), np.add.reduceat(self.kept[order], starts),
+                           np.add.reduceat(self.empty[order], starts), summed_histograms(self.hist, order, starts),
+                           np.logical_or.reduceat(self.held[order], starts))
+
+
+def summed_histograms(hists: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The sums of the histograms ``hists[order]`` over the segments beginning at ``starts`` (np.add.at is slow on
+    2-D rows: sorted segments are summed by reduceat, over the bins any row uses, a few dozen of N_EXP_BINS)."""
+    occupied = np.flatnonzero(hists.any(axis=0))
+    sums = np.zeros((len(starts), hists.shape[1]), dtype=np.int64)
+    if len(occupied) and len(starts):
+        lo, hi = occupied[0], occupied[-1] + 1
+        sums[:, lo:hi] = np.add.reduceat(hists[order, lo:hi], starts, axis=0)
+    return sums
+
+
+class _Level:
+    """One level of ROLLUP_BUCKET_STEPS for one run: its open buckets (each tensor's latest, in memory until it
+    closes) and the highest bucket with a stored row or an open one (a bucket above it has no stored row)."""
+
+    def __init__(self, size: int, highest: int):
+        self.size, self.highest, self.open = size, highest, _BucketSums.none()
+
+    def add(self, conn: sqlite3.Connection, run_id: int, entries: _BucketSums) -> _BucketSums:
+        """Add ``entries`` (rows, or a finer level's sums); write the buckets this closes. Returns the entries'
+        sums at this level (for the next coarser one)."""
+        grouped = entries.grouped(self.size)
+        at = np.searchsorted(self.open.tensor, grouped.tensor).clip(max=max(len(self.open.tensor) - 1, 0))
+        if len(self.open.tensor) and ((self.open.tensor[at] == grouped.tensor)
+                                      & (self.open.first[at] // self.size == grouped.first // self.size)).all():
+            self.open = self.open.plus(at, grouped)  # the usual batch: every entry in its tensor's open bucket
+            return grouped
+        merged = self.open.concat(grouped).grouped(self.size)
+        stored = ~merged.held & (merged.first // self.size <= self.highest)
+        if stored.any():  # steps written late, or a run a writer before this one wrote on: add its stored sums
+            _add_stored(conn, run_id, self.size, merged, stored)
+        # each tensor's latest bucket stays open; a bucket before it gets no more rows: written once, now
+        latest = np.r_[merged.tensor[1:] != merged.tensor[:-1], True]
+        _write_buckets(conn, run_id, self.size, merged.take(~latest))
+        self.open = merged.take(latest)
+        self.open.held[:] = True
+        self.highest = max(self.highest, int((merged.first // self.size).max(initial=-1)))
+        return grouped
+
+
+def _add_stored(conn: sqlite3.Connection, run_id: int, size: int, sums: _BucketSums, at: np.ndarray) -> None:
+    """Add to the entries ``at`` of ``sums`` the stored rows of their (tensor, bucket) (read-modify-write)."""
+    buckets = sums.first // size
+    stored = {(t, b): rest for t, b, *rest in conn.execute(
+        "SELECT tensor_id, bucket, first_step, last_step, steps_kept, empty_steps, hist FROM hist_rollups "
+        "WHERE run_id = ? AND bucket_steps = ? AND bucket BETWEEN ? AND ?",
+        (int(run_id), size, int(buckets[at].min()), int(buckets[at].max())))}
+    found = [k for k in np.flatnonzero(at).tolist() if (int(sums.tensor[k]), int(buckets[k])) in stored]
+    if found:
+        before = [stored[int(sums.tensor[k]), int(buckets[k])] for k in found]
+        sums.first[found] = np.minimum(sums.first[found], [b[0] for b in before])
+        sums.last[found] = np.maximum(sums.last[found], [b[1] for b in before])
+        sums.kept[found] += [b[2] for b in before]
+        sums.empty[found] += [b[3] for b in before]
+        sums.hist[found] += decode_hists([b[4] for b in before])
+
+
+def _write_buckets(conn: sqlite3.Connection, run_id: int, size: int, sums: _BucketSums) -> None:
+    conn.executemany("INSERT OR REPLACE INTO hist_rollups VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     zip(itertools.repeat(int(run_id)), sums.tensor.tolist(), itertools.repeat(size),
+                         (sums.first // size).tolist(), sums.first.tolist(), sums.last.tolist(), sums.kept.tolist(),
+                         sums.empty.tolist(), encode_hists(sums.hist)))
+
+
+class HistogramRollups:
+    """Kept steps' histograms summed per tensor over buckets of ROLLUP_BUCKET_STEPS steps, into hist_rollups.
+
+    Each tensor's latest bucket at each level is open: its sums are kept here, in memory, and its row is written
+    once, when a later bucket of that tensor arrives (steps arrive in order, so it gets no more) or when the run
+    ends (:meth:`close_run`) or the writer closes. Until then the store has no row for an open bucket: a reader
+    sums its steps from the finer levels and the exact rows (``Store.histogram_columns``), and so it does after a
+    crash, which loses the open buckets' sums only. A step written late, into a bucket already written, and a run
+    written on by a second writer (its first writer closed mid-bucket) are added to the stored row. Each (step,
+    tensor) must be added once."""
+
+    def __init__(self) -> None:
+        self._runs: dict[int, list[_Level]] = {}
+
+    def add(self, conn: sqlite3.Connection, run_id: int, steps: np.ndarray, tensor_ids: np.ndarray,
+            hists: np.ndarray) -> None:
+        """Add kept steps' histograms (row k: ``hists[k]`` of tensor ``tensor_ids[k]`` at ``steps[k]``), inside the
+        caller's transaction."""
+        if not len(steps):
+            return
+        run_id = int(run_id)
+        if run_id not in self._runs:
+            highest = dict(conn.execute("SELECT bucket_steps, MAX(bucket) FROM hist_rollups WHERE run_id = ? "
+                                        "GROUP BY bucket_steps", (run_id,)).fetchall())
+            self._runs[run_id] = [_Level(size, highest.get(size, -1)) for size in ROLLUP_BUCKET_STEPS]
+        entries = _BucketSums.of_rows(steps, tensor_ids, hists)
+        for level in self._runs[run_id]:
+            entries = level.add(conn, run_id, entries)
+
+    def close_run(self, conn: sqlite3.Connection, run_id: int) -> None:
+        """Write the run's open buckets and forget them (the run ended, or this writer stops writing it)."""
+        for level in self._runs.pop(int(run_id), []):
+            _write_buckets(conn, int(run_id), level.size, level.open)
+
+    def open_runs(self) -> list[int]:
+        """The runs with open buckets held here."""
+        return list(self._runs)
+
+    def state(self, run_id: int) -> list[tuple] | None:
+        """What is held of the run now, for :meth:`restore` (a batch's sums are never added in place)."""
+        levels = self._runs.get(int(run_id))
+        return None if levels is None else [(level.open, level.highest) for level in levels]
+
+    def restore(self, run_id: int, state: list[tuple] | None) -> None:
+        """Back to :meth:`state`'s (the transaction that added a batch was rolled back)."""
+        if state is None:
+            self._runs.pop(int(run_id), None)
+            return
+        for level, (held, highest) in zip(self._runs[int(run_id)], state, strict=True):
+            level.open, level.highest = held, highest
+
+    def forget(self, run_id: int) -> None:
+        """Drop the run's open buckets unwritten (the run was deleted)."""
+        self._runs.pop(int(run_id), None)
 
 
 # The formats whose counts schema versions 1 and 2 kept as columns named {fmt}_{kind}.

@@ -280,3 +280,94 @@ def test_columns_read_from_the_last_bucket_on_complete_what_was_held_as_a_fresh_
                     assert (np.concatenate([counts[keep], new_counts]) == fresh_counts).all()
                 if max_columns == 100:
                     held = (fresh_index, fresh_counts, max_columns)
+
+
+def _closed_only(expected: dict[tuple, tuple]) -> dict[tuple, tuple]:
+    """The expected rollups without each tensor's latest bucket per level (the writer holds it open)."""
+    latest = {}
+    for tensor, size, bucket in expected:
+        latest[(tensor, size)] = max(bucket, latest.get((tensor, size), -1))
+    return {key: value for key, value in expected.items() if key[2] < latest[key[:2]]}
+
+
+def test_a_bucket_is_stored_once_it_closes_and_the_open_ones_when_the_run_ends(tmp_path):
+    """While the run goes on, the store holds exactly the buckets each tensor has moved past, each the sum of its
+    exact rows; the open ones (each tensor's latest at each level) are stored when the run ends."""
+    path, rng, tensors = tmp_path / "s.db", np.random.default_rng(6), 2
+    with StoreWriter(path) as writer:
+        run_id = _new_run(writer, tensors)
+        kept = [s for s in KEPT if s < 5_000]
+        cuts = np.cumsum(rng.integers(1, 120, len(kept)))
+        for part in np.split(np.asarray(kept), cuts[cuts < len(kept)]):
+            _write(writer, run_id, rng, part.tolist(), tensors)
+            expected, stored = _closed_only(_expected_rollups(_exact(path, run_id))), _stored_rollups(path, run_id)
+            assert set(stored) == set(expected)
+            for key, (first, last, n, empty, hist) in expected.items():
+                assert stored[key][:4] == (first, last, n, empty) and (stored[key][4] == hist).all(), key
+        writer.end_run(run_id, "finished")
+    _assert_rollups_are_the_sums(path, run_id)
+
+
+_CRASHING_WRITER = """
+import os, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from store.test_histogram_rollups import KEPT, _new_run, _write
+from mpdiag.store import StoreWriter
+writer = StoreWriter({path!r})
+run_id = _new_run(writer, 2)
+rng = np.random.default_rng(7)
+kept = [s for s in KEPT if s < 4_700]
+for start in range(0, len(kept), 97):
+    _write(writer, run_id, rng, kept[start:start + 97], 2)
+os._exit(1)  # killed: the writer never closes
+"""
+
+
+def test_after_a_crash_the_columns_still_sum_every_kept_step_once(tmp_path):
+    """A process killed mid-run loses its open buckets' sums: the store has no row for them, and
+    Store.histogram_columns reads their steps from the finer levels and the exact rows, at every width."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "crash.db"
+    script = _CRASHING_WRITER.format(tests=str(ROOT / "tests"), path=str(path))
+    assert subprocess.run([sys.executable, "-c", script], cwd=ROOT).returncode == 1
+    expected, stored = _expected_rollups(_exact(path, 1)), _stored_rollups(path, 1)
+    assert set(stored) == set(_closed_only(expected)) and len(stored) < len(expected)
+    exact = _exact(path, 1)
+    kept = sorted(s for s, t in exact if t == 1)
+    for max_columns in (10_000, 300, 20, 1):
+        index, counts = Store(path).histogram_columns(1, "t1", max_columns)
+        firsts, lasts, n = (index[c].to_numpy() for c in ("step", "last_step", "steps_kept"))
+        assert (firsts[1:] > lasts[:-1]).all() and n.sum() == len(kept)  # every kept step once, in order
+        for first, last, steps, column in zip(firsts, lasts, n, counts, strict=True):
+            covered = [s for s in kept if first <= s <= last]
+            assert steps == len(covered) and (column == sum(exact[(s, 1)] for s in covered)).all()
+
+
+def test_a_batch_whose_transaction_fails_adds_nothing_to_the_sums_held_in_memory(tmp_path):
+    """A batch SQLite refuses after its sums were added (here its kept_steps insert, as a full disk would refuse
+    the commit) is rolled back; the open buckets and the histogram totals the writer holds in memory are too, so
+    the rows written after it still sum to the stored exact rows."""
+    import sqlite3 as sqlite
+
+    def refuse_kept_steps(action, table, *_):
+        return sqlite.SQLITE_DENY if action == sqlite.SQLITE_INSERT and table == "kept_steps" else sqlite.SQLITE_OK
+
+    path, rng, tensors = tmp_path / "s.db", np.random.default_rng(8), 2
+    with StoreWriter(path) as writer:
+        run_id = _new_run(writer, tensors)
+        _write(writer, run_id, rng, list(range(0, 40)), tensors)
+        writer._conn.set_authorizer(refuse_kept_steps)
+        with pytest.raises(sqlite.DatabaseError):
+            _write(writer, run_id, rng, list(range(40, 60)), tensors)
+        writer._conn.set_authorizer(None)
+        _write(writer, run_id, rng, list(range(40, 300)), tensors)
+        writer.end_run(run_id, "finished")
+    _assert_rollups_are_the_sums(path, run_id)
+    exact = _exact(path, run_id)
+    totals = dict(_raw(path, "SELECT tensor_id, hist FROM hist_totals WHERE run_id = ?", (run_id,)))
+    for tensor in range(tensors):
+        truth = sum(hist for (_, t), hist in exact.items() if t == tensor)
+        assert (decode_hists([totals[tensor]])[0] == truth).all()
