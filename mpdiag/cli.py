@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import unicodedata
@@ -237,7 +238,7 @@ def report(store: Store, run_id: int) -> int:
 
 
 def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -> int:
-    from mpdiag.training.runner import train, train_pair
+    from mpdiag.training.runner import RunStopped, train, train_pair
 
     print(f"mpdiag: running {script.filename} at {config.opt_level} into {store.path}", flush=True)
     progress = _progress(config.steps)
@@ -245,7 +246,11 @@ def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -
         if not pair:
             run_id = train(script, config, store.path, progress=progress, console=console)
         else:
-            mixed_id, fp32_id = train_pair(script, config, store.path, progress=progress, console=console)
+            try:
+                mixed_id, fp32_id = train_pair(script, config, store.path, progress=progress, console=console)
+            except RunStopped as exc:  # the first run was stopped (and recorded so): no twin, no traceback
+                print(f"mpdiag: {exc}", file=sys.stderr)
+                return 128 + signal.SIGTERM
     if not pair:
         return report(store, run_id)
     code = max(report(store, mixed_id), report(store, fp32_id))

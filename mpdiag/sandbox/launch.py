@@ -507,7 +507,7 @@ def supervise_job(job: dict) -> None:
 def run_in_child(payload: dict, channel) -> dict:
     """In the child: train the script into the runs the supervisor created, writing through ``channel``."""
     from mpdiag.training.policies import ConfigError
-    from mpdiag.training.runner import RunConfig, train, train_pair
+    from mpdiag.training.runner import RunConfig, RunStopped, train, train_pair
     from mpdiag.training.script import ModelScript
 
     run_ids = deque(payload["run_ids"])
@@ -519,7 +519,7 @@ def run_in_child(payload: dict, channel) -> dict:
 
     try:
         ids = train_pair(script, config, sink) if payload["pair"] else (train(script, config, sink),)
-    except ConfigError as exc:
+    except (ConfigError, RunStopped) as exc:  # a stopped pair: its twin's queued row ends failed saying so
         return {"error": str(exc)}
     return {"run_ids": list(ids)}
 

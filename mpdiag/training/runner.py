@@ -125,6 +125,11 @@ def _raise_stop(signum, frame):
     raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
+#: set when a run of this process ended on a stop (RunStopped, KeyboardInterrupt): the process was asked to end,
+#: so a pair does not go on to train its FP32 twin (cleared when a pair starts)
+_stop_arrived = threading.Event()
+
+
 def train(
     script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
     run_id: int | None = None, console=None,
@@ -193,6 +198,8 @@ def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.d
                      config=_stored_config(config, optimizer, recorder.optimizer_step_nonfinite))
         recorder.close(note=note)
     except (Exception, KeyboardInterrupt, SystemExit, RunStopped) as exc:  # noqa: BLE001 - anything is recorded
+        if isinstance(exc, (RunStopped, KeyboardInterrupt)):
+            _stop_arrived.set()
         error = _failure_text(exc, script)
         if job is not None:  # every rank's error reaches the launching process, which names the first
             job.report_failure(error)
@@ -322,10 +329,13 @@ def train_pair(
     console=None,
 ) -> tuple[int, int]:
     """Run ``config`` and an O0 twin (same seed, hence same initial weights and batches) and link them.
-    Returns (mixed run id, FP32 run id). ``console`` (see :func:`train`): the twin's kept output is the
-    command's, so it starts with the first run's."""
+    Returns (mixed run id, FP32 run id); raises RunStopped, its run recorded, when the first run was stopped.
+    ``console`` (see :func:`train`): the twin's kept output is the command's, so it starts with the first run's."""
     twin = fp32_twin_of(script, config)
+    _stop_arrived.clear()
     mixed_id = train(script, config, store_path, progress, console=console)
+    if _stop_arrived.is_set():  # SIGTERM (the dashboard's Stop) or Ctrl-C ended the first run: end, not the twin
+        raise RunStopped(f"stopped before the FP32 twin of run {mixed_id} started")
     fp32_id = train(script, twin, store_path, progress, console=console)
     writer = BackgroundWriter(store_path, heartbeat=False)
     try:

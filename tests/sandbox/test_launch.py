@@ -121,6 +121,28 @@ def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path, how):
         assert proc.ending() == "stopped from the dashboard (its Stop button)"
 
 
+def test_a_pair_stopped_in_its_first_run_never_trains_its_twin(tmp_path):
+    """Stop during a run with its FP32 twin: the first run ends itself on the SIGTERM with the steps it made, and the
+    twin, queued, is never trained (it went on to train it, unstopped, before); its row says why it has no steps."""
+    from conftest import EXAMPLES
+
+    store_path = tmp_path / "runs.db"
+    job = launching.run_job(str(EXAMPLES / "mlp_digits.py"), {"opt_level": "O1", "steps": 100_000, "pair": True})
+    proc = launching.launch(job, store_path)
+    deadline = time.time() + 90
+    while time.time() < deadline and not (store_path.exists() and (Store(store_path).runs()["steps_done"] >= 2).any()):
+        time.sleep(0.3)
+    proc.request_stop()
+    deadline = time.time() + 60
+    while proc.is_alive() and time.time() < deadline:
+        time.sleep(0.3)
+    first, twin = (Store(store_path).run(run_id) for run_id in sorted(proc.run_ids()))
+    assert (first["status"], first["error"]) == ("failed", "stopped by signal SIGTERM")
+    assert 2 <= first["steps_done"] < 100_000 and len(Store(store_path).steps(int(first["run_id"]))) == first["steps_done"]
+    assert (twin["status"], twin["steps_done"]) == ("failed", 0) and Store(store_path).steps(int(twin["run_id"])).empty
+    assert twin["error"] == f"stopped before the FP32 twin of run {first['run_id']} started"
+
+
 def test_a_queued_job_waits_light(tmp_path):
     """While a job waits for a run slot, its supervising process holds no torch or pandas (the planning process that
     needed them has exited): a queued click costs tens of MB, not hundreds."""
