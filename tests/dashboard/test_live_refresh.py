@@ -56,6 +56,24 @@ def counting(monkeypatch, counts: Counter, owner, name: str) -> None:
     monkeypatch.setattr(owner, name, counted)
 
 
+def counted_page(monkeypatch, path, run_id: int, page: str, functions) -> tuple:
+    """(the page rendered on ``run_id``, the calls counted so far of each (owner, name) in ``functions``)."""
+    counts = Counter()
+    for owner, name in functions:
+        counting(monkeypatch, counts, owner, name)
+    at = app(page, path, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    return at, counts
+
+
+def work_of_a_rerun(at, counts: Counter) -> Counter:
+    """What the counted functions did in one more rerun of the page (what its live fragment does)."""
+    counts.clear()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return Counter(counts)
+
+
 def heatmap_steps(at) -> set[int]:
     chart = next(c.proto for c in at.get("vega_lite_chart") if "click a column" in c.proto.spec)
     return {s for d in chart.datasets for table in [pa.ipc.open_stream(d.data.data).read_all()]
@@ -64,20 +82,15 @@ def heatmap_steps(at) -> set[int]:
 
 def test_a_gradients_refresh_without_new_rows_builds_nothing_and_a_new_batch_shows(live_run, monkeypatch):
     path, run_id = live_run
-    counts = Counter()
-    for owner, name in ((summaries, "heatmap_cells"), (summaries, "histogram_grid"), (alt.Chart, "__init__"),
-                        (chart_files, "_convert_altair_to_vega_lite_spec")):
-        counting(monkeypatch, counts, owner, name)
-    at = app("pages/1_Gradients.py", path, monkeypatch, run=str(run_id))
-    assert not at.exception, [e.value for e in at.exception]
+    at, counts = counted_page(monkeypatch, path, run_id, "pages/1_Gradients.py", (
+        (summaries, "heatmap_cells"), (summaries, "histogram_grid"), (alt.Chart, "__init__"),
+        (chart_files, "_convert_altair_to_vega_lite_spec")))
     assert counts["heatmap_cells"] and counts["histogram_grid"] and counts["__init__"]
     assert heatmap_steps(at) == {0, 1}
     drawn = len(at.get("vega_lite_chart"))
 
-    counts.clear()
-    at.run()  # what the live fragment does every LIVE_REFRESH_S, with nothing committed since
-    assert not at.exception, [e.value for e in at.exception]
-    assert counts == Counter()
+    # what the live fragment does every LIVE_REFRESH_S, with nothing committed since
+    assert work_of_a_rerun(at, counts) == Counter()
     assert len(at.get("vega_lite_chart")) == drawn and heatmap_steps(at) == {0, 1}  # drawn again, as they were
 
     write_step(path, run_id, 2)
@@ -123,18 +136,12 @@ def test_a_runs_data_version_changes_with_each_batch_and_its_end_only(live_run):
 
 def test_a_loss_scale_refresh_without_new_rows_builds_nothing_and_a_new_batch_shows(live_run, monkeypatch):
     path, run_id = live_run
-    counts = Counter()
-    for owner, name in ((summaries, "thin_steps"), (reads, "diagnose"), (alt.Chart, "__init__"),
-                        (chart_files, "_convert_altair_to_vega_lite_spec")):
-        counting(monkeypatch, counts, owner, name)
-    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
-    assert not at.exception, [e.value for e in at.exception]
+    at, counts = counted_page(monkeypatch, path, run_id, "pages/2_Loss_scale.py", (
+        (summaries, "thin_steps"), (reads, "diagnose"), (alt.Chart, "__init__"),
+        (chart_files, "_convert_altair_to_vega_lite_spec")))
     assert counts["thin_steps"] and counts["diagnose"] and counts["__init__"]
     assert {m.label: m.value for m in at.metric}["steps"] == "2"
-    counts.clear()
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    assert counts == Counter()
+    assert work_of_a_rerun(at, counts) == Counter()
     write_step(path, run_id, 2)
     at.run()
     assert counts["thin_steps"] and counts["diagnose"] and counts["_convert_altair_to_vega_lite_spec"]
