@@ -354,19 +354,43 @@ class _Gather:
 SEGMENT = 1 << 24
 
 
+#: values a first-level reduction of the torch backend takes at most (see :class:`_SegmentIndex`): CUDA's
+#: segment_reduce over a 1-D input is one CUB segmented reduce, one thread block per segment, so a 16M-value
+#: tensor as one segment would be read by one of the GPU's ~130 multiprocessors. In chunks of 2**16 values
+#: (512 KB of float64, a few microseconds for one block) a full SEGMENT is 256 blocks, enough to fill the GPU;
+#: a tensor of at most one chunk (most of them) is reduced by one block.
+REDUCE_CHUNK = 1 << 16
+
+
+@dataclass
+class _SegmentIndex:
+    """What the torch backend's pass over one segment reads besides its values, made once on the device, a
+    few numbers per tensor (no per-value buffer): ``block_starts`` (int64), the position of each non-empty
+    tensor's first value, and ``block_steps`` (int32), the step from the previous tensor's block of counts
+    (2 x BUCKETS per tensor) to its own, so that putting the steps there and summing up gives every value its
+    tensor's block; ``chunk_offsets`` (int64), where the segment's chunks of at most REDUCE_CHUNK values start
+    (each within one tensor) and, last, its end, and ``tensor_chunks`` (int64), where each tensor's chunks start
+    among them and, last, their number: per-tensor reductions are a reduction per chunk, then per tensor."""
+
+    block_starts: torch.Tensor
+    block_steps: torch.Tensor
+    chunk_offsets: torch.Tensor
+    tensor_chunks: torch.Tensor
+
+
 @dataclass
 class _Segment:
     """Consecutive tensors the torch backend processes together: their indices, the non-empty ones, each
-    non-empty one's (start, end) within the gathered segment, and the segment's length. ``pieces`` holds,
-    per workspace name, the non-empty tensors' views into that workspace, and ``gather`` copies them into
-    the values workspace (both made once, see :meth:`GradStatsComputer.__init__`)."""
+    non-empty one's (start, end) within the gathered segment, and the segment's length. ``gather`` copies
+    the non-empty tensors into the values workspace and ``index`` is what its pass reads (both made once,
+    see :meth:`GradStatsComputer._init_torch`)."""
 
     tensors: list[int]
     nonempty: list[int]
     bounds: list[tuple[int, int]]
     total: int
-    pieces: dict[str, list[torch.Tensor]] | None = None
     gather: _Gather | None = None
+    index: _SegmentIndex | None = None
 
 
 def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
@@ -384,6 +408,27 @@ def _segments(numels: list[int], offsets: np.ndarray) -> list[_Segment]:
     return segments
 
 
+def _segment_index(segment: _Segment, device: torch.device) -> _SegmentIndex:
+    """The device tensors the pass over ``segment`` reads (see :class:`_SegmentIndex`)."""
+    starts = np.array([start for start, _ in segment.bounds], dtype=np.int64)
+    blocks = 2 * BUCKETS * np.array(segment.nonempty, dtype=np.int64)
+    chunks = [np.arange(start, end, REDUCE_CHUNK, dtype=np.int64) for start, end in segment.bounds]
+    tensor_chunks = np.cumsum([0, *(len(c) for c in chunks)])
+    chunk_offsets = np.append(np.concatenate(chunks), segment.total)
+    as_tensor = functools.partial(torch.as_tensor, device=device)
+    return _SegmentIndex(as_tensor(starts), as_tensor(np.diff(blocks, prepend=0).astype(np.int32)),
+                         as_tensor(chunk_offsets), as_tensor(tensor_chunks.astype(np.int64)))
+
+
+def _per_tensor(data: torch.Tensor, how: str, index: _SegmentIndex) -> torch.Tensor:
+    """``how`` ("max", "min" or "sum") of each non-empty tensor's values in ``data`` (float64, a segment's
+    values in order): per chunk, then over each tensor's chunks. Whole-segment ops with no atomics, so the
+    same values give the same bits every run; ``unsafe`` skips segment_reduce's check of the offsets, which
+    reads them back to the host (a synchronisation)."""
+    per_chunk = torch.segment_reduce(data, how, offsets=index.chunk_offsets, unsafe=True)
+    return torch.segment_reduce(per_chunk, how, offsets=index.tensor_chunks, unsafe=True)
+
+
 class GradStatsComputer:
     """Computes :class:`StepGradStats` for a fixed list of tensor sizes, reusing its workspaces.
 
@@ -391,10 +436,11 @@ class GradStatsComputer:
     Workspaces are allocated once. numba: the tensors smaller than a work item gathered into one FP32 buffer,
     key counts and decoded statistics per work item, the statistics per tensor, plus an FP32 buffer for the
     other view, only when a scale is not a power of two or values leave fp32's normal range. torch: the
-    gradients gathered, one segment of at most SEGMENT values at a time, into one FP32 buffer and three int32
-    buffers of the same length (16 bytes a value), so a step is a fixed number of kernel launches per
-    segment whatever the number of tensors, with no host synchronisation; its counts reach the host in one
-    non-blocking copy (see :meth:`start`).
+    gradients gathered, one segment of at most SEGMENT values at a time, into one FP32 buffer, one int32
+    buffer of their magnitudes and one float64 buffer of the same length, whose halves serve as two int32
+    buffers until the per-tensor reductions read it (16 bytes a value), so a step is a fixed number of kernel
+    launches per segment whatever the number of tensors, with no host synchronisation and no per-tensor
+    Python objects; its counts reach the host in one non-blocking copy (see :meth:`start`).
     """
 
     def __init__(self, numels: list[int], device: torch.device | str = "cpu", backend: str | None = None):
@@ -461,22 +507,25 @@ class GradStatsComputer:
 
     def _init_torch(self, n: int) -> None:
         """The torch backend's segments and device workspaces, allocated once for these tensor sizes."""
-        self._segments = _segments(self.numels, self.offsets)
+        self._segments = [segment for segment in _segments(self.numels, self.offsets) if segment.nonempty]
         room = max((segment.total for segment in self._segments), default=0)
         self._values = torch.empty(room, dtype=torch.float32, device=self.device)
-        self._keys = torch.empty(room, dtype=torch.int32, device=self.device)
-        self._scratch = torch.empty(room, dtype=torch.int32, device=self.device)
-        self._ones = torch.ones(room, dtype=torch.int32, device=self.device)
+        self._magnitudes = torch.empty(room, dtype=torch.int32, device=self.device)
+        # the keys and a scratch buffer (int32) are its two halves until the counts are added; then it holds
+        # the float64 values the per-tensor reductions read
+        self._wide = torch.empty(room, dtype=torch.float64, device=self.device)
+        halves = self._wide.view(torch.int32)
+        self._keys, self._scratch = halves[:room], halves[room:]
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # index_add_ reads it expanded
         self._counts = torch.empty((2, n * 2 * BUCKETS), dtype=torch.int32, device=self.device)
         self._decoded = torch.empty((2 * n, DECODED_COLUMNS + 1), dtype=torch.int32, device=self.device)
         self._decoding = [torch.from_numpy(index).to(self.device) for index in bucket_decoding()]
         self._bucket_bounds = torch.tensor(BUCKET_BOUNDS, dtype=torch.int32, device=self.device)
         self._nonempty = [t for t, size in enumerate(self.numels) if size]
-        self._spaces = [self._values, self._keys, self._scratch, self._ones, self._counts, self._decoded]
+        self._spaces = [self._values, self._magnitudes, self._wide, self._counts, self._decoded]
         for segment in self._segments:
-            segment.pieces = {name: [space[start:end] for start, end in segment.bounds] for name, space in
-                              (("values", self._values), ("keys", self._keys), ("scratch", self._scratch))}
-            segment.gather = _Gather(segment.pieces["values"])
+            segment.gather = _Gather([self._values[start:end] for start, end in segment.bounds])
+            segment.index = _segment_index(segment, self.device)
 
     @property
     def workspace_bytes(self) -> int:
@@ -595,11 +644,10 @@ class GradStatsComputer:
                 values.mul_(factor)
                 reductions[1].append(self._torch_pass(segment, self._counts[1]))
         parts = [self._decode_on_device(views)]
-        for per_segment in reductions:
-            largest, below_smallest, l2 = (torch.cat(part) for part in zip(*per_segment, strict=True)) \
-                if per_segment else (torch.zeros(0, dtype=dtype, device=self.device)
-                                     for dtype in (torch.int32, torch.int32, torch.float64))
-            parts += [largest, below_smallest, l2.view(torch.int32)]
+        # per view, per kind, per segment: float64 (bit patterns are exact in it), sent as its int32 halves
+        per_kind = [part for per_view in reductions for kind in zip(*per_view, strict=True) for part in kind]
+        if per_kind:
+            parts.append(torch.cat(per_kind).view(torch.int32))
         packed = torch.cat(parts)
         return PendingStats(lambda host: self._torch_finish(host, views, grads_are_scaled), DeviceReadback(packed))
 
@@ -617,38 +665,38 @@ class GradStatsComputer:
     def _torch_pass(self, segment: _Segment, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Adds the bucket counts of ``segment``'s values (gathered at the start of the workspaces) into
         ``counts`` (T x sign x bucket); returns its non-empty tensors' largest and below-smallest magnitude
-        bit patterns and float64 L2 norms. A fixed number of launches: elementwise ops on the whole
-        segment, foreach ops over its tensors."""
-        if not segment.nonempty:
-            empty = torch.zeros(0, dtype=torch.int32, device=self.device)
-            return empty, empty, torch.zeros(0, dtype=torch.float64, device=self.device)
-        bits = self._values[: segment.total].view(torch.int32)
-        keys, scratch, pieces = self._keys[: segment.total], self._scratch[: segment.total], segment.pieces
-        torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch)  # magnitude bits
-        torch.bucketize(scratch, self._bucket_bounds, out_int32=True, right=True, out=keys)
-        largest = torch.stack(torch._foreach_max(pieces["scratch"]))
-        # (|bits| - 1) & 0x7FFFFFFF wraps zero to the top; negated, a max finds the smallest non-zero - 1
-        scratch.sub_(1).bitwise_and_(0x7FFFFFFF).neg_()
-        below_smallest = torch.stack(torch._foreach_max(pieces["scratch"])).neg()
+        bit patterns and L2 norms, as float64. A fixed number of ops over the whole segment, none per tensor
+        and none returning a tensor per tensor (see :class:`_SegmentIndex`)."""
+        total, index = segment.total, segment.index
+        bits = self._values[:total].view(torch.int32)
+        magnitudes, keys, scratch = self._magnitudes[:total], self._keys[:total], self._scratch[:total]
+        torch.bitwise_and(bits, 0x7FFFFFFF, out=magnitudes)
+        torch.bucketize(magnitudes, self._bucket_bounds, out_int32=True, right=True, out=keys)
         torch.bitwise_right_shift(bits, 31, out=scratch).mul_(-BUCKETS)  # BUCKETS for a negative value
         keys.add_(scratch)
-        torch._foreach_add_(pieces["keys"], [2 * BUCKETS * t for t in segment.nonempty])  # each tensor's block
-        counts.index_add_(0, keys, self._ones[: segment.total])
-        l2 = torch.stack(torch._foreach_norm(pieces["values"], 2, dtype=torch.float64))
+        scratch.zero_().index_copy_(0, index.block_starts, index.block_steps).cumsum_(0)  # each value's block
+        keys.add_(scratch)
+        counts.index_add_(0, keys, self._one.expand(total))
+        wide = self._wide[:total]  # the keys and scratch are done with
+        largest = _per_tensor(wide.copy_(magnitudes), "max", index)  # int32 bit patterns are exact in float64
+        # (|bits| - 1) & 0x7FFFFFFF wraps zero to the top: a min finds the smallest non-zero - 1
+        below_smallest = _per_tensor(wide.copy_(magnitudes.sub_(1).bitwise_and_(0x7FFFFFFF)), "min", index)
+        # fp32 squares are exact in float64, and the sums are in a fixed order (index_add_ would use atomics)
+        l2 = _per_tensor(wide.copy_(self._values[:total]).square_(), "sum", index).sqrt_()
         return largest, below_smallest, l2
 
     def _torch_finish(self, host: np.ndarray, views: int, grads_are_scaled: bool) -> StepGradStats:
         n, present = len(self.numels), len(self._nonempty)
         decoded = host[: views * n * DECODED_COLUMNS].reshape(views, n, DECODED_COLUMNS).astype(np.int64)
-        rest = host[views * n * DECODED_COLUMNS :].reshape(views, 4 * present)
+        rest = host[views * n * DECODED_COLUMNS :].view(np.float64).reshape(views, 3, present)
         passes = []
         for v in range(views):
             largest = np.zeros(n, np.int32)
             below_smallest = np.full(n, 0x7FFFFFFF, np.int32)  # empty tensors: no non-zero value
             l2 = np.zeros(n, np.float64)
-            largest[self._nonempty] = rest[v, :present]
-            below_smallest[self._nonempty] = rest[v, present : 2 * present]
-            l2[self._nonempty] = rest[v, 2 * present :].view(np.float64)
+            largest[self._nonempty] = rest[v, 0].astype(np.int32)
+            below_smallest[self._nonempty] = rest[v, 1].astype(np.int32)
+            l2[self._nonempty] = rest[v, 2]
             hist, specials, categories = np.split(decoded[v], [N_EXP_BINS, N_EXP_BINS + len(SPECIAL_COUNTS)], axis=1)
             passes.append(_Pass(hist, specials, categories[:, None], *_reductions_from_bits(largest, below_smallest),
                                 l2, below_smallest))

@@ -340,6 +340,89 @@ def test_many_small_tensors_equal_across_backends_and_casting(scale):
         assert_counts_equal_casting(stats["numba"], g, scaled, t)
 
 
+def small_and_large_tensors(small: int, seed: int = 14) -> list[torch.Tensor]:
+    """``small`` tensors of 1-400 values (slices of the sweep, one holding a NaN, every 37th empty), then an
+    all-zero, a NaN-only, an inf-only and an fp32-subnormal-only one, and tensors of exactly one chunk of the
+    torch backend's per-tensor reductions, one value more, several chunks (its smallest value and a NaN in
+    different chunks) and an all-zero one of several chunks."""
+    values = sweep(100_000, seed=seed)
+    sizes = torch.randint(1, 401, (small,), generator=torch.Generator().manual_seed(seed)).tolist()
+    starts = torch.cumsum(torch.tensor([0, *sizes[:-1]]), 0) % (values.numel() - 400)
+    tensors = [values[start : start + size].clone() for start, size in zip(starts.tolist(), sizes, strict=True)]
+    tensors[3][-1] = float("nan")
+    tensors[1::37] = [torch.zeros(0)] * len(tensors[1::37])
+    chunk = gradstats.REDUCE_CHUNK
+    several = sweep(3 * chunk + 5, seed=seed + 1)[: 3 * chunk + 5]
+    several[several.abs() < 2.0**-120] = 1.0
+    several[chunk + 7] = 2.0**-140  # its smallest non-zero magnitude, in the second chunk
+    several[-2] = float("nan")
+    return [*tensors, torch.zeros(50), torch.full((9,), float("nan")), torch.tensor([float("inf"), -float("inf")]),
+            torch.tensor([2.0**-149, -(2.0**-130), 0.0]), sweep(chunk, seed=seed + 2)[:chunk],
+            sweep(chunk + 1, seed=seed + 3)[: chunk + 1], several, torch.zeros(2 * chunk + 3)]
+
+
+def reference_min_nonzero(g: torch.Tensor) -> float:
+    """The smallest non-zero magnitude by torch's own comparisons: NaN only when there is none but NaN."""
+    magnitudes = g[g != 0].abs()
+    ordered = magnitudes[~magnitudes.isnan()]
+    return ordered.min().item() if ordered.numel() else math.nan
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="compares the numba backend with the torch one")
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 1000.0])
+def test_torch_backend_reductions_per_segment_equal_numba_and_casting(scale):
+    """The torch backend's whole-segment reductions (per chunk, then per tensor) on many small tensors and a
+    few large ones, special values and empty tensors included: the same statistics as the numba backend, the
+    counts equal to casting, absmax, min_nonzero and l2 equal to torch's own reductions of the unscaled g, and
+    the same bits when run twice."""
+    grads = small_and_large_tensors(150)
+    numels = [g.numel() for g in grads]
+    torch_backend = GradStatsComputer(numels, backend="torch")
+    stats = {"torch": torch_backend.compute(grads, scale),
+             "numba": GradStatsComputer(numels, backend="numba").compute(grads, scale)}
+    for name in stats["torch"].counts:
+        np.testing.assert_array_equal(stats["numba"].counts[name], stats["torch"].counts[name], err_msg=name)
+    for field in ("hist", "absmax", "min_nonzero"):
+        np.testing.assert_array_equal(getattr(stats["numba"], field), getattr(stats["torch"], field), err_msg=field)
+    np.testing.assert_allclose(stats["numba"].l2, stats["torch"].l2, rtol=1e-12)
+    again = torch_backend.compute(grads, scale)
+    for field in ("absmax", "min_nonzero", "l2"):
+        assert getattr(again, field).tobytes() == getattr(stats["torch"], field).tobytes(), field
+    for t, scaled in enumerate(grads):
+        g = gradscaler_unscale(scaled, scale) if scale != 1.0 else scaled
+        assert_counts_equal_casting(stats["torch"], g, scaled, t)
+        np.testing.assert_equal(stats["torch"].absmax[t], g.abs().max().item() if g.numel() else 0.0)
+        np.testing.assert_equal(stats["torch"].min_nonzero[t], reference_min_nonzero(g))
+        np.testing.assert_allclose(stats["torch"].l2[t], torch.linalg.vector_norm(g.double()).item(), rtol=1e-12)
+
+
+def test_torch_backend_makes_no_per_tensor_objects():
+    """The host work of the GPU path, on its CPU twin: at 20 and at 200 small tensors (beside a few large
+    ones) start() dispatches the same operators, metadata ones included, and they return the same number of
+    tensors (a per-tensor reduction returns a 0-dim tensor a tensor, each costing host time)."""
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.returned = collections.Counter(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops[func.overloadpacket.__name__] += 1
+            self.returned += sum(1 for x in (out if isinstance(out, (list, tuple)) else [out]) if torch.is_tensor(x))
+            return out
+
+    seen = []
+    for small in (20, 200):
+        grads = small_and_large_tensors(small)
+        comp = GradStatsComputer([g.numel() for g in grads], backend="torch")
+        comp.compute(grads, 2.0**10)  # the first call makes the workspaces' views
+        with Dispatched() as dispatched:
+            comp.start(grads, torch.tensor(2.0**10))
+        seen.append((dispatched.ops, dispatched.returned))
+    assert seen[0] == seen[1]
+
+
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="hold() is the numba backend's")
 @pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
 @pytest.mark.parametrize("already_unscaled", [False, True])
