@@ -423,8 +423,8 @@ def _segment_index(segment: _Segment, device: torch.device) -> _SegmentIndex:
 def _per_tensor(data: torch.Tensor, how: str, index: _SegmentIndex) -> torch.Tensor:
     """``how`` ("max", "min" or "sum") of each non-empty tensor's values in ``data`` (float64, a segment's
     values in order): per chunk, then over each tensor's chunks. Whole-segment ops with no atomics, so the
-    same values give the same bits every run; ``unsafe`` skips segment_reduce's check of the offsets, which
-    reads them back to the host (a synchronisation)."""
+    same values give the same bits every run. ``unsafe``: the offsets are right by construction, and torch's
+    checks of segments read them back to the host (a synchronisation; today only for ``lengths``)."""
     per_chunk = torch.segment_reduce(data, how, offsets=index.chunk_offsets, unsafe=True)
     return torch.segment_reduce(per_chunk, how, offsets=index.tensor_chunks, unsafe=True)
 
