@@ -368,16 +368,20 @@ def reference_min_nonzero(g: torch.Tensor) -> float:
     return ordered.min().item() if ordered.numel() else math.nan
 
 
+TORCH_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="compares the numba backend with the torch one")
 @pytest.mark.parametrize("scale", [1.0, 2.0**16, 1000.0])
-def test_torch_backend_reductions_per_segment_equal_numba_and_casting(scale):
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_torch_backend_reductions_per_segment_equal_numba_and_casting(scale, device):
     """The torch backend's whole-segment reductions (per chunk, then per tensor) on many small tensors and a
     few large ones, special values and empty tensors included: the same statistics as the numba backend, the
     counts equal to casting, absmax, min_nonzero and l2 equal to torch's own reductions of the unscaled g, and
-    the same bits when run twice."""
+    the same bits when run twice (on the GPU too, where atomics would break that)."""
     grads = small_and_large_tensors(150)
     numels = [g.numel() for g in grads]
-    torch_backend = GradStatsComputer(numels, backend="torch")
+    torch_backend = OnDevice(numels) if device == "cuda" else GradStatsComputer(numels, backend="torch")
     stats = {"torch": torch_backend.compute(grads, scale),
              "numba": GradStatsComputer(numels, backend="numba").compute(grads, scale)}
     for name in stats["torch"].counts:
@@ -396,8 +400,9 @@ def test_torch_backend_reductions_per_segment_equal_numba_and_casting(scale):
         np.testing.assert_allclose(stats["torch"].l2[t], torch.linalg.vector_norm(g.double()).item(), rtol=1e-12)
 
 
-def test_torch_backend_makes_no_per_tensor_objects():
-    """The host work of the GPU path, on its CPU twin: at 20 and at 200 small tensors (beside a few large
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_torch_backend_makes_no_per_tensor_objects(device):
+    """The host work of the GPU path (and of its CPU twin): at 20 and at 200 small tensors (beside a few large
     ones) start() dispatches the same operators, metadata ones included, and they return the same number of
     tensors (a per-tensor reduction returns a 0-dim tensor a tensor, each costing host time)."""
 
@@ -414,11 +419,11 @@ def test_torch_backend_makes_no_per_tensor_objects():
 
     seen = []
     for small in (20, 200):
-        grads = small_and_large_tensors(small)
-        comp = GradStatsComputer([g.numel() for g in grads], backend="torch")
+        grads = [g.to(device) for g in small_and_large_tensors(small)]
+        comp = GradStatsComputer([g.numel() for g in grads], device, backend="torch")
         comp.compute(grads, 2.0**10)  # the first call makes the workspaces' views
         with Dispatched() as dispatched:
-            comp.start(grads, torch.tensor(2.0**10))
+            comp.start(grads, torch.tensor(2.0**10, device=device))
         seen.append((dispatched.ops, dispatched.returned))
     assert seen[0] == seen[1]
 
