@@ -35,7 +35,7 @@ def browser():
         b.close()
 
 
-@pytest.mark.timeout(1200)  # three servers, the bundled pair trained from the UI and a live run: minutes on 2 cores
+@pytest.mark.timeout(1200)  # two servers, the bundled pair trained from the UI and a live run: minutes on 2 cores
 def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
     store = tmp_path / "e2e.db"
     server = Server(store)
@@ -88,10 +88,9 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
                 assert not charts_fit(page), charts_fit(page)  # in a 1400 px window, no chart wider than its element
             no_exception(page)
             shot(page, name)
+        watch_live_progress(browser, store, server)
     finally:
         server.stop()
-
-    watch_live_progress(browser, store)
 
     fresh = Server(store)  # a freshly started server: deep links must not depend on session state
     try:
@@ -129,10 +128,10 @@ LIVE_STEPS = 5000
 LIVE_DEADLINE_S = 240
 
 
-def watch_live_progress(browser, store):
-    """A run long enough to watch: the open home page must advance its progress by itself (no reload).
-    How far it lags behind the store is printed, not asserted (machines are noisy)."""
-    server = Server(store)
+def watch_live_progress(browser, store, server):
+    """A run long enough to watch, on the running ``server``: a home page opened while it trains must advance
+    its progress by itself (no reload). How far it lags behind the store is printed, not asserted (machines are
+    noisy)."""
     trainer = subprocess.Popen(
         [sys.executable, "-m", "mpdiag", "run", str(ROOT / "mpdiag/examples/transformer_lm.py"), "--opt-level", "bf16",
          "--steps", str(LIVE_STEPS), "--store", str(store), "--name", "live"],
@@ -166,7 +165,6 @@ def watch_live_progress(browser, store):
         shot(page, "10_live_progress")
     finally:
         trainer.kill()
-        server.stop()
 
 
 def test_a_foreign_host_name_gets_no_run_data(browser, tmp_path):
