@@ -26,7 +26,13 @@ from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions, events_model
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
-from mpdiag.dashboard.reads import finding_severities, findings_version, is_final, live_findings
+from mpdiag.dashboard.reads import (
+    finding_severities,
+    findings_version,
+    held_step_summaries,
+    is_final,
+    live_findings,
+)
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
     COMMAND_OPTIONS,
@@ -124,11 +130,11 @@ def frame(title: str) -> Store | None:
         create = path == configured and not path.exists()
         old = older_version(path) if path.exists() else None
         if old is None:
-            return Store(path, create=create)
+            return Store(path, create=create, held_summaries=held_step_summaries())
         started = time.monotonic()
         with st.spinner(f"Upgrading the store {path.name} from schema {old} to {SCHEMA_VERSION}: once, in place, "
                         "every run kept. A store of hundreds of MB takes a minute or more."):
-            store = Store(path, create=create)
+            store = Store(path, create=create, held_summaries=held_step_summaries())
         st.caption(f"The store {plain(path.name)} was upgraded from schema {old} to {SCHEMA_VERSION} in "
                    f"{time.monotonic() - started:,.1f} s.")
         return store

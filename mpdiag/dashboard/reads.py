@@ -6,7 +6,8 @@ each read is written once, for the store, and :func:`cached_when_final` gives it
 to the store each time; the steps read only the rows added since the session's previous call, and a tensor's
 histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on;
 what a live page derives from them is held by the session while the run's data stays the same (:func:`while_unchanged`,
-keyed by :func:`data_version`). This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
+keyed by :func:`data_version`). The runs table's step summaries of live runs are held by the session too
+(:func:`held_step_summaries`). This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
 no widgets.
 """
 
@@ -77,6 +78,12 @@ def while_unchanged(what: str, version: tuple, build: Callable, *key):
     value = build()
     held[name] = (version, value)
     return value
+
+
+def held_step_summaries() -> dict:
+    """Where the session's Store objects hold its live runs' step summaries (Store's ``held_summaries``), so that
+    a page and each refresh of it read only the steps a live run added since the session's previous read."""
+    return st.session_state.setdefault("_held_step_summaries", {})
 
 
 def findings_version(store: Store, runs: pd.DataFrame) -> tuple:
