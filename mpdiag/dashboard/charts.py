@@ -341,11 +341,18 @@ def stacked_over_steps(*panels) -> alt.VConcatChart:
     """Charts over steps stacked, container wide, on one shared step axis: dragging or scrolling any panel pans
     or zooms the steps of all (one zoom parameter bound to the shared x scale)."""
     zoom = alt.selection_interval(bind="scales", encodings=["x"], name="steps_zoom")
+    parts = [_unfit(panel) for panel in panels]
+    for part in parts:
+        part.width = "container"
     with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
         warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
-        # a legend at the side would narrow every panel by its width: above, it costs one row
-        return (alt.vconcat(*(_unfit(panel).properties(width="container") for panel in panels)).add_params(zoom)
-                .resolve_scale(x="shared").properties(autosize=_FIT_WIDTH).configure_legend(orient="top"))
+        stacked = alt.vconcat(*parts).add_params(zoom)
+    # set on the chart made here, not through resolve_scale(), properties() and configure_legend(): each of those
+    # copies the whole chart again (a third of building it); the spec is the same
+    stacked.resolve = alt.Resolve(scale=alt.ScaleResolveMap(x="shared"))
+    stacked.autosize = _FIT_WIDTH
+    stacked.config = alt.Config(legend=alt.LegendConfig(orient="top"))  # a legend at the side would narrow every panel
+    return stacked
 
 
 def drawable_on_log(values: pd.Series) -> pd.Series:

@@ -32,6 +32,7 @@ from mpdiag.dashboard.reads import (
     held_step_summaries,
     is_final,
     live_findings,
+    steps,
 )
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
@@ -296,8 +297,10 @@ def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFr
     ``runs``: the runs table the page read; a final run's findings are diagnosed against it, not a second read.
     A live run's view refreshes without the page, so its ``runs`` is as the page read it: its findings read the
     table afresh, as they did before pages passed it, held while nothing they read changed (reads.live_findings)."""
-    said = []
-    for finding in diagnose(store, int(run["run_id"]), runs) if is_final(run) else live_findings(store, run):
+    said, run_id = [], int(run["run_id"])
+    # a final run's steps as the page read them (a cache hit), not a second read of its 100k rows
+    found = diagnose(store, run_id, runs, steps(store, run_id, True)) if is_final(run) else live_findings(store, run)
+    for finding in found:
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")
