@@ -257,7 +257,8 @@ class CompareRuns:
                    for lab, run_id, final in self._reads()}
         bins, per_run = overlaid_histograms(records, tensor, step)
         return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}",
-                       summaries.format_lines(("fp16",)), [] if step is None else self._counted_at(per_run, tensor, step))
+                       summaries.format_lines(("fp16",)),
+                       [] if step is None else self._counted_at(per_run, tensor, step))
 
     def _counted_at(self, per_run: pd.DataFrame, tensor: str, step: int) -> list[str]:
         """What the runs that kept no histogram at ``step`` counted of ``tensor`` there (their per-step signals)."""
@@ -295,9 +296,8 @@ def compare(store: Store, chosen: pd.DataFrame, all_runs: pd.DataFrame, weight: 
     loss and gradient norm smoothed with TensorBoard's ``weight`` (0: none). Held by the session while the runs'
     data stays the same (reads.view_version) and ``weight`` too: a live refresh that finds no new rows, or a choice
     in a widget below the curves, does not smooth and thin every run's steps again."""
-    return reads.while_unchanged("compare", (reads.view_version(store, all_runs, *(r for _, r in chosen.iterrows())),
-                                             weight),
-                                 lambda: _compare(store, chosen, all_runs, weight),
+    version = (reads.view_version(store, all_runs, *(r for _, r in chosen.iterrows())), weight)
+    return reads.while_unchanged("compare", version, lambda: _compare(store, chosen, all_runs, weight),
                                  str(store.path), tuple(chosen["run_id"].astype(int)))
 
 
