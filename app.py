@@ -38,7 +38,7 @@ def runs_panel(store) -> None:
             else:
                 st.progress(live.fraction, text=plain(live.text))
             if live.loss_drawable:
-                ui.show_chart(charts.live_loss(live.steps), f"live_loss_{live.run_id}", width="stretch")
+                ui.show_chart(charts.live_loss(live.drawn), f"live_loss_{live.run_id}", width="stretch")
             else:
                 st.caption(live.no_loss)
     st.dataframe(runs_model.table(store, runs, filtered_runs(runs)), hide_index=True, width="stretch", column_config={

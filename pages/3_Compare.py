@@ -16,9 +16,7 @@ from mpdiag.analysis.compare import (
     NO_TENSOR,
     NO_VALUES,
     X_AXES,
-    config_table,
     default_selection,
-    setting_label,
 )
 from mpdiag.dashboard import charts, compare_model, reads
 from mpdiag.dashboard import frame as ui
@@ -64,7 +62,7 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     histograms_overlaid(model)
     st.subheader("Configuration")
     only_diff = st.checkbox("Only settings that differ", value=True, key="only_diff")
-    st.dataframe(config_table(chosen, model.labels, only_diff).rename(index=setting_label), width="stretch")
+    st.dataframe(model.configuration(only_diff), width="stretch")
 
 
 def panels(curves: Curves, labels: list[str], log_loss: bool) -> list:
@@ -159,7 +157,7 @@ def histograms_overlaid(model: CompareRuns) -> None:
         help=f"The last step all of them logged is {common:,}.") if len(offered) > 1 else offered[0]
     overlay = model.overlay(tensor, step)
     if len(overlay.bins):
-        ui.show_chart(charts.runs_histograms(overlay.bins, summaries.format_lines(("fp16",)), model.labels,
+        ui.show_chart(charts.runs_histograms(overlay.bins, overlay.lines, model.labels,
                                              f"{tensor}: unscaled gradient, {overlay.when}"), width="stretch")
     overlay_table(overlay, tensor, step)
 

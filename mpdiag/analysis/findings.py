@@ -658,13 +658,15 @@ def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[
     return what, advice
 
 
-def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> list[Finding]:
+def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
+             steps: pd.DataFrame | None = None) -> list[Finding]:
     """All findings of one run, most severe first. ``runs``: the store's runs table where the caller has read it
-    (a dashboard page reads it once per render), else it is read here."""
+    (a dashboard page reads it once per render), else it is read here; ``steps``: the run's Store.steps where
+    the caller has read them (a page has its cached read), else they are read here."""
     runs = store.runs() if runs is None else runs
     run = runs[runs["run_id"] == int(run_id)].iloc[0]
     totals = store.tensor_totals(run_id)
-    steps = store.steps(run_id)
+    steps = store.steps(run_id) if steps is None else steps
     signals = store.step_signal_sums(run_id)  # every step's counts, kept in full or not
     tensors, per_tensor = store.histogram_totals(run_id)  # each tensor's histogram over all logged steps
     hist = per_tensor.sum(axis=0)
@@ -688,7 +690,10 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None) -> lis
         loss_spike_origin(store.replays(run_id)),
         dead_gradients(run, totals, signals),
         needs_bf16_range(run, tensors, per_tensor),
-        fp16_overflow(run, store.signal_counts(run_id, "fp16_overflow_at_scale"), store.kept_steps(run_id)),
+        # read only where it can apply: with a loss scaler overflow is the scaler's, and a long run's thousands of
+        # overflowing steps would be decoded tensor by tensor for nothing
+        fp16_overflow(run, store.signal_counts(run_id, "fp16_overflow_at_scale"), store.kept_steps(run_id))
+        if run["scaling"] == "none" else None,
         fp32_divergence(run, runs, store, shadow),
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]

@@ -35,12 +35,14 @@ REUSED_CHARTS = 16
 
 
 def _same_value(value):
-    """A key for one argument of a chart function: plain values by value, anything else (frames, lists) by
-    identity."""
+    """A key for one argument of a chart function: plain values and lists of strings by value, anything else
+    (frames, other lists) by identity."""
     if value is None or isinstance(value, (str, int, float, bool, np.integer, np.floating)):
         return type(value).__name__, value
     if isinstance(value, tuple):
         return ("tuple", *map(_same_value, value))
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # labels, tensor names: by value
+        return ("list", *value)
     return "id", id(value)
 
 
@@ -311,6 +313,7 @@ def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, lo
             .properties(title=title, autosize=alt.AutoSizeParams(type="pad")))
 
 
+@_reused
 def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], title: str = "") -> alt.LayerChart:
     """Exponent histograms of several runs overlaid (``compare.overlaid_histograms``' bins): x log2 |g| (bin e
     holds 2^e to 2^(e+1)), y the share of the run's finite non-zero values, one step-line per run in its fixed
@@ -333,15 +336,23 @@ def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], 
                 .properties(height=280, width="container", title=title))
 
 
+@_reused
 def stacked_over_steps(*panels) -> alt.VConcatChart:
     """Charts over steps stacked, container wide, on one shared step axis: dragging or scrolling any panel pans
     or zooms the steps of all (one zoom parameter bound to the shared x scale)."""
     zoom = alt.selection_interval(bind="scales", encodings=["x"], name="steps_zoom")
+    parts = [_unfit(panel) for panel in panels]
+    for part in parts:
+        part.width = "container"
     with warnings.catch_warnings():  # one parameter in every panel is the point: Altair's notice says it merged them
         warnings.filterwarnings("ignore", message="Automatically deduplicated selection parameter")
-        # a legend at the side would narrow every panel by its width: above, it costs one row
-        return (alt.vconcat(*(_unfit(panel).properties(width="container") for panel in panels)).add_params(zoom)
-                .resolve_scale(x="shared").properties(autosize=_FIT_WIDTH).configure_legend(orient="top"))
+        stacked = alt.vconcat(*parts).add_params(zoom)
+    # set on the chart made here, not through resolve_scale(), properties() and configure_legend(): each of those
+    # copies the whole chart again (a third of building it); the spec is the same
+    stacked.resolve = alt.Resolve(scale=alt.ScaleResolveMap(x="shared"))
+    stacked.autosize = _FIT_WIDTH
+    stacked.config = alt.Config(legend=alt.LegendConfig(orient="top"))  # a legend at the side would narrow every panel
+    return stacked
 
 
 def drawable_on_log(values: pd.Series) -> pd.Series:
@@ -520,6 +531,7 @@ def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = F
     return alt.layer(chart, rules) if not bad_rows.all() else alt.layer(rules)
 
 
+@_reused
 def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False,
                  height: int = 240, x: str = "step", smooth: bool = False, log_base: int = 2,
                  zero: bool = False) -> alt.LayerChart:
@@ -562,6 +574,7 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     return _fit(_with_nonfinite_rules(line, df, y, colour, log, x=x).properties(height=height, title=title))
 
 
+@_reused
 def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[str],
                     threshold: float) -> alt.LayerChart:
     """Relative loss difference to the FP32 reference per run, in percent (ticks like 0.0005, not 5e-6 in
@@ -581,6 +594,7 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
                                                                     f"first step beyond {threshold:.0%})"))
 
 
+@_reused
 def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
               parts: list[str] | None = None) -> alt.Chart:
     """Grouped bars: ``x`` categories (tensor names, labels slanted and kept whole up to 220 px), one bar per
@@ -608,6 +622,7 @@ def live_loss(steps: pd.DataFrame) -> alt.Chart:
     return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
 
 
+@_reused
 def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: float) -> alt.LayerChart:
     """Relative gradient error against the FP32 shadow over steps (log axis) for ``tensors``, with the
     finding's threshold as a dashed rule. ``shadow``: Store.shadow_stats; non-finite errors are left out."""
@@ -630,6 +645,7 @@ def shadow_error_lines(shadow: pd.DataFrame, tensors: list[str], threshold: floa
     return _fit(alt.layer(line, rule, label).properties(height=240, title="gradient error against the FP32 shadow"))
 
 
+@_reused
 def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
     """Per tracked step, the share of updates below ``fmt``'s resolution and the share that left the weight
     unchanged (``summaries.update_shares``' per-step frame)."""

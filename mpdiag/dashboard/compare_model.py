@@ -6,7 +6,8 @@ script runner. Sentences for Markdown are built with ``plain`` around every run 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,7 @@ from mpdiag.analysis.compare import (
     DIVERGENCE_RTOL,
     NO_STEP,
     STEP_TIME_OUTLIER,
+    config_table,
     cost_table,
     counted_text,
     first_divergence,
@@ -25,6 +27,7 @@ from mpdiag.analysis.compare import (
     loss_comparison,
     overlaid_histograms,
     reference_run,
+    setting_label,
     smoothed,
     step_time_outliers,
     worst_by_total,
@@ -81,25 +84,48 @@ class Overlay:
     bins: pd.DataFrame
     per_run: pd.DataFrame
     when: str
+    #: FP16's limits, drawn over the histograms (summaries.format_lines)
+    lines: pd.DataFrame
     #: the runs without the step's histogram (its full statistics not kept) that counted it all the same (their
     #: per-step signals): what each counted of the tensor, label first (Markdown, the label through ``plain``)
     counted: list[str]
 
 
+#: how many widget choices' results a CompareRuns holds (each one tensor's overlay at one step, or smaller)
+HELD_CHOICES = 64
+
+
+def _held_per_choice(method):
+    """``method`` computed once per CompareRuns and choice of its widgets (the arguments): a view held while its
+    runs' data stays the same (:func:`compare`) hands back the very frames it handed before, so a refresh builds
+    no chart again (mpdiag.dashboard.charts reuses a chart of the same frames)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        choice = (method.__name__, args, tuple(sorted(kwargs.items())))
+        if choice not in self.held:
+            while len(self.held) >= HELD_CHOICES:  # the oldest first
+                del self.held[next(iter(self.held))]
+            self.held[choice] = method(self, *args, **kwargs)
+        return self.held[choice]
+    return held
+
+
 @dataclass(frozen=True)
 class CompareRuns:
     """The chosen runs (rows of the runs table the page read once) as the page compares them; its methods give
-    what each section shows for its widgets' choices."""
+    what each section shows for its widgets' choices, each once per choice (``held``)."""
     store: Store
     chosen: pd.DataFrame
     all_runs: pd.DataFrame
     labels: list[str]
     #: each run's steps, smoothed and thinned for drawing, with its label as ``run``, all in one frame
     everything: pd.DataFrame
+    held: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _rows(self):
         return zip(self.labels, (r for _, r in self.chosen.iterrows()), strict=True)
 
+    @_held_per_choice
     def curves(self, x: str, smooth: bool) -> Curves:
         """The curves on ``x`` ("step" or "wall_time_s"); the difference to FP32 is drawn over steps only."""
         labels, everything = self.labels, self.everything
@@ -162,6 +188,7 @@ class CompareRuns:
             diffs.append(comparison)
         return diffs, notes, firsts
 
+    @_held_per_choice
     def costs(self) -> Costs:
         """Step 0 holds the warm-up (allocation, kernel selection, compilation): said apart, out of the medians; a
         later step far above its run's median (a stall) is listed, not drawn: the axis would be scaled to it."""
@@ -182,6 +209,7 @@ class CompareRuns:
                      memory if np.isfinite(memory["peak_mem_mb"].astype(float)).any() else None,
                      cost_table(self.chosen, self.labels))
 
+    @_held_per_choice
     def fp16_shares(self) -> Fp16Shares:
         """Each run's bars are what is true of that run: an FP16 run's flushed values (zeros in its record) beside
         what would underflow if cast, an FP32 run's only the latter. The FP32 twin's row is looked up in the
@@ -203,9 +231,15 @@ class CompareRuns:
         return Fp16Shares(worst_by_total(pd.concat(parts, ignore_index=True)),
                           worst_by_total(pd.concat(overflow, ignore_index=True)), no_stats, no_twin)
 
+    @_held_per_choice
+    def configuration(self, only_differences: bool) -> pd.DataFrame:
+        """The runs' settings side by side (config_table), each setting named as the page shows it."""
+        return config_table(self.chosen, self.labels, only_differences).rename(index=setting_label)
+
     def _reads(self):
         return [(lab, int(r["run_id"]), reads.is_final(r)) for lab, r in self._rows()]
 
+    @_held_per_choice
     def histogram_choices(self) -> tuple[list[str], list[int], int | None]:
         """The tensors offered (the first run's worst FP16 underflow first), the steps any run logged, and the last
         step all of them logged (the default)."""
@@ -213,6 +247,7 @@ class CompareRuns:
         tensors = histogram_tensors([reads.tensor_totals(self.store, run_id, final) for _, run_id, final in rows])
         return tensors, *histogram_steps([reads.logged_steps(self.store, run_id, final) for _, run_id, final in rows])
 
+    @_held_per_choice
     def overlay(self, tensor: str, step: int | None) -> Overlay:
         """The tensor's histogram of the unscaled gradient in each run at ``step`` (None: summed over the logged
         steps), and per run its values, zero share, and why it has no line where it has none."""
@@ -222,6 +257,7 @@ class CompareRuns:
                    for lab, run_id, final in self._reads()}
         bins, per_run = overlaid_histograms(records, tensor, step)
         return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}",
+                       summaries.format_lines(("fp16",)),
                        [] if step is None else self._counted_at(per_run, tensor, step))
 
     def _counted_at(self, per_run: pd.DataFrame, tensor: str, step: int) -> list[str]:
@@ -257,7 +293,15 @@ def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:
 
 def compare(store: Store, chosen: pd.DataFrame, all_runs: pd.DataFrame, weight: float) -> CompareRuns:
     """The Compare page's view of ``chosen`` (rows of ``all_runs``, the runs table the page read once), their
-    loss and gradient norm smoothed with TensorBoard's ``weight`` (0: none)."""
+    loss and gradient norm smoothed with TensorBoard's ``weight`` (0: none). Held by the session while the runs'
+    data stays the same (reads.view_version) and ``weight`` too: a live refresh that finds no new rows, or a choice
+    in a widget below the curves, does not smooth and thin every run's steps again."""
+    version = (reads.view_version(store, all_runs, *(r for _, r in chosen.iterrows())), weight)
+    return reads.while_unchanged("compare", version, lambda: _compare(store, chosen, all_runs, weight),
+                                 str(store.path), tuple(chosen["run_id"].astype(int)))
+
+
+def _compare(store: Store, chosen: pd.DataFrame, all_runs: pd.DataFrame, weight: float) -> CompareRuns:
     labels = [summaries.run_label(r) for _, r in chosen.iterrows()]
     steps = [summaries.thin_steps(with_smoothing(reads.steps(store, int(r["run_id"]), reads.is_final(r)).assign(
         run=lab), weight)) for lab, (_, r) in zip(labels, chosen.iterrows(), strict=True)]

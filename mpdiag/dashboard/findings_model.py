@@ -88,7 +88,16 @@ def shadow(store: Store, run_id: int, final: bool) -> Shadow | None:
 
 def findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> FindingsRun:
     """The Findings page's view of ``run`` (a row of ``runs``, the runs table the page read once: the findings,
-    the reruns and the fixes' FP32 references are judged against it, not a second read)."""
+    the reruns and the fixes' FP32 references are judged against it, not a second read). Held by the session
+    while what it reads stays the same: the run's data and its pair's and the runs table the page read
+    (reads.view_version), the events and the probes stored; a live refresh that finds no new rows diagnoses
+    nothing (a live run's reruns, read afresh, show with its next batch)."""
+    version = (reads.view_version(store, runs, run), store.events_version(), store.probes_version())
+    return reads.while_unchanged("findings_view", version, lambda: _findings(store, run, final, runs),
+                                 str(store.path), int(run["run_id"]), final)
+
+
+def _findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> FindingsRun:
     run_id = int(run["run_id"])
     # a live run's view refreshes without the page, so ``runs`` is as the page read it: its findings and reruns
     # read the table afresh, as they did before pages passed it (its fixes are offered only once it is final)

@@ -26,7 +26,14 @@ from mpdiag.analysis.run_choice import LIVE_STATUSES, likely_run
 from mpdiag.analysis.summaries import run_label, run_progress, stall_text
 from mpdiag.dashboard import actions, events_model
 from mpdiag.dashboard.chart_files import show_chart, show_chart_in  # noqa: F401 - the pages draw charts as ui.show_chart
-from mpdiag.dashboard.reads import finding_severities, findings_version, is_final, live_findings
+from mpdiag.dashboard.reads import (
+    finding_severities,
+    findings_version,
+    held_step_summaries,
+    is_final,
+    live_findings,
+    steps,
+)
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
     COMMAND_OPTIONS,
@@ -124,11 +131,11 @@ def frame(title: str) -> Store | None:
         create = path == configured and not path.exists()
         old = older_version(path) if path.exists() else None
         if old is None:
-            return Store(path, create=create)
+            return Store(path, create=create, held_summaries=held_step_summaries())
         started = time.monotonic()
         with st.spinner(f"Upgrading the store {path.name} from schema {old} to {SCHEMA_VERSION}: once, in place, "
                         "every run kept. A store of hundreds of MB takes a minute or more."):
-            store = Store(path, create=create)
+            store = Store(path, create=create, held_summaries=held_step_summaries())
         st.caption(f"The store {plain(path.name)} was upgraded from schema {old} to {SCHEMA_VERSION} in "
                    f"{time.monotonic() - started:,.1f} s.")
         return store
@@ -290,8 +297,10 @@ def findings_shown_here(store: Store, run: pd.Series, page: str, runs: pd.DataFr
     ``runs``: the runs table the page read; a final run's findings are diagnosed against it, not a second read.
     A live run's view refreshes without the page, so its ``runs`` is as the page read it: its findings read the
     table afresh, as they did before pages passed it, held while nothing they read changed (reads.live_findings)."""
-    said = []
-    for finding in diagnose(store, int(run["run_id"]), runs) if is_final(run) else live_findings(store, run):
+    said, run_id = [], int(run["run_id"])
+    # a final run's steps as the page read them (a cache hit), not a second read of its 100k rows
+    found = diagnose(store, run_id, runs, steps(store, run_id, True)) if is_final(run) else live_findings(store, run)
+    for finding in found:
         if finding.page == page:
             say = st.error if finding.severity == "error" else st.warning
             said.append(f"{finding.title}. {finding.evidence}")

@@ -6,13 +6,15 @@ each read is written once, for the store, and :func:`cached_when_final` gives it
 to the store each time; the steps read only the rows added since the session's previous call, and a tensor's
 histograms over steps are read as a bounded number of columns (the writer's bucket sums), from the last one held on;
 what a live page derives from them is held by the session while the run's data stays the same (:func:`while_unchanged`,
-keyed by :func:`data_version`). This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
+keyed by :func:`data_version`, or by :func:`view_version` for a view of several runs or of the runs table). The runs
+table's step summaries of live runs are held by the session too (:func:`held_step_summaries`). This module owns caching and nothing else: no SQL (the Store has it), no shaping (analysis has it),
 no widgets.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +61,20 @@ def data_version(store: Store, run: pd.Series) -> tuple:
     return store.data_version(int(run["run_id"])), None if pd.isna(pair) else store.data_version(int(pair))
 
 
+def table_version(runs: pd.DataFrame) -> str:
+    """The content of the runs table ``runs`` (Store.runs) as one digest of every value's text (a float's
+    shortest exact repr, a NaN as nan, dicts and lists as written): equal for two reads of a table that holds the
+    same."""
+    return hashlib.blake2b(str(runs.to_numpy().tolist()).encode()).hexdigest()
+
+
+def view_version(store: Store, runs: pd.DataFrame, *shown: pd.Series) -> tuple:
+    """What a view of the runs ``shown`` (rows of ``runs``, the runs table the page read) depends on: their stored
+    data and their pairs' (:func:`data_version`) and the runs table (:func:`table_version`: where the view finds
+    an FP32 reference or a twin, a run's name, its status)."""
+    return (*(data_version(store, run) for run in shown), table_version(runs))
+
+
 #: how many values :func:`while_unchanged` holds per session; a live page holds a few, each replaced when its
 #: run's data changes
 HELD_UNCHANGED = 32
@@ -77,6 +93,12 @@ def while_unchanged(what: str, version: tuple, build: Callable, *key):
     value = build()
     held[name] = (version, value)
     return value
+
+
+def held_step_summaries() -> dict:
+    """Where the session's Store objects hold its live runs' step summaries (Store's ``held_summaries``), so that
+    a page and each refresh of it read only the steps a live run added since the session's previous read."""
+    return st.session_state.setdefault("_held_step_summaries", {})
 
 
 def findings_version(store: Store, runs: pd.DataFrame) -> tuple:

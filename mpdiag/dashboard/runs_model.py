@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES
-from mpdiag.analysis.summaries import nonfinite_losses, run_label, run_progress, runs_table
+from mpdiag.analysis.summaries import nonfinite_losses, run_label, run_progress, runs_table, thin_steps
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
@@ -21,11 +21,13 @@ NOTE_PREVIEW_CHARS = 60
 
 @dataclass(frozen=True)
 class LiveRun:
-    """A running run's progress bar (``fraction`` None: its script decides how many steps) and its losses."""
+    """A running run's progress bar (``fraction`` None: its script decides how many steps), its losses and the
+    ones its loss curve draws (``drawn``: step and loss of at most about 5,000 steps, summaries.thin_steps)."""
     run_id: int
     text: str
     fraction: float | None
     steps: pd.DataFrame
+    drawn: pd.DataFrame
 
     @property
     def loss_drawable(self) -> bool:
@@ -38,12 +40,19 @@ class LiveRun:
 
 def live_runs(store: Store, runs: pd.DataFrame) -> list[LiveRun]:
     """The runs still running, newest first, with their steps so far."""
-    live = []
-    for _, run in runs[runs["status"] == "running"].iterrows():
-        fraction, words = run_progress(run)
-        live.append(LiveRun(int(run["run_id"]), f"{run_label(run)}: {words}", fraction,
-                            reads.live_steps(store, int(run["run_id"]))))
-    return live
+    return [live_run(store, run) for _, run in runs[runs["status"] == "running"].iterrows()]
+
+
+def live_run(store: Store, run: pd.Series) -> LiveRun:
+    """A running run's progress and steps; the steps its curve draws are held while the run's data stays the same:
+    a refresh with nothing new draws the very chart it drew (its 100k steps thinned once, not shipped whole to be
+    hashed and sent again)."""
+    fraction, words = run_progress(run)
+    run_id = int(run["run_id"])
+    steps = reads.live_steps(store, run_id)
+    drawn = reads.while_unchanged("live_loss", reads.data_version(store, run),
+                                  lambda: thin_steps(steps)[["step", "loss"]], str(store.path), run_id)
+    return LiveRun(run_id, f"{run_label(run)}: {words}", fraction, steps, drawn)
 
 
 def table(store: Store, runs: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:

@@ -160,11 +160,14 @@ class Store:
     """Read access to a store file, returning pandas DataFrames. Creating a Store creates the file's schema
     if the file does not exist yet (``create=True``), so the CLI and the app can start on an empty path, and
     migrates a store of an older schema version in place. A store in a folder this process cannot write is
-    read as it is (``immutable``), as long as its schema is current."""
+    read as it is (``immutable``), as long as its schema is current. ``held_summaries``: a dict the caller keeps
+    across Store objects (a dashboard session's) where :meth:`runs` holds the live runs' step summaries, so that
+    each read of the runs table reads only the steps added since the last (default: this Store's own)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True, held_summaries: dict | None = None):
         # Absolute, so a script that changes the working directory cannot redirect later opens.
         self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
+        self._held_summaries = {} if held_summaries is None else held_summaries
         if not self.path.exists() and not create:
             raise no_store(self.path)
         self._immutable = False
@@ -216,11 +219,19 @@ class Store:
         df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
-        # Finished runs carry the summary their writer stored when they ended; only the others are read live.
+        # Finished runs carry the summary their writer stored when they ended; only the others are read live,
+        # each from the steps after those its held summary has read
         stored = {int(r): json.loads(v) for r, v in zip(df["run_id"], df.pop("summary"), strict=True) if isinstance(v, str)}
+        live = df[~df["run_id"].isin(stored)]
         try:
+            identity = os.stat(self.path)
             with closing(self._connect()) as conn:
-                live = step_summaries(conn, [r for r in df["run_id"] if int(r) not in stored])
+                live = step_summaries(conn, live["run_id"].astype(int).tolist(), self._held_summaries,
+                                      # a held summary is of this file and this run, not of one that took its id
+                                      [(identity.st_ino, identity.st_dev, int(r), s)
+                                       for r, s in zip(live["run_id"], live["started_at"], strict=True)])
+        except FileNotFoundError:
+            raise no_store(self.path) from None
         except _READ_ERRORS as exc:
             raise read_error(self.path, exc.__cause__ or exc) from exc
         summaries = pd.DataFrame.from_dict({**stored, **live}, orient="index")

@@ -252,31 +252,57 @@ class StoreError(RuntimeError):
 SUMMARY_COLUMNS = ["steps_done", "skipped_steps", "peak_mem_bytes", "final_loss", "median_step_time_s"]
 
 
-def step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int]) -> dict[int, dict]:
+@dataclass(frozen=True)
+class StepSummary:
+    """One run's step summary (SUMMARY_COLUMNS) as of its step ``last_step`` (-1: none read), with the step times
+    its median is of. Steps are only ever appended, in step order, and the columns summed here are never
+    rewritten, so a summary :meth:`extended` by the steps after ``last_step`` is the summary of them all."""
+    last_step: int = -1
+    steps_done: int = 0
+    skipped_steps: int = 0
+    peak_mem_bytes: float = float("nan")
+    final_loss: float = float("nan")
+    #: the step time of every step after the first (warm-up) step that has one, and their median (NaN: none)
+    step_times: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0))
+    median_step_time_s: float = float("nan")
+
+    def extended(self, conn: sqlite3.Connection, run_id: int) -> StepSummary:
+        """This summary with the run's steps after ``last_step`` added (itself when there are none)."""
+        rows = conn.execute("SELECT step, skipped, peak_mem_bytes, loss, step_time_s FROM steps "
+                            "WHERE run_id = ? AND step > ? ORDER BY step", (int(run_id), self.last_step)).fetchall()
+        if not rows:
+            return self
+        steps, skipped, peaks, losses, times = zip(*rows, strict=True)
+        step_times = np.concatenate([self.step_times, [t for s, t in zip(steps, times, strict=True)
+                                                       if s > 0 and t is not None]])
+        return StepSummary(
+            last_step=steps[-1], steps_done=self.steps_done + len(rows),
+            skipped_steps=self.skipped_steps + sum(s for s in skipped if s is not None),
+            peak_mem_bytes=max([p for p in (self.peak_mem_bytes, *peaks) if p is not None and p == p],
+                               default=float("nan")),
+            final_loss=float("nan") if losses[-1] is None else float(losses[-1]),
+            step_times=step_times, median_step_time_s=float(np.median(step_times)) if len(step_times) else float("nan"))
+
+    def as_dict(self) -> dict:
+        return {column: getattr(self, column) for column in SUMMARY_COLUMNS}
+
+
+def step_summaries(conn: sqlite3.Connection, run_ids: Sequence[int], held: dict | None = None,
+                   keys: Sequence | None = None) -> dict[int, dict]:
     """Per run id: steps_done, skipped_steps, peak_mem_bytes, final_loss (the last step's; NaN kept) and the
     median step time after the first (warm-up) step, from the steps table; NaN where a run has no such row.
-    Reads only these runs' rows. Plain Python, no pandas: the training process's writer calls it as a run ends."""
-    ids = [int(r) for r in run_ids]
-    nan = float("nan")
-    summaries = {i: {"steps_done": 0, "skipped_steps": 0, "peak_mem_bytes": nan, "final_loss": nan,
-                     "median_step_time_s": nan} for i in ids}
-    if not ids:
-        return summaries
-    marks = ", ".join("?" * len(ids))
-    for run_id, done, skipped, peak, final in conn.execute(
-            f"""SELECT run_id, COUNT(*), COALESCE(SUM(skipped), 0), MAX(peak_mem_bytes),
-                       (SELECT s2.loss FROM steps s2 WHERE s2.run_id = steps.run_id ORDER BY s2.step DESC LIMIT 1)
-                FROM steps WHERE run_id IN ({marks}) GROUP BY run_id""", ids):
-        summaries[run_id].update(steps_done=done, skipped_steps=skipped, peak_mem_bytes=nan if peak is None else peak,
-                                 final_loss=nan if final is None else float(final))
-    times: dict[int, list[float]] = {}
-    for run_id, seconds in conn.execute(
-            f"SELECT run_id, step_time_s FROM steps WHERE run_id IN ({marks}) AND step > 0 "
-            "AND step_time_s IS NOT NULL", ids):
-        times.setdefault(run_id, []).append(seconds)
-    for run_id, seconds in times.items():  # numpy's median: a live run's 100k steps are re-read every refresh
-        summaries[run_id]["median_step_time_s"] = float(np.median(seconds))
-    return summaries
+    Reads only these runs' rows. Plain Python, no pandas: the training process's writer calls it as a run ends.
+    ``held``: a dict the caller keeps between calls, where each run's :class:`StepSummary` is kept under its key
+    (``keys``, one per run id: what tells this run from another that took its id, default the id) and extended
+    by only the steps recorded since, so a live run read again and again sums its steps once; the summaries of
+    runs not asked for are dropped from it."""
+    held = {} if held is None else held
+    keys = [int(r) for r in run_ids] if keys is None else list(keys)
+    extended = {key: held.get(key, StepSummary()).extended(conn, int(run_id))
+                for key, run_id in zip(keys, run_ids, strict=True)}
+    held.clear()
+    held.update(extended)
+    return {int(run_id): extended[key].as_dict() for key, run_id in zip(keys, run_ids, strict=True)}
 
 
 def encode_hist(counts: np.ndarray) -> bytes:

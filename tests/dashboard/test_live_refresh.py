@@ -1,8 +1,9 @@
 """A live page's refresh that finds no new rows does no chart or findings work (issue 28), and one after a new
-batch shows it: the Gradients page's view and charts and the Runs page's health badge of a running run are held
-by the session while the run's stored data (Store.data_version) stays the same. The work is counted by wrapping
-the functions that do it (the heatmap's cells, the small multiples' bars, every Altair chart made, Streamlit's
-conversion of a chart, the findings), never by time; the new step is read from the chart's own data."""
+batch shows it: the Gradients, Loss scale, Compare and Findings views and charts and the Runs page's health badge
+and loss curve of a running run are held by the session while the run's stored data (Store.data_version) stays the
+same, and the runs table sums no step of a live run twice. The work is counted by wrapping the functions that do it
+(the heatmap's cells, the small multiples' bars, thinning steps, every Altair chart made, Streamlit's conversion of
+a chart, the findings, the step summaries), never by time; the new step is read from the page's own data."""
 
 from collections import Counter
 
@@ -10,20 +11,20 @@ import altair as alt
 import numpy as np
 import pyarrow as pa
 import pytest
-from app_helpers import app
+from app_helpers import app, texts
 
 from mpdiag.analysis import summaries
-from mpdiag.dashboard import chart_files, reads
+from mpdiag.dashboard import chart_files, compare_model, findings_model, reads, runs_model
 from mpdiag.numerics.formats import EXP_MIN, LOW_PRECISION, N_EXP_BINS
-from mpdiag.store import StepRow, Store, StoreWriter, TensorBatch
+from mpdiag.store import StepRow, Store, StoreWriter, TensorBatch, schema
 from mpdiag.store.schema import REPRESENTABILITY_KINDS
 
 TENSORS = 3
 
 
-def write_step(path, run_id: int, step: int) -> None:
-    """One step of a live run as the Recorder commits it: its steps row and, kept, every tensor's row (tensor t's
-    values all in bin 2^(t - 10))."""
+def write_step(path, run_id: int, step: int, skipped: int = 0) -> None:
+    """One step of a live run as the Recorder commits it: its steps row (``skipped``: its optimizer step skipped)
+    and, kept, every tensor's row (tensor t's values all in bin 2^(t - 10))."""
     hist = np.zeros((TENSORS, N_EXP_BINS), dtype=np.int64)
     hist[np.arange(TENSORS), np.arange(TENSORS) - 10 - EXP_MIN] = 64
     exponent = np.arange(TENSORS, dtype=float) - 10
@@ -31,20 +32,25 @@ def write_step(path, run_id: int, step: int) -> None:
     batch = TensorBatch.of_step(step, np.arange(TENSORS), hist, np.zeros((TENSORS, 4), dtype=np.int64),
                                 2.0 ** (exponent + 0.5), 2.0**exponent, 8 * 2.0 ** (exponent + 0.5), representability)
     with StoreWriter(path) as writer:
-        writer.write_batch(run_id, [StepRow(step, 1.0, 1.0, 0, 0, 1.0, 0.1, 0, 1, 1e-3, 1.0, 0.1)], batch,
+        writer.write_batch(run_id, [StepRow(step, 1.0, 1.0, skipped, 0, 1.0, 0.1, 0, 1, 1e-3, 1.0, 0.1)], batch,
                            kept=[(step, "every")])
+
+
+def new_run(path, name: str) -> int:
+    """A running run of this process with TENSORS tensors and steps 0 and 1 kept."""
+    with StoreWriter(path) as writer:
+        run_id = writer.create_run(name=name, opt_level="O1")
+        writer.add_tensors(run_id, [(t, f"layer{t}.weight", [8, 8], 64, "float32", "float32") for t in range(TENSORS)])
+    for step in (0, 1):
+        write_step(path, run_id, step)
+    return run_id
 
 
 @pytest.fixture
 def live_run(tmp_path):
     """(store path, run id): a running run of this process with TENSORS tensors and steps 0 and 1 kept."""
     path = tmp_path / "live.db"
-    with StoreWriter(path) as writer:
-        run_id = writer.create_run(name="live", opt_level="O1")
-        writer.add_tensors(run_id, [(t, f"layer{t}.weight", [8, 8], 64, "float32", "float32") for t in range(TENSORS)])
-    for step in (0, 1):
-        write_step(path, run_id, step)
-    return path, run_id
+    return path, new_run(path, "live")
 
 
 def counting(monkeypatch, counts: Counter, owner, name: str) -> None:
@@ -146,3 +152,74 @@ def test_a_loss_scale_refresh_without_new_rows_builds_nothing_and_a_new_batch_sh
     at.run()
     assert counts["thin_steps"] and counts["diagnose"] and counts["_convert_altair_to_vega_lite_spec"]
     assert {m.label: m.value for m in at.metric}["steps"] == "3"
+
+
+def chart_steps(at) -> set[int]:
+    """Every step a chart of the page draws (the datasets' step column)."""
+    return {s for c in at.get("vega_lite_chart") for d in c.proto.datasets
+            for table in [pa.ipc.open_stream(d.data.data).read_all()] if "step" in table.column_names
+            for s in table.column("step").to_pylist()}
+
+
+def test_a_compare_refresh_without_new_rows_builds_nothing_and_a_new_batch_shows(live_run, monkeypatch):
+    path, run_id = live_run
+    finished = new_run(path, "finished")  # steps 0 and 1, so step 2 can only be the live run's
+    with StoreWriter(path) as writer:
+        writer.end_run(finished, "finished")
+    counts = Counter()
+    for owner, name in ((summaries, "thin_steps"), (compare_model, "config_table"), (compare_model, "loss_comparison"),
+                        (alt.Chart, "__init__"), (chart_files, "_convert_altair_to_vega_lite_spec")):
+        counting(monkeypatch, counts, owner, name)
+    at = app("pages/3_Compare.py", path, monkeypatch, runs=[str(run_id), str(finished)])
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["thin_steps"] and counts["config_table"] and counts["__init__"]
+    assert chart_steps(at) == {0, 1}
+    drawn = len(at.get("vega_lite_chart"))
+
+    assert work_of_a_rerun(at, counts) == Counter()  # what its live fragment does, with nothing committed since
+    assert len(at.get("vega_lite_chart")) == drawn and chart_steps(at) == {0, 1}
+
+    write_step(path, run_id, 2)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert counts["thin_steps"] and counts["_convert_altair_to_vega_lite_spec"]
+    assert chart_steps(at) == {0, 1, 2}
+
+
+def test_a_findings_refresh_without_new_rows_diagnoses_nothing_and_a_new_batch_shows(live_run, monkeypatch):
+    path, run_id = live_run
+    at, counts = counted_page(monkeypatch, path, run_id, "pages/5_Findings.py", (
+        (findings_model, "diagnose"), (findings_model, "rerun_outcomes")))
+    assert counts["diagnose"] == 1 and counts["rerun_outcomes"] == 1
+    assert "steps are skipped" not in texts(at)
+
+    assert work_of_a_rerun(at, counts) == Counter()
+
+    write_step(path, run_id, 2, skipped=1)  # a third of the steps skipped: a finding
+    assert work_of_a_rerun(at, counts) == Counter(diagnose=1, rerun_outcomes=1)
+    assert "Gradients overflow FP16 at the loss scale: steps are skipped" in texts(at)
+
+
+def test_a_runs_refresh_sums_no_step_again_and_a_new_batch_shows(live_run, monkeypatch):
+    path, run_id = live_run
+    extended = []
+    real = schema.StepSummary.extended
+
+    def counted(summary, conn, summed_run):
+        longer = real(summary, conn, summed_run)
+        extended.append((summary.last_step, longer is summary))
+        return longer
+    monkeypatch.setattr(schema.StepSummary, "extended", counted)
+    at, counts = counted_page(monkeypatch, path, run_id, "app.py", ((runs_model, "thin_steps"),))
+    table = at.dataframe[0].value.set_index("run")
+    assert table.loc[run_id, "steps"].startswith("2") and counts["thin_steps"]
+
+    extended.clear()
+    assert work_of_a_rerun(at, counts) == Counter()  # the live loss curve held
+    assert extended and set(extended) == {(1, True)}  # from the last step summed on: nothing new, nothing summed
+
+    write_step(path, run_id, 2)
+    extended.clear()
+    assert work_of_a_rerun(at, counts) == Counter(thin_steps=1)
+    assert set(extended) == {(1, False), (2, True)}  # only step 2 read; then held
+    assert at.dataframe[0].value.set_index("run").loc[run_id, "steps"].startswith("3")
