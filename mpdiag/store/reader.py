@@ -219,8 +219,18 @@ class Store:
         df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
-        # Finished runs carry the summary their writer stored when they ended; only the others are read live,
-        # each from the steps after those its held summary has read
+        self._add_summaries(df)
+        _judge_liveness(df)
+        _decode_run_columns(df)
+        tags = self._query("SELECT run_id, tag FROM run_tags ORDER BY run_id, tag")
+        held = tags.groupby("run_id")["tag"].agg(list).to_dict() if len(tags) else {}
+        df["tags"] = df["run_id"].map(lambda r: held.get(int(r), []))
+        return df
+
+    def _add_summaries(self, df: pd.DataFrame) -> None:
+        """The step summary columns of every run in ``df`` (in place). Finished runs carry the summary their writer
+        stored when they ended; only the others are read live, each from the steps after those its held summary
+        has read."""
         stored = {int(r): json.loads(v) for r, v in zip(df["run_id"], df.pop("summary"), strict=True) if isinstance(v, str)}
         live = df[~df["run_id"].isin(stored)]
         try:
@@ -241,31 +251,6 @@ class Store:
             df[col] = df[col].fillna(0).astype(int)
         df["final_loss"] = df["final_loss"].astype(float)
         df["median_step_time_s"] = df["median_step_time_s"].astype(float)
-        dead = df["status"].isin(["running", "queued"]) & ~df.apply(
-            lambda r: process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
-        )
-        quiet_s = np.maximum(STALL_S, STALL_STEPS * df["median_step_time_s"].fillna(0))
-        stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - quiet_s)
-        df.loc[stalled, "status"] = "stalled"
-        df.loc[dead, "status"] = "crashed"
-        # NULL (or a store too old to have the column): recorded by one process
-        df["world_size"] = df["world_size"].fillna(1).astype(int) if "world_size" in df else 1
-        unexplained = dead & df["error"].isna()
-        df.loc[unexplained, "error"] = "the training process exited without closing the run"
-        # of a job, the process the run row names is rank 0's, the one that writes
-        df.loc[unexplained & (df["world_size"] > 1), "error"] = "rank 0 (the process writing the run) exited without closing it"
-        for col in ("started_at", "finished_at", "heartbeat_at"):
-            df[col] = pd.to_datetime(df[col], unit="s", utc=True)
-        df["model_state"] = df["model_state"].map(lambda v: json.loads(v) if isinstance(v, str) else {})
-        df["config"] = df["config"].map(_run_config)
-        for col in ("parent_run_id", "pair_run_id"):  # ids stay integers; absent is <NA>, never a float NaN
-            df[col] = df[col].astype("Int64")
-            # a link to a deleted run reads as no link (deleting a run leaves other runs' rows as they are)
-            df[col] = df[col].where(df[col].isin(df["run_id"].astype(int)), pd.NA)
-        tags = self._query("SELECT run_id, tag FROM run_tags ORDER BY run_id, tag")
-        held = tags.groupby("run_id")["tag"].agg(list).to_dict() if len(tags) else {}
-        df["tags"] = df["run_id"].map(lambda r: held.get(int(r), []))
-        return df
 
     def tags(self) -> pd.DataFrame:
         """Every tag in the store with how many runs carry it: tag, runs; by tag."""
@@ -740,3 +725,32 @@ class Store:
         return -1 if pd.isna(value) else int(value)
 
 
+def _judge_liveness(df: pd.DataFrame) -> None:
+    """Runs whose process is gone read ``crashed`` (with why, when nothing said it), and running runs whose
+    heartbeat stopped for longer than they pause read ``stalled`` (in place)."""
+    dead = df["status"].isin(["running", "queued"]) & ~df.apply(
+        lambda r: process_is_alive(r["pid"], r["host"], r["process_started_at"]), axis=1
+    )
+    quiet_s = np.maximum(STALL_S, STALL_STEPS * df["median_step_time_s"].fillna(0))
+    stalled = (df["status"] == "running") & ~dead & (pd.to_numeric(df["heartbeat_at"]) < time.time() - quiet_s)
+    df.loc[stalled, "status"] = "stalled"
+    df.loc[dead, "status"] = "crashed"
+    # NULL (or a store too old to have the column): recorded by one process
+    df["world_size"] = df["world_size"].fillna(1).astype(int) if "world_size" in df else 1
+    unexplained = dead & df["error"].isna()
+    df.loc[unexplained, "error"] = "the training process exited without closing the run"
+    # of a job, the process the run row names is rank 0's, the one that writes
+    df.loc[unexplained & (df["world_size"] > 1), "error"] = "rank 0 (the process writing the run) exited without closing it"
+
+
+def _decode_run_columns(df: pd.DataFrame) -> None:
+    """The runs table's stored encodings as readers use them (in place): times as UTC datetimes, JSON as
+    objects, links to other runs as nullable integers (a link to a deleted run reads as none)."""
+    for col in ("started_at", "finished_at", "heartbeat_at"):
+        df[col] = pd.to_datetime(df[col], unit="s", utc=True)
+    df["model_state"] = df["model_state"].map(lambda v: json.loads(v) if isinstance(v, str) else {})
+    df["config"] = df["config"].map(_run_config)
+    for col in ("parent_run_id", "pair_run_id"):  # ids stay integers; absent is <NA>, never a float NaN
+        df[col] = df[col].astype("Int64")
+        # deleting a run leaves other runs' rows as they are
+        df[col] = df[col].where(df[col].isin(df["run_id"].astype(int)), pd.NA)
