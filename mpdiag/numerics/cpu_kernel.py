@@ -7,7 +7,8 @@ import functools
 import numba
 import numpy as np
 import torch
-from numba.extending import overload
+from numba import types
+from numba.extending import intrinsic, overload
 
 from mpdiag.numerics.formats import EXP_MIN, FP32
 from mpdiag.numerics.keys import FIELDS, MANTISSA_BITS, MANTISSA_MASK, REGIONS
@@ -38,6 +39,25 @@ def on_torch_threads(kernel):
                 torch.set_num_threads(threads)
 
     return launch
+
+
+@intrinsic
+def _float32_pointer(typingctx, address):
+    """The float32 pointer at ``address`` (an int64): the statistics kernels reach their arrays by address and
+    length. Handed over as numba's typed List instead, every process compiled the List's methods at its first
+    pass (~0.9 s of CPU, which numba's on-disk cache does not keep)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+def array_table(arrays: list[np.ndarray]) -> np.ndarray:
+    """(address, length) of each of ``arrays`` (contiguous float32), as the statistics kernels take them; the
+    caller keeps the arrays alive while a kernel reads them."""
+    if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
+        raise ValueError("the statistics kernels read contiguous float32 arrays")
+    return np.array([(a.ctypes.data, a.size) for a in arrays], dtype=np.int64).reshape(len(arrays), 2)
 
 
 @numba.njit(nogil=True, fastmath=_FLAGS)
@@ -198,7 +218,7 @@ def _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shift
                 item_bits, item_sumsq, item_hist, item_specials, item_categories):
     """Work item ``c`` of :func:`fused_pass`, into row ``c`` of the ``item_*`` workspaces."""
     array, start, end = items[c, 1], items[c, 2], items[c, 3]
-    values = arrays[array][start:end]
+    values = numba.carray(_float32_pointer(arrays[array, 0]), arrays[array, 1])[start:end]
     bits_of = values.view(np.int32)
     big, low, item_sumsq[c] = _reductions(values, bits_of)
     item_bits[c, 0], item_bits[c, 1] = big, low
@@ -238,7 +258,8 @@ def fused_pass(arrays, items, bounds, common_bounds, subnormal_bounds, shifts, t
     ``categories[t]`` as :func:`_decode_chunk` defines them for the views 2**shifts[v] times the values, and the
     reductions of :func:`_reductions` (``maxbits``, ``minbits``, ``sumsq``).
 
-    ``arrays`` holds the values: the small tensors gathered in ``arrays[0]``, each large one as itself.
+    ``arrays`` (A, 2) locates the values (:func:`array_table`): the small tensors gathered in array 0, each
+    large one as itself.
     ``items`` (C, 5) lists the work items: tensor, array, first element, end element, 1 for a tensor's
     first item (a tensor's items are consecutive). Items run in parallel, each into its own row of the
     ``item_*`` workspaces (key counts, subnormal cells, the bit bounds as largest and below smallest, sum of

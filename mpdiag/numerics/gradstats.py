@@ -459,14 +459,13 @@ class GradStatsComputer:
 
     def _init_numba(self, n: int) -> None:
         """The fused CPU kernel's work items and workspaces, allocated once for these tensor sizes."""
-        import numba  # here, not at module import: the app never pays for it
 
         from mpdiag.numerics import cpu_kernel as kernels
 
         parallel = sum(self.numels) >= PARALLEL_FROM
         self._kernel = kernels.on_torch_threads(kernels.fused_pass) if parallel else kernels.fused_pass_serial
         self._signal_kernel = kernels.on_torch_threads(kernels.signal_pass) if parallel else kernels.signal_pass_serial
-        self._typed_list = numba.typed.List
+        self._array_table = kernels.array_table
         # Tensors smaller than a work item are gathered into one buffer by one foreach copy (2 us a tensor
         # at 500 tensors, where handing each to numba as its own array cost 12 us); larger ones are read
         # in place, where a copy would cost more than the hand-over.
@@ -615,8 +614,8 @@ class GradStatsComputer:
         return self._unscaled
 
     def _numba_pass(self, sources: list[torch.Tensor], items: np.ndarray, shifts: tuple[int, int]) -> _Pass:
-        arrays = self._typed_list([x.numpy() for x in sources])
-        self._kernel(arrays, items, self._bounds, self._common_bounds, self._subnormal_bounds,
+        arrays = [x.numpy() for x in sources]  # alive while the kernel reads them by address
+        self._kernel(self._array_table(arrays), items, self._bounds, self._common_bounds, self._subnormal_bounds,
                      np.array(shifts, dtype=np.int64), KERNEL_TABLES, *self._spaces[:-1])
         hist, specials, categories, largest, below_smallest, sumsq = (a.copy() for a in self._spaces[7:-1])  # reused next pass
         return _Pass(hist, specials, categories, *_reductions_from_bits(largest, below_smallest), np.sqrt(sumsq),
