@@ -347,16 +347,20 @@ def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray)
     )
 
 
-def fp16_overflow(run: pd.Series, overflow: pd.DataFrame, kept: pd.DataFrame) -> Finding | None:
+def fp16_overflow(run: pd.Series, store: Store) -> Finding | None:
     """Runs without loss scaling (FP32, BF16, a loop without a GradScaler): gradient values that exceed FP16's
-    largest value, counted at every step whether its statistics were kept or not (``overflow``:
-    Store.signal_counts of ``fp16_overflow_at_scale``; the scale is 1). The evidence names the first such step,
-    why its statistics were kept (``kept``: Store.kept_steps; with --every N such a step is kept even between two
-    multiples of N) and its tensors with their counts, then every step: how many held such values and, per
+    largest value, counted at every step whether its statistics were kept or not (Store.signal_counts of
+    ``fp16_overflow_at_scale``; the scale is 1). The evidence names the first such step, why its statistics were
+    kept (Store.kept_steps; with --every N such a step is kept even between two multiples of N) and its tensors with their counts, then every step: how many held such values and, per
     tensor, its values and the step with the most, said where that step's full statistics were not kept. With a
-    loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot)."""
-    if overflow.empty or run["scaling"] != "none":
+    loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot): nothing is read then (a
+    long scaled run's thousands of overflowing steps would be decoded tensor by tensor for nothing)."""
+    if run["scaling"] != "none":
         return None
+    overflow = store.signal_counts(int(run["run_id"]), "fp16_overflow_at_scale")
+    if overflow.empty:
+        return None
+    kept = store.kept_steps(int(run["run_id"]))
     step = int(overflow["step"].iloc[0])
     why = kept.loc[kept["step"] == step, "reason"].tolist()
     worst = overflow[overflow["step"] == step].sort_values("count", ascending=False, kind="stable")
@@ -690,10 +694,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         loss_spike_origin(store.replays(run_id)),
         dead_gradients(run, totals, signals),
         needs_bf16_range(run, tensors, per_tensor),
-        # read only where it can apply: with a loss scaler overflow is the scaler's, and a long run's thousands of
-        # overflowing steps would be decoded tensor by tensor for nothing
-        fp16_overflow(run, store.signal_counts(run_id, "fp16_overflow_at_scale"), store.kept_steps(run_id))
-        if run["scaling"] == "none" else None,
+        fp16_overflow(run, store),
         fp32_divergence(run, runs, store, shadow),
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]
