@@ -1,7 +1,6 @@
 """`python -m mpdiag`: the command line (see mpdiag.cli); exits with the command's status."""
 
-import sys
-
 from mpdiag.cli import main
+from mpdiag.sandbox.shutdown import exit_without_collecting
 
-sys.exit(main())
+exit_without_collecting(main())

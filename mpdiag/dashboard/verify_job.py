@@ -33,6 +33,7 @@ from mpdiag.sandbox.launch import (
     rerun_job,
     store_key,
 )
+from mpdiag.sandbox.shutdown import exit_without_collecting
 
 #: how often the process looks at the rerun it waits for, seconds
 POLL_S = 0.5
@@ -133,4 +134,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

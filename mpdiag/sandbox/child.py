@@ -46,6 +46,7 @@ from pathlib import Path
 
 import psutil
 
+from mpdiag.sandbox.shutdown import exit_without_collecting
 from mpdiag.sandbox.supervisor import Limits, Outcome, supervise
 from mpdiag.store.writer import TensorBatch
 
@@ -363,4 +364,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

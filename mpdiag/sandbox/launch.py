@@ -53,6 +53,7 @@ from mpdiag.sandbox.child import (
     run_task,
     scratch_dir,
 )
+from mpdiag.sandbox.shutdown import exit_without_collecting
 from mpdiag.sandbox.supervisor import Limits, cuda_present
 
 STATUS_FILE = "status.json"
@@ -553,4 +554,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())
