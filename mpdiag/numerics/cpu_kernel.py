@@ -234,20 +234,32 @@ def _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shift
 
 
 @numba.njit(nogil=True)
+def _add_row(target, source):
+    """``target += source`` for two 1-D rows of one length, element by element. numba compiles an array
+    assignment with a shape check whose error message needs its whole string formatting: ~3.5 s of the kernels'
+    first compile, paid in every new install (or cache miss), where these loops cost nothing."""
+    for i in range(target.shape[0]):
+        target[i] += source[i]
+
+
+@numba.njit(nogil=True)
 def _combine(items, item_bits, item_sumsq, item_hist, item_specials, item_categories,
              hist, specials, categories, maxbits, minbits, sumsq):
     """Each tensor's statistics and reductions from its work items' rows."""
     for c in range(items.shape[0]):
         t = items[c, 0]
-        if items[c, 4]:
-            hist[t], specials[t], categories[t] = item_hist[c], item_specials[c], item_categories[c]
+        if items[c, 4]:  # a tensor's first item: its rows start from it
+            hist[t, :] = 0
+            specials[t, :] = 0
+            categories[t, :, :] = 0
             maxbits[t], minbits[t], sumsq[t] = item_bits[c, 0], item_bits[c, 1], item_sumsq[c]
         else:
-            hist[t] += item_hist[c]
-            specials[t] += item_specials[c]
-            categories[t] += item_categories[c]
             maxbits[t], minbits[t] = max(maxbits[t], item_bits[c, 0]), min(minbits[t], item_bits[c, 1])
             sumsq[t] += item_sumsq[c]
+        _add_row(hist[t], item_hist[c])
+        _add_row(specials[t], item_specials[c])
+        for v in range(categories.shape[1]):
+            _add_row(categories[t, v], item_categories[c, v])
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -314,7 +326,7 @@ def _item_signals(values, factor, held_are_scaled, edges, out):
 def _sum_items(items, item_counts, counts):
     counts[:] = 0
     for c in range(items.shape[0]):
-        counts[items[c, 0]] += item_counts[c]
+        _add_row(counts[items[c, 0]], item_counts[c])
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -370,4 +382,4 @@ def update_counts(befores, afters, grads, items, weight_table, grad_table, facto
         item_counts[c, 0], item_counts[c, 1], item_counts[c, 2] = updated, below, unchanged
     counts[:] = 0
     for c in range(items.shape[0]):
-        counts[items[c, 0]] += item_counts[c]
+        _add_row(counts[items[c, 0]], item_counts[c])
