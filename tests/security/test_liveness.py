@@ -25,6 +25,9 @@ def build(device):
     return spec
 '''
 AHEAD_S = 15  # the reader's clock runs this far ahead: a beating run (beats every 5 s) still reads running
+# once its process is stopped, this far ahead: its last heartbeat was before the stop, so 30 - 28 s + 2 s of margin
+# of real time after it, the reader sees a heartbeat older than 30 s
+STOPPED_AHEAD_S = 28
 
 
 def _run(store, run_id):
@@ -48,7 +51,8 @@ def test_a_stopped_run_reads_stalled_and_a_dead_one_crashed(tmp_path, monkeypatc
         assert _run(store, run_id)["status"] == "running"
         (child,) = psutil.Process(proc.pid).children()
         os.kill(child.pid, signal.SIGSTOP)
-        time.sleep(30 - AHEAD_S + 2)  # real seconds without a heartbeat
+        monkeypatch.setattr(time, "time", lambda: real_time() + STOPPED_AHEAD_S)
+        time.sleep(30 - STOPPED_AHEAD_S + 2)  # real seconds without a heartbeat
         assert _run(store, run_id)["status"] == "stalled"
         os.kill(proc.pid, signal.SIGKILL)
         os.kill(child.pid, signal.SIGKILL)
