@@ -173,7 +173,7 @@ def default_run(store: Store, runs: pd.DataFrame, among: pd.DataFrame | None = N
     version = findings_version(store, runs)
     by_id = runs.set_index("run_id", drop=False)
     return likely_run(runs if among is None else among, lambda run_id: any(
-        s in ("error", "warning") for s in finding_severities(store, by_id.loc[run_id], version)))
+        s in ("error", "warning") for s in finding_severities(store, by_id.loc[run_id], version, runs)))
 
 
 def pick_run(runs: pd.DataFrame, key: str = "run", label: str = "Run", default=None) -> int | None:

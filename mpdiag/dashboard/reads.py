@@ -49,8 +49,10 @@ def _key(store: Store) -> tuple[str, tuple[int, int]]:
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def _severities(key: tuple, run_id: int, version: tuple) -> list[str]:
-    return [f.severity for f in diagnose(Store(key[0], create=False), run_id)]
+def _severities(key: tuple, run_id: int, version: tuple, _runs: pd.DataFrame) -> list[str]:
+    # _runs, the page's runs table, is not hashed (its leading underscore): ``version`` is what of it the findings
+    # of a final run read. Read here instead, a fresh Store summed each live run's steps again (0.2 s at 100k).
+    return [f.severity for f in diagnose(Store(key[0], create=False), run_id, _runs)]
 
 
 def data_version(store: Store, run: pd.Series) -> tuple:
@@ -107,12 +109,12 @@ def findings_version(store: Store, runs: pd.DataFrame) -> tuple:
     return tuple(zip(runs["run_id"].astype(int), runs["status"], strict=True)), store.probes_version()
 
 
-def finding_severities(store: Store, run: pd.Series, version: tuple) -> list[str]:
+def finding_severities(store: Store, run: pd.Series, version: tuple, runs: pd.DataFrame) -> list[str]:
     """The severity of each of a run's findings (mpdiag.analysis.findings.diagnose), cached once it is final
-    for as long as ``version`` (:func:`findings_version`) stays the same; a live run's held by the session
-    (:func:`live_findings`)."""
+    for as long as ``version`` (:func:`findings_version` of ``runs``, the page's runs table) stays the same; a
+    live run's held by the session (:func:`live_findings`)."""
     if is_final(run):
-        return _severities(_key(store), int(run["run_id"]), version)
+        return _severities(_key(store), int(run["run_id"]), version, runs)
     return [f.severity for f in live_findings(store, run, version)]
 
 
@@ -121,9 +123,10 @@ def live_findings(store: Store, run: pd.Series, version: tuple = ()) -> list:
     stays the same: the run's data and its pair's (:func:`data_version`), the events (written beside the batches)
     and the probes stored, and ``version``."""
     run_id = int(run["run_id"])
+    # its steps as this session holds them (live_steps: only the rows added since its last read are read)
     return while_unchanged("findings", (version, data_version(store, run), store.events_version(),
                                         store.probes_version()),
-                           lambda: diagnose(store, run_id), str(store.path), run_id)
+                           lambda: diagnose(store, run_id, steps=live_steps(store, run_id)), str(store.path), run_id)
 
 
 def cached_when_final(max_entries: int = 64, live: Callable | None = None):

@@ -60,7 +60,7 @@ def table(store: Store, runs: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame
     for final runs while nothing they depend on changes), its tags beside the loss scale and its note's
     first line."""
     version = reads.findings_version(store, runs)
-    table = runs_table(shown, [reads.finding_severities(store, run, version) for _, run in shown.iterrows()])
+    table = runs_table(shown, [reads.finding_severities(store, run, version, runs) for _, run in shown.iterrows()])
     table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())
     table["note"] = shown["user_note"].map(note_preview).to_numpy()
     return table

@@ -267,20 +267,28 @@ class StepSummary:
     median_step_time_s: float = float("nan")
 
     def extended(self, conn: sqlite3.Connection, run_id: int) -> StepSummary:
-        """This summary with the run's steps after ``last_step`` added (itself when there are none)."""
-        rows = conn.execute("SELECT step, skipped, peak_mem_bytes, loss, step_time_s FROM steps "
-                            "WHERE run_id = ? AND step > ? ORDER BY step", (int(run_id), self.last_step)).fetchall()
-        if not rows:
+        """This summary with the run's steps after ``last_step`` added (itself when there are none). Counted,
+        summed and maximised in SQL (a live run's first read sums its 100k steps: 0.3 s as Python rows); only the
+        step times come out, for their median. Each read is bounded by the last step the first one saw, so steps
+        committed meanwhile wait for the next extension (the reader sees each statement's own snapshot)."""
+        run_id = int(run_id)
+        count, last_step, skipped, peak = conn.execute(
+            "SELECT COUNT(*), MAX(step), SUM(skipped), MAX(peak_mem_bytes) FROM steps WHERE run_id = ? AND step > ?",
+            (run_id, self.last_step)).fetchone()
+        if not count:
             return self
-        steps, skipped, peaks, losses, times = zip(*rows, strict=True)
-        step_times = np.concatenate([self.step_times, [t for s, t in zip(steps, times, strict=True)
-                                                       if s > 0 and t is not None]])
+        (final_loss,) = conn.execute("SELECT loss FROM steps WHERE run_id = ? AND step = ?",
+                                     (run_id, last_step)).fetchone()
+        times = conn.execute("SELECT step_time_s FROM steps WHERE run_id = ? AND step > ? AND step <= ? AND step > 0 "
+                             "AND step_time_s IS NOT NULL ORDER BY step", (run_id, self.last_step, last_step))
+        step_times = np.concatenate([self.step_times, np.fromiter((t for (t,) in times), dtype=float)])
+        # SQLite keeps no NaN (it stores NULL), which MAX and SUM skip
         return StepSummary(
-            last_step=steps[-1], steps_done=self.steps_done + len(rows),
-            skipped_steps=self.skipped_steps + sum(s for s in skipped if s is not None),
-            peak_mem_bytes=max([p for p in (self.peak_mem_bytes, *peaks) if p is not None and p == p],
+            last_step=last_step, steps_done=self.steps_done + count,
+            skipped_steps=self.skipped_steps + (skipped or 0),
+            peak_mem_bytes=max([p for p in (self.peak_mem_bytes, peak) if p is not None and p == p],
                                default=float("nan")),
-            final_loss=float("nan") if losses[-1] is None else float(losses[-1]),
+            final_loss=float("nan") if final_loss is None else float(final_loss),
             step_times=step_times, median_step_time_s=float(np.median(step_times)) if len(step_times) else float("nan"))
 
     def as_dict(self) -> dict:

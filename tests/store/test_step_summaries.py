@@ -113,3 +113,36 @@ def test_a_run_that_took_a_held_runs_id_is_summed_from_its_own_steps(live_store)
     other = batch_rows(rng, 0)[:5]
     writer.write_batch(run_id, other, [])
     assert_summary(summary_of(Store(path, held_summaries=held).runs(), run_id), truth(other))
+
+
+class AppendsAfterTheFirstRead:
+    """A connection that has the writer commit ``more`` steps right after its first statement: what a live run's
+    writer may do between a summary's reads."""
+
+    def __init__(self, conn: sqlite3.Connection, append):
+        self.conn, self.append, self.reads = conn, append, 0
+
+    def execute(self, *args):
+        cursor = self.conn.execute(*args)
+        self.reads += 1
+        if self.reads == 1:
+            self.append()
+        return cursor
+
+
+def test_steps_committed_while_a_summary_reads_are_left_to_the_next_read(live_store):
+    """The summary's reads are separate statements, each on the store as it is then: steps committed after the
+    first are not in this summary (not even in its step times) and are counted once, by the next."""
+    from mpdiag.store.schema import StepSummary
+
+    path, run_id, writer = live_store
+    rng = np.random.default_rng(4)
+    first, later = batch_rows(rng, 0), batch_rows(rng, BATCH)
+    writer.write_batch(run_id, first, [])
+    with sqlite3.connect(path) as conn:
+        summary = StepSummary().extended(AppendsAfterTheFirstRead(conn, lambda: writer.write_batch(run_id, later, [])),
+                                         run_id)
+        assert_summary({c: summary.as_dict()[c] for c in truth(first)}, truth(first))
+        assert len(summary.step_times) == len([r for r in first if r.step > 0 and r.step_time_s is not None])
+        assert_summary({c: v for c, v in summary.extended(conn, run_id).as_dict().items() if c in truth(first)},
+                       truth(first + later))
