@@ -42,21 +42,22 @@ def on_torch_threads(kernel):
 
 
 @intrinsic
-def _float32_pointer(typingctx, address):
-    """The float32 pointer at ``address`` (an int64): the statistics kernels reach their arrays by address and
-    length. Handed over as numba's typed List instead, every process compiled the List's methods at its first
-    pass (~0.9 s of CPU, which numba's on-disk cache does not keep)."""
+def _pointer(typingctx, address, like):
+    """The pointer at ``address`` (an int64) to values of the type of ``like`` (a scalar: float32 values, or the
+    uint16 bit patterns of FP16/BF16): the kernels reach their arrays by address and length. Handed over as numba's
+    typed List instead, every process compiled the List's methods at its first pass (~0.3-0.9 s of CPU, which
+    numba's on-disk cache does not keep)."""
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
-    return types.CPointer(types.float32)(types.int64), codegen
+    return types.CPointer(like)(types.int64, like), codegen
 
 
-def array_table(arrays: list[np.ndarray]) -> np.ndarray:
-    """(address, length) of each of ``arrays`` (contiguous float32), as the statistics kernels take them; the
-    caller keeps the arrays alive while a kernel reads them."""
-    if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays):
-        raise ValueError("the statistics kernels read contiguous float32 arrays")
+def array_table(arrays: list[np.ndarray], dtype=np.float32) -> np.ndarray:
+    """(address, length) of each of ``arrays`` (contiguous, of ``dtype``), as the kernels take them; the caller
+    keeps the arrays alive while a kernel reads them."""
+    if not all(a.dtype == dtype and a.flags.c_contiguous for a in arrays):
+        raise ValueError(f"the kernels read contiguous {np.dtype(dtype).name} arrays")
     return np.array([(a.ctypes.data, a.size) for a in arrays], dtype=np.int64).reshape(len(arrays), 2)
 
 
@@ -218,7 +219,7 @@ def _item_stats(c, arrays, items, bounds, common_bounds, subnormal_bounds, shift
                 item_bits, item_sumsq, item_hist, item_specials, item_categories):
     """Work item ``c`` of :func:`fused_pass`, into row ``c`` of the ``item_*`` workspaces."""
     array, start, end = items[c, 1], items[c, 2], items[c, 3]
-    values = numba.carray(_float32_pointer(arrays[array, 0]), arrays[array, 1])[start:end]
+    values = numba.carray(_pointer(arrays[array, 0], np.float32(0)), arrays[array, 1])[start:end]
     bits_of = values.view(np.int32)
     big, low, item_sumsq[c] = _reductions(values, bits_of)
     item_bits[c, 0], item_bits[c, 1] = big, low
@@ -359,18 +360,22 @@ def _as_float32_for(values, i, table):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def update_counts(befores, afters, grads, items, weight_table, grad_table, factor, item_counts, counts):
+def update_counts(befores, afters, grads, weight_like, grad_like, items, weight_table, grad_table, factor,
+                  item_counts, counts):
     """Per tensor t, into ``counts[t]``: among the values whose gradient is finite and non-zero, how many
     there are (updated), how many moved by less than ``factor``·|before| (below resolution) and how many
     did not move at all (unchanged). Arithmetic in float32 like the torch path: |after - before| and
     ``factor``·|before| (a power of two, exact) are float32 values.
 
-    ``befores``/``afters`` hold the updated tensors before and after the step, ``grads`` their gradients,
-    as float32 arrays or as uint16 bit patterns decoded by the 65,536-entry float32 ``*_table``; ``items``
-    as from :func:`mpdiag.numerics.gradstats.work_items`; ``item_counts`` (items, 3) is a workspace."""
+    ``befores``/``afters`` locate the updated tensors before and after the step, ``grads`` their gradients
+    (:func:`array_table`), as float32 arrays or as uint16 bit patterns decoded by the 65,536-entry float32
+    ``*_table``; ``weight_like``/``grad_like`` is a scalar of the weights'/gradients' array type; ``items`` as
+    from :func:`mpdiag.numerics.gradstats.work_items`; ``item_counts`` (items, 3) is a workspace."""
     for c in numba.prange(items.shape[0]):
         t, start, end = items[c, 0], items[c, 1], items[c, 2]
-        before, after, grad = befores[t], afters[t], grads[t]
+        before = numba.carray(_pointer(befores[t, 0], weight_like), befores[t, 1])
+        after = numba.carray(_pointer(afters[t, 0], weight_like), afters[t, 1])
+        grad = numba.carray(_pointer(grads[t, 0], grad_like), grads[t, 1])
         updated = below = unchanged = 0
         for i in range(start, end):  # branch-free, so the loop vectorises
             g = _as_float32(grad, i, grad_table)

@@ -35,14 +35,16 @@ _BIT_VIEWS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}  # numba 
 
 @dataclass
 class _CpuKernel:
-    """The numba update-count kernel with what stays fixed between steps: numba's typed List, the work
-    items, their count workspace, the snapshots as typed-list views and the table decoding their bits."""
+    """The numba update-count kernel with what stays fixed between steps: the work items, their count
+    workspace, the snapshots' numpy views (kept alive: the kernel reads them by address) and where they are, and
+    the table decoding their bits."""
 
     run: Callable
-    typed_list: type
+    array_table: Callable
     items: np.ndarray
     item_counts: np.ndarray
-    snapshots: object
+    snapshot_views: list[np.ndarray]
+    snapshots: np.ndarray
     weight_table: np.ndarray
 
 
@@ -76,13 +78,12 @@ class UpdateTracker:
                 or not {torch.float32, *_BIT_VIEWS} >= dtypes
                 or any(t.device.type != "cpu" or not t.is_contiguous() for t in self.targets)):
             return None
-        from numba.typed import List
-
-        from mpdiag.numerics.cpu_kernel import on_torch_threads, update_counts
+        from mpdiag.numerics.cpu_kernel import array_table, on_torch_threads, update_counts
 
         items = work_items([t.numel() for t in self.targets])
-        snapshots, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once
-        return _CpuKernel(on_torch_threads(update_counts), List, items, np.empty((len(items), 3), np.int64), List(snapshots), table)
+        views, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once
+        return _CpuKernel(on_torch_threads(update_counts), array_table, items, np.empty((len(items), 3), np.int64),
+                          views, array_table(views, views[0].dtype), table)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""
@@ -107,11 +108,14 @@ class UpdateTracker:
                 len({g.dtype for g in grads}) != 1:
             return None
         k = self._kernel
-        after, _ = _numpy_views([t.detach() for t in self.targets])  # per step: a parameter may be rebound
+        # per step: a parameter may be rebound. The views stay referenced here while the kernel reads them.
+        after, _ = _numpy_views([t.detach() for t in self.targets])
         grad_values, grad_table = _numpy_views([g.detach() for g in grads])
         counts = np.empty((len(self.targets), 3), np.int64)
-        k.run(k.snapshots, k.typed_list(after), k.typed_list(grad_values), k.items, k.weight_table, grad_table,
-              np.float32(self.factor), k.item_counts, counts)
+        weight_like, grad_like = after[0].dtype.type(0), grad_values[0].dtype.type(0)  # float32 or uint16
+        k.run(k.snapshots, k.array_table(after, after[0].dtype), k.array_table(grad_values, grad_values[0].dtype),
+              weight_like, grad_like, k.items, k.weight_table, grad_table, np.float32(self.factor), k.item_counts,
+              counts)
         return torch.from_numpy(counts)
 
     def _count_with_torch(self) -> torch.Tensor:
