@@ -351,10 +351,11 @@ def fp16_overflow(run: pd.Series, store: Store) -> Finding | None:
     """Runs without loss scaling (FP32, BF16, a loop without a GradScaler): gradient values that exceed FP16's
     largest value, counted at every step whether its statistics were kept or not (Store.signal_counts of
     ``fp16_overflow_at_scale``; the scale is 1). The evidence names the first such step, why its statistics were
-    kept (Store.kept_steps; with --every N such a step is kept even between two multiples of N) and its tensors with their counts, then every step: how many held such values and, per
-    tensor, its values and the step with the most, said where that step's full statistics were not kept. With a
-    loss scaler, overflow is the scaler's to handle (scale-collapse says when it cannot): nothing is read then (a
-    long scaled run's thousands of overflowing steps would be decoded tensor by tensor for nothing)."""
+    kept (Store.kept_steps; with --every N such a step is kept even between two multiples of N) and its tensors
+    with their counts, then every step: how many held such values and, per tensor, its values and the step with
+    the most, said where that step's full statistics were not kept. With a loss scaler, overflow is the scaler's
+    to handle (scale-collapse says when it cannot): nothing is read then (a long scaled run's thousands of
+    overflowing steps would be decoded tensor by tensor for nothing)."""
     if run["scaling"] != "none":
         return None
     overflow = store.signal_counts(int(run["run_id"]), "fp16_overflow_at_scale")

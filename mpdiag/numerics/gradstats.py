@@ -459,8 +459,7 @@ class GradStatsComputer:
 
     def _init_numba(self, n: int) -> None:
         """The fused CPU kernel's work items and workspaces, allocated once for these tensor sizes."""
-
-        from mpdiag.numerics import cpu_kernel as kernels
+        from mpdiag.numerics import cpu_kernel as kernels  # here, not at module import: the app never loads numba
 
         parallel = sum(self.numels) >= PARALLEL_FROM
         self._kernel = kernels.on_torch_threads(kernels.fused_pass) if parallel else kernels.fused_pass_serial
