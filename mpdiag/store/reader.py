@@ -44,6 +44,7 @@ from mpdiag.store.schema import (
     SUMMARY_COLUMNS,
     TENSOR_STAT_COLUMNS,
     StoreError,
+    close_writing,
     connect_read,
     decode_hists,
     decode_signals,
@@ -173,7 +174,7 @@ class Store:
         self._immutable = False
         if not self.path.exists():
             try:
-                open_for_writing(self.path).close()
+                close_writing(open_for_writing(self.path))
             except StoreError as exc:
                 raise StoreError(f"No store at {self.path}, and mpdiag cannot create one there: {exc}") from exc
         self._check(create)
@@ -197,7 +198,7 @@ class Store:
             raise StoreError(f"{self.path} is an empty SQLite file, not an mpdiag store.")
         if version != SCHEMA_VERSION:  # new (another process may be creating it right now) or older: fix it
             try:
-                open_for_writing(self.path).close()
+                close_writing(open_for_writing(self.path))
             except StoreError as exc:
                 if version is None:
                     raise

@@ -37,6 +37,7 @@ from mpdiag.store.schema import (
     STATUSES,
     HistogramRollups,
     StoreError,
+    close_writing,
     decode_hists,
     encode_hists,
     encode_signals,
@@ -267,7 +268,7 @@ class StoreWriter:
         except sqlite3.Error:  # lost as in a crash: readers sum those buckets' steps from their exact rows
             pass
         finally:
-            self._conn.close()
+            close_writing(self._conn)
 
     def add_script(self, filename: str, source: str) -> str:
         """Store a script's source under its SHA-256 (idempotent) and return the hash."""

@@ -425,3 +425,45 @@ def test_step_signals_round_trip_per_tensor_with_absent_tensors_and_wrong_shapes
     # in ranges of steps: each count's largest at one step of the range, its first step, the steps it holds
     assert store.step_signal_totals(run_id, max_rows=1).values.tolist() == [
         [0, *np.maximum(first.sum(axis=0), [0, 0, 0, big, 1, 0, 2]).tolist(), 2]]
+
+
+def test_closing_the_writer_leaves_readers_able_to_open_the_store(tmp_path):
+    """The last writing connection to close copies the write-ahead log into the file; done under the close's
+    exclusive lock, a reader opening the store meanwhile was refused as "locked by another program" (seen in CI
+    on a busy disk). A log held back from the automatic checkpoints stands in for a slow disk: ~1 s to copy here,
+    against a reader that waits 0.1 s."""
+    import os
+    import threading
+    from contextlib import closing
+
+    from mpdiag.store.schema import close_writing, connect_read, open_for_writing
+
+    path = tmp_path / "runs.db"
+    conn = open_for_writing(path)
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("CREATE TABLE filler(x BLOB)")
+    with conn:
+        conn.executemany("INSERT INTO filler VALUES (?)", ((os.urandom(20_000),) for _ in range(2_000)))
+    assert os.path.getsize(f"{path}-wal") > 30e6
+    refused, reads, closed = [], [], threading.Event()
+
+    def read_until_closed():
+        while not closed.is_set() or not reads:
+            try:
+                reader = connect_read(path, wait_s=0.1)
+                reader.execute("SELECT name FROM sqlite_master").fetchall()
+                reader.close()
+                reads.append(1)
+            except sqlite3.OperationalError as exc:
+                refused.append(str(exc))
+
+    reader = threading.Thread(target=read_until_closed)
+    reader.start()
+    close_writing(conn)
+    closed.set()
+    reader.join()
+    assert not refused, refused[:3]
+    assert reads
+    with closing(connect_read(path)) as after:
+        assert after.execute("SELECT COUNT(*) FROM filler").fetchone() == (2_000,)
+    assert Store(path).runs().empty
