@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -35,17 +34,18 @@ def is_final(run: pd.Series) -> bool:
     return run["status"] in FINAL_STATUSES
 
 
-def _identity(path: Path) -> tuple[int, int]:
-    """Changes when the store file is replaced, so cached reads of a deleted store are not reused."""
+def _identity(store: Store) -> tuple[int, int, float | None]:
+    """Changes when the store file is replaced, so cached reads of a deleted store are not reused: its inode, and
+    its oldest run's creation time, since a file made after a deletion may get the deleted one's inode."""
     try:
-        stat = path.stat()
+        stat = store.path.stat()
     except FileNotFoundError:  # removed since the page opened it: said in the store's one line, not a traceback
-        raise no_store(path) from None
-    return stat.st_ino, stat.st_dev
+        raise no_store(store.path) from None
+    return stat.st_ino, stat.st_dev, store.origin()
 
 
-def _key(store: Store) -> tuple[str, tuple[int, int]]:
-    return str(store.path), _identity(store.path)
+def _key(store: Store) -> tuple[str, tuple[int, int, float | None]]:
+    return str(store.path), _identity(store)
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
@@ -151,8 +151,10 @@ def cached_when_final(max_entries: int = 64, live: Callable | None = None):
 
 def _since_last_read(store: Store, what: str, run_id: int, read_since: Callable, merge: Callable, *args):
     """A live run's rows: those this session read before (session state) and the ones added since, read by
-    ``read_since(since_step)`` and joined by ``merge(before, new)``; None before means nothing read yet."""
-    key = f"{what}:{store.path}:{run_id}:{args}"
+    ``read_since(since_step)`` and joined by ``merge(before, new)``; None before means nothing read yet. Keyed by
+    the store's identity too: a store made again at the same path numbers its runs from 1 again, and its run 1
+    must not continue the rows read of the old one."""
+    key = f"{what}:{_key(store)}:{run_id}:{args}"
     before = st.session_state.get(key)
     since = int(before["step"].max()) if before is not None and len(before) else -1
     new = read_since(since)

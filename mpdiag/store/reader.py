@@ -719,6 +719,13 @@ class Store:
         # NULL reads NaN, which equals nothing, not even itself: None compares
         return tuple(None if pd.isna(v) else v for v in rows.iloc[0].tolist()) if len(rows) else ()
 
+    def origin(self) -> float | None:
+        """When the store's oldest remaining run was created (None: no run), in one read by the primary key: with
+        the file's inode, what tells this store from one it replaced at the same path (Linux gives a deleted
+        file's inode to the next file made, and the new store numbers its runs from 1 again)."""
+        rows = self._query("SELECT started_at FROM runs ORDER BY run_id LIMIT 1")
+        return float(rows.iloc[0]["started_at"]) if len(rows) else None
+
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""
         df = self._query("SELECT MAX(step) AS s FROM steps WHERE run_id = ?", (int(run_id),))

@@ -223,3 +223,32 @@ def test_a_runs_refresh_sums_no_step_again_and_a_new_batch_shows(live_run, monke
     assert work_of_a_rerun(at, counts) == Counter(thin_steps=1)
     assert set(extended) == {(1, False), (2, True)}  # only step 2 read; then held
     assert at.dataframe[0].value.set_index("run").loc[run_id, "steps"].startswith("3")
+
+
+@pytest.mark.parametrize("status", ["running", "finished"])
+def test_a_store_replaced_at_the_same_path_shows_its_own_run_not_the_rows_read_of_the_old_one(tmp_path, monkeypatch,
+                                                                                              status):
+    """A store deleted and made again at the same path (a user starting over) numbers its runs from 1 again, and
+    its file may get the deleted one's inode: its run 1 is another run, not the rows this session (a live run)
+    or the process's cache (a finished one) holds of the old run 1."""
+    def run_of(steps: int, name: str) -> int:
+        run_id = new_run(path, name)
+        for step in range(2, steps):
+            write_step(path, run_id, step)
+        if status == "finished":
+            with StoreWriter(path) as writer:
+                writer.end_run(run_id, "finished")
+        return run_id
+
+    path = tmp_path / "runs.db"
+    run_id = run_of(5, "first")
+    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
+    assert not at.exception, [e.value for e in at.exception]
+    assert {m.label: m.value for m in at.metric}["steps"] == "5"
+
+    for leftover in tmp_path.glob("runs.db*"):
+        leftover.unlink()
+    assert run_of(2, "started over") == run_id
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert {m.label: m.value for m in at.metric}["steps"] == "2"
