@@ -24,7 +24,6 @@ import streamlit as st
 from mpdiag.analysis.findings import diagnose
 from mpdiag.analysis.summaries import SIGNAL_POINTS
 from mpdiag.store import Store
-from mpdiag.store.schema import no_store
 
 FINAL_STATUSES = ("finished", "failed", "crashed", "stopped")
 
@@ -34,18 +33,10 @@ def is_final(run: pd.Series) -> bool:
     return run["status"] in FINAL_STATUSES
 
 
-def _identity(store: Store) -> tuple[int, int, float | None]:
-    """Changes when the store file is replaced, so cached reads of a deleted store are not reused: its inode, and
-    its oldest run's creation time, since a file made after a deletion may get the deleted one's inode."""
-    try:
-        stat = store.path.stat()
-    except FileNotFoundError:  # removed since the page opened it: said in the store's one line, not a traceback
-        raise no_store(store.path) from None
-    return stat.st_ino, stat.st_dev, store.origin()
-
-
 def _key(store: Store) -> tuple[str, tuple[int, int, float | None]]:
-    return str(store.path), _identity(store)
+    """What cached reads of ``store`` are keyed by: its path and identity (a store replaced at that path is
+    another, :meth:`Store.identity`)."""
+    return str(store.path), store.identity()
 
 
 @st.cache_data(show_spinner=False, max_entries=256)

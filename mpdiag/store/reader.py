@@ -169,6 +169,7 @@ class Store:
         # Absolute, so a script that changes the working directory cannot redirect later opens.
         self.path = Path(path or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
         self._held_summaries = {} if held_summaries is None else held_summaries
+        self._identity: tuple | None = None  # (the file's stat when read, identity())
         if not self.path.exists() and not create:
             raise no_store(self.path)
         self._immutable = False
@@ -719,12 +720,23 @@ class Store:
         # NULL reads NaN, which equals nothing, not even itself: None compares
         return tuple(None if pd.isna(v) else v for v in rows.iloc[0].tolist()) if len(rows) else ()
 
-    def origin(self) -> float | None:
-        """When the store's oldest remaining run was created (None: no run), in one read by the primary key: with
-        the file's inode, what tells this store from one it replaced at the same path (Linux gives a deleted
-        file's inode to the next file made, and the new store numbers its runs from 1 again)."""
-        rows = self._query("SELECT started_at FROM runs ORDER BY run_id LIMIT 1")
-        return float(rows.iloc[0]["started_at"]) if len(rows) else None
+    def identity(self) -> tuple[int, int, float | None]:
+        """What tells this store file from one it replaced at the same path: its inode and device, and its oldest
+        run's creation time (None: no run), since Linux gives a deleted file's inode to the next file made and the
+        new store numbers its runs from 1 again. The run is read again only when the file's stat changed."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            raise no_store(self.path) from None
+        stamp = (stat.st_ino, stat.st_dev, stat.st_mtime_ns)
+        if self._identity is None or self._identity[0] != stamp:
+            try:
+                with closing(self._connect()) as conn:  # one read by the primary key
+                    row = conn.execute("SELECT started_at FROM runs ORDER BY run_id LIMIT 1").fetchone()
+            except _READ_ERRORS as exc:
+                raise read_error(self.path, exc.__cause__ or exc) from exc
+            self._identity = stamp, (stat.st_ino, stat.st_dev, None if row is None else float(row[0]))
+        return self._identity[1]
 
     def max_step(self, run_id: int) -> int:
         """Last recorded step of a run, -1 when none."""

@@ -5,6 +5,8 @@ same, and the runs table sums no step of a live run twice. The work is counted b
 (the heatmap's cells, the small multiples' bars, thinning steps, every Altair chart made, Streamlit's conversion of
 a chart, the findings, the step summaries), never by time; the new step is read from the page's own data."""
 
+import os
+import shutil
 from collections import Counter
 
 import altair as alt
@@ -226,12 +228,12 @@ def test_a_runs_refresh_sums_no_step_again_and_a_new_batch_shows(live_run, monke
 
 
 @pytest.mark.parametrize("status", ["running", "finished"])
-def test_a_store_replaced_at_the_same_path_shows_its_own_run_not_the_rows_read_of_the_old_one(tmp_path, monkeypatch,
-                                                                                              status):
-    """A store deleted and made again at the same path (a user starting over) numbers its runs from 1 again, and
-    its file may get the deleted one's inode: its run 1 is another run, not the rows this session (a live run)
-    or the process's cache (a finished one) holds of the old run 1."""
-    def run_of(steps: int, name: str) -> int:
+def test_a_store_copied_over_the_file_shows_its_own_run_not_the_rows_read_of_the_old_one(tmp_path, monkeypatch,
+                                                                                         status):
+    """Another store copied over the store file (``cp other.db runs.db``: the file keeps its inode) numbers its runs
+    from 1 as the old one did: its run 1 is another run, not the rows this session (a live run) or the process's
+    cache (a finished one) holds of the old run 1."""
+    def run_of(path, steps: int, name: str) -> int:
         run_id = new_run(path, name)
         for step in range(2, steps):
             write_step(path, run_id, step)
@@ -240,15 +242,19 @@ def test_a_store_replaced_at_the_same_path_shows_its_own_run_not_the_rows_read_o
                 writer.end_run(run_id, "finished")
         return run_id
 
-    path = tmp_path / "runs.db"
-    run_id = run_of(5, "first")
+    path, other = tmp_path / "runs.db", tmp_path / "other.db"
+    run_id = run_of(path, 5, "first")
     at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
     assert not at.exception, [e.value for e in at.exception]
     assert {m.label: m.value for m in at.metric}["steps"] == "5"
 
-    for leftover in tmp_path.glob("runs.db*"):
-        leftover.unlink()
-    assert run_of(2, "started over") == run_id
+    assert run_of(other, 2, "started over") == run_id
+    inode = path.stat().st_ino
+    for log in (f"{path}-wal", f"{path}-shm"):  # what cp leaves: the copied file alone
+        if os.path.exists(log):
+            os.remove(log)
+    shutil.copyfile(other, path)
+    assert path.stat().st_ino == inode
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert {m.label: m.value for m in at.metric}["steps"] == "2"
