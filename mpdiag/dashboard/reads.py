@@ -227,7 +227,7 @@ def _live_tensor_columns(store: Store, run_id: int, tensor: str, max_columns: in
     """A live run's columns: those this session read before up to its last bucket, and the store's from there on
     (that bucket may have grown); all of them again when the run has grown past the level read before."""
     # not keyed by max_columns (it moves as the run's bins fill): a level that no longer fits is read again below
-    key = f"columns:{store.path}:{run_id}:{tensor}:{hash(split_at)}"
+    key = f"columns:{_key(store)}:{run_id}:{tensor}:{hash(split_at)}"
     before = st.session_state.get(key)
     if before is None or not len(before[0]):
         st.session_state[key] = store.histogram_columns(run_id, tensor, max_columns, split_at)

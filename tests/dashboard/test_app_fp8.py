@@ -110,7 +110,7 @@ def test_a_runs_data_downloads_from_any_run_page_after_a_click(fp8_store, monkey
     assert not run_download(at)  # nothing is prepared by loading the page
     at.button(key="download_prepare").click().run()
     assert not at.exception and run_download(at)
-    data = at.session_state[f"download:{Store(fp8_store).path}:1"]
+    data = at.session_state[f"download:{Store(fp8_store).path}:{Store(fp8_store).identity()}:1"]
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = set(archive.namelist())
         steps = pd.read_csv(archive.open("run1_steps.csv"))

@@ -227,12 +227,21 @@ def test_a_runs_refresh_sums_no_step_again_and_a_new_batch_shows(live_run, monke
     assert at.dataframe[0].value.set_index("run").loc[run_id, "steps"].startswith("3")
 
 
+def loss_scale_steps(at) -> str:
+    return {m.label: m.value for m in at.metric}["steps"]
+
+
+def prepared_downloads(at) -> list:
+    return [b for b in at.get("download_button") if b.key == "download_zip"]
+
+
 @pytest.mark.parametrize("status", ["running", "finished"])
 def test_a_store_copied_over_the_file_shows_its_own_run_not_the_rows_read_of_the_old_one(tmp_path, monkeypatch,
                                                                                          status):
     """Another store copied over the store file (``cp other.db runs.db``: the file keeps its inode) numbers its runs
     from 1 as the old one did: its run 1 is another run, not the rows this session (a live run) or the process's
-    cache (a finished one) holds of the old run 1."""
+    cache (a finished one) holds of the old run 1: not its steps (Loss scale), its heatmap's columns (Gradients) or
+    the zip of its data prepared for download."""
     def run_of(path, steps: int, name: str) -> int:
         run_id = new_run(path, name)
         for step in range(2, steps):
@@ -244,9 +253,13 @@ def test_a_store_copied_over_the_file_shows_its_own_run_not_the_rows_read_of_the
 
     path, other = tmp_path / "runs.db", tmp_path / "other.db"
     run_id = run_of(path, 5, "first")
-    at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
-    assert not at.exception, [e.value for e in at.exception]
-    assert {m.label: m.value for m in at.metric}["steps"] == "5"
+    loss_scale = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(run_id))
+    gradients = app("pages/1_Gradients.py", path, monkeypatch, run=str(run_id))
+    loss_scale.button(key="download_prepare").click().run()
+    for at in (loss_scale, gradients):
+        assert not at.exception, [e.value for e in at.exception]
+    assert loss_scale_steps(loss_scale) == "5" and heatmap_steps(gradients) == {0, 1, 2, 3, 4}
+    assert prepared_downloads(loss_scale)
 
     assert run_of(other, 2, "started over") == run_id
     inode = path.stat().st_ino
@@ -255,6 +268,8 @@ def test_a_store_copied_over_the_file_shows_its_own_run_not_the_rows_read_of_the
             os.remove(log)
     shutil.copyfile(other, path)
     assert path.stat().st_ino == inode
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    assert {m.label: m.value for m in at.metric}["steps"] == "2"
+    for at in (loss_scale, gradients):
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+    assert loss_scale_steps(loss_scale) == "2" and heatmap_steps(gradients) == {0, 1}
+    assert not prepared_downloads(loss_scale)
