@@ -1,6 +1,6 @@
 """The Recorder's fixed cost per tensor, on the shapes real models have: hundreds of small parameter tensors.
 
-Residual MLPs (width 64) of about 78, 200 and 500 parameter tensors, fp16 autocast with GradScaler, the Recorder
+Residual MLPs (width 64, or ``--width``) of about 78, 200 and 500 parameter tensors, fp16 autocast with GradScaler, the Recorder
 at every step. Per model, interleaved round-robin so drift hits all of them alike, it times:
 
 * plain      - the AMP step alone (forward, scaled backward, scaler.step, update);
@@ -28,7 +28,7 @@ also counted as the CUDA kernels one statistics pass runs.
 the 200-tensor MLP) is stated for FP32, where the step is short.
 
     python bench/many_tensors.py [--steps 20] [--tensors 78 200 500] [--every 10] [--fp32] [--device cpu|cuda]
-                                 [--out FILE.json]
+                                 [--width 64] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -59,16 +59,16 @@ TARGET_US_PER_TENSOR, TARGET_OVER_YARDSTICK, GOAL_OVER_YARDSTICK = 10.0, 5.0, 3.
 class Block(nn.Module):
     """x + W2 relu(W1 x): four parameter tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.b(torch.relu(self.a(x)))
 
 
-def residual_mlp(tensors: int) -> nn.Module:
-    return nn.Sequential(*[Block() for _ in range(tensors // 4)], nn.Linear(WIDTH, 1))
+def residual_mlp(tensors: int, width: int = WIDTH) -> nn.Module:
+    return nn.Sequential(*[Block(width) for _ in range(tensors // 4)], nn.Linear(width, 1))
 
 
 def torch_backend_launches(grads: list[torch.Tensor]) -> int:
@@ -123,11 +123,11 @@ class Trained:
         self.scaler.update()
 
 
-def measure(tensors: int, steps: int, every: int, device: torch.device, amp: bool) -> dict:
+def measure(tensors: int, steps: int, every: int, device: torch.device, amp: bool, width: int = WIDTH) -> dict:
     torch.manual_seed(0)
-    model = residual_mlp(tensors).to(device)
+    model = residual_mlp(tensors, width).to(device)
     params = list(model.parameters())
-    x, y = torch.randn(BATCH, WIDTH, device=device), torch.randn(BATCH, 1, device=device)
+    x, y = torch.randn(BATCH, width, device=device), torch.randn(BATCH, 1, device=device)
     each, sparse = Trained(model, device, 1, amp), Trained(copy.deepcopy(model), device, every, amp)
 
     def yardstick() -> None:
@@ -192,12 +192,14 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="the twin model's --every (default 10)")
     parser.add_argument("--fp32", action="store_true", help="train in FP32 (no autocast, no GradScaler)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help=f"the MLP's width (default {WIDTH}); a small one (4) leaves the cost per tensor alone")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "many_tensors.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
     results = []
     for n in args.tensors:
-        r = measure(n, args.steps, args.every, device, amp=not args.fp32)
+        r = measure(n, args.steps, args.every, device, amp=not args.fp32, width=args.width)
         m, mean = r["median_s"], r["mean_s"]
         print(f"{r['tensors']:>4} tensors: plain {m['plain'] * 1e3:.2f} ms, recorded {m['recorded'] * 1e3:.2f} ms "
               f"({r['recorded_over_plain']:.2f}x), one _foreach_norm {m['yardstick'] * 1e3:.3f} ms; means: plain "
@@ -227,7 +229,7 @@ def main() -> None:
                                                               for r in results))
     device_name = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     write_result({"device": device_name, "precision": "fp32" if args.fp32 else "fp16 autocast + GradScaler",
-                  "results": results, "targets": targets,
+                  "width": args.width, "results": results, "targets": targets,
                   "threads": torch.get_num_threads()}, args.out)
 
 
