@@ -46,6 +46,7 @@ class _CpuKernel:
     snapshot_views: list[np.ndarray]
     snapshots: np.ndarray
     weight_table: np.ndarray
+    dtype: torch.dtype  # the targets' (and snapshots') dtype the kernel was built for
 
 
 class UpdateTracker:
@@ -83,7 +84,7 @@ class UpdateTracker:
         items = work_items([t.numel() for t in self.targets])
         views, table = _numpy_views(self._snapshots)  # the tracker's own tensors: viewed once
         return _CpuKernel(on_torch_threads(update_counts), array_table, items, np.empty((len(items), 3), np.int64),
-                          views, array_table(views, views[0].dtype), table)
+                          views, array_table(views, views[0].dtype), table, self.targets[0].dtype)
 
     def before(self, step: int) -> None:
         """Snapshot the weights that step ``step`` is about to update."""
@@ -108,6 +109,8 @@ class UpdateTracker:
                 len({g.dtype for g in grads}) != 1:
             return None
         k = self._kernel
+        if any(t.dtype != k.dtype for t in self.targets):
+            return None  # a target rebound to another dtype (model.half()): read as the snapshots' type, garbage
         # per step: a parameter may be rebound. The views stay referenced here while the kernel reads them.
         after, _ = _numpy_views([t.detach() for t in self.targets])
         grad_values, grad_table = _numpy_views([g.detach() for g in grads])

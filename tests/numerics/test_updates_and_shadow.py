@@ -113,6 +113,30 @@ def test_update_counts_equal_float64_arithmetic(dtype, fmt, contiguous):
     assert 0 < expected[1] < expected[0] and (expected[2] > 0) == (dtype != torch.float32)  # the data reaches every count
 
 
+def test_a_target_rebound_to_another_dtype_is_counted_by_its_values_not_read_as_the_old_type():
+    """The numba kernel reads its snapshots and the targets by address as the dtype it was built for; a parameter
+    whose data was rebound to FP16 after (``p.data = p.data.half()``) is counted by the torch path, and the counts
+    equal the rule in float64 on the values before and after the step."""
+    gen = torch.Generator().manual_seed(3)
+    target = torch.nn.Parameter(torch.randn(4096, generator=gen) * 4)
+    tracker = UpdateTracker([target], "fp16")
+    assert tracker._kernel is not None  # built for float32: the kernel path
+    target.data = target.data.half()
+    target.grad = torch.randn(4096, generator=gen).half()
+    tracker.before(0)
+    old = target.detach().double().clone()
+    with torch.no_grad():
+        spread = torch.exp2(torch.empty(4096).uniform_(-3, 3, generator=gen)) * torch.randn(4096, generator=gen).sign()
+        target.add_((target.float().abs() * 2.0**-11 * spread).half())  # steps around FP16's resolution
+    tracker.after()
+    [(_, [counts])] = tracker.take()
+    now, g = target.detach().double(), target.grad.double()
+    moved = g.isfinite() & (g != 0)
+    expected = [int(moved.sum()), int((moved & ((now - old).abs() < 2.0**-11 * old.abs())).sum()),
+                int((moved & (now == old)).sum())]
+    assert counts == expected and 0 < expected[1] < expected[0] and expected[2] > 0
+
+
 def test_update_targets_must_match_the_model(store_path):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
