@@ -70,6 +70,8 @@ def test_run_example_from_ui_open_every_page_and_deep_link(browser, tmp_path):
         deadline = time.time() + 60
         while (cells("finished") < 2 or cells("running")) and time.time() < deadline:
             page.wait_for_timeout(500)
+        if cells("finished") < 2 or cells("running"):  # what the grid showed instead (failed once, ci41: unexplained)
+            shot(page, "02_home_not_finished")
         assert cells("finished") >= 2 and not cells("running")
         no_exception(page)
         shot(page, "02_home_finished")
