@@ -445,10 +445,10 @@ def test_closing_the_writer_leaves_readers_able_to_open_the_store(tmp_path):
     with conn:
         conn.executemany("INSERT INTO filler VALUES (?)", ((os.urandom(20_000),) for _ in range(2_000)))
     assert os.path.getsize(f"{path}-wal") > 30e6
-    refused, reads, closed = [], [], threading.Event()
+    refused, reads, closed, given_up = [], [], threading.Event(), threading.Event()
 
     def read_until_closed():
-        while not closed.is_set() or not reads:
+        while (not closed.is_set() or not reads) and not given_up.is_set():
             try:
                 reader = connect_read(path, wait_s=0.1)
                 reader.execute("SELECT name FROM sqlite_master").fetchall()
@@ -461,6 +461,8 @@ def test_closing_the_writer_leaves_readers_able_to_open_the_store(tmp_path):
     reader.start()
     close_writing(conn)
     closed.set()
+    reader.join(timeout=30)  # a store no reader can open fails here, not at pytest's timeout
+    given_up.set()
     reader.join()
     assert not refused, refused[:3]
     assert reads
