@@ -24,17 +24,19 @@ FIRST_NORMAL_BIN = FP32.min_normal_exponent - EXP_MIN  # the histogram bin of fp
 
 
 def on_torch_threads(kernel):
-    """``kernel`` (a parallel one) launched on as many threads as torch has, and torch's thread count left as it
-    was. numba's OpenMP layer sets the launching thread's OpenMP thread count to numba's own at each parallel
-    launch, and torch shares that runtime: without this, a training script's ``torch.set_num_threads(1)`` became
-    the number of cores from mpdiag's first parallel kernel on (seen as an O1 run taking 6x the CPU)."""
+    """``kernel`` (a parallel one) launched on as many threads as torch has (no more than numba has now), and
+    both thread counts left as they were. numba's OpenMP layer sets the launching thread's OpenMP thread count to
+    numba's own at each parallel launch, and torch shares that runtime: without this, a training script's
+    ``torch.set_num_threads(1)`` became the number of cores from mpdiag's first parallel kernel on (seen as an O1
+    run taking 6x the CPU); and a script's own ``numba.set_num_threads`` is the script's to keep."""
     @functools.wraps(kernel)
     def launch(*args):
-        threads = torch.get_num_threads()
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+        numba.set_num_threads(max(1, min(threads, numba_threads)))
         try:
             return kernel(*args)
         finally:
+            numba.set_num_threads(numba_threads)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 

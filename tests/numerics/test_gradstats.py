@@ -480,7 +480,7 @@ def test_the_kernels_leave_torch_on_the_threads_the_script_gave_it():
     """numba's OpenMP layer sets the launching thread's OpenMP thread count to numba's own at each parallel launch,
     and torch shares that runtime: a script's ``torch.set_num_threads(1)`` became 2 (numba's) after mpdiag's first
     parallel statistics pass or update count. Each parallel kernel (statistics, the light signals pass, update
-    counts) must leave torch on the script's count. In a child: thread counts are process state, and numba's must
+    counts) must leave torch on the script's count, and numba on the script's own if it set one. In a child: thread counts are process state, and numba's must
     be 2 there (the suite runs it on 1)."""
     code = textwrap.dedent("""
         import torch
@@ -503,9 +503,15 @@ def test_the_kernels_leave_torch_on_the_threads_the_script_gave_it():
                 weight.sub_(1e-5)
             tracker.after()
             seen.append([after_statistics, after_signals, torch.get_num_threads()])
-        print(seen)
+        import numba
+        numba.set_num_threads(1)  # the script's own, lower than torch's 2: kept, and a cap for mpdiag's kernels
+        computer.compute(grads, 1000.0)
+        computer.hold(grads, 1024.0)
+        tracker.before(1)
+        tracker.after()
+        print(seen, numba.get_num_threads(), torch.get_num_threads())
     """)
     env = {**os.environ, "NUMBA_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[[1, 1, 1], [2, 2, 2]]"
+    assert done.stdout.strip().splitlines()[-1] == "[[1, 1, 1], [2, 2, 2]] 1 2"
