@@ -125,11 +125,6 @@ def _raise_stop(signum, frame):
     raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
-#: set when a run of this process ended on a stop (RunStopped, KeyboardInterrupt): the process was asked to end,
-#: so a pair does not go on to train its FP32 twin (cleared when a pair starts)
-_stop_arrived = threading.Event()
-
-
 def train(
     script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None = None,
     run_id: int | None = None, console=None,
@@ -143,11 +138,17 @@ def train(
     ``console``: a :class:`~mpdiag.store.console.ConsoleCapture` of this process's output (``mpdiag run`` tees
     it), kept with the run: refreshed while it trains, final when it ends (not for a run of several processes).
     """
+    return _train(script, config, store_path, progress, run_id, console)[0]
+
+
+def _train(script: ModelScript, config: RunConfig, store_path: str | os.PathLike, progress: ProgressFn | None,
+           run_id: int | None, console) -> tuple[int, bool]:
+    """:func:`train`, and whether the run ended on a stop (SIGTERM, Ctrl-C): the process was asked to end."""
     config.validate()
     device = resolve_device(config.device)
     policy = make_policy(config, device)
     if config.nproc > 1 and run_id is None:
-        return distributed.launch(script, config, store_path, _run_facts(script, device))
+        return distributed.launch(script, config, store_path, _run_facts(script, device)), False
     job = distributed.RankJob.join(config.parallel, device) if config.nproc > 1 else None
     writer = BackgroundWriter(store_path) if job is None or job.is_writer else DiscardingWriter()
     try:
@@ -159,10 +160,10 @@ def train(
         else:  # a rank of a launched job: the launcher created the run
             run, output = Run.adopt(writer, run_id, config=MpdiagConfig({"run": config.to_dict()})), None
         with _stop_on_sigterm():
-            _train_run(run, script, config, device, policy, job, progress)
+            stopped = _train_run(run, script, config, device, policy, job, progress)
         if output is not None:
             output.finish()
-        return run.run_id
+        return run.run_id, stopped
     finally:
         writer.close()  # a rank's process group is left as it is: see mpdiag.training.rank
 
@@ -180,9 +181,9 @@ def _stop_on_sigterm():
 
 
 def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.device, policy: PrecisionPolicy,
-               job: distributed.RankJob | None, progress: ProgressFn | None) -> None:
+               job: distributed.RankJob | None, progress: ProgressFn | None) -> bool:
     """Build, train and end the run; a failure of the script (or a stop) is recorded, never raised: by the
-    Recorder once it exists (its rows flushed first), else by the run itself."""
+    Recorder once it exists (its rows flushed first), else by the run itself. Returns whether a stop ended it."""
     recorder = None
     try:
         seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
@@ -197,13 +198,13 @@ def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.d
         run.describe(model_state=state, params=state["params"],
                      config=_stored_config(config, optimizer, recorder.optimizer_step_nonfinite))
         recorder.close(note=note)
+        return False
     except (Exception, KeyboardInterrupt, SystemExit, RunStopped) as exc:  # noqa: BLE001 - anything is recorded
-        if isinstance(exc, (RunStopped, KeyboardInterrupt)):
-            _stop_arrived.set()
         error = _failure_text(exc, script)
         if job is not None:  # every rank's error reaches the launching process, which names the first
             job.report_failure(error)
         (recorder or run).fail(error)
+        return isinstance(exc, (RunStopped, KeyboardInterrupt))
 
 
 def _recorder(run: Run, model, optimizer, policy: PrecisionPolicy, config: RunConfig,
@@ -332,9 +333,8 @@ def train_pair(
     Returns (mixed run id, FP32 run id); raises RunStopped, its run recorded, when the first run was stopped.
     ``console`` (see :func:`train`): the twin's kept output is the command's, so it starts with the first run's."""
     twin = fp32_twin_of(script, config)
-    _stop_arrived.clear()
-    mixed_id = train(script, config, store_path, progress, console=console)
-    if _stop_arrived.is_set():  # SIGTERM (the dashboard's Stop) or Ctrl-C ended the first run: end, not the twin
+    mixed_id, stopped = _train(script, config, store_path, progress, None, console)
+    if stopped:  # SIGTERM (the dashboard's Stop) or Ctrl-C ended the first run: end, not the twin
         raise RunStopped(f"stopped before the FP32 twin of run {mixed_id} started")
     fp32_id = train(script, twin, store_path, progress, console=console)
     writer = BackgroundWriter(store_path, heartbeat=False)
