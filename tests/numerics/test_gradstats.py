@@ -480,8 +480,8 @@ def test_the_kernels_leave_torch_on_the_threads_the_script_gave_it():
     """numba's OpenMP layer sets the launching thread's OpenMP thread count to numba's own at each parallel launch,
     and torch shares that runtime: a script's ``torch.set_num_threads(1)`` became 2 (numba's) after mpdiag's first
     parallel statistics pass or update count. Each parallel kernel (statistics, the light signals pass, update
-    counts) must leave torch on the script's count, and numba on the script's own if it set one. In a child: thread counts are process state, and numba's must
-    be 2 there (the suite runs it on 1)."""
+    counts) must leave torch on the script's count, and numba on the script's own where it set one. In a child:
+    thread counts are process state, and numba's must be 2 there (the suite runs it on 1)."""
     code = textwrap.dedent("""
         import torch
         from mpdiag.numerics.gradstats import GradStatsComputer
