@@ -25,25 +25,33 @@ FIRST_EXAMPLE = "mlp_digits.py"
 
 def runs_panel(store) -> None:
     runs = store.runs()
-    ui.launched_runs(store, runs)
+    # each part above the table in a container of its own: the table keeps its place on the page as runs start
+    # and end (moved, the browser rebuilt it, blank for a moment: ~0.3 s, longer on a busy machine)
+    with st.container():
+        ui.launched_runs(store, runs)
     if runs.empty:
         first_run_offer(store)
         return
-    for banner in events_model.runs_banners(store, runs):  # live: an event shows at the next refresh
-        ui.events_banner(banner)
-    for live in runs_model.live_runs(store, runs):
-        with st.container(border=True):
-            if live.fraction is None:
-                st.caption(plain(live.text))
-            else:
-                st.progress(live.fraction, text=plain(live.text))
-            if live.loss_drawable:
-                ui.show_chart(charts.live_loss(live.drawn), f"live_loss_{live.run_id}", width="stretch")
-            else:
-                st.caption(live.no_loss)
+    with st.container():
+        for banner in events_model.runs_banners(store, runs):  # live: an event shows at the next refresh
+            ui.events_banner(banner)
+    with st.container():
+        for live in runs_model.live_runs(store, runs):
+            with st.container(border=True):
+                if live.fraction is None:
+                    st.caption(plain(live.text))
+                else:
+                    st.progress(live.fraction, text=plain(live.text))
+                if live.loss_drawable:
+                    ui.show_chart(charts.live_loss(live.drawn), f"live_loss_{live.run_id}", width="stretch")
+                else:
+                    st.caption(live.no_loss)
     st.dataframe(runs_model.table(store, runs, filtered_runs(runs)), hide_index=True, width="stretch", column_config={
         "run": st.column_config.NumberColumn(width=40, pinned=True),
         "name": st.column_config.TextColumn(width=190, pinned=True, help="Rename it below; hover for a long name"),
+        # widths for what grows while a run goes: the browser sizes a column once, to what it first showed
+        **{column: st.column_config.TextColumn(width=width)
+           for column, width in (("health", 130), ("steps", 100), ("skipped", 95))},
         **{column: st.column_config.LinkColumn(text, display_text=text, width=80)
            for column, text in RUN_LINKS.items()}})
     for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
