@@ -33,6 +33,7 @@ from mpdiag.dashboard.reads import (
     is_final,
     live_findings,
     steps,
+    store_key,
 )
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
@@ -393,7 +394,7 @@ def download_section(store: Store, run: pd.Series) -> None:
     """In the sidebar: the run's data as `mpdiag export` writes it (every table, Parquet and CSV), zipped when
     asked for (a click; a running run's data as of that moment), then offered as a download."""
     run_id = int(run["run_id"])
-    key = f"download:{store.path}:{store.identity()}:{run_id}"  # not a zip of a store this file replaced
+    key = f"download:{store_key(store)}:{run_id}"  # not a zip of a store this file replaced
     st.sidebar.divider()
     if st.sidebar.button(f"Prepare run #{run_id}'s data", key="download_prepare",
                          help="Every table of this run as Parquet and CSV in one zip, as `mpdiag export` writes them"

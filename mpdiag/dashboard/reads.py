@@ -33,9 +33,9 @@ def is_final(run: pd.Series) -> bool:
     return run["status"] in FINAL_STATUSES
 
 
-def _key(store: Store) -> tuple[str, tuple[int, int, float | None]]:
-    """What cached reads of ``store`` are keyed by: its path and identity (a store replaced at that path is
-    another, :meth:`Store.identity`)."""
+def store_key(store: Store) -> tuple[str, tuple[int, int, float | None]]:
+    """What cached reads and session-kept values of ``store`` are keyed by: its path and identity (a store
+    replaced at that path is another, :meth:`Store.identity`)."""
     return str(store.path), store.identity()
 
 
@@ -105,7 +105,7 @@ def finding_severities(store: Store, run: pd.Series, version: tuple, runs: pd.Da
     for as long as ``version`` (:func:`findings_version` of ``runs``, the page's runs table) stays the same; a
     live run's held by the session (:func:`live_findings`)."""
     if is_final(run):
-        return _severities(_key(store), int(run["run_id"]), version, runs)
+        return _severities(store_key(store), int(run["run_id"]), version, runs)
     return [f.severity for f in live_findings(store, run, version)]
 
 
@@ -135,7 +135,7 @@ def cached_when_final(max_entries: int = 64, live: Callable | None = None):
         @functools.wraps(read)
         def serve(store: Store, run_id: int, *args_then_final):
             *args, final = args_then_final
-            return cached(_key(store), int(run_id), *args) if final else (live or read)(store, int(run_id), *args)
+            return cached(store_key(store), int(run_id), *args) if final else (live or read)(store, int(run_id), *args)
         return serve
     return wrap
 
@@ -145,7 +145,7 @@ def _since_last_read(store: Store, what: str, run_id: int, read_since: Callable,
     ``read_since(since_step)`` and joined by ``merge(before, new)``; None before means nothing read yet. Keyed by
     the store's identity too: a store made again at the same path numbers its runs from 1 again, and its run 1
     must not continue the rows read of the old one."""
-    key = f"{what}:{_key(store)}:{run_id}:{args}"
+    key = f"{what}:{store_key(store)}:{run_id}:{args}"
     before = st.session_state.get(key)
     since = int(before["step"].max()) if before is not None and len(before) else -1
     new = read_since(since)
@@ -227,7 +227,7 @@ def _live_tensor_columns(store: Store, run_id: int, tensor: str, max_columns: in
     """A live run's columns: those this session read before up to its last bucket, and the store's from there on
     (that bucket may have grown); all of them again when the run has grown past the level read before."""
     # not keyed by max_columns (it moves as the run's bins fill): a level that no longer fits is read again below
-    key = f"columns:{_key(store)}:{run_id}:{tensor}:{hash(split_at)}"
+    key = f"columns:{store_key(store)}:{run_id}:{tensor}:{hash(split_at)}"
     before = st.session_state.get(key)
     if before is None or not len(before[0]):
         st.session_state[key] = store.histogram_columns(run_id, tensor, max_columns, split_at)

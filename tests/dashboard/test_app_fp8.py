@@ -14,6 +14,7 @@ from conftest import EXAMPLES
 
 from mpdiag import Store
 from mpdiag.analysis.findings import diagnose, evidence_link
+from mpdiag.dashboard.reads import store_key
 from mpdiag.store import StoreWriter
 from mpdiag.training.runner import RunConfig, train
 from mpdiag.training.script import ModelScript
@@ -110,7 +111,7 @@ def test_a_runs_data_downloads_from_any_run_page_after_a_click(fp8_store, monkey
     assert not run_download(at)  # nothing is prepared by loading the page
     at.button(key="download_prepare").click().run()
     assert not at.exception and run_download(at)
-    data = at.session_state[f"download:{Store(fp8_store).path}:{Store(fp8_store).identity()}:1"]
+    data = at.session_state[f"download:{store_key(Store(fp8_store))}:1"]
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = set(archive.namelist())
         steps = pd.read_csv(archive.open("run1_steps.csv"))
