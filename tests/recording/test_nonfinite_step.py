@@ -1,12 +1,16 @@
 """The optimizer-step check's one-pass finiteness test (mpdiag.recording.nonfinite_step) against
 ``torch.isfinite`` on each tensor: sums of magnitudes that overflow from finite values are no finding, and one
-NaN or inf anywhere, in any dtype, is."""
+NaN or inf anywhere, in any dtype, is. The check keeps the loss's value, not the loss."""
+
+import gc
+import weakref
 
 import pytest
 import torch
 from conftest import DEVICES
 
-from mpdiag.recording.nonfinite_step import NonfiniteStepCheck
+from mpdiag import Recorder
+from mpdiag.recording.nonfinite_step import EVERY_STEP, NonfiniteStepCheck
 
 
 def _tensors(device):
@@ -34,3 +38,20 @@ def test_one_nonfinite_value_in_any_tensor_and_dtype_is_found(device, bad):
         values[index].view(-1)[-1] = bad
         assert not bool(torch.isfinite(values[index]).all())
         assert not NonfiniteStepCheck._finite(values), (index, values[index].dtype)
+
+
+def test_the_checked_loss_is_not_kept_alive(tmp_path):
+    """The check needs the loss's value before the optimizer step, not the loss: the Recorder held the tensor (and
+    through it the step's autograd graph) until the next record, past the loop's own last reference."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt, check_optimizer_step=EVERY_STEP)
+    loss = model(torch.randn(16, 4)).square().mean()
+    loss.backward()
+    rec.record(loss)
+    recorded = weakref.ref(loss)
+    del loss
+    gc.collect()
+    assert recorded() is None
+    opt.step()  # the check runs on the value it kept (tests/analysis/test_optimizer_step_finding.py: it still finds)
+    rec.close()

@@ -98,14 +98,17 @@ def _scaler_loop(store_path, overflow_steps, steps=12, unscale_first=False, devi
             if unscale_first:
                 scaler.unscale_(opt)
             grad = model.weight.grad.clone()
+            peak_before = torch.cuda.max_memory_allocated() if device == "cuda" else None
             rec.record(loss)
+            peak_after = torch.cuda.max_memory_allocated() if device == "cuda" else None
             before = len(ran)
             scaler.step(opt)
             scaler.update()
             state = scaler.state_dict()
             truth.append(
                 dict(step=step, loss_scale=scale_used, skipped=int(len(ran) == before),
-                     scale_after=state["scale"], growth_tracker=state["_growth_tracker"], grad=grad)
+                     scale_after=state["scale"], growth_tracker=state["_growth_tracker"], grad=grad,
+                     peak=(peak_before, peak_after))
             )
     return rec.run_id, truth
 
@@ -121,6 +124,9 @@ def test_scale_trajectory_matches_gradscaler_state(store_path, arrival, device):
     assert steps["skipped"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0]
     assert math.isinf(steps.loc[2, "loss"])  # inf loss kept as such, never dropped
     assert (steps["step_time_s"] > 0).all() and (steps["peak_mem_bytes"] > 0).all()
+    if device == "cuda":  # the caching allocator's peak as torch reads it, between its readings around record()
+        for recorded, expected in zip(steps["peak_mem_bytes"], truth, strict=True):
+            assert expected["peak"][0] <= recorded <= expected["peak"][1], (recorded, expected["peak"])
     run = Store(store_path).run(run_id)
     assert run["status"] == "finished"
     # the machine, as torch names it: a watched or hand-instrumented run on a GPU says which (it said None)
