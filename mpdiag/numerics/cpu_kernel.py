@@ -390,3 +390,32 @@ def update_counts(befores, afters, grads, weight_like, grad_like, items, weight_
     counts[:] = 0
     for c in range(items.shape[0]):
         _add_row(counts[items[c, 0]], item_counts[c])
+
+
+#: the exponent field's bits of each floating-point dtype the finiteness count reads: a value is inf or NaN exactly
+#: when all of them are set
+EXPONENT_BITS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80,
+                 torch.float64: 0x7FF0000000000000}
+
+
+@numba.njit(inline="always")
+def _all_exponent_bits_set(bits, mask):
+    count = 0
+    for i in range(bits.shape[0]):  # branch-free, so the loop vectorises
+        count += (bits[i] & mask) == mask
+    return count
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def nonfinite_counts(table, counts):
+    """Per row t of ``table`` (address, number of values, exponent bits, bytes a value: 2, 4 or 8), into
+    ``counts[t]``: how many of those values are inf or NaN, read as bit patterns (any FP16/BF16/FP32/FP64
+    tensor, see :data:`EXPONENT_BITS`), tensors in parallel. The caller keeps the tensors alive."""
+    for t in numba.prange(table.shape[0]):
+        address, n, mask, width = table[t, 0], table[t, 1], table[t, 2], table[t, 3]
+        if width == 2:
+            counts[t] = _all_exponent_bits_set(numba.carray(_pointer(address, np.int16(0)), n), np.int16(mask))
+        elif width == 4:
+            counts[t] = _all_exponent_bits_set(numba.carray(_pointer(address, np.int32(0)), n), np.int32(mask))
+        else:
+            counts[t] = _all_exponent_bits_set(numba.carray(_pointer(address, np.int64(0)), n), np.int64(mask))

@@ -18,8 +18,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE
 from mpdiag.recording.distributed import local_shards
 from mpdiag.recording.features import RecordedStep, RecorderFeature
 
@@ -42,6 +44,25 @@ def _dtypes(states) -> str | None:
 def optimizer_state_dtype(optimizer: torch.optim.Optimizer) -> str | None:
     """The dtype of an optimizer's floating-point state (None before its first step, or stateless)."""
     return _dtypes(optimizer.state.values())
+
+
+def _nonfinite_on_cpu(tensors: list[torch.Tensor]) -> int | None:
+    """How many values of ``tensors`` are inf or NaN, counted by one numba kernel over their bit patterns (exact,
+    no sum to overflow); None where that kernel cannot read them all (numba missing, a tensor off the CPU or
+    strided, a dtype it does not know), and the torch path counts instead. One torch thread on the project's
+    2-core CPU, 404 tensors of 4,096 FP32 values (a 200-tensor MLP's weights and gradients): 0.7 ms, where the
+    foreach norms and their ``stack`` took 3.0 ms (each tensor read through a reduction of its own)."""
+    if not NUMBA_AVAILABLE or not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        return None
+    from mpdiag.numerics.cpu_kernel import EXPONENT_BITS, nonfinite_counts, on_torch_threads
+
+    if not all(t.dtype in EXPONENT_BITS for t in tensors):
+        return None
+    table = np.array([(t.data_ptr(), t.numel(), EXPONENT_BITS[t.dtype], t.element_size()) for t in tensors],
+                     dtype=np.int64).reshape(len(tensors), 4)
+    counts = np.zeros(len(tensors), np.int64)
+    on_torch_threads(nonfinite_counts)(table, counts)  # ``tensors`` keeps the values alive while it reads them
+    return int(counts.sum())
 
 
 class NonfiniteStepCheck:
@@ -85,13 +106,17 @@ class NonfiniteStepCheck:
 
     @staticmethod
     def _finite(values) -> bool:
-        """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor): one
-        synchronisation. One ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a
+        """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor). On the CPU,
+        one numba pass counts the inf/NaN bit patterns of all of them (:func:`_nonfinite_on_cpu`). Elsewhere one
+        synchronisation: one ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a
         sum of magnitudes is inf or NaN when a value is: a per-tensor ``isfinite().all()`` was 4 operators a tensor
         (the profiler on an H100's host: 705 isfinite calls in 3 steps of an SGD model of 78 tensors, 97 us each
         with their children). Finite values can sum past fp32's range, so a non-finite sum is confirmed tensor by
         tensor before it counts."""
         shards = local_shards(values)
+        nonfinite = _nonfinite_on_cpu(shards)
+        if nonfinite is not None:
+            return nonfinite == 0
         groups: dict[tuple, list[torch.Tensor]] = {}
         for v in shards:
             groups.setdefault((v.device, v.dtype), []).append(v)

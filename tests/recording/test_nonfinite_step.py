@@ -1,6 +1,7 @@
 """The optimizer-step check's one-pass finiteness test (mpdiag.recording.nonfinite_step) against
 ``torch.isfinite`` on each tensor: sums of magnitudes that overflow from finite values are no finding, and one
-NaN or inf anywhere, in any dtype, is. The check keeps the loss's value, not the loss."""
+NaN or inf anywhere, in any dtype, is; counted by numba's pass over bit patterns and by torch. The check
+keeps the loss's value, not the loss."""
 
 import gc
 import weakref
@@ -10,6 +11,7 @@ import torch
 from conftest import DEVICES
 
 from mpdiag import Recorder
+from mpdiag.recording import nonfinite_step
 from mpdiag.recording.nonfinite_step import EVERY_STEP, NonfiniteStepCheck
 
 
@@ -21,8 +23,19 @@ def _tensors(device):
     return [t.to(device) for t in made]
 
 
+@pytest.fixture(params=["numba", "torch"])
+def counted_by(request, monkeypatch):
+    """Both ways of counting: the numba kernel over bit patterns (CPU) and the foreach norms (any device; on the
+    CPU where numba is missing)."""
+    if request.param == "torch":
+        monkeypatch.setattr(nonfinite_step, "NUMBA_AVAILABLE", False)
+    else:  # numba is a requirement: the kernel counts CPU tensors
+        assert nonfinite_step._nonfinite_on_cpu([torch.zeros(1)]) == 0
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_finite_values_whose_magnitudes_sum_past_fp32_are_finite(device):
+def test_finite_values_whose_magnitudes_sum_past_fp32_are_finite(device, counted_by):
     huge = torch.full((8,), 3e38, device=device)  # each finite; their sum of magnitudes is inf in fp32
     big_half = torch.full((100_000,), 65504.0, device=device).half()  # sums past fp16's range, not fp32's
     values = [*_tensors(device), huge, big_half]
@@ -32,7 +45,7 @@ def test_finite_values_whose_magnitudes_sum_past_fp32_are_finite(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_one_nonfinite_value_in_any_tensor_and_dtype_is_found(device, bad):
+def test_one_nonfinite_value_in_any_tensor_and_dtype_is_found(device, bad, counted_by):
     for index in range(8):
         values = _tensors(device)
         values[index].view(-1)[-1] = bad
