@@ -8,20 +8,27 @@ AdamW's eps=1e-8 is 0 in FP16, so an FP16 ``exp_avg_sq`` that underflows divides
 
 Owns that check and the record of it (a JSON-ready dict), and the Recorder feature behind
 ``check_optimizer_step`` (:class:`OptimizerStepCheck`: which steps are checked, one check per optimizer). Must not
-write to the store (its caller hands the record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`'). Costs a pass over the tensors
-(one launch per dtype) and one synchronisation before and after each checked step, and stops after the first
-finding. Under FSDP2 each rank checks the shards it holds (no collective): the record is rank 0's, so a step that broke only another rank's shards is not reported.
+write to the store (its caller hands the record to the writer) nor judge it (that is :mod:`mpdiag.analysis.findings`').
+Costs a pass over the tensors before and after each checked step (:class:`NonfiniteFlags`: one numba pass on the
+CPU, one launch per device and dtype elsewhere) and no synchronisation: on a GPU the flags come back by
+non-blocking copies and are read at a later record (a synchronisation before and after each step left the GPU
+idle while the host caught up), so the finding is reported then; the CPU's are reported inside the step. Stops
+after the first finding. Under FSDP2 each rank checks the shards it holds (no collective): the record is rank 0's,
+so a step that broke only another rank's shards is not reported.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mpdiag.numerics.gradstats import NUMBA_AVAILABLE
+from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, DeviceReadback
 from mpdiag.recording.distributed import local_shards
 from mpdiag.recording.features import RecordedStep, RecorderFeature
 
@@ -46,12 +53,12 @@ def optimizer_state_dtype(optimizer: torch.optim.Optimizer) -> str | None:
     return _dtypes(optimizer.state.values())
 
 
-def _nonfinite_on_cpu(tensors: list[torch.Tensor]) -> int | None:
-    """How many values of ``tensors`` are inf or NaN, counted by one numba kernel over their bit patterns (exact,
-    no sum to overflow); None where that kernel cannot read them all (numba missing, a tensor off the CPU or
-    strided, a dtype it does not know), and the torch path counts instead. One torch thread on the project's
-    2-core CPU, 404 tensors of 4,096 FP32 values (a 200-tensor MLP's weights and gradients): 0.7 ms, where the
-    foreach norms and their ``stack`` took 3.0 ms (each tensor read through a reduction of its own)."""
+def _nonfinite_on_cpu(tensors: list[torch.Tensor]) -> np.ndarray | None:
+    """Per tensor, how many of its values are inf or NaN, counted by one numba kernel over their bit patterns
+    (exact); None where that kernel cannot read them all (numba missing, a tensor off the CPU or strided, a dtype
+    it does not know), and the torch path counts instead. One torch thread on the project's 2-core CPU, 404
+    tensors of 4,096 FP32 values (a 200-tensor MLP's weights and gradients): 0.7 ms, where foreach norms and their
+    ``stack`` took 3.0 ms (each tensor read through a reduction of its own)."""
     if not NUMBA_AVAILABLE or not all(t.is_cpu and t.is_contiguous() for t in tensors):
         return None
     from mpdiag.numerics.cpu_kernel import EXPONENT_BITS, nonfinite_counts, on_torch_threads
@@ -62,7 +69,57 @@ def _nonfinite_on_cpu(tensors: list[torch.Tensor]) -> int | None:
                      dtype=np.int64).reshape(len(tensors), 4)
     counts = np.zeros(len(tensors), np.int64)
     on_torch_threads(nonfinite_counts)(table, counts)  # ``tensors`` keeps the values alive while it reads them
-    return int(counts.sum())
+    return counts
+
+
+class NonfiniteFlags:
+    """Per tensor of a list (of this rank's shard of an FSDP2 DTensor), whether it holds an inf or NaN, found
+    without a synchronisation. On the CPU one numba pass counts them at once (:func:`_nonfinite_on_cpu`).
+    Elsewhere one ``_foreach_norm(ord=inf)`` per device and dtype: a tensor's largest magnitude is inf or NaN
+    exactly when the tensor holds one (the max propagates NaN, and no sum of finite values can overflow), read
+    back by a non-blocking copy; a per-tensor ``isfinite().all()`` was 4 operators a tensor (the profiler on an
+    H100's host: 705 isfinite calls in 3 steps of an SGD model of 78 tensors, 97 us each with their children)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        shards = local_shards(tensors)
+        counts = _nonfinite_on_cpu(shards)
+        self._flags, self._readback, self._order = (None if counts is None else counts > 0), None, None
+        if self._flags is not None or not shards:
+            self._flags = np.zeros(0, bool) if self._flags is None else self._flags
+            return
+        groups: dict[tuple, list[int]] = {}
+        for i, shard in enumerate(shards):
+            groups.setdefault((shard.device, shard.dtype), []).append(i)
+        device = shards[0].device
+        finite = [torch.stack(torch._foreach_norm([shards[i] for i in indices], math.inf)).isfinite().to(device)
+                  for indices in groups.values()]
+        self._readback = DeviceReadback(torch.cat(finite))
+        self._order = [i for indices in groups.values() for i in indices]
+
+    def ready(self) -> bool:
+        """Whether :meth:`numpy` would return without waiting for the device."""
+        return self._readback is None or self._readback.ready()
+
+    def numpy(self) -> np.ndarray:
+        """The flags (bool, in the tensors' order), waiting for the device's copy if it has not arrived."""
+        if self._flags is None:
+            self._flags = np.empty(len(self._order), bool)
+            self._flags[self._order] = ~self._readback.numpy()
+        return self._flags
+
+
+@dataclass
+class _CheckedStep:
+    """One checked optimizer step whose flags may still be on their way: the loss, gradients, weights and state
+    before it, and the weights and state (``updated``: name and state key, or None for the weight) after it."""
+
+    step: int
+    before: NonfiniteFlags
+    after: NonfiniteFlags
+    updated: list[tuple[str, str | None]]
+
+    def ready(self) -> bool:
+        return self.before.ready() and self.after.ready()
 
 
 class NonfiniteStepCheck:
@@ -76,8 +133,7 @@ class NonfiniteStepCheck:
         targets = masters if masters else self._grads_of
         self._updated = [(name, t) for (name, _), t in zip(named, targets, strict=True)]
         self.optimizer = optimizer
-        self.found: dict | None = None
-        self._armed = False
+        self._before: NonfiniteFlags | None = None
 
     def _tensors(self):
         """(tensor name, optimizer state key or None, tensor) for every weight the optimizer updates and its
@@ -93,60 +149,41 @@ class NonfiniteStepCheck:
         return _dtypes(self.optimizer.state.get(weight, {}) for _, weight in self._updated)
 
     def before(self, loss: torch.Tensor | float) -> None:
-        """Arm the check when the loss, gradients, weights and state are all finite (one synchronisation)."""
-        self._armed = False
-        if self.found is not None:
-            return
+        """Flag the loss, gradients, weights and state before the step (no synchronisation)."""
+        self._before = None
         if not self._updated:
             return
         device = self._updated[0][1].device
         values = [torch.as_tensor(loss, device=device).detach()] + [p.grad for p in self._grads_of if p.grad is not None]
         values += [t for _, _, t in self._tensors()]
-        self._armed = self._finite(values)
+        self._before = NonfiniteFlags(values)
 
-    @staticmethod
-    def _finite(values) -> bool:
-        """Whether every value of every tensor is finite (of this rank's shard of an FSDP2 DTensor). On the CPU,
-        one numba pass counts the inf/NaN bit patterns of all of them (:func:`_nonfinite_on_cpu`). Elsewhere one
-        synchronisation: one ``_foreach_norm(ord=1)`` (at least fp32) per device and dtype reads them all, since a
-        sum of magnitudes is inf or NaN when a value is: a per-tensor ``isfinite().all()`` was 4 operators a tensor
-        (the profiler on an H100's host: 705 isfinite calls in 3 steps of an SGD model of 78 tensors, 97 us each
-        with their children). Finite values can sum past fp32's range, so a non-finite sum is confirmed tensor by
-        tensor before it counts."""
-        shards = local_shards(values)
-        nonfinite = _nonfinite_on_cpu(shards)
-        if nonfinite is not None:
-            return nonfinite == 0
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for v in shards:
-            groups.setdefault((v.device, v.dtype), []).append(v)
-        device = values[0].device
-        sums = [n.to(device) for (_, dtype), group in groups.items()
-                for n in torch._foreach_norm(group, 1, dtype=torch.promote_types(dtype, torch.float32))]
-        if bool(torch.stack(sums).isfinite().all()):
-            return True
-        return all(bool(torch.isfinite(v).all()) for v in shards)
-
-    def after(self, step: int) -> dict | None:
-        """The record of ``step`` when it made an armed check's tensors non-finite, else None (one
-        synchronisation when nothing broke)."""
-        if not self._armed:
+    def after(self, step: int) -> _CheckedStep | None:
+        """``step``, checked: its flags before the step and the weights' and state's after it (no
+        synchronisation), for :meth:`finding` once they have arrived; None when :meth:`before` did not run."""
+        before, self._before = self._before, None
+        if before is None:
             return None
-        self._armed = False
         tensors = list(self._tensors())
-        if self._finite([t for _, _, t in tensors]):
+        return _CheckedStep(step, before, NonfiniteFlags([t for _, _, t in tensors]),
+                            [(name, key) for name, key, _ in tensors])
+
+    def finding(self, checked: _CheckedStep) -> dict | None:
+        """The record of ``checked``'s step when it made finite values non-finite (everything was finite before
+        it, some weight or state value is not after it), else None; waits for flags still on their way."""
+        if checked.before.numpy().any():
             return None
-        broken = [(name, key) for (name, key, _), t in zip(tensors, local_shards([t for _, _, t in tensors]), strict=True)
-                  if not bool(torch.isfinite(t).all())]
-        self.found = {
-            "step": int(step),
+        broken = [checked.updated[i] for i in np.flatnonzero(checked.after.numpy())]
+        if not broken:
+            return None
+        return {
+            "step": int(checked.step),
             "optimizer": type(self.optimizer).__name__,
             "state_dtype": self.state_dtype(),
             "weight_dtype": dtype_name(self._updated[0][1].dtype),
             "tensors": list(dict.fromkeys(name for name, _ in broken)),
             "values": [name if key is None else f"{name} ({key})" for name, key in broken],
         }
-        return self.found
 
 
 class OptimizerStepCheck(RecorderFeature):
@@ -159,9 +196,11 @@ class OptimizerStepCheck(RecorderFeature):
         self._steps, self._named, self._targets, self._report = steps, named, targets, report
         self._checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its check
         self._checked: tuple[int, torch.Tensor | float] | None = None  # (step, loss) of the step checked next
+        self._unsettled: deque[tuple[NonfiniteStepCheck, _CheckedStep]] = deque()  # in step order
         self.found: dict | None = None  # the first step whose update broke finite values
 
     def at_record(self, step: RecordedStep) -> None:
+        self._settle(wait=False)
         checked = (step.logged and self._steps or self._steps == EVERY_STEP) and self.found is None
         # the loss's value, not the loss: holding it kept the step's autograd graph alive until the next record
         # (freed there, ~1 ms a step at 500 tensors, and held after the training loop let go of it)
@@ -174,10 +213,27 @@ class OptimizerStepCheck(RecorderFeature):
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         check = self._checks.get(optimizer)
-        found = check.after(self._checked[0]) if check is not None and self._checked is not None else None
-        if found is not None:
-            self.found, self._checked = found, None  # one finding per run: the first step that broke
-            self._report(found)
+        checked = check.after(self._checked[0]) if check is not None and self._checked is not None else None
+        if checked is not None:
+            self._unsettled.append((check, checked))
+            self._settle(wait=False)  # on the CPU the flags are there at once: a finding is reported now
+
+    def drain(self, wait: bool) -> list:
+        if wait:  # the run ends (on the training thread): the last steps' flags are waited for
+            self._settle(wait=True)
+        return []
+
+    def _settle(self, wait: bool) -> None:
+        """Read the checked steps whose flags have arrived (``wait``: all of them), in step order; report the
+        first that broke and stop checking. On a GPU the flags arrive without a synchronisation, so a finding is
+        reported at a later record (the next one, normally) rather than inside its optimizer step."""
+        while self._unsettled and (wait or self._unsettled[0][1].ready()):
+            check, checked = self._unsettled.popleft()
+            found = check.finding(checked) if self.found is None else None
+            if found is not None:
+                self.found, self._checked = found, None  # one finding per run: the first step that broke
+                self._unsettled.clear()
+                self._report(found)
 
     def _check_of(self, optimizer: torch.optim.Optimizer) -> NonfiniteStepCheck:
         """The check of ``optimizer``'s steps over the recorded parameters it holds (or, given update targets, the

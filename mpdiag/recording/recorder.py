@@ -198,9 +198,9 @@ class Recorder:
             optimizer state inf/NaN while the loss, gradients, weights and state were finite (e.g. a model kept
             in FP16 with Adam: its eps=1e-8 is 0 there); the first such step is stored with the run
             (``config["optimizer_step_nonfinite"]``, finding ``optimizer-step-nonfinite``). Costs a pass over
-            the parameters, their gradients and optimizer state, and one synchronisation, before and after each
-            logged optimizer step, until the first finding. ``"every step"``: check every optimizer step, logged
-            or not (mpdiag's runner).
+            the parameters, their gradients and optimizer state before and after each logged optimizer step,
+            until the first finding, and no synchronisation (on a GPU the step is reported at a later record,
+            normally the next). ``"every step"``: check every optimizer step, logged or not (mpdiag's runner).
         replay: at the first step whose loss or gradients are inf/NaN, replay that step's forward and backward
             on a copy of the model with a hook on every module and store each module's output and gradient
             absmax and non-finite count, naming the first module to overflow or turn non-finite; and at the

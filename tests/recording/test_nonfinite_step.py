@@ -1,4 +1,4 @@
-"""The optimizer-step check's one-pass finiteness test (mpdiag.recording.nonfinite_step) against
+"""The optimizer-step check's finiteness flags (mpdiag.recording.nonfinite_step), per tensor, against
 ``torch.isfinite`` on each tensor: sums of magnitudes that overflow from finite values are no finding, and one
 NaN or inf anywhere, in any dtype, is; counted by numba's pass over bit patterns and by torch. The check
 keeps the loss's value, not the loss."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from mpdiag import Recorder
+from mpdiag import Recorder, Store
 from mpdiag.recording import nonfinite_step
-from mpdiag.recording.nonfinite_step import EVERY_STEP, NonfiniteStepCheck
+from mpdiag.recording.nonfinite_step import EVERY_STEP, NonfiniteFlags
 
 
 def _tensors(device):
@@ -30,8 +30,16 @@ def counted_by(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(nonfinite_step, "NUMBA_AVAILABLE", False)
     else:  # numba is a requirement: the kernel counts CPU tensors
-        assert nonfinite_step._nonfinite_on_cpu([torch.zeros(1)]) == 0
+        assert nonfinite_step._nonfinite_on_cpu([torch.zeros(1)]).tolist() == [0]
     return request.param
+
+
+def _flags(values) -> list[bool]:
+    return NonfiniteFlags(values).numpy().tolist()
+
+
+def _truth(values) -> list[bool]:
+    return [not bool(torch.isfinite(v).all()) for v in values]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -39,18 +47,31 @@ def test_finite_values_whose_magnitudes_sum_past_fp32_are_finite(device, counted
     huge = torch.full((8,), 3e38, device=device)  # each finite; their sum of magnitudes is inf in fp32
     big_half = torch.full((100_000,), 65504.0, device=device).half()  # sums past fp16's range, not fp32's
     values = [*_tensors(device), huge, big_half]
-    assert all(bool(torch.isfinite(v).all()) for v in values)
-    assert NonfiniteStepCheck._finite(values)
+    assert _truth(values) == [False] * len(values)
+    assert _flags(values) == _truth(values)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_one_nonfinite_value_in_any_tensor_and_dtype_is_found(device, bad, counted_by):
+@pytest.mark.parametrize("where", [0, "middle", -1])
+def test_one_nonfinite_value_in_any_tensor_and_dtype_is_found(device, bad, where, counted_by):
     for index in range(8):
         values = _tensors(device)
-        values[index].view(-1)[-1] = bad
-        assert not bool(torch.isfinite(values[index]).all())
-        assert not NonfiniteStepCheck._finite(values), (index, values[index].dtype)
+        flat = values[index].view(-1)
+        flat[flat.numel() // 2 if where == "middle" else where] = bad
+        assert _flags(values) == _truth(values) == [i == index for i in range(8)], (index, values[index].dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_tensor_is_flagged_on_its_own(device, counted_by):
+    """Several tensors broken at once, NaN among large values and inf among NaN: each tensor's flag is its own."""
+    values = _tensors(device)
+    values[1][3] = float("nan")
+    values[3][100:200] = 1e30
+    values[3][150] = float("nan")
+    values[5][10], values[5][20] = float("nan"), float("inf")
+    assert _flags(values) == _truth(values) == [False, True, False, True, False, True, False, False]
+    assert _flags([]) == []
 
 
 def test_the_checked_loss_is_not_kept_alive(tmp_path):
@@ -68,3 +89,56 @@ def test_the_checked_loss_is_not_kept_alive(tmp_path):
     assert recorded() is None
     opt.step()  # the check runs on the value it kept (tests/analysis/test_optimizer_step_finding.py: it still finds)
     rec.close()
+
+
+def _breaking_loop(tmp_path, monkeypatch, steps: int, device: str = "cpu", arrive_late: bool = True):
+    """An SGD step whose learning rate overflows the update: the weights are finite before step 0 and not after
+    it. ``arrive_late``: the flags arrive only once ``arrived`` says so (as a GPU's copies may, a step later)."""
+    arrived = {"now": False}
+    if arrive_late:
+        monkeypatch.setattr(NonfiniteFlags, "ready", lambda self: arrived["now"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=3e38)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt, check_optimizer_step=EVERY_STEP)
+    seen = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.ones(8, 4, device=device)).sum()
+        loss.backward()
+        rec.record(loss)
+        finite_before = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        opt.step()
+        seen.append((finite_before, all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                     rec.optimizer_step_nonfinite))
+    return rec, seen, arrived
+
+
+def test_flags_that_arrive_later_report_the_step_that_broke(tmp_path, monkeypatch):
+    rec, seen, arrived = _breaking_loop(tmp_path, monkeypatch, steps=1)
+    assert seen == [(True, False, None)]  # broke at step 0; its flags have not arrived: nothing reported yet
+    arrived["now"] = True
+    rec.record(torch.tensor(0.0))  # the next record settles what has arrived
+    assert rec.optimizer_step_nonfinite["step"] == 0
+    assert rec.optimizer_step_nonfinite["tensors"] == ["weight", "bias"]
+    rec.close()
+
+
+def test_flags_still_on_their_way_at_the_end_are_waited_for(tmp_path, monkeypatch):
+    rec, seen, _ = _breaking_loop(tmp_path, monkeypatch, steps=3)
+    assert [s[:2] for s in seen] == [(True, False), (False, False), (False, False)] and seen[-1][2] is None
+    rec.close()
+    found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
+    assert (found["step"], found["tensors"]) == (0, ["weight", "bias"])  # the step that broke (the later ones began non-finite)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, device):
+    """As the flags really arrive: at once on the CPU, by the device's own copies on a GPU."""
+    rec, seen, _ = _breaking_loop(tmp_path, monkeypatch, steps=3, device=device, arrive_late=False)
+    assert [s[:2] for s in seen] == [(True, False), (False, False), (False, False)]
+    if device == "cpu":  # counted inside the step
+        assert seen[0][2]["step"] == 0
+    rec.close()
+    found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
+    assert (found["step"], found["tensors"], found["values"]) == (0, ["weight", "bias"], ["weight", "bias"])
