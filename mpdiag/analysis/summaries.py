@@ -736,12 +736,13 @@ def stall_text(run: pd.Series) -> str:
 def run_progress(run: pd.Series) -> tuple[float | None, str]:
     """A running run's progress: the share of its planned steps done, or None where the script decides how
     many steps there are (``mpdiag watch``, the Recorder in a user's own loop: no total is stored), and the
-    words for it."""
+    words for it: a count of steps recorded, never "step N" (steps are numbered from 0, so "step 2" beside a loss
+    curve ending at step 1 read as two different positions of one run)."""
     done = int(run["steps_done"]) if pd.notna(run["steps_done"]) else 0
     total = run["steps"]
     if pd.notna(total) and int(total) > 0:
-        return min(1.0, done / int(total)), f"step {done} of {int(total)}"
-    return None, f"step {done} (its script decides how many)"
+        return min(1.0, done / int(total)), f"{done:,} of {int(total):,} steps recorded"
+    return None, f"{done:,} step{'' if done == 1 else 's'} recorded (its script decides how many)"
 
 
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:

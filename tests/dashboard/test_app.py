@@ -202,7 +202,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
     runs = wait_for_runs(store, 1)
     assert runs.iloc[0]["status"] == "finished" and runs.iloc[0]["opt_level"] == "bf16"
     said = texts(at.run())
-    assert "You started cnn_digits.py at bf16: #1 · cnn_digits.py · bf16, finished, step 5 of 5." in said and "[Findings](/Findings?run=1)" in said
+    assert "You started cnn_digits.py at bf16: #1 · cnn_digits.py · bf16, finished, 5 of 5 steps recorded." in said and "[Findings](/Findings?run=1)" in said
 
     at = app("app.py", store, monkeypatch)
     at.selectbox(key="rerun_level").set_value("O2").run()
@@ -303,7 +303,7 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert set(runs["opt_level"]) == {"O1", "bf16", "O0"}
     said = texts(at.run())  # feedback where the click was: the page says what started, how far, and links it
     assert "You started the fix of scale-collapse on #1 (level bf16): #2" in said
-    assert "finished, step 6 of 6." in said and "[Gradients](/Gradients?run=2)" in said
+    assert "finished, 6 of 6 steps recorded." in said and "[Gradients](/Gradients?run=2)" in said
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     table = at.dataframe[0].value
     assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table

@@ -84,7 +84,7 @@ def test_while_the_verification_runs_the_section_shows_its_round_and_offers_noth
     assert not at.exception, [e.value for e in at.exception]
     round_id = plan_runs.rounds[0].run_id
     progress = [p.proto.text for p in at.get("progress")]
-    assert progress == [plain(f"Verifying in the background: round 1 (run #{round_id}) is running: step 12 of 24.")]
+    assert progress == [plain(f"Verifying in the background: round 1 (run #{round_id}) is running: 12 of 24 steps recorded.")]
     assert at.dataframe[1].value["status"].tolist() == ["running"]
     assert not [b for b in at.button if b.label == "Verify the plan"]
 
