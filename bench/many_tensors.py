@@ -8,6 +8,8 @@ at every step. Per model, interleaved round-robin so drift hits all of them alik
 * every N    - the same step on an identical twin model recorded with ``--every N`` (default 10): statistics
   stored at the multiples of N and where something happened; between multiples, on the CPU, a copy of the
   gradients and a light pass (mean over the measured steps, so the multiples count at their share);
+* unchecked  - the recorded step on a twin recorded with ``check_optimizer_step=False``: the difference from
+  ``recorded`` is what the optimizer-step check costs (its passes before and after the optimizer step);
 * record     - ``Recorder.record`` alone, inside the recorded step;
 * statistics - ``GradStatsComputer.compute`` alone, on a copy of one step's gradients at scale 2**16;
 * yardstick  - one read of all gradients: ``torch._foreach_norm`` over the grads.
@@ -95,12 +97,13 @@ class Trained:
     """A model, its SGD and GradScaler (disabled, with autocast, when not ``amp``), and a Recorder recording it every
     ``every`` steps into a fresh store."""
 
-    def __init__(self, model: nn.Module, device: torch.device, every: int, amp: bool):
+    def __init__(self, model: nn.Module, device: torch.device, every: int, amp: bool, check: bool = True):
         self.model, self.device, self.amp = model, device, amp
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp)
         self.recorder = Recorder(model, store=Path(tempfile.mkdtemp()) / "bench.db", scaler=self.scaler,
-                                 optimizer=self.opt, every=every, name=f"many_tensors_every_{every}")
+                                 optimizer=self.opt, every=every, name=f"many_tensors_every_{every}",
+                                 check_optimizer_step=check)
         self.record_s: list[float] = []
         self.record_cpu_s: list[float] = []
 
@@ -129,6 +132,7 @@ def measure(tensors: int, steps: int, every: int, device: torch.device, amp: boo
     params = list(model.parameters())
     x, y = torch.randn(BATCH, width, device=device), torch.randn(BATCH, 1, device=device)
     each, sparse = Trained(model, device, 1, amp), Trained(copy.deepcopy(model), device, every, amp)
+    unchecked = Trained(copy.deepcopy(model), device, 1, amp, check=False)
 
     def yardstick() -> None:
         torch._foreach_norm([p.grad for p in params])
@@ -137,7 +141,7 @@ def measure(tensors: int, steps: int, every: int, device: torch.device, amp: boo
     grads = [p.grad.clone() for p in params]  # one step's gradients, kept for the statistics alone
     computer = GradStatsComputer([g.numel() for g in grads], device)
     kinds = {"plain": lambda: each.step(x, y, False), "recorded": lambda: each.step(x, y, True),
-             "every": lambda: sparse.step(x, y, True),
+             "every": lambda: sparse.step(x, y, True), "unchecked": lambda: unchecked.step(x, y, True),
              "statistics": lambda: computer.compute(grads, 65536.0), "yardstick": yardstick}
     times, cpu = {k: [] for k in kinds}, {k: [] for k in kinds}
     for _ in range(3):  # warm: numba compiled, buffers allocated, the stores created
@@ -145,21 +149,21 @@ def measure(tensors: int, steps: int, every: int, device: torch.device, amp: boo
             fn()
     each.record_s.clear()
     each.record_cpu_s.clear()
-    writers = {"recorded": each, "every": sparse}
+    writers = {"recorded": each, "every": sparse, "unchecked": unchecked}
     writer_start = {kind: trained.writer_cpu_s() for kind, trained in writers.items()}
     for _ in range(steps):
         for kind, fn in kinds.items():
             start_cpu = time.thread_time()
             times[kind].append(timed(fn, device))
             cpu[kind].append(time.thread_time() - start_cpu)
-    each.recorder.flush()
-    sparse.recorder.flush()
+    for trained in writers.values():
+        trained.recorder.flush()
     for kind, trained in writers.items():  # the writer's work for these steps, done by now
         trained.recorder._writer.call(lambda w: None)
         share = (trained.writer_cpu_s() - writer_start[kind]) / steps
         cpu[kind] = [seconds + share for seconds in cpu[kind]]
-    each.recorder.close()
-    sparse.recorder.close()
+    for trained in writers.values():
+        trained.recorder.close()
     median = {k: statistics.median(v) for k, v in times.items()}
     median["record"] = statistics.median(each.record_s)
     cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
@@ -181,6 +185,8 @@ def measure(tensors: int, steps: int, every: int, device: torch.device, amp: boo
             "statistics_us_per_tensor": median["statistics"] / len(params) * 1e6,
             "statistics_over_yardstick": median["statistics"] / median["yardstick"],
             "recorded_over_plain": median["recorded"] / median["plain"],
+            "check_ms": (median["recorded"] - median["unchecked"]) * 1e3,
+            "cpu_check_ms": (cpu_median["recorded"] - cpu_median["unchecked"]) * 1e3,
             "torch_backend_launches": torch_backend_launches([p.grad.cpu() for p in params]),
             "cuda_kernels": cuda_kernels([p.grad for p in params]) if device.type == "cuda" else None}
 
@@ -206,6 +212,8 @@ def main() -> None:
               f"{mean['plain'] * 1e3:.2f} ms, --every 1 {mean['recorded'] * 1e3:.2f} ms, --every {args.every} "
               f"{mean['every'] * 1e3:.2f} ms ({r['every_over_plain']:.2f}x plain, {r['every_over_recorded']:.2f}x "
               "--every 1)")
+        print(f"{'':>12} the optimizer-step check: recorded - recorded without it = {r['check_ms']:.2f} ms a step "
+              f"(wall), {r['cpu_check_ms']:.2f} ms (CPU)")
         results.append(r)
     print(f"{'tensors':>7} | {'record us/tensor':>16} | {'record / norm':>13} | {'statistics us/tensor':>20} | "
           f"{'statistics / norm':>17} | torch launches")
