@@ -748,9 +748,9 @@ def run_progress(run: pd.Series) -> tuple[float | None, str]:
 def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
     """The home page's table of runs (Store.runs, newest first): one row per run, its health badge (from
     ``severities``: per run, its findings' severities), links to the run's Findings, Gradients and Loss scale
-    pages (relative URLs with ``run=ID``), then its settings: what triage needs comes first, so at 1,280 px it is
-    on screen up to the loss scale and the columns after it scroll sideways (the page pins the run and its name
-    when the rest scrolls)."""
+    pages (relative URLs with ``run=ID``), then its settings: what triage needs comes first, so at 1,280 px with
+    the sidebar open it is on screen through the Gradients link and the columns after it scroll sideways (the page
+    pins the run and its name when the rest scrolls)."""
     done = runs["steps_done"].fillna(0).astype(int)
     ids = runs["run_id"].astype(int).astype(str)
     return pd.DataFrame({
