@@ -82,10 +82,9 @@ class NonfiniteFlags:
 
     def __init__(self, tensors: list[torch.Tensor]):
         shards = local_shards(tensors)
-        counts = _nonfinite_on_cpu(shards)
+        counts = _nonfinite_on_cpu(shards) if shards else np.zeros(0, np.int64)
         self._flags, self._readback, self._order = (None if counts is None else counts > 0), None, None
-        if self._flags is not None or not shards:
-            self._flags = np.zeros(0, bool) if self._flags is None else self._flags
+        if self._flags is not None:
             return
         groups: dict[tuple, list[int]] = {}
         for i, shard in enumerate(shards):
