@@ -155,9 +155,9 @@ def watch_live_progress(browser, store, server):
             live = Store(store).runs().query("name == 'live'")
             if len(live):
                 committed.append((now, int(live["steps_done"].iloc[0])))
-            match = re.search(rf"· live · bf16: step (\d+) of {LIVE_STEPS}", page.inner_text("body"))
+            match = re.search(rf"· live · bf16: ([\d,]+) of {LIVE_STEPS:,} steps recorded", page.inner_text("body"))
             if match:
-                shown.append((now, int(match.group(1))))
+                shown.append((now, int(match.group(1).replace(",", ""))))
             time.sleep(0.5)
         assert trainer.poll() is None, "the run ended before the page showed it advance"  # still training
         trainer.send_signal(signal.SIGTERM)
