@@ -515,7 +515,11 @@ def signal_note(totals: pd.DataFrame, kept_steps: int) -> str:
     counted = (f"{int(totals['steps'].sum()):,} steps counted, {kept_steps:,} of them with full statistics (the "
                "Gradients page)")
     if not (totals[list(SIGNAL_LINES.values())].to_numpy() > 0).any():
-        return f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
+        # said with what it cannot see: under autocast a gradient that underflowed in the backward reaches mpdiag as
+        # a zero, so "no underflow" here stood beside a finding that half the values were flushed (the gallery's #1)
+        return (f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted}). A "
+                "value the backward already flushed to zero is read as a zero, not as an underflow: the Gradients "
+                "and Findings pages measure those against an FP32 twin or shadow.")
     return (f"Values that overflow or underflow FP16/BF16 at the loss scale (S·g, as the backward produced them) "
             f"and inf/NaN values, summed over the tensors, at every step whether its full statistics were kept or "
             f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis.")
