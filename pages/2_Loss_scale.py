@@ -36,8 +36,9 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     ui.show_chart(charts.loss_scale_panel(model.drawn_steps), width="stretch")
     for note in model.notes:
         st.caption(plain(note))
-    st.caption("Scale, skips and the growth tracker are GradScaler's own state after each update(), as recorded. "
-               "The learning rate and the gradient norm (of all gradients, unscaled, before any clipping: what "
+    st.caption("The loss scale drawn is the one each step ran at (GradScaler's scale before that step's update(); "
+               "the tooltip also gives the scale after it, which the events quote); skips and the growth tracker "
+               "are GradScaler's own state after each update(), as recorded. The learning rate and the gradient norm (of all gradients, unscaled, before any clipping: what "
                "clip_grad_norm_ returns) are recorded at every step, logged or not.")
     if not model.signals.empty:
         ui.show_chart(charts.signal_lines(model.signals), width="stretch")
