@@ -783,8 +783,11 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
     backward, each in execution order left to right: coloured by state, the first offender outlined, each call
     named in its cell (up to REPLAY_NAMED_CALLS)."""
     drawn = [s for s in REPLAY_COLOURS if s in set(rows["state"])]
+    both = (rows["phase"] == "backward").any()  # the backward is not replayed once the forward went bad
     base = alt.Chart(rows).encode(
-        x=alt.X("pos:O", title="execution order: the forward, then the backward", axis=alt.Axis(labels=False, ticks=False)),
+        x=alt.X("pos:O", title="execution order: the forward, then the backward" if both else
+                "execution order of the forward (the backward was not replayed)",
+                axis=alt.Axis(labels=False, ticks=False)),
         y=alt.Y("phase:N", sort=["forward", "backward"], title=None),
         tooltip=["call:N", "phase:N", alt.Tooltip("ord:Q", title="order in its phase"),
                  alt.Tooltip("absmax:Q", format=".6g", title="largest finite |value|"),
@@ -800,7 +803,8 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
             text="call:N", color=alt.condition("datum.state == 'first offender'", alt.value("white"),
                                                alt.value("#222"))))
     return alt.layer(*layers).properties(
-        title=f"step {step} replayed: each module call's output (forward) and produced gradient (backward)",
+        title=f"step {step} replayed: each module call's output (forward)"
+              + (" and produced gradient (backward)" if both else ""),
         width="container", height=160).properties(autosize=_FIT_WIDTH)
 
 

@@ -42,8 +42,9 @@ class ReplayStrip:
                  else "no module's output or gradient went inf/NaN")
         verdict = ("reproduced the event: numerics" if self.reproduced else
                    "did not reproduce it: non-determinism, hardware, or outside the model")
-        return (f"Step {self.step} replayed module by module ({len(self.rows):,} calls, the forward then the backward): "
-                f"{where}; the replay {verdict}.")
+        phases = ("the forward then the backward" if (self.rows["phase"] == "backward").any() else
+                  "the forward only: it went bad there, so the backward was not replayed")
+        return f"Step {self.step} replayed module by module ({len(self.rows):,} calls, {phases}): {where}; the replay {verdict}."
 
 
 def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None = None) -> ReplayStrip | None:

@@ -60,8 +60,13 @@ def test_the_strip_lays_out_the_forward_then_the_backward_with_the_first_offende
     assert set(rows.loc[rows.module.isin(["q", "k"]), "state"]) == {"finite"}
     assert set(rows.loc[rows.module.isin(["head", "Net"]), "state"]) == {"inf/NaN"}  # handed on, not born there
     assert "the first offender is scores (forward)" in strip.said()
+    assert "the forward only: it went bad there, so the backward was not replayed" in strip.said()
     spec = charts.replay_strip(rows, strip.step).to_dict()
     assert "first offender" in str(spec)
+    # the strip's words say what it holds: no backward row, so no "then the backward" (the gallery's strip said so)
+    assert spec["title"] == "step 5 replayed: each module call's output (forward)"
+    assert {layer["encoding"]["x"]["title"] for layer in spec["layer"]} == {
+        "execution order of the forward (the backward was not replayed)"}
     # each cell names its module call (a first-time user reads which one without hovering)
     named = [layer for layer in spec["layer"] if layer["mark"]["type"] == "text"]
     assert len(named) == 1 and named[0]["encoding"]["text"]["field"] == "call"
