@@ -418,7 +418,8 @@ def signal_lines(lines: pd.DataFrame) -> alt.Chart:
         x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)",
                           scale=alt.Scale(type="symlog", domain=[0, ticks[-1]]),
                           axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
-        color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top")),
+        # the names ("FP16 underflow at the scale", 27 characters) were cut at Vega's default 160 px
+        color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top", labelLimit=280)),
         tooltip=["step:Q", "line:N", alt.Tooltip("values:Q", format=",d")],
     ).properties(height=180, title="over/underflow per step, kept or not"))
 
