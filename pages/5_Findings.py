@@ -106,18 +106,18 @@ def finding_card(store, run: pd.Series, i: int, card: Card) -> None:
         if finding.tensors:
             st.caption(plain("Tensors: " + ", ".join(finding.tensors[:12]) + (" …" if len(finding.tensors) > 12 else "")))
         st.markdown(f"**What to change.** {plain(finding.recommendation)}")
-        cols = st.columns(2)
-        cols[0].markdown(f"[See the evidence {card.where}]({card.link})")  # a percent-encoded URL
+        st.markdown(f"[See the evidence {card.where}]({card.link})")  # a percent-encoded URL
         if card.blocked:
-            cols[1].caption(plain(card.blocked))
+            st.caption(plain(card.blocked))
         elif card.options is not None:
             action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",
                                      run["script_path"] or run["name"], run["script_sha256"], card.options)
-            with cols[1]:
-                if actions.confirmed(f"Rerun with this fix ({card.described})", f"fix_{run_id}_{i}", action):
-                    actions.start_rerun(store, run_id, card.options,
-                                        f"the fix of {finding.rule} on #{run_id} ({card.described})")
-                    st.rerun()  # the whole page: its top says what started, with its progress and links
+            # the settings as a caption, which wraps: inside the button's label they were cut to "current scali…"
+            st.caption(plain(f"The rerun's settings: {card.described}."))
+            if actions.confirmed("Rerun with this fix", f"fix_{run_id}_{i}", action):
+                actions.start_rerun(store, run_id, card.options,
+                                    f"the fix of {finding.rule} on #{run_id} ({card.described})")
+                st.rerun()  # the whole page: its top says what started, with its progress and links
 
 
 def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
