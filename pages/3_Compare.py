@@ -77,7 +77,8 @@ def panels(curves: Curves, labels: list[str], log_loss: bool) -> list:
         drawn.append(charts.runs_overlay(curves.lr, "lr", "learning rate", labels, height=180, x=x, zero=True))
     if curves.normed is not None:
         drawn.append(charts.runs_overlay(curves.normed, "grad_norm", "gradient norm (unscaled, before clipping)",
-                                         labels, log=True, log_base=10, height=200, x=x, smooth=smooth))
+                                         labels, log=True, log_base=10, height=200, x=x, smooth=smooth,
+                                         axis_title="gradient norm"))  # the whole title ran past the 200 px plot
     return drawn
 
 

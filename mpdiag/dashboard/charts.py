@@ -535,7 +535,7 @@ def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = F
 @_reused
 def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: bool = False,
                  height: int = 240, x: str = "step", smooth: bool = False, log_base: int = 2,
-                 zero: bool = False) -> alt.LayerChart:
+                 zero: bool = False, axis_title: str | None = None) -> alt.LayerChart:
     """One line per run (column ``run``) of ``y`` over ``x`` ("step", or "wall_time_s": seconds since the run
     started), in the runs' fixed colours; NaN/inf values (and on a ``log`` axis zero ones: a collapsed loss
     scale) appear as faint vertical rules in the run's colour. The legend is above the plot, so a chart in a
@@ -545,16 +545,18 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
     gradient norm). ``smooth``: ``df`` also holds ``{y}_smoothed`` (compare.smoothed): the smoothed line is drawn
     over the raw one, which is drawn faint behind it, as TensorBoard does. Axes: a log2 one padded by a binade
     each side and ticked 2^k, a log10 one ticked at powers of ten, a linear one in plain numbers (from 0 with
-    ``zero``: a peak memory, whose differences would otherwise look large)."""
+    ``zero``: a peak memory, whose differences would otherwise look large). ``axis_title``: the y axis's, where the
+    chart's ``title`` is longer than the plot is tall (else the title is both)."""
     # only the columns drawn travel to the browser (a chart ships its data; a steps frame has a dozen columns)
     df = df[[c for c in dict.fromkeys(["run", "step", x, y, *([f"{y}_smoothed"] if smooth else [])]) if c in df]]
     drawn = df[y] if not smooth else pd.concat([df[y], df[f"{y}_smoothed"]])
+    named = axis_title or title
     if log and log_base == 2:
-        scale, axis = log2_scale(drawn), _power_of_two_axis(title, drawn)
+        scale, axis = log2_scale(drawn), _power_of_two_axis(named, drawn)
     elif log:
-        scale, axis = log10_scale(drawn), _power_of_ten_axis(title, drawn)
+        scale, axis = log10_scale(drawn), _power_of_ten_axis(named, drawn)
     else:
-        scale, axis = alt.Scale(zero=zero), linear_axis(title, drawn)
+        scale, axis = alt.Scale(zero=zero), linear_axis(named, drawn)
     colour = _run_colour(domain, orient="top")
     x_enc = x_axis(x)
     tooltip = ["run:N", "step:Q", *(["wall_time_s:Q"] if x == "wall_time_s" else []), alt.Tooltip(f"{y}:Q", format=".6g")]
