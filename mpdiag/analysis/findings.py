@@ -617,7 +617,7 @@ def loss_spike_origin(replays: pd.DataFrame) -> Finding | None:
                   "Filter or clip such batches before the model sees them.")
     elif isinstance(name, str):
         title = f"step {step}'s loss spike began in {name}"
-        advice = (f"Look at what `{name}` computes for that batch: a product or an exponential that grows with "
+        advice = (f"Look at what '{name}' computes for that batch: a product or an exponential that grows with "
                   "its inputs' scale (normalise before it, clip its output), or weights an earlier step made large.")
     else:
         title = f"step {step}'s loss spike was not localised in the model"
@@ -646,12 +646,12 @@ def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[
         produced, received = ("output", "inputs") if phase == "forward" else ("gradient", "output gradient")
         amount = _amount(row["absmax"], row["nonfinite"], limit) if row is not None else "went bad"
         was = (f" (absmax {row['in_absmax']:g})" if row is not None and pd.notna(row["in_absmax"]) else "")
-        what = (f"module `{name}`{label} was the first, in execution order, whose {phase} {produced} {amount} while "
+        what = (f"module '{name}'{label} was the first, in execution order, whose {phase} {produced} {amount} while "
                 f"its {received} were finite{was}")
-        advice = (f"Look at what `{name}` computes in its forward: keep it in FP32 (autocast(enabled=False) around "
+        advice = (f"Look at what '{name}' computes in its forward: keep it in FP32 (autocast(enabled=False) around "
                   "it), scale its inputs down (attention scores: scale q by 1/sqrt(d) before the product), or train "
                   "in BF16 (FP32's range)." if phase == "forward" else
-                  f"Look at `{name}`'s backward (a custom autograd Function's in particular): it produces a gradient "
+                  f"Look at the backward of '{name}' (a custom autograd Function's in particular): it produces a gradient "
                   "FP16 cannot hold even before any loss scale. Compute it in FP32, or train in BF16 (FP32's range).")
     note = replay["note"] if isinstance(replay["note"], str) else None
     if note is not None and note.startswith("its weights already"):

@@ -41,7 +41,7 @@ def test_a_recorded_forward_overflow_is_named_with_its_step_phase_and_reproducti
     # module whose inputs were finite and output not is the root, named by its class
     assert origin.severity == "error"
     assert origin.title == "step 9: the first inf/NaN was born in Net (Net) in the forward"
-    assert "module `Net` (Net)" in origin.evidence and "reproduced the event" in origin.evidence
+    assert "module 'Net' (Net)" in origin.evidence and "reproduced the event" in origin.evidence
     assert "held" in origin.evidence and "under FP16" in origin.evidence
     assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=9"
 
