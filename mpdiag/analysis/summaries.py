@@ -505,10 +505,11 @@ def signal_lines(totals: pd.DataFrame) -> pd.DataFrame:
     return drawn.melt(id_vars="step", value_vars=shown, var_name="line", value_name="values")
 
 
-def signal_note(totals: pd.DataFrame, kept_steps: int) -> str:
+def signal_note(totals: pd.DataFrame, kept_steps: int, opt_level: str) -> str:
     """What the per-step signal panel shows, in words: how many steps were counted against how many kept
     their full statistics, or that none overflowed (``totals``: Store.step_signal_totals; ``kept_steps``: the
-    number of logged steps)."""
+    number of logged steps; ``opt_level``: the run's, whose FP16 backward may have flushed values before they
+    were counted)."""
     if totals.empty:
         return ("No per-step over/underflow counts: this run was recorded before mpdiag stored them at every step "
                 "(schema 16), and its kept steps hold none either.")
@@ -517,9 +518,11 @@ def signal_note(totals: pd.DataFrame, kept_steps: int) -> str:
     if not (totals[list(SIGNAL_LINES.values())].to_numpy() > 0).any():
         # said with what it cannot see: under autocast a gradient that underflowed in the backward reaches mpdiag as
         # a zero, so "no underflow" here stood beside a finding that half the values were flushed (the gallery's #1)
-        return (f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted}). A "
-                "value the backward already flushed to zero is read as a zero, not as an underflow: the Gradients "
-                "and Findings pages measure those against an FP32 twin or shadow.")
+        said = f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
+        if opt_level in FP16_LEVELS:  # an FP32 or BF16 backward flushed nothing FP16 could have held
+            said += (" A value the FP16 backward already flushed to zero is read as a zero, not as an underflow: the "
+                     "Gradients and Findings pages measure those against an FP32 twin or shadow.")
+        return said
     return (f"Values that overflow or underflow FP16/BF16 at the loss scale (S·g, as the backward produced them) "
             f"and inf/NaN values, summed over the tensors, at every step whether its full statistics were kept or "
             f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis.")

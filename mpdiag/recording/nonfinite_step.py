@@ -19,6 +19,7 @@ so a step that broke only another rank's shards is not reported.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import deque
@@ -61,15 +62,22 @@ def _nonfinite_on_cpu(tensors: list[torch.Tensor]) -> np.ndarray | None:
     ``stack`` took 3.0 ms (each tensor read through a reduction of its own)."""
     if not NUMBA_AVAILABLE or not all(t.is_cpu and t.is_contiguous() for t in tensors):
         return None
-    from mpdiag.numerics.cpu_kernel import EXPONENT_BITS, nonfinite_counts, on_torch_threads
-
-    if not all(t.dtype in EXPONENT_BITS for t in tensors):
+    exponent_bits, kernel = _cpu_counter()
+    if not all(t.dtype in exponent_bits for t in tensors):
         return None
-    table = np.array([(t.data_ptr(), t.numel(), EXPONENT_BITS[t.dtype], t.element_size()) for t in tensors],
+    table = np.array([(t.data_ptr(), t.numel(), exponent_bits[t.dtype], t.element_size()) for t in tensors],
                      dtype=np.int64).reshape(len(tensors), 4)
     counts = np.zeros(len(tensors), np.int64)
-    on_torch_threads(nonfinite_counts)(table, counts)  # ``tensors`` keeps the values alive while it reads them
+    kernel(table, counts)  # ``tensors`` keeps the values alive while it reads them
     return counts
+
+
+@functools.cache
+def _cpu_counter():
+    """The numba finiteness kernel, wrapped once: numba is imported on the first check that needs it."""
+    from mpdiag.numerics.cpu_kernel import EXPONENT_BITS, nonfinite_counts, on_torch_threads
+
+    return EXPONENT_BITS, on_torch_threads(nonfinite_counts)
 
 
 class NonfiniteFlags:
@@ -110,12 +118,13 @@ class NonfiniteFlags:
 @dataclass
 class _CheckedStep:
     """One checked optimizer step whose flags may still be on their way: the loss, gradients, weights and state
-    before it, and the weights and state (``updated``: name and state key, or None for the weight) after it."""
+    before it, and the weights and state after it (``updated``: name, state key or None for the weight, tensor;
+    the names are read only if the step broke something)."""
 
     step: int
     before: NonfiniteFlags
     after: NonfiniteFlags
-    updated: list[tuple[str, str | None]]
+    updated: list[tuple[str, str | None, torch.Tensor]]
 
     def ready(self) -> bool:
         return self.before.ready() and self.after.ready()
@@ -164,15 +173,14 @@ class NonfiniteStepCheck:
         if before is None:
             return None
         tensors = list(self._tensors())
-        return _CheckedStep(step, before, NonfiniteFlags([t for _, _, t in tensors]),
-                            [(name, key) for name, key, _ in tensors])
+        return _CheckedStep(step, before, NonfiniteFlags([t for _, _, t in tensors]), tensors)
 
     def finding(self, checked: _CheckedStep) -> dict | None:
         """The record of ``checked``'s step when it made finite values non-finite (everything was finite before
         it, some weight or state value is not after it), else None; waits for flags still on their way."""
         if checked.before.numpy().any():
             return None
-        broken = [checked.updated[i] for i in np.flatnonzero(checked.after.numpy())]
+        broken = [checked.updated[i][:2] for i in np.flatnonzero(checked.after.numpy())]
         if not broken:
             return None
         return {

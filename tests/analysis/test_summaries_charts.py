@@ -284,8 +284,10 @@ def test_signal_lines_thin_a_live_runs_steps_without_losing_a_one_step_spike():
     overflow = lines[lines["line"] == "FP16 overflow at the scale"]
     assert len(overflow) <= summaries.SIGNAL_POINTS and overflow["values"].max() == 42
     assert (lines[lines["line"] == "FP16 underflow at the scale"]["values"] == 5).all()  # every range holds one
-    assert summaries.signal_note(totals, 1_200).startswith("Values that overflow") and "12,000 steps counted, 1,200" \
-        in summaries.signal_note(totals, 1_200)
+    assert summaries.signal_note(totals, 1_200, "O1").startswith("Values that overflow") and \
+        "12,000 steps counted, 1,200" in summaries.signal_note(totals, 1_200, "O1")
     quiet = totals.assign(**{column: 0 for column in columns})
-    said = summaries.signal_note(quiet, 1_200)  # nothing counted: it says so, and what it cannot count
+    said = summaries.signal_note(quiet, 1_200, "O1")  # nothing counted: it says so, and what it cannot count
     assert said.startswith("No inf/NaN and no FP16/BF16 overflow or underflow") and "flushed to zero" in said
+    # an FP32 or BF16 backward flushes nothing to zero that FP16 could have held: no such caveat there
+    assert all("flushed" not in summaries.signal_note(quiet, 1_200, level) for level in ("O0", "bf16"))
