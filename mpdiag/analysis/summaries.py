@@ -581,16 +581,20 @@ def format_lines(formats: tuple[str, ...] = ("fp16",)) -> pd.DataFrame:
 LIMIT_REACH = 6
 
 
-def heatmap_view(cells: pd.DataFrame, lines: pd.DataFrame) -> tuple[pd.DataFrame, tuple[float, float], list[str]]:
+def heatmap_view(cells: pd.DataFrame, lines: pd.DataFrame,
+                 data: str = "drawn") -> tuple[pd.DataFrame, tuple[float, float], list[str]]:
     """What the gradient heatmap draws: the format lines within LIMIT_REACH binades of its cells, the y extent
     (the cells and those lines, a binade of room each side), and, as sentences, each limit left off and how far
-    it lies from the data. ``cells``: :func:`heatmap_cells` (not empty); ``lines``: :func:`format_lines`."""
+    it lies from the data. ``cells``: :func:`heatmap_cells` (not empty); ``lines``: :func:`format_lines`;
+    ``data``: whose values the cells are, as the sentences name them ("largest value drawn" by default): two
+    charts of one page give two distances, and each must say which values it measured from."""
     lo, hi = float(cells["log2_lo"].min()), float(cells["log2_hi"].max())
     near = (lines["log2"] >= lo - LIMIT_REACH) & (lines["log2"] <= hi + LIMIT_REACH)
     drawn = lines[near].reset_index(drop=True)
     extent = (min([lo, *drawn["log2"]]) - 1, max([hi, *drawn["log2"]]) + 1)
-    off = [f"{row.limit} is {row.log2 - hi:,.0f} binades above the largest value" if row.log2 > hi else
-           f"{row.limit} is {lo - row.log2:,.0f} binades below the smallest value" for row in lines[~near].itertuples()]
+    off = [f"{row.limit} is {row.log2 - hi:,.0f} binades above the largest value {data}" if row.log2 > hi else
+           f"{row.limit} is {lo - row.log2:,.0f} binades below the smallest value {data}"
+           for row in lines[~near].itertuples()]
     return drawn, extent, off
 
 

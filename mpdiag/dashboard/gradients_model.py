@@ -194,7 +194,7 @@ class GradientsRun:
                 f"inf{', or the loss scale was 0' if at_scale else ''}), so there is nothing to place on the "
                 "exponent axis. The counts below say what it held."), kept=kept)
         lines = summaries.format_lines(("fp16", "bf16") if show_bf16 else (fmt,))
-        drawn, extent, off = summaries.heatmap_view(cells, lines)
+        drawn, extent, off = summaries.heatmap_view(cells, lines, f"of {tensor} at any logged step")
         # the columns with nothing to draw are exact steps carrying their counts (Store.histogram_columns)
         numel = self.totals.set_index("tensor")["numel_per_step"].get(tensor, np.nan)
         blank = summaries.blank_steps(index, counts, self.steps, index.assign(numel=numel), at_scale=at_scale)
@@ -284,7 +284,8 @@ class GradientsRun:
                 f"first as in the table; bin e holds |{what}| from 2^e to 2^(e+1).")
         lines = extent = None
         if drawn:
-            lines, extent, off = summaries.heatmap_view(bars, summaries.format_lines((ranking.fmt,)))
+            lines, extent, off = summaries.heatmap_view(bars, summaries.format_lines((ranking.fmt,)),
+                                                        f"of these tensors at step {at.step:,}")
             rules = {"min subnormal": "dotted", "min normal": "dashed", "max": "long-dashed"}
             said += "".join(f" {rules[r.kind].capitalize()} rule: {r.limit}." for r in lines.itertuples())
             if off:
@@ -302,9 +303,9 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
     share only where it is known (an FP16 run with an FP32 twin)."""
     return [
         ("tensor", "tensor", "The parameter, as the model names it."),
-        *([("flushed_share", "flushed to 0 vs FP32 twin (% of values)",
-            "Share of all values, over all logged steps: the zeros beyond the FP32 twin's, values non-zero in FP32 "
-            "that FP16 flushed to zero before they were recorded.")] if show_flushed else []),
+        *([("flushed_share", "flushed vs FP32 twin (%)",
+            "Flushed to zero: the share of all values, over all logged steps, that are zeros beyond the FP32 twin's "
+            "(values non-zero in FP32 that FP16 flushed to zero before they were recorded).")] if show_flushed else []),
         ("underflow_share", f"{fmt} underflow (%)",
          f"Share of the recorded finite non-zero values of {what} that are too small for {fmt} (become 0), "
          "exact counts over all logged steps."),
@@ -313,11 +314,11 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
          "significant bits)."),
         ("overflow_share", f"{fmt} overflow (%)",
          f"Share of the recorded finite non-zero values of {what} too large for {fmt} (become inf)."),
-        ("zero_share", "zeros (% of values)",
-         "Exact zeros in the record, over all logged steps (in an FP16 run: genuine zeros and the "
-         "values FP16 flushed)."),
+        ("zero_share", "zeros (%)",
+         "Share of all values that are exact zeros in the record, over all logged steps (in an FP16 run: genuine "
+         "zeros and the values FP16 flushed)."),
         ("numel", "values per step", "Number of elements of the gradient tensor."),
-        ("nonfinite", "NaN / inf (values)", "NaN, +inf and -inf values, summed over steps."),
+        ("nonfinite", "NaN / inf", "NaN, +inf and -inf values (a count, not a share), summed over steps."),
     ]
 
 

@@ -3,6 +3,7 @@ names and units, the heatmap's blank columns explained, and every tensor's histo
 checked against the store's own rows (or against values cast with torch), never against the page's functions."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_an_fp16_run_with_a_twin_ranks_by_what_fp16_flushed(store_path, monkeypa
     at = page(store_path, monkeypatch, run="1")
     table = ranking_table(at)
     assert table["tensor"].tolist() == flushed.sort_values(ascending=False, kind="stable").index.tolist()
-    column = "flushed to 0 vs FP32 twin (% of values)"
+    column = "flushed vs FP32 twin (%)"
     assert table[column].tolist() == [f"{flushed[t]:.2%}" for t in table["tensor"]]
     assert at.selectbox(key="tensor").value == table["tensor"].iloc[0]  # the worst tensor is shown first
     assert "Ranked by the share of all values flushed to zero before recording, estimated against the FP32 twin" \
@@ -86,8 +87,8 @@ def test_without_a_twin_an_fp16_run_ranks_by_its_zeros_and_says_so(store_path, m
     at = page(store_path, monkeypatch, run="3")
     table = ranking_table(at)
     assert table["tensor"].tolist() == zeros.sort_values(ascending=False, kind="stable").index.tolist()
-    assert table["zeros (% of values)"].tolist() == [f"{zeros[t]:.2%}" for t in table["tensor"]]
-    assert "flushed to 0 vs FP32 twin (% of values)" not in table.columns  # not known without a twin
+    assert table["zeros (%)"].tolist() == [f"{zeros[t]:.2%}" for t in table["tensor"]]
+    assert "flushed vs FP32 twin (%)" not in table.columns  # not known without a twin
     said = captions(at)
     assert "Ranked by the share of values recorded as exact zeros" in said and "without an FP32 twin" in said
 
@@ -105,7 +106,7 @@ def test_the_table_names_its_columns_with_units_and_separates_thousands(store_pa
     config = json.loads(element.proto.columns)
     assert config["values per step"]["type_config"]["format"] == "%,d"  # 8192 reads 8,192
     assert all(config[c].get("help") for c in table.columns)
-    for c in ("fp16 underflow (%)", "fp16 subnormal (%)", "zeros (% of values)"):
+    for c in ("fp16 underflow (%)", "fp16 subnormal (%)", "zeros (%)"):
         assert all(re.fullmatch(r"\d+\.\d\d%|n/a", v) for v in table[c]), table[c]
     share = totals["fp16_underflow"] / (totals["numel"] - totals["zeros"] - totals["nan"] - totals["posinf"]
                                         - totals["neginf"])
@@ -182,7 +183,13 @@ def test_every_tensors_histogram_as_small_multiples_matches_the_store(store_path
             int(b) + EXP_MIN: int(truth[b]) for b in np.flatnonzero(truth)}
     # FP16's limits near the data are rules in every panel (max 65,504 is 30 binades away: named in the caption)
     assert sorted(rules["log2"]) == [-24, -14]
-    assert "fp16 max 65,504 is" in captions(at) and "Dotted rule: fp16 min subnormal 2^-24" in captions(at)
+    assert "Dotted rule: fp16 min subnormal 2^-24" in captions(at)
+    # each chart says which values its distance is from (the heatmap's tensor over its steps, the grid's tensors
+    # at this step): two different numbers for one limit read as a contradiction otherwise
+    largest = every_bar["log2_lo"].max() + 1  # bin e holds 2^e to 2^(e+1)
+    assert (f"fp16 max 65,504 is {math.log2(65504) - largest:,.0f} binades above the largest value of these tensors "
+            f"at step {step:,}") in captions(at)
+    assert f"binades above the largest value of {order[0]} at any logged step" in captions(at)
     empty = [t for t in order if finite[t] == 0]
     if empty:
         assert "Nothing to draw for" in captions(at)
@@ -292,7 +299,7 @@ def test_the_view_model_holds_the_twins_totals_and_what_the_page_shows_of_them(s
     assert at.flushed_said.startswith(f"At step {step}: {at.flushed:.2%} of all values")
     table, columns = model.table(ranking, at, k=0)
     assert table.columns.tolist() == [label for _, label, _ in columns]
-    assert table["flushed to 0 vs FP32 twin (% of values)"].tolist() == [f"{flushed[t]:.2%}" for t in table["tensor"]]
+    assert table["flushed vs FP32 twin (%)"].tolist() == [f"{flushed[t]:.2%}" for t in table["tensor"]]
     assert table.columns[2:4].tolist() == ["fp16 underflow (%)", f"fp16 underflow at 2^0, step {step:,}"]
 
 
@@ -308,7 +315,7 @@ def test_without_a_twin_the_view_model_states_none_and_the_table_has_no_flushed_
     at = model.at_step(ranking, model.tensor(ranking, ranking.tensors[0], show_bf16=False), model.logged[-1])
     assert at.flushed is None and "cannot be known from this run" in at.flushed_said
     table, _ = model.table(ranking, at, k=0)
-    assert "flushed to 0 vs FP32 twin (% of values)" not in table.columns
+    assert "flushed vs FP32 twin (%)" not in table.columns
 
 
 @pytest.mark.parametrize("script", ["1_Gradients.py", "2_Loss_scale.py", "5_Findings.py", "6_FP8.py", "7_Modules.py"])
