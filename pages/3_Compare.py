@@ -26,6 +26,8 @@ from mpdiag.dashboard.untrusted import plain
 #: the run column of Compare's tables: a run's whole label is as wide as the table at 1,280 px and pushed the
 #: numbers off screen; shortened (hover for the whole label; the "#N" starts it) and kept in view when scrolled
 RUN_COLUMN = st.column_config.TextColumn("run", width="medium", pinned=True, help="Hover a cell for the whole label.")
+#: the same in a table of few columns (the histogram's): room for a rerun's label, whose end tells it apart
+WIDE_RUN_COLUMN = st.column_config.TextColumn("run", width="large", pinned=True, help="Hover a cell for the whole label.")
 #: the cost table's columns, what tells the runs apart first (at 1,280 px the last ones are scrolled off)
 COST_ORDER = ["run", "final loss", "skipped steps", "median step time", "throughput", "peak memory", "model state"]
 
@@ -179,13 +181,15 @@ def overlay_table(overlay: compare_model.Overlay, tensor: str, step: int | None)
     drawn = per_run[~per_run["missing"].isin([NO_TENSOR, NO_STEP])]
     if len(drawn):
         st.dataframe(pd.DataFrame({
-            "run": drawn["run"], "values": drawn["numel"], "finite non-zero (the 100 %)": drawn["finite_nonzero"],
+            "run": drawn["run"], "values": drawn["numel"], "finite non-zero": drawn["finite_nonzero"],
             "zeros": drawn["zero_share"], "NaN / inf": drawn["nonfinite"]}),
             hide_index=True, width="stretch",
-            column_config={"run": RUN_COLUMN,
-                           "zeros": st.column_config.NumberColumn("zeros (share of values)", format="percent"),
-                           **{c: st.column_config.NumberColumn(format="localized")
-                              for c in ("values", "finite non-zero (the 100 %)", "NaN / inf")}})
+            column_config={"run": WIDE_RUN_COLUMN,
+                           "zeros": st.column_config.NumberColumn("zeros (%)", format="percent",
+                                                                  help="Exact zeros, as a share of all values."),
+                           "finite non-zero": st.column_config.NumberColumn(
+                               format="localized", help="The values the histogram's shares are of (its 100 %)."),
+                           **{c: st.column_config.NumberColumn(format="localized") for c in ("values", "NaN / inf")}})
         st.caption("Shares are of each run's finite non-zero values of this tensor, so runs logged at different "
                    "steps compare. A run computed in FP16 records the values its backward pass flushed to zero as "
                    "exact zeros, which no bin holds: its histogram can look healthy while its zero share, beside "
