@@ -88,8 +88,12 @@ def _unfit(chart):
     return part
 
 
-#: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...)
-STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+#: the x axis of every chart over steps: whole steps only (a 3-step run would otherwise be ticked 0.1, 0.2, ...);
+#: from the first step to the last, not rounded out (a 20-step run's axis ran to 20, past its last step 19), with
+#: a few pixels' room each side: the panels bound to the zoom clip their marks, and a marker on the first step
+#: (a skipped step 0) was cut in half
+_STEP_SCALE = alt.Scale(padding=6, nice=False, zero=False)
+STEP_X = alt.X("step:Q", title="step", scale=_STEP_SCALE, axis=alt.Axis(format="d", tickMinStep=1))
 #: Compare's other x axis: seconds from each run's start (Store.steps' wall_time_s), relative
 WALL_X = alt.X("wall_time_s:Q", title="wall time since the run started (s)", axis=alt.Axis(format=",.12~g"))
 
@@ -153,16 +157,23 @@ _PLAIN_POWERS = "format(datum.value, ',~g')"
 _EXPONENT_POWERS = "replace(format(datum.value, '.0e'), 'e+', 'e')"
 
 
+#: how close (in decades) the data may come to a log10 axis's end before the axis takes one more decade: a
+#: marker's radius on a chart of a few decades in ~250 px
+LOG10_MARGIN = 0.05
+
+
 def _log10_bounds(values) -> tuple[int, int] | None:
     """(lowest, highest) whole k of a log10 axis over ``values`` (finite, above 0): the decades around the data,
-    one further where the smallest or largest value is itself a power of ten, so no value (a spike, the last
-    point of a falling loss) lies on the plot's border."""
+    one further where the smallest or largest value lies within LOG10_MARGIN of a decade of a power of ten, so no
+    value (a spike, the last point of a falling loss) lies on the plot's border (a point at 0.1003 on an axis
+    from 0.1 was drawn half cut)."""
     v = np.asarray([] if values is None else values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
     if not v.size:
         return None
-    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
-    return lo - (10.0**lo >= v.min()), hi + (10.0**hi <= v.max())
+    low, high = math.log10(v.min()), math.log10(v.max())
+    lo, hi = math.floor(low), math.ceil(high)
+    return lo - (low - lo < LOG10_MARGIN), hi + (hi - high < LOG10_MARGIN)
 
 
 def log10_scale(values) -> alt.Scale:
@@ -668,7 +679,8 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
 
 
 #: the FP8 charts' step axis: STEP_X with thousands separators (step 1,000)
-_FP8_STEP_X = alt.X("step:Q", title="step", axis=alt.Axis(format=",d", tickMinStep=1))
+#: STEP_X with thousands separators (the FP8 page's step counts are written so)
+_FP8_STEP_X = alt.X("step:Q", title="step", scale=_STEP_SCALE, axis=alt.Axis(format=",d", tickMinStep=1))
 
 
 def fp8_lost_heatmap(cells: pd.DataFrame, title: str = "") -> alt.Chart:

@@ -504,7 +504,7 @@ def _spike_offender(step: int, previous: list[tuple], current: list[tuple], batc
                           + (f"; {batch_said}" if batch_said else ""))
         if not out <= largest[1]:
             largest = (name, out)
-    seen_said = "; ".join(([f"largest rise: {largest[0]}, {largest[1]:.3g}x"] if largest[0] is not None else [])
+    seen_said = "; ".join(([f"largest rise: module '{largest[0]}', {largest[1]:.3g}x"] if largest[0] is not None else [])
                           + ([batch_said] if batch_said else []))
     return None, (f"no module's output was {SPIKE_FACTOR:g}x its output on step {step - 1}'s batch while its inputs "
                   f"rose less{f' ({seen_said})' if seen_said else ''}: the spike came from outside the model (the loss "

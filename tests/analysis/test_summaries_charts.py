@@ -127,6 +127,9 @@ def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
     assert ticks == [2.0, 4.0, 8.0, 16.0]
     skipped_rows = spec["datasets"][scale_layer[1]["data"]["name"]]
     assert [r["step"] for r in skipped_rows] == [1]
+    # the step axis ends at the first and last step with room for a marker there (the zoom clips marks: a skipped
+    # step 0's marker was cut in half), not rounded out past the last step
+    assert scale_layer[0]["encoding"]["x"]["scale"] == {"padding": 6, "nice": False, "zero": False}
 
 
 def test_log10_axes_end_a_decade_beyond_the_data_and_tick_only_inside():
@@ -143,6 +146,10 @@ def test_log10_axes_end_a_decade_beyond_the_data_and_tick_only_inside():
     norm_y = spec["layer"][0]["encoding"]["y"]
     assert norm_y["scale"]["domain"] == [1e-2, 1.0]  # 0.02 and 0.7 both inside; the 0 is a grey rule
     assert min(norm_y["scale"]["domain"]) < 0.02 and 0.7 < max(norm_y["scale"]["domain"])
+    # a value just above a power of ten (the shadow page's 0.1003) gets a decade beyond it too: on the axis from
+    # 0.1 its marker was drawn half cut by the plot's edge
+    near = pd.DataFrame({"step": [0, 1, 2], "grad_norm": [0.1003, 0.5, 9.8], "wall_time_s": [0.0, 0.1, 0.2]})
+    assert charts.grad_norm_panel(near).to_dict()["layer"][0]["encoding"]["y"]["scale"]["domain"] == [1e-2, 100.0]
 
 
 def test_a_linear_axis_of_tiny_values_reads_as_short_exponents():

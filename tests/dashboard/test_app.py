@@ -307,11 +307,11 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     table = at.dataframe[0].value
     assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table
-    # at 1,280 px what the table is for comes first: each finding's outcome and the loss against FP32, not
-    # behind a long rerun name (shortened, the run number pinned)
+    # at 1,280 px what the table is for comes first: the loss against FP32 and each finding's outcome, not
+    # behind a long rerun name (shortened, the run number pinned) nor behind the findings' long column names
     element = at.dataframe[0]
     order, rules = list(element.proto.column_order), [c for c in table.columns if c.islower() and "-" in c]
-    assert "scale-collapse" in rules and order[:len(rules) + 3] == ["run", "name", *rules, "vs FP32"], order
+    assert "scale-collapse" in rules and order[:len(rules) + 4] == ["run", "name", "vs FP32", "final loss", *rules], order
     config = json.loads(element.proto.columns)
     assert config["run"]["pinned"] is True and config["name"]["width"] == "medium"
 
