@@ -16,6 +16,7 @@ holds the same gradients, so rank 0 computes them alone.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import signal
@@ -50,7 +51,9 @@ def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The part of each tensor this rank holds: an FSDP2 DTensor's local shard, else the tensor itself (the
     list as it is when nothing imported DTensor: no per-tensor work on the training step)."""
     dtensor = _dtensor_class()
-    return tensors if dtensor is None else [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+    if dtensor is None or not any(map(isinstance, tensors, itertools.repeat(dtensor))):  # tested in C: no shard
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:

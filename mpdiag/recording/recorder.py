@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
 import resource
 import sys
@@ -101,6 +102,10 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
             **{key: state.get(key) for key in ("growth_factor", "backoff_factor", "growth_interval")}}
 
 
+#: the gradient dtypes whose norms are taken in float32 (clip_grad_norm_'s own rule), and the dtype getter the
+#: test maps over the gradients in C
+_LOW_DTYPES = frozenset((torch.float16, torch.bfloat16))
+_DTYPE = operator.attrgetter("dtype")
 #: the StepGradStats counts of a TensorBatch's representability, format by format (LOW_PRECISION), kind by kind
 _REPRESENTABILITY_COUNTS = [f"{fmt}_{kind}" for fmt in LOW_PRECISION for kind in REPRESENTABILITY_KINDS]
 
@@ -545,7 +550,9 @@ class Recorder:
         self._settle_owners()
         step = self._step
         scale, values = self._scaler_values(self._dist.exchange_loss(step, loss))
-        read = gradients if gradients is not None else self._read_tensors(step, scale)
+        # the .grad list read once for the statistics and the next step's bookkeeping, when both happen here
+        grads = None if gradients is not None else self._step_grads.grads()
+        read = gradients if gradients is not None else self._read_tensors(step, scale, grads)
         at_multiple = self._retention.regular(step)  # a multiple of every, or one of the default's first steps
         recorded = RecordedStep(step, loss, scale, scaled=self.scaler is not None, norm=read.norm,
                                 at_multiple=at_multiple, logged=at_multiple and read.pending is not None)
@@ -555,7 +562,7 @@ class Recorder:
         if read.pending is not None:
             self._unread_stats.append(_UnreadStats(step, read))
             self._unscale_by = read.unscale_by
-        self._step_grads.next_step()
+        self._step_grads.next_step(grads)
         # logged (index 8) stays 0 here: the writer sets it once the retention keeps the step
         row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), 0,
                self._learning_rate(), None, now - self._started]
@@ -608,7 +615,7 @@ class Recorder:
             raise RuntimeError("read_gradients() called on a closed Recorder")
         try:
             with self._lock:  # the statistics workspaces: a held step's may be computing in the writer thread's flush
-                return self._read_tensors(self._step, self._scaler_state(None)[0])
+                return self._read_tensors(self._step, self._scaler_state(None)[0], self._step_grads.grads())
         except StoreWriteFailed as exc:
             self._stop_recording(exc)
             return GradientRead(self._step)
@@ -639,13 +646,14 @@ class Recorder:
             except Exception:  # noqa: BLE001 - the failure was said once already
                 pass
 
-    def _read_tensors(self, step: int, scale: float | torch.Tensor) -> GradientRead:
+    def _read_tensors(self, step: int, scale: float | torch.Tensor, every_grad: list) -> GradientRead:
         """The global norm of every gradient that is this step's, at every step; and the start of their
-        statistics, on the steps whose tensors are logged."""
+        statistics, on the steps whose tensors are logged. ``every_grad``: each recorded parameter's ``.grad``
+        now (StepGradients.grads)."""
         if not self._dist.computes_stats:
             return GradientRead(step)
-        fresh = self._step_grads.fresh()
-        grads = local_shards([self._params[i][1].grad for i in fresh])
+        fresh = self._step_grads.fresh(every_grad)
+        grads = local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh])
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
         norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by
@@ -674,7 +682,7 @@ class Recorder:
         ``torch._foreach_norm``, then the norm of those), in float32 at least; a 0-dim tensor, not read back."""
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        low = any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
+        low = not _LOW_DTYPES.isdisjoint(map(_DTYPE, grads))
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
         try:  # one device: no per-tensor copy (it cost as much as the norms themselves at 500 tensors)
             stacked = torch.stack(norms)
