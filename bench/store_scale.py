@@ -4,7 +4,7 @@ Builds, through the real writer (mpdiag.store.StoreWriter.write_batch, in batche
 Recorder's background writer commits them), what the Recorder stores at its default settings (no --every: the
 default retention, mpdiag.recording.retention, deciding with the real Retention class): per step a steps row and a
 step_signals row (each tensor's inf/NaN and FP16/BF16 under/overflow counts at the scale), and per kept (step,
-tensor) a tensor_steps row with its exponent histogram, a representability row per registry format, the running
+tensor) a tensor_steps row with its exponent histogram and every registry format's counts, the running
 totals and the kept step with its reasons. The histograms are realistic without training: each tensor's gradient
 is drawn once as real float32 values (numel 64x64 for a weight, 64 for a bias, a spread of 2^-20..2^-6 between
 tensors), binned by exponent as mpdiag bins them, and each step takes one of 16 such draws moved by a random walk

@@ -34,6 +34,7 @@ from mpdiag.store.liveness import process_is_alive
 from mpdiag.store.schema import (
     DEFAULT_STORE,
     FIRST_READ_WAIT_S,
+    REPRESENTABILITY_COLUMNS,
     REPRESENTABILITY_KINDS,
     ROLLUP_BUCKET_STEPS,
     SCHEMA_VERSION,
@@ -82,17 +83,13 @@ def _run_config(stored) -> dict:
     return config
 
 
-def _representability_joins(table: str, formats: Sequence[str], wide: bool) -> tuple[str, str]:
-    """(select list, joins) adding each format's six counts from ``table`` (representability, or
-    representability_totals) to the rows of alias ``src``: named like REPRESENTABILITY_COLUMNS, in its order,
-    when ``wide``, else by kind alone (one format)."""
-    step_key = " AND r{i}.step = src.step" if table == "representability" else ""
+def _totals_joins(formats: Sequence[str]) -> tuple[str, str]:
+    """(select list, joins) adding each format's six summed counts from representability_totals to the rows of
+    alias ``src`` (tensor_totals), named like REPRESENTABILITY_COLUMNS, in its order."""
     # LEFT: a run recorded before a format joined the registry has no rows for it (its counts read NULL / NaN)
-    joins = " ".join(f"LEFT JOIN {table} r{i} ON r{i}.run_id = src.run_id AND r{i}.tensor_id = src.tensor_id"
-                     f"{step_key.format(i=i)} AND r{i}.fmt = '{fmt}'"  # registry names, never user text
+    joins = " ".join(f"LEFT JOIN representability_totals r{i} ON r{i}.run_id = src.run_id AND "
+                     f"r{i}.tensor_id = src.tensor_id AND r{i}.fmt = '{fmt}'"  # registry names, never user text
                      for i, fmt in enumerate(formats))
-    if not wide:
-        return ", ".join(f"r0.{k}" for k in REPRESENTABILITY_KINDS), joins
     columns = [f"r{i}.{cat}{suffix} AS {fmt}_{cat}{suffix}" for suffix in ("", "_at_scale")
                for i, fmt in enumerate(formats) for cat in ("underflow", "subnormal", "overflow")]
     return ", ".join(columns), joins
@@ -345,15 +342,15 @@ class Store:
         return df
 
     def _tensor_steps(self, columns: str, run_id: int, tensor: str | None, since_step: int,
-                      until_step: int | None = None, joins: str = "") -> pd.DataFrame:
-        """step, tensor and ``columns`` of tensor_steps rows (alias ``src``, with ``joins``) after ``since_step``
+                      until_step: int | None = None) -> pd.DataFrame:
+        """step, tensor and ``columns`` of tensor_steps rows (alias ``src``) after ``since_step``
         (up to ``until_step``), one tensor or all."""
         # One tensor: walk the (run_id, tensor_id, step) index; the planner otherwise prefers the primary key
         # and reads every row of the run. Joined tables are then looked up by their primary keys.
         source = "tensor_steps src INDEXED BY tensor_steps_by_tensor" if tensor is not None else "tensor_steps src"
         sql = (
             f"SELECT src.step, t.name AS tensor, {columns} FROM {source} "
-            f"JOIN tensors t ON t.run_id = src.run_id AND t.tensor_id = src.tensor_id {joins} "
+            "JOIN tensors t ON t.run_id = src.run_id AND t.tensor_id = src.tensor_id "
             "WHERE src.run_id = ? AND src.step > ?"
         )
         params: list = [int(run_id), int(since_step)]
@@ -370,7 +367,7 @@ class Store:
         representability counts of every registry format (``fp16_underflow`` ... ``bf16_overflow_at_scale``);
         numel_per_step is the tensor's size. Read from running totals the writer keeps, so its cost does not
         grow with the number of steps."""
-        counts, joins = _representability_joins("representability_totals", list(LOW_PRECISION), wide=True)
+        counts, joins = _totals_joins(list(LOW_PRECISION))
         sums = ", ".join(f"src.{c}" for c in SPECIAL_COUNT_COLUMNS)
         return self._query(
             f"SELECT t.name AS tensor, t.numel AS numel_per_step, t.numel * src.logged_steps AS numel, "
@@ -467,10 +464,9 @@ class Store:
         """Per logged step and tensor: counts, absmax, min_nonzero, l2 and the representability counts of the
         unscaled gradient g in every registry format (``fp16_underflow``, ``bf16_subnormal``, ...), and the same
         counts with suffix ``_at_scale`` for S*g; after ``since_step``, or at exactly ``step``."""
-        counts, joins = _representability_joins("representability", list(LOW_PRECISION), wide=True)
-        stats = ", ".join(f"src.{c}" for c in TENSOR_STAT_COLUMNS[1:])
-        df = self._tensor_steps(f"t.numel, {stats}, {counts}", run_id, tensor,
-                                since_step if step is None else step - 1, until_step=step, joins=joins)
+        stats = ", ".join(f"src.{c}" for c in [*TENSOR_STAT_COLUMNS[1:], *REPRESENTABILITY_COLUMNS])
+        df = self._tensor_steps(f"t.numel, {stats}", run_id, tensor, since_step if step is None else step - 1,
+                                until_step=step)
         for col in ("absmax", "min_nonzero", "l2"):
             df[col] = df[col].astype(float)
         return df
@@ -483,9 +479,10 @@ class Store:
         (elements of the unscaled gradient g) and underflow_at_scale, subnormal_at_scale, overflow_at_scale
         (of S*g). After ``since_step``, or at exactly ``step``; one tensor or all. Raises ValueError naming the
         known formats for any other ``fmt``."""
-        counts, joins = _representability_joins("representability", [_known_format(fmt)], wide=False)
+        fmt = _known_format(fmt)  # a registry name: the only text put into the SQL
+        counts = ", ".join(f"src.{fmt}_{kind} AS {kind}" for kind in REPRESENTABILITY_KINDS)
         return self._tensor_steps(f"t.numel, {counts}", run_id, tensor, since_step if step is None else step - 1,
-                                  until_step=step, joins=joins)
+                                  until_step=step)
 
     def histogram_matrix(
         self, run_id: int, tensor: str | None = None, since_step: int = -1, step: int | None = None

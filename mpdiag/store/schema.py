@@ -50,7 +50,11 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # get them built from their tensor_steps rows when the store is migrated).
 # 16: step_signals, each step's per-tensor inf/NaN and FP16/BF16 under/overflow counts at the loss scale, stored at
 # every step, kept or not (issue 28); runs recorded before get them back from their kept steps' tensor rows.
-SCHEMA_VERSION = 16
+# 17: the representability counts are columns of tensor_steps again ({fmt}_{kind}, TENSOR_STEP_COUNT_COLUMNS), one
+# row per (step, tensor) instead of one per format too: the long table's four rows per tensor and step took ~45 %
+# of the writer's insert time (issue 28). A format added to the registry adds its columns (ALTER TABLE ... ADD COLUMN,
+# no row rewritten) and reads NULL for the rows before it. The long table is moved in and dropped.
+SCHEMA_VERSION = 17
 #: "stopped": training ended by --stop-on at an event, the reason in the run's error
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
@@ -92,10 +96,20 @@ RUN_FIELDS = [
 _CORE_TABLES = {"runs", "steps", "tensors", "tensor_steps", "scripts"}
 
 _KIND_COLUMNS = ", ".join(f"{k} INTEGER NOT NULL" for k in REPRESENTABILITY_KINDS)
-_TENSOR_STEPS_DDL = """CREATE TABLE IF NOT EXISTS tensor_steps (
+#: tensor_steps' representability counts: {fmt}_{kind} for each registry format and kind, format by format (a
+#: TensorBatch's order); NULL where the row does not hold the format (recorded before the format joined). The same
+#: names as REPRESENTABILITY_COLUMNS, in another order.
+TENSOR_STEP_COUNT_COLUMNS = [f"{fmt}_{kind}" for fmt in LOW_PRECISION for kind in REPRESENTABILITY_KINDS]
+_TENSOR_STEPS_DDL = f"""CREATE TABLE IF NOT EXISTS tensor_steps (
     run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, hist BLOB NOT NULL,
     zeros INTEGER, nan INTEGER, posinf INTEGER, neginf INTEGER, absmax REAL, min_nonzero REAL, l2 REAL,
+    {", ".join(f"{c} INTEGER" for c in TENSOR_STEP_COUNT_COLUMNS)},
     PRIMARY KEY (run_id, step, tensor_id)) WITHOUT ROWID"""
+#: schema versions 3 to 16 kept the counts as one row per (run, step, tensor, format): created by the migration
+#: to version 3 and read by the one to 16, then moved into tensor_steps and dropped (version 17)
+_LONG_REPRESENTABILITY_DDL = f"""CREATE TABLE IF NOT EXISTS representability (
+    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
+    PRIMARY KEY (run_id, step, tensor_id, fmt)) WITHOUT ROWID"""
 _TENSOR_STEPS_INDEX_DDL = "CREATE INDEX IF NOT EXISTS tensor_steps_by_tensor ON tensor_steps (run_id, tensor_id, step)"
 _TENSOR_TOTALS_DDL = """CREATE TABLE IF NOT EXISTS tensor_totals (
     run_id INTEGER NOT NULL, tensor_id INTEGER NOT NULL, logged_steps INTEGER NOT NULL,
@@ -139,12 +153,6 @@ _STATEMENTS = [
     PRIMARY KEY (run_id, step)) WITHOUT ROWID""",
     _TENSOR_STEPS_DDL,
     _TENSOR_STEPS_INDEX_DDL,
-    # One row per (run, step, tensor, format): a format added to the registry adds rows, never a column. Its key
-    # leads with (run, step), so one step's tensors are one range; one tensor's history is read through
-    # tensor_steps_by_tensor with a key lookup here per row (no second index needed: see the query plans).
-    f"""CREATE TABLE IF NOT EXISTS representability (
-    run_id INTEGER NOT NULL, step INTEGER NOT NULL, tensor_id INTEGER NOT NULL, fmt TEXT NOT NULL, {_KIND_COLUMNS},
-    PRIMARY KEY (run_id, step, tensor_id, fmt)) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS modules (
     run_id INTEGER NOT NULL REFERENCES runs(run_id), module_id INTEGER NOT NULL, name TEXT NOT NULL,
     type TEXT NOT NULL, PRIMARY KEY (run_id, module_id)) WITHOUT ROWID""",
@@ -558,8 +566,10 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
         if version != SCHEMA_VERSION:
             for statement in _STATEMENTS:  # every table that is missing, as the current version has it
                 conn.execute(statement)
-            for table in ("runs", "steps"):
+            for table in ("runs", "steps", "tensor_steps"):
                 _add_missing_columns(conn, table)
+            if version is not None and version < 17:
+                conn.execute(_LONG_REPRESENTABILITY_DDL)  # where the migrations below read and write the counts
             if version is not None and version < 3:
                 _move_representability_to_long_table(conn)
             if version is not None and version < 6:
@@ -570,6 +580,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
                 _build_histogram_rollups(conn)
             if version is not None and version < 16:
                 _signals_from_tensor_rows(conn)
+            if version is not None and version < 17:
+                _representability_into_tensor_steps(conn)
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.commit()
     except BaseException:
@@ -579,7 +591,8 @@ def _bring_up_to_date(conn: sqlite3.Connection, path: Path) -> None:
 
 def _add_missing_columns(conn: sqlite3.Connection, table: str) -> None:
     """Older stores lack columns added since to ``table`` (runs: summary, update_format, ...; steps: lr, grad_norm,
-    wall_time_s at version 9): add them, empty (NULL), at the end, where the current DDL has them too."""
+    wall_time_s at version 9; tensor_steps: a format's counts, version 17 or the format joining the registry): add
+    them, empty (NULL), at the end, where the current DDL has them too."""
     ddl = next(s for s in _STATEMENTS if f"TABLE IF NOT EXISTS {table} (" in s)
     with closing(sqlite3.connect(":memory:")) as scratch:
         scratch.execute(ddl)
@@ -817,10 +830,27 @@ def _move_representability_to_long_table(conn: sqlite3.Connection) -> None:
     for table, ddl in (("tensor_steps", _TENSOR_STEPS_DDL), ("tensor_totals", _TENSOR_TOTALS_DDL)):
         conn.execute(f"ALTER TABLE {table} RENAME TO {table}_v2")
         conn.execute(ddl)
-        columns = ", ".join(r[1] for r in conn.execute(f"PRAGMA table_info({table})"))
-        conn.execute(f"INSERT INTO {table} SELECT {columns} FROM {table}_v2")
+        # the columns of version 3 (tensor_steps' counts come back from the long table at version 17)
+        old = {r[1] for r in conn.execute(f"PRAGMA table_info({table}_v2)")}
+        columns = ", ".join(r[1] for r in conn.execute(f"PRAGMA table_info({table})")
+                            if r[1] in old and r[1] not in TENSOR_STEP_COUNT_COLUMNS)
+        conn.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table}_v2")
         conn.execute(f"DROP TABLE {table}_v2")  # its index went with it
     conn.execute(_TENSOR_STEPS_INDEX_DDL)
+
+
+def _representability_into_tensor_steps(conn: sqlite3.Connection) -> None:
+    """Migration to version 17: each (run, step, tensor)'s rows of the long representability table become its
+    tensor_steps columns ({fmt}_{kind}; a format it had no row for stays NULL), in one pass over the long table in
+    its key order (its formats pivoted per row), then the long table is dropped."""
+    pivoted = ", ".join(f"MAX(CASE WHEN fmt = '{fmt}' THEN {kind} END) AS {fmt}_{kind}"  # registry names only
+                        for fmt in LOW_PRECISION for kind in REPRESENTABILITY_KINDS)
+    columns = ", ".join(TENSOR_STEP_COUNT_COLUMNS)
+    conn.execute(f"UPDATE tensor_steps SET ({columns}) = ({', '.join(f'p.{c}' for c in TENSOR_STEP_COUNT_COLUMNS)}) "
+                 f"FROM (SELECT run_id, step, tensor_id, {pivoted} FROM representability "
+                 "GROUP BY run_id, step, tensor_id) p "
+                 "WHERE p.run_id = tensor_steps.run_id AND p.step = tensor_steps.step AND p.tensor_id = tensor_steps.tensor_id")
+    conn.execute("DROP TABLE representability")
 
 
 def _signals_from_tensor_rows(conn: sqlite3.Connection, chunk: int = 50_000) -> None:

@@ -35,6 +35,7 @@ from mpdiag.store.schema import (
     RUN_FIELDS,
     SPECIAL_COUNT_COLUMNS,
     STATUSES,
+    TENSOR_STEP_COUNT_COLUMNS,
     HistogramRollups,
     StoreError,
     close_writing,
@@ -131,6 +132,11 @@ class Representability(NamedTuple):
     underflow_at_scale: int
     subnormal_at_scale: int
     overflow_at_scale: int
+
+
+#: tensor_steps' columns in the order the writer binds them: a TensorRow's fields, its counts as columns
+TENSOR_STEP_COLUMNS = ["run_id", "step", "tensor_id", "hist", *SPECIAL_COUNT_COLUMNS, "absmax", "min_nonzero", "l2",
+                       *TENSOR_STEP_COUNT_COLUMNS]
 
 
 class TensorRow(NamedTuple):
@@ -569,18 +575,22 @@ class StoreWriter:
             self._conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
 
     def _insert_tensor_rows(self, run_id: int, batch: TensorBatch) -> None:
-        """The batch's tensor_steps rows and a representability row per (step, tensor, format) it holds (inside
-        the caller's transaction)."""
-        self._conn.executemany(f"INSERT INTO tensor_steps VALUES ({', '.join('?' * len(TensorRow._fields))})",
-                               zip(itertools.repeat(run_id), batch.step.tolist(), batch.tensor_id.tolist(),
-                                   encode_hists(batch.hist), *batch.specials.T.tolist(), batch.absmax.tolist(),
-                                   batch.min_nonzero.tolist(), batch.l2.tolist()))
-        rows, formats = np.nonzero(batch.formats)
-        names = list(LOW_PRECISION)
+        """The batch's tensor_steps rows, each with its representability counts as columns (NULL for a format
+        the row does not hold), inside the caller's transaction."""
+        if not len(batch):
+            return
+        counts = batch.representability.reshape(len(batch), -1).T.tolist()  # per column of TENSOR_STEP_COUNT_COLUMNS
+        kinds = len(Representability._fields)
+        for f in np.flatnonzero(~batch.formats.all(axis=0)).tolist():  # a format some rows lack (rare: a child's rows)
+            lacking = np.flatnonzero(~batch.formats[:, f]).tolist()
+            for column in counts[f * kinds:(f + 1) * kinds]:
+                for k in lacking:
+                    column[k] = None
         self._conn.executemany(
-            f"INSERT INTO representability VALUES ({', '.join('?' * (4 + len(Representability._fields)))})",
-            zip(itertools.repeat(run_id), batch.step[rows].tolist(), batch.tensor_id[rows].tolist(),
-                [names[f] for f in formats.tolist()], *batch.representability[rows, formats].T.tolist()))
+            f"INSERT INTO tensor_steps ({', '.join(TENSOR_STEP_COLUMNS)}) VALUES ({', '.join('?' * len(TENSOR_STEP_COLUMNS))})",
+            zip(itertools.repeat(run_id), batch.step.tolist(), batch.tensor_id.tolist(), encode_hists(batch.hist),
+                *batch.specials.T.tolist(), batch.absmax.tolist(), batch.min_nonzero.tolist(), batch.l2.tolist(),
+                *counts))
 
     def _add_totals(self, run_id: int, batch: TensorBatch) -> None:
         """Add the batch to its tensors' running totals: counts, representability, histograms and the histograms'

@@ -49,7 +49,7 @@ def three_runs(tmp_path):
 def test_delete_removes_the_runs_rows_in_every_table_and_touches_nothing_else(three_runs):
     before = tables(three_runs)
     per_run = {t for t, df in before.items() if "run_id" in df and (df["run_id"] == 1).any()}
-    assert {"runs", "steps", "tensors", "tensor_steps", "representability", "representability_totals",
+    assert {"runs", "steps", "tensors", "tensor_steps", "representability_totals",
             "tensor_totals", "hist_totals", "modules", "module_steps", "update_steps", "shadow_steps", "rank_steps",
             "fp8_steps", "fp8_histograms", "probes", "run_tags"} <= per_run  # the fixture has rows everywhere
     with StoreWriter(three_runs) as writer:

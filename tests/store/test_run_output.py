@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT, run_cli
 
+from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.recording.console import tee_console
 from mpdiag.sandbox.launch import RunOwner, launch, watch_job
 from mpdiag.store import SCHEMA_VERSION, Store, StoreWriter
@@ -96,6 +97,10 @@ def test_a_schema_8_store_migrates_in_place_and_gains_an_empty_run_output(tmp_pa
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
         for name, count in before.items():
+            if name == "representability":  # its rows became tensor_steps' columns (schema 17): one per format held
+                formats_held = " + ".join(f"({fmt}_underflow IS NOT NULL)" for fmt in LOW_PRECISION)
+                assert conn.execute(f"SELECT SUM({formats_held}) FROM tensor_steps").fetchone()[0] == count
+                continue
             assert conn.execute(f"SELECT COUNT(*) FROM {name}").fetchone()[0] == count, name
     assert raw_output(path).empty and store.run_output(1) is None
     with StoreWriter(path) as writer:

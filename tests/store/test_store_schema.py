@@ -28,6 +28,7 @@ from mpdiag.store import (
     encode_hist,
 )
 from mpdiag.store.export import run_tables
+from mpdiag.store.schema import TENSOR_STEP_COUNT_COLUMNS
 
 DATA = ROOT / "tests" / "fixtures" / "data"
 
@@ -63,7 +64,9 @@ def test_old_store_migrates_in_place_and_reads_back_identical_data(tmp_path, ver
     assert _stamp(path) == str(SCHEMA_VERSION)
     with sqlite3.connect(path) as conn:
         columns = {r[1] for r in conn.execute("PRAGMA table_info(tensor_steps)")}
-        assert not columns & set(REPRESENTABILITY_COLUMNS)  # moved, not copied
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        # version 3 moved the counts to a long table, version 17 back into tensor_steps' columns (checked below)
+        assert set(REPRESENTABILITY_COLUMNS) <= columns and "representability" not in tables
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
     runs = store.runs().sort_values("run_id")
@@ -256,7 +259,27 @@ def _migrated(tmp_path, version):
     shutil.copy(original, path)
     store = Store(path)
     assert _stamp(path) == str(SCHEMA_VERSION)
-    return store, path, before, _tables(path)
+    return store, path, before, _in_long_layout(_tables(path))
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    return df.sort_values(list(df.columns)).reset_index(drop=True)  # as _tables orders a table's rows
+
+
+def _in_long_layout(after: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Migrated tables in the layout of schema versions 3 to 16, so that every old row can be compared with what
+    it became: tensor_steps without its count columns (version 17), and the long representability table (gone
+    since) rebuilt from them, a row per format whose counts are not NULL."""
+    assert "representability" not in after  # moved into tensor_steps, then dropped
+    rows = after["tensor_steps"]
+    long = []
+    for fmt in LOW_PRECISION:
+        columns = [f"{fmt}_{kind}" for kind in REPRESENTABILITY_KINDS]
+        held = rows[rows[columns].notna().all(axis=1)]
+        counts = held[columns].set_axis(list(REPRESENTABILITY_KINDS), axis=1).astype("int64")
+        long.append(pd.concat([held[["run_id", "step", "tensor_id"]].assign(fmt=fmt), counts], axis=1))
+    return {**after, "tensor_steps": _sorted(rows.drop(columns=TENSOR_STEP_COUNT_COLUMNS)),
+            "representability": _sorted(pd.concat(long))}
 
 
 def test_schema_7_store_migrates_to_8_keeping_every_row_and_gains_tags_and_notes(tmp_path):
