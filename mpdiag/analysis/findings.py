@@ -15,7 +15,7 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
 from mpdiag.analysis.finding import SEVERITY_ORDER, Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
-from mpdiag.analysis.module_trace import first_nonfinite, first_nonfinite_modules
+from mpdiag.analysis.module_trace import first_nonfinite, first_nonfinite_modules, module_said
 from mpdiag.analysis.summaries import (
     FLUSHED_LABEL,
     FP16_LEVELS,
@@ -595,7 +595,7 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                "format's max), so the event may also need what the replay does not repeat.")
     return Finding(
         rule="nonfinite-origin", severity="error" if reproduced else "warning",
-        title=f"step {step}: the first inf/NaN was born in {name}{label} in the {phase}",
+        title=f"step {step}: the first inf/NaN was born in {module_said(name)}{label} in the {phase}",
         evidence=how + what + "." + verdict,
         recommendation=advice, page="Modules", focus=focus)
 
@@ -616,7 +616,7 @@ def loss_spike_origin(replays: pd.DataFrame) -> Finding | None:
         advice = ("Check what the data loader gave at that step: a corrupted, unnormalised or mislabelled batch. "
                   "Filter or clip such batches before the model sees them.")
     elif isinstance(name, str):
-        title = f"step {step}'s loss spike began in {name}"
+        title = f"step {step}'s loss spike began in {module_said(name)}"
         advice = (f"Look at what '{name}' computes for that batch: a product or an exponential that grows with "
                   "its inputs' scale (normalise before it, clip its output), or weights an earlier step made large.")
     else:

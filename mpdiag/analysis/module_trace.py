@@ -16,6 +16,12 @@ from mpdiag.numerics.formats import FP16
 PASSES = {"fwd": "forward output", "bwd": "gradient into the output (at the loss scale)"}
 
 
+def module_said(name: str) -> str:
+    """A module named in a sentence, as every finding names one: module '0' (a Sequential's children are named
+    0, 1, ...: bare, such a name read as a number); a replay's stand-in, (inputs) or (loss), as it is."""
+    return name if name.startswith("(") else f"module '{name}'"
+
+
 def first_nonfinite_modules(modules: pd.DataFrame) -> dict[str, pd.Series]:
     """Per pass ("fwd", "bwd"), the row of the first module whose value was not finite: the earliest step,
     then the earliest in that pass's order. Passes where everything stayed finite are absent."""

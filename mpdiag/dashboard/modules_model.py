@@ -13,6 +13,7 @@ import pandas as pd
 
 from mpdiag.analysis import module_trace
 from mpdiag.analysis.findings import SPIKE_TRIGGER
+from mpdiag.analysis.module_trace import module_said
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
@@ -38,7 +39,7 @@ class ReplayStrip:
         if self.spike:
             return (f"Step {self.step}'s loss spike replayed module by module, forward only ({len(self.rows):,} calls), "
                     f"and step {self.step - 1}'s batch on the same copy: {self.note or 'nothing was found'}.")
-        where = (f"the first offender is {self.first_module} ({self.first_phase})" if self.first_module
+        where = (f"the first offender is {module_said(self.first_module)} ({self.first_phase})" if self.first_module
                  else "no module's output or gradient went inf/NaN")
         verdict = ("reproduced the event: numerics" if self.reproduced else
                    "did not reproduce it: non-determinism, hardware, or outside the model")

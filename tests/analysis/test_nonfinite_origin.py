@@ -40,7 +40,7 @@ def test_a_recorded_forward_overflow_is_named_with_its_step_phase_and_reproducti
     # the product by boost happens in Net's own code, between `scores` (finite) and `head` (fed inf): the first
     # module whose inputs were finite and output not is the root, named by its class
     assert origin.severity == "error"
-    assert origin.title == "step 9: the first inf/NaN was born in Net (Net) in the forward"
+    assert origin.title == "step 9: the first inf/NaN was born in module 'Net' (Net) in the forward"
     assert "module 'Net' (Net)" in origin.evidence and "reproduced the event" in origin.evidence
     assert "held" in origin.evidence and "under FP16" in origin.evidence
     assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=9"
@@ -60,7 +60,7 @@ def test_an_overflow_past_fp16s_max_is_quoted_and_a_backward_offender_gets_backw
     assert "backward gradient reached 70000, past FP16's largest finite value 65504" in origin.evidence
     assert "output gradient were finite (absmax 3)" in origin.evidence
     assert "backward" in origin.recommendation and origin.severity == "error"
-    assert origin.title == "step 4: the first inf/NaN was born in act (Softplus) in the backward"
+    assert origin.title == "step 4: the first inf/NaN was born in module 'act' (Softplus) in the backward"
 
 
 def test_not_reproduced_is_a_warning_that_points_away_from_numerics():
@@ -95,3 +95,7 @@ def test_a_loss_spikes_replay_is_its_own_finding_and_never_nonfinite_origin():
     assert found.title == "step 4's loss spike was not localised in the model"
     assert found.evidence.endswith(": no module's output was 10x its output on step 3's batch.")
     assert loss_spike_origin(replay("act", "backward")) is None  # a non-finite step's replay is not a spike's
+    named = replay("0", "forward", reproduced=False, note="0's output at step 4 was 12x")
+    named["trigger"] = "loss spike"
+    # a Sequential's child '0' is quoted as every finding quotes a module: bare, "began in 0" read as a number
+    assert loss_spike_origin(named).title == "step 4's loss spike began in module '0'"

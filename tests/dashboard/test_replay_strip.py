@@ -59,7 +59,7 @@ def test_the_strip_lays_out_the_forward_then_the_backward_with_the_first_offende
     assert list(rows.loc[rows.state == "first offender", "module"]) == ["scores"]
     assert set(rows.loc[rows.module.isin(["q", "k"]), "state"]) == {"finite"}
     assert set(rows.loc[rows.module.isin(["head", "Net"]), "state"]) == {"inf/NaN"}  # handed on, not born there
-    assert "the first offender is scores (forward)" in strip.said()
+    assert "the first offender is module 'scores' (forward)" in strip.said()
     assert "the forward only: it went bad there, so the backward was not replayed" in strip.said()
     spec = charts.replay_strip(rows, strip.step).to_dict()
     assert "first offender" in str(spec)
@@ -79,7 +79,7 @@ def test_the_modules_page_draws_the_replayed_step(tmp_path, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     said = texts(at)
     assert [h.value for h in at.subheader] == ["Replay of step 5"]
-    assert "the first offender is scores (forward)" in said
+    assert "the first offender is module 'scores' (forward)" in said
     frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for c in at.get("vega_lite_chart")
               for d in c.proto.datasets]
     strip = next(f for f in frames if "state" in f and "pos" in f)
