@@ -582,12 +582,12 @@ LIMIT_REACH = 6
 
 
 def heatmap_view(cells: pd.DataFrame, lines: pd.DataFrame,
-                 data: str = "drawn") -> tuple[pd.DataFrame, tuple[float, float], list[str]]:
+                 data: str) -> tuple[pd.DataFrame, tuple[float, float], list[str]]:
     """What the gradient heatmap draws: the format lines within LIMIT_REACH binades of its cells, the y extent
     (the cells and those lines, a binade of room each side), and, as sentences, each limit left off and how far
     it lies from the data. ``cells``: :func:`heatmap_cells` (not empty); ``lines``: :func:`format_lines`;
-    ``data``: whose values the cells are, as the sentences name them ("largest value drawn" by default): two
-    charts of one page give two distances, and each must say which values it measured from."""
+    ``data``: whose values the cells are, as the sentences name them ("of fc.weight at any logged step"): two
+    charts of one page give two distances to one limit, and each must say which values it measured from."""
     lo, hi = float(cells["log2_lo"].min()), float(cells["log2_hi"].max())
     near = (lines["log2"] >= lo - LIMIT_REACH) & (lines["log2"] <= hi + LIMIT_REACH)
     drawn = lines[near].reset_index(drop=True)
