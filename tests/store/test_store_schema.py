@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 
+from mpdiag.analysis import summaries
 from mpdiag.numerics.formats import LOW_PRECISION, SIGNAL_COUNTS
 from mpdiag.store import (
     REPRESENTABILITY_COLUMNS,
@@ -162,6 +163,32 @@ def test_representability_by_format_and_wide_columns_come_from_the_same_rows(tmp
     assert (totals[REPRESENTABILITY_COLUMNS] == wide.groupby("tensor")[REPRESENTABILITY_COLUMNS].sum()).all().all()
     with pytest.raises(ValueError, match="unknown format 'fp8'; the known formats are fp16, bf16, fp8_e4m3, fp8_e5m2"):
         store.representability(run_id, "fp8")
+
+
+def test_a_format_that_joins_the_registry_adds_its_columns_and_reads_nan_for_the_rows_before_it(tmp_path):
+    """A format joining the registry adds its six tensor_steps columns when an older store is opened (ALTER TABLE
+    ADD COLUMN, no row rewritten): planted here by dropping fp8_e5m2's columns from a store and stamping it with
+    the version before, whose migration then finds no long table rows to move. The rows written before read NaN
+    for the new format (unknown, not zero); every other count reads back as written; new rows hold all formats."""
+    path = tmp_path / "s.db"
+    with StoreWriter(path, finish_runs=True) as writer:
+        run_id = _new_run(writer, steps=2)
+    before = Store(path).tensor_stats(run_id)
+    late = [c for c in TENSOR_STEP_COUNT_COLUMNS if c.startswith("fp8_e5m2_")]
+    with sqlite3.connect(path) as conn:
+        for column in late:
+            conn.execute(f"ALTER TABLE tensor_steps DROP COLUMN {column}")
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION - 1),))
+    with StoreWriter(path, finish_runs=True) as writer:  # migrates, then writes a run holding every format
+        later = _new_run(writer, steps=1)
+    store = Store(path)
+    assert _stamp(path) == str(SCHEMA_VERSION)
+    after = store.tensor_stats(run_id)
+    assert after[[c for c in REPRESENTABILITY_COLUMNS if c.startswith("fp8_e5m2")]].isna().all().all()
+    kept = [c for c in after.columns if not c.startswith("fp8_e5m2")]
+    pd.testing.assert_frame_equal(after[kept], before[kept])
+    assert summaries.recorded_formats(store.tensor_totals(run_id)) == list(LOW_PRECISION)  # totals: kept per format
+    assert store.representability(later, "fp8_e5m2")["underflow"].tolist() == [0 * 10 + 18, 1 * 10 + 18]
 
 
 def test_write_batch_refuses_a_format_outside_the_registry(tmp_path):
