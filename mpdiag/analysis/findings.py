@@ -646,7 +646,7 @@ def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[
         produced, received = ("output", "inputs") if phase == "forward" else ("gradient", "output gradient")
         amount = _amount(row["absmax"], row["nonfinite"], limit) if row is not None else "went bad"
         was = (f" (absmax {row['in_absmax']:g})" if row is not None and pd.notna(row["in_absmax"]) else "")
-        what = (f"module '{name}'{label} was the first, in execution order, whose {phase} {produced} {amount} while "
+        what = (f"{module_said(name)}{label} was the first, in execution order, whose {phase} {produced} {amount} while "
                 f"its {received} were finite{was}")
         advice = (f"Look at what '{name}' computes in its forward: keep it in FP32 (autocast(enabled=False) around "
                   "it), scale its inputs down (attention scores: scale q by 1/sqrt(d) before the product), or train "

@@ -39,7 +39,7 @@ def first_nonfinite(modules: pd.DataFrame) -> str:
     finding's evidence ('' without a trace or without a non-finite value)."""
     said = {"fwd": "non-finite activation was the output of",
             "bwd": "non-finite gradient in the backward pass (at the loss scale) flowed into the output of"}
-    parts = [f"The first {said[prefix]} module '{row['module']}' ({row['type']}) at step {int(row['step'])}"
+    parts = [f"The first {said[prefix]} {module_said(row['module'])} ({row['type']}) at step {int(row['step'])}"
              + (" in the forward pass." if prefix == "fwd" else ".")
              for prefix, row in first_nonfinite_modules(modules).items()]
     return " " + " ".join(parts) if parts else ""

@@ -134,11 +134,6 @@ class Representability(NamedTuple):
     overflow_at_scale: int
 
 
-#: tensor_steps' columns in the order the writer binds them: a TensorRow's fields, its counts as columns
-TENSOR_STEP_COLUMNS = ["run_id", "step", "tensor_id", "hist", *SPECIAL_COUNT_COLUMNS, "absmax", "min_nonzero", "l2",
-                       *TENSOR_STEP_COUNT_COLUMNS]
-
-
 class TensorRow(NamedTuple):
     """One tensor's gradient statistics at one step; ``representability`` maps registry format names to counts."""
 
@@ -153,6 +148,10 @@ class TensorRow(NamedTuple):
     min_nonzero: float
     l2: float
     representability: Mapping[str, Representability]
+
+
+#: tensor_steps' columns in the order the writer binds them: a TensorRow's fields, its counts as columns
+TENSOR_STEP_COLUMNS = ["run_id", *TensorRow._fields[:-1], *TENSOR_STEP_COUNT_COLUMNS]
 
 
 @dataclass(frozen=True)
@@ -579,13 +578,11 @@ class StoreWriter:
         the row does not hold), inside the caller's transaction."""
         if not len(batch):
             return
-        counts = batch.representability.reshape(len(batch), -1).T.tolist()  # per column of TENSOR_STEP_COUNT_COLUMNS
-        kinds = len(Representability._fields)
-        for f in np.flatnonzero(~batch.formats.all(axis=0)).tolist():  # a format some rows lack (rare: a child's rows)
-            lacking = np.flatnonzero(~batch.formats[:, f]).tolist()
-            for column in counts[f * kinds:(f + 1) * kinds]:
-                for k in lacking:
-                    column[k] = None
+        counts = batch.representability.reshape(len(batch), -1)  # rows x TENSOR_STEP_COUNT_COLUMNS
+        held = np.repeat(batch.formats, len(Representability._fields), axis=1)
+        if not held.all():  # a format some rows lack (rare: a child's rows): NULL there
+            counts = np.where(held, counts.astype(object), None)
+        counts = counts.T.tolist()
         self._conn.executemany(
             f"INSERT INTO tensor_steps ({', '.join(TENSOR_STEP_COLUMNS)}) VALUES ({', '.join('?' * len(TENSOR_STEP_COLUMNS))})",
             zip(itertools.repeat(run_id), batch.step.tolist(), batch.tensor_id.tolist(), encode_hists(batch.hist),

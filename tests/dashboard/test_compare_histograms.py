@@ -190,6 +190,9 @@ def test_the_page_draws_the_stored_histograms_and_the_zero_shares(recorded, monk
         assert row[0].startswith(f"#{run_id} ") and row[1] == g.numel()
         assert row[3] == int((g == 0).sum()) / g.numel()
     assert table["zeros"].iloc[0] > table["zeros"].iloc[1]  # the FP16 run's flushed values, in sight
+    element = next(d for d in at.dataframe if "zeros" in d.value and "NaN / inf" in d.value)
+    # five columns leave the run column room for a rerun's label, whose end tells it from its parent (it was cut)
+    assert json.loads(element.proto.columns)["run"]["width"] == "large"
 
     at.toggle(key="hist_summed").set_value(True).run()
     assert not at.exception and not page_chart_problems(at)

@@ -191,6 +191,26 @@ def test_a_format_that_joins_the_registry_adds_its_columns_and_reads_nan_for_the
     assert store.representability(later, "fp8_e5m2")["underflow"].tolist() == [0 * 10 + 18, 1 * 10 + 18]
 
 
+def test_a_row_holding_fewer_formats_stores_null_for_the_others_beside_a_row_holding_all(tmp_path):
+    """A row may hold only some formats (a supervised child's rows from an mpdiag of before a format joined): its
+    other formats' counts are NULL (NaN when read: unknown, not zero), in the same batch as a row holding all."""
+    with StoreWriter(tmp_path / "s.db") as writer:
+        run_id = writer.create_run(name="t")
+        writer.add_tensors(run_id, [(t, f"w{t}", [3], 3, "float32", "float32") for t in range(2)])
+        full, partial = _tensor_row(0, 0, 1), _tensor_row(0, 1, 2)
+        partial = partial._replace(representability={f: partial.representability[f] for f in ("fp16", "bf16")})
+        writer.write_batch(run_id, [StepRow(0, 1.0, 2.0, 0, 0, 2.0, 0.1, 100, 1)], [full, partial])
+    stats = Store(tmp_path / "s.db").tensor_stats(run_id).set_index("tensor")
+    for f, fmt in enumerate(LOW_PRECISION):
+        for k, kind in enumerate(REPRESENTABILITY_KINDS):
+            column = f"{fmt}_{kind}"
+            assert stats.loc["w0", column] == 1 * 10 + k + 6 * f, column
+            if fmt in ("fp16", "bf16"):
+                assert stats.loc["w1", column] == 2 * 10 + k + 6 * f, column
+            else:
+                assert pd.isna(stats.loc["w1", column]), column
+
+
 def test_write_batch_refuses_a_format_outside_the_registry(tmp_path):
     with StoreWriter(tmp_path / "s.db") as writer:
         run_id = writer.create_run(name="t")
