@@ -1,7 +1,8 @@
 """The optimizer-step check's finiteness flags (mpdiag.recording.nonfinite_step), per tensor, against
 ``torch.isfinite`` on each tensor: sums of magnitudes that overflow from finite values are no finding, and one
-NaN or inf anywhere, in any dtype, is; counted by numba's pass over bit patterns and by torch. The check
-keeps the loss's value, not the loss."""
+NaN or inf anywhere, in any dtype, is; counted by numba's pass over bit patterns and by torch. The single flag
+before a step (GradScaler's multi-tensor pass on a GPU) against the same truth, leaving every value's bits as they
+were. The check keeps the loss's value, not the loss."""
 
 import gc
 import weakref
@@ -12,7 +13,7 @@ from conftest import DEVICES
 
 from mpdiag import Recorder, Store
 from mpdiag.recording import nonfinite_step
-from mpdiag.recording.nonfinite_step import EVERY_STEP, NonfiniteFlags
+from mpdiag.recording.nonfinite_step import EVERY_STEP, AnyNonfinite, NonfiniteFlags
 
 
 def _tensors(device):
@@ -74,6 +75,62 @@ def test_each_tensor_is_flagged_on_its_own(device, counted_by):
     assert _flags([]) == []
 
 
+@pytest.fixture(params=["per-tensor flags", "one pass"])
+def any_by(request, monkeypatch):
+    """Both ways of asking whether any value is non-finite: any of the per-tensor flags (the CPU's), and
+    GradScaler's multi-tensor pass, which runs where every tensor is on one CUDA device (forced here for CPU
+    tensors too, whose kernel of that op is the same contract)."""
+    if request.param == "one pass":
+        monkeypatch.setattr(nonfinite_step, "_on_one_cuda_device", lambda shards: True)
+    return request.param
+
+
+def _bits(values) -> list[torch.Tensor]:
+    """Each tensor's bit patterns, copied, with every NaN's as -1: a NaN may come back as another NaN (the pass
+    writes bfloat16's canonical one), as GradScaler's unscaling leaves the gradients; any other value keeps its bits."""
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return [v.detach().view(widths[v.element_size()]).masked_fill(v.isnan(), -1) for v in values]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_any_nonfinite_value_is_found_and_no_value_changes(device, bad, any_by):
+    """A NaN or inf in any one tensor of mixed dtypes (first, middle or last value) raises the one flag, finite
+    values whose sums overflow do not, and every value stays as it was: the pass writes back what it read."""
+    places = [0, "middle", -1] if bad is not None else [None]
+    for index in range(8):
+        for where in places:
+            values = [*_tensors(device), torch.full((8,), 3e38, device=device)]
+            if where is not None:
+                flat = values[index].view(-1)
+                flat[flat.numel() // 2 if where == "middle" else where] = bad
+            before = _bits(values)
+            assert AnyNonfinite(values).any() == (bad is not None) == any(_truth(values)), (index, where)
+            assert all(torch.equal(a, b) for a, b in zip(_bits(values), before, strict=True)), (index, where)
+        if bad is None:
+            break
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_any_nonfinite_of_one_dtype(device, dtype, any_by):
+    """The usual list, every tensor of one dtype (one call of the pass, or BF16's per-tensor flags)."""
+    values = [torch.randn(n, device=device).to(dtype) for n in (1, 64, 4096, 3)]
+    assert not AnyNonfinite(values).any()
+    values[2][4000] = float("inf")
+    assert AnyNonfinite(values).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_nonfinite_reads_fp8_and_empty_lists_too(device, any_by):
+    """FP8 state (a dtype GradScaler's kernel is not dispatched for) is read by the per-tensor flags instead."""
+    fp8 = torch.tensor([1.0, 2.0, 448.0], device=device).to(torch.float8_e4m3fn)
+    assert not AnyNonfinite([*_tensors(device), fp8]).any()
+    fp8[1] = float("nan")
+    assert AnyNonfinite([*_tensors(device), fp8]).any()
+    assert not AnyNonfinite([]).any()
+
+
 def test_the_checked_loss_is_not_kept_alive(tmp_path):
     """The check needs the loss's value before the optimizer step, not the loss: the Recorder held the tensor (and
     through it the step's autograd graph) until the next record, past the loop's own last reference."""
@@ -133,11 +190,12 @@ def test_flags_still_on_their_way_at_the_end_are_waited_for(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, device):
-    """As the flags really arrive: at once on the CPU, by the device's own copies on a GPU."""
+def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, device, any_by):
+    """As the flags really arrive: at once on the CPU, by the device's own copies on a GPU; the flag before the
+    step by either way."""
     rec, seen, _ = _breaking_loop(tmp_path, monkeypatch, steps=3, device=device, arrive_late=False)
     assert [s[:2] for s in seen] == [(True, False), (False, False), (False, False)]
-    if device == "cpu":  # counted inside the step
+    if device == "cpu" and any_by == "per-tensor flags":  # counted inside the step
         assert seen[0][2]["step"] == 0
     rec.close()
     found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
