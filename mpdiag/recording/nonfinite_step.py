@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mpdiag.numerics.gradstats import NUMBA_AVAILABLE, DeviceReadback
 from mpdiag.recording.distributed import local_shards
@@ -53,9 +54,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _dtypes(states) -> str | None:
-    """The dtypes of the floating-point tensors (not the step counter) in optimizer ``states`` (dicts), joined."""
-    dtypes = sorted({dtype_name(t.dtype) for state in states for key, t in state.items()
-                     if torch.is_tensor(t) and t.is_floating_point() and key != "step"})
+    """The dtypes of the floating-point tensors (not the step counter) in optimizer ``states`` (dicts), joined; a
+    wrapper subclass (torchao's 8-bit, 4-bit and FP8 states, which say float32) by its class: OptimState8bit."""
+    tensors = [t for state in states for key, t in state.items()
+               if torch.is_tensor(t) and t.is_floating_point() and key != "step"]
+    dtypes = sorted({type(t).__name__ if is_traceable_wrapper_subclass(t) else dtype_name(t.dtype)
+                     for t in local_shards(tensors)})
     return ", ".join(dtypes) or None
 
 
@@ -99,10 +103,12 @@ class NonfiniteFlags:
     H100's host: 705 isfinite calls in 3 steps of an SGD model of 78 tensors, 97 us each with their children)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
-        shards = local_shards(tensors)
+        shards, self._owners = _values_of(local_shards(tensors))
+        self._count = len(tensors)
         counts = _nonfinite_on_cpu(shards) if shards else np.zeros(0, np.int64)
-        self._flags, self._readback, self._order = (None if counts is None else counts > 0), None, None
-        if self._flags is not None:
+        self._flags, self._readback, self._order = None, None, None
+        if counts is not None:
+            self._flags = self._per_tensor(counts > 0)
             return
         if len(set(map(_DTYPE, shards))) == 1 and len(set(map(_DEVICE_INDEX, shards))) == 1:
             # the usual case, told apart in C (``.device`` makes an object a tensor): one launch, no reordering
@@ -125,11 +131,50 @@ class NonfiniteFlags:
         if self._flags is None:
             finite = self._readback.numpy()
             if self._order is None:
-                self._flags = ~finite
+                self._flags = self._per_tensor(~finite)
             else:
-                self._flags = np.empty(len(self._order), bool)
-                self._flags[self._order] = ~finite
+                flags = np.empty(len(self._order), bool)
+                flags[self._order] = ~finite
+                self._flags = self._per_tensor(flags)
         return self._flags
+
+    def _per_tensor(self, read: np.ndarray) -> np.ndarray:
+        """The flags of the tensors read, as flags of the tensors asked about (a subclass is any of its parts')."""
+        if self._owners is None:
+            return read
+        flags = np.zeros(self._count, bool)
+        np.logical_or.at(flags, self._owners, read)
+        return flags
+
+
+#: the classes whose tensors are their own values (anything else may be a wrapper subclass: see _values_of)
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _values_of(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int] | None]:
+    """The tensors to read for ``tensors``: each itself, except a wrapper subclass (torchao's 8-bit, 4-bit and FP8
+    optimizer states, FP8 training's weights), read through the floating-point tensors it is made of
+    (``__tensor_flatten__``, recursively): its own storage is no values (``data_ptr()`` is 0: numba read address 0
+    and the process died) and its dispatch has no norm. For torchao's states (codes from a finite table, or FP8
+    codes, times a per-block FP32 scale) a value is non-finite exactly when a code or scale is (an FP8 code times
+    a finite scale overflows only past 7.6e35). Also the index in ``tensors`` each read tensor stands for, or None
+    when every tensor is read as itself (told in C: ``map(type)``)."""
+    if set(map(type, tensors)) <= _PLAIN_TYPES:
+        return tensors, None
+    read, owners = [], []
+    for i, tensor in enumerate(tensors):
+        parts = _parts(tensor)
+        read += parts
+        owners += [i] * len(parts)
+    return read, owners
+
+
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """``tensor``, or, for a wrapper subclass, the floating-point tensors it is made of."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in _parts(getattr(tensor, name)) if part.is_floating_point()]
 
 
 def _finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -162,7 +207,7 @@ class AnyNonfinite:
     memory. The other tensors (the CPU's, BF16, FP8): any of their :class:`NonfiniteFlags`."""
 
     def __init__(self, tensors: list[torch.Tensor]):
-        shards = local_shards(tensors)
+        shards, _ = _values_of(local_shards(tensors))
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         if shards and _on_one_cuda_device(shards):
             dtypes = set(map(_DTYPE, shards))

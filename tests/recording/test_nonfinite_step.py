@@ -200,3 +200,37 @@ def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, devi
     rec.close()
     found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
     assert (found["step"], found["tensors"], found["values"]) == (0, ["weight", "bias"], ["weight", "bias"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_low_bit_optimizer_states_are_read_through_their_parts(tmp_path, name):
+    """torchao's low-bit optimizers keep their state in tensor subclasses whose own storage is no values (the numba
+    pass read address 0 and the process died; torch's norm raised): their flags are their codes' and scales', and
+    equal ``isfinite`` of the state dequantized, before and after a scale turns inf; a loop runs checked. The
+    state's format is said by its class, not its dtype (float32)."""
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = getattr(optim, name)(model.parameters(), lr=1e-3)
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt, check_optimizer_step=EVERY_STEP)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 256)).square().mean()
+        loss.backward()
+        rec.record(loss)
+        opt.step()
+    rec.close()
+    assert rec.optimizer_step_nonfinite is None
+    state = opt.state[model[0].weight]["exp_avg"]
+    # its dtype says float32; the small tensors' state (the biases, the 256-value head) stays plain float32
+    assert nonfinite_step.optimizer_state_dtype(opt) == f"{type(state).__name__}, float32"
+    assert torch.utils._python_dispatch.is_traceable_wrapper_subclass(state)
+    values = [model[0].weight, state, opt.state[model[0].weight]["exp_avg_sq"]]
+    for by in (NonfiniteFlags, AnyNonfinite):
+        assert not (by(values).any() if by is AnyNonfinite else by(values).numpy().any())
+    state.scale.view(-1)[3] = float("inf")
+    truth = [not bool(torch.isfinite(v.dequantize() if v is not values[0] else v).all()) for v in values]
+    assert truth == [False, True, False]
+    assert NonfiniteFlags(values).numpy().tolist() == truth
+    assert AnyNonfinite(values).any()
