@@ -384,7 +384,7 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     positive = drawable_on_log(steps["loss_scale"])
     if positive.any():
         on_log = steps[positive]
-        layers = [alt.Chart(on_log).mark_line(interpolate="step-after").encode(
+        layers = [alt.Chart(on_log).mark_line(interpolate="step-after", **_lone_points(on_log, "loss_scale")).encode(
             x=STEP_X,
             y=alt.Y("loss_scale:Q", scale=log2_scale(on_log["loss_scale"]),
                     axis=_power_of_two_axis("loss scale", on_log["loss_scale"])),
@@ -404,11 +404,11 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
         panels.append(alt.layer(*layers).properties(
             height=220, title="loss scale" + (f" ({'; '.join(said)})" if said else "")))
     if steps["growth_tracker"].notna().any():
-        panels.append(alt.Chart(steps).mark_line(color="#7f7f7f").encode(
+        panels.append(alt.Chart(steps).mark_line(color="#7f7f7f", **_lone_points(steps, "growth_tracker")).encode(
             x=STEP_X, y=alt.Y("growth_tracker:Q", title="growth tracker", axis=alt.Axis(format="d", tickMinStep=1)),
             tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")],
         ).properties(height=150, title="growth tracker (good steps since the scale last changed)"))
-    loss = alt.Chart(_blanked(steps, "loss")).mark_line(color="#1f77b4").encode(
+    loss = alt.Chart(_blanked(steps, "loss")).mark_line(color="#1f77b4", **_lone_points(steps, "loss")).encode(
         x=STEP_X, y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
     loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
     bad = (~np.isfinite(steps["loss"].astype(float))).any()
@@ -425,7 +425,7 @@ def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     # a labelled tick at 0 and each power of ten up to the one above the highest line (the axis's top): Vega's own
     # symlog ticks were 0 and the top alone, so a flat line (an all-NaN run's ~18k a step) could not be read off
     ticks = [0] + [10**k for k in range(1, max(1, math.ceil(math.log10(top)) if top > 0 else 1) + 1)]  # 1 would sit on 0
-    return _fit(alt.Chart(lines).mark_line(interpolate="step-after").encode(
+    return _fit(alt.Chart(lines).mark_line(interpolate="step-after", **_lone_points(lines, "values", by="line")).encode(
         x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)",
                           scale=alt.Scale(type="symlog", domain=[0, ticks[-1]]),
                           axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
@@ -445,7 +445,8 @@ def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
     # from 0 to a tenth above the highest rate, rounded up to a tick: a constant rate is not drawn on the border
     scale = alt.Scale(domainMin=min(0.0, float(lr[np.isfinite(lr)].min())), domainMax=top * 1.1 if top > 0 else 1.0,
                       nice=True)
-    return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after").encode(
+    return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after",
+                                                      **_lone_points(steps, "lr")).encode(
         x=STEP_X, y=alt.Y("lr:Q", scale=scale, axis=linear_axis("learning rate", lr)),
         tooltip=["step:Q", alt.Tooltip("lr:Q", format=".6g", title="learning rate")],
     ).properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
@@ -461,7 +462,8 @@ def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
         return None
     layers = []
     if drawable_on_log(norm).any():
-        layers.append(alt.Chart(_blanked(recorded, "grad_norm", log=True)).mark_line(color="#9467bd").encode(
+        on_log = _blanked(recorded, "grad_norm", log=True)
+        layers.append(alt.Chart(on_log).mark_line(color="#9467bd", **_lone_points(on_log, "grad_norm")).encode(
             x=STEP_X, y=alt.Y("grad_norm:Q", scale=log10_scale(norm),
                               axis=_power_of_ten_axis("gradient norm", norm)),
             tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")]))
@@ -518,6 +520,18 @@ def _undrawable(values: pd.Series, log: bool = False) -> np.ndarray:
     """Which values a line cannot draw: NaN and inf, and on a log axis zero and negative ones too."""
     v = values.astype(float).to_numpy()
     return ~np.isfinite(v) | (v <= 0) if log else ~np.isfinite(v)
+
+
+def _lone_points(data: pd.DataFrame, y: str, by: str | None = None, x: str = "step") -> dict:
+    """``mark_line``'s options for ``data``: a point at every value where some series (``by``'s values; the whole
+    frame without it) has at most one drawable ``y`` value. A line through one point draws nothing: a run's first
+    refresh, or a run of one step, showed empty panels under their titles."""
+    values = pd.to_numeric(data[y], errors="coerce") if y in data else pd.Series(dtype=float)
+    drawn = data[np.isfinite(values.astype(float))]
+    if drawn.empty:
+        return {}
+    per_series = drawn.groupby(by)[x].nunique() if by else pd.Series([drawn[x].nunique()])
+    return {"point": alt.OverlayMarkDef(filled=True, size=40)} if (per_series <= 1).any() else {}
 
 
 def _blanked(df: pd.DataFrame, y: str, log: bool = False) -> pd.DataFrame:
@@ -577,10 +591,10 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
             ~_undrawable(df[f"{y}_smoothed"], log))})
     dash = _run_dash(domain)
     line = alt.Chart(data).mark_line(interpolate="step-after" if log and log_base == 2 else "linear",
-                                     opacity=0.25 if smooth else 1.0).encode(
+                                     opacity=0.25 if smooth else 1.0, **_lone_points(data, y, by="run", x=x)).encode(
         x=x_enc, y=alt.Y(f"{y}:Q", scale=scale, axis=axis), color=colour, strokeDash=dash, tooltip=tooltip)
     if smooth:
-        line = alt.layer(line, alt.Chart(data).mark_line().encode(
+        line = alt.layer(line, alt.Chart(data).mark_line(**_lone_points(data, f"{y}_smoothed", by="run", x=x)).encode(
             x=x_enc, y=alt.Y(f"{y}_smoothed:Q", scale=scale, axis=axis), color=colour, strokeDash=dash,
             tooltip=[*tooltip, alt.Tooltip(f"{y}_smoothed:Q", format=".6g", title=f"{y} smoothed")]))
     if _undrawable(df[y], log).any():
@@ -593,9 +607,10 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
                     threshold: float) -> alt.LayerChart:
     """Relative loss difference to the FP32 reference per run, in percent (ticks like 0.0005, not 5e-6 in
     fixed notation), with the first step beyond ``threshold`` (a fraction) marked when there is one."""
+    data = _blanked(df.assign(rel_pct=df["rel_diff"] * 100), "rel_pct")
     line = (
-        alt.Chart(_blanked(df.assign(rel_pct=df["rel_diff"] * 100), "rel_pct"))
-        .mark_line()
+        alt.Chart(data)
+        .mark_line(**_lone_points(data, "rel_pct", by="run"))
         .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format=PLAIN_FORMAT)),
                 color=_run_colour(domain, orient="top"),
                 tooltip=["run:N", "step:Q", alt.Tooltip("rel_diff:Q", format=".4~%", title="difference")])
@@ -633,7 +648,8 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
 @_reused
 def live_loss(steps: pd.DataFrame) -> alt.Chart:
     """Small loss curve for a running run."""
-    return alt.Chart(steps).mark_line().encode(x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
+    return alt.Chart(steps).mark_line(**_lone_points(steps, "loss")).encode(
+        x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
 
 
 @_reused
@@ -669,7 +685,7 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
                                      "unchanged_share": "weight unchanged (lost)"})
     return (
         alt.Chart(long)
-        .mark_line()
+        .mark_line(**_lone_points(long, "share", by="what"))
         .encode(x=STEP_X, y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
                                     scale=alt.Scale(domain=[0, 1])),
                 color=alt.Color("what:N", title=None), strokeDash=alt.StrokeDash("what:N", title=None),
@@ -711,7 +727,7 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                       series.assign(line="limit of the scale", value=series["limit"])])
     colour = alt.Color("line:N", scale=alt.Scale(domain=["amax", "limit of the scale"], range=["#1f77b4", "#7f7f7f"]),
                        legend=alt.Legend(title=None, orient="top"))
-    lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
+    lines = alt.Chart(long).mark_line(interpolate="step-after", **_lone_points(long, "value", by="line")).encode(
         x=_FP8_STEP_X,
         y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("largest |value|", long["value"])),
         color=colour,
@@ -734,7 +750,7 @@ def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
     band = alt.Chart(data).mark_area(opacity=0.3, color="#d62728").encode(
         x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)", scale=alt.Scale(domain=[0, top], nice=True),
                      axis=alt.Axis(format=",d", tickMinStep=1)), y2="high:Q")
-    high = alt.Chart(data).mark_line(color="#d62728").encode(
+    high = alt.Chart(data).mark_line(color="#d62728", **_lone_points(data, "high")).encode(
         x=x, y="high:Q", tooltip=[alt.Tooltip("step:Q", format=",d"), alt.Tooltip("low:Q", format=",d", title="at least"),
                                   alt.Tooltip("high:Q", format=",d", title="at most"),
                                   alt.Tooltip("scale:Q", format=",.6~g")])

@@ -298,3 +298,42 @@ def test_signal_lines_thin_a_live_runs_steps_without_losing_a_one_step_spike():
     assert said.startswith("No inf/NaN and no FP16/BF16 overflow or underflow") and "flushed to zero" in said
     # an FP32 or BF16 backward flushes nothing to zero that FP16 could have held: no such caveat there
     assert all("flushed" not in summaries.signal_note(quiet, 1_200, level) for level in ("O0", "bf16"))
+
+
+def _one_step_charts(steps: list[int]) -> dict:
+    """Every line chart, on frames holding ``steps``: (chart, its series)."""
+    n = len(steps)
+    frame = pd.DataFrame({"step": steps, "loss_scale": [65536.0] * n, "skipped": [0] * n, "scale_after": [65536.0] * n,
+                          "growth_tracker": [1] * n, "loss": [2.5] * n, "lr": [1e-3] * n, "grad_norm": [0.7] * n,
+                          "wall_time_s": [0.1] * n})
+    runs = pd.DataFrame({"step": steps * 2, "loss": [2.5] * n + [2.4] * n, "rel_diff": [0.0] * n + [0.01] * n,
+                         "run": ["a"] * n + ["b"] * n})
+    lines = pd.DataFrame({"step": steps * 2, "line": ["overflow"] * n + ["underflow"] * n, "values": [0] * n + [3] * n})
+    fp8 = pd.DataFrame({"step": steps, "amax": [3.0] * n, "limit": [448.0] * n, "overflows": [False] * n,
+                        "overflow": [0] * n, "underflow low": [1] * n, "overflow low": [0] * n,
+                        "underflow high": [2] * n, "overflow high": [0] * n, "scale": [1.0] * n})
+    shares = pd.DataFrame({"step": steps, "below_resolution_share": [0.2] * n, "unchanged_share": [0.1] * n})
+    return {"loss scale, growth tracker, loss, lr, grad norm": (charts.loss_scale_panel(frame), 5),
+            "live loss": (charts.live_loss(frame), 1),
+            "runs overlay": (charts.runs_overlay(runs, "loss", "loss", ["a", "b"]), 2),
+            "runs overlay, log2, smoothed": (charts.runs_overlay(
+                runs.assign(loss_smoothed=runs["loss"]), "loss", "loss", ["a", "b"], log=True, smooth=True), 4),
+            "loss difference": (charts.loss_difference(runs, None, ["a", "b"], 0.1), 2),
+            "signal lines": (charts.signal_lines(lines), 2),
+            "update shares": (charts.update_share_lines(shares, "bf16"), 2),
+            "FP8 amax": (charts.fp8_amax_panel(fp8), 2),
+            "FP8 what-if": (charts.fp8_whatif_lines(fp8), 1)}
+
+
+def test_a_run_of_one_step_draws_a_point_on_every_line_chart():
+    """A line through one point draws nothing: a running run's first refresh (or a run of one step) showed empty
+    panels. Rendered by Vega (vl-convert), each series of one step is a point; with two steps none is."""
+    import vl_convert
+
+    def points(chart) -> int:
+        return vl_convert.vegalite_to_svg(chart.to_dict()).count('aria-roledescription="point"')
+
+    for name, (chart, series) in _one_step_charts([7]).items():
+        assert points(chart) == series, name
+    for name, (chart, _) in _one_step_charts([7, 8]).items():
+        assert points(chart) == 0, name
