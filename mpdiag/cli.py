@@ -231,10 +231,21 @@ def report(store: Store, run_id: int) -> int:
     if run["status"] == "failed":
         print(f"error: {run['error']}", file=sys.stderr)
         return 1
-    if run["status"] == "stopped":  # --stop-on: the training ended at an event, cleanly
+    if run["status"] == "stopped":  # --stop-on's event, or a signal (the dashboard's Stop, Ctrl-C)
         print(f"stopped: {run['error']}", file=sys.stderr)
-        return 3
+        return _stopped_exit_code(run["error"])
     return 0
+
+
+def _stopped_exit_code(reason) -> int:
+    """A stopped run's exit status: as python's for the signal that stopped it (128 + its number: SIGTERM 143,
+    SIGINT 130), else --stop-on's (an event ended the training cleanly)."""
+    from mpdiag.training.watch import STOPPED_EXIT_CODE
+
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        if isinstance(reason, str) and stop.name in reason:
+            return 128 + stop
+    return STOPPED_EXIT_CODE
 
 
 def _execute(script: ModelScript, config: RunConfig, store: Store, pair: bool) -> int:

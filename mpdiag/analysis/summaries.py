@@ -700,12 +700,12 @@ def significant(value, digits: int = 4) -> str:
 
 def health(severities: list[str], status: str = "finished") -> str:
     """A run's health badge from the severities of its findings: its errors and warnings counted; without
-    any, "healthy" only for a finished run (a failed or crashed one "did not finish", a live one "no findings
-    yet"). Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium)."""
+    any, "healthy" only for a finished run (a failed or crashed one "did not finish", a stopped one "stopped", a
+    live one "no findings yet"). Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium)."""
     errors, warnings = severities.count("error"), severities.count("warning")
     if not errors and not warnings:
         return {"finished": "healthy", "failed": "did not finish", "crashed": "did not finish",
-                "stopped": "stopped at an event"}.get(
+                "stopped": "stopped"}.get(
             status, "no findings yet")
     return ", ".join(f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((errors, "error"), (warnings, "warning")) if n)
 

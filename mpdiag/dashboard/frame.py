@@ -210,14 +210,14 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
 
 def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: bool = False) -> None:
     """Say what a failed or crashed run reported (its error as text), why a stalled one reads so (with its last
-    line of output, when ``store`` is given and the app started it), why a run was stopped (unless ``events_shown``: its
-    events banner names the --stop-on option), any note mpdiag stored with it, and the
+    line of output, when ``store`` is given and the app started it), why a run was stopped (by a signal, or at an
+    event unless ``events_shown``: its events banner names the --stop-on option), any note mpdiag stored with it, and the
     tags and note a person gave it (as text)."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
         st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stopped" and isinstance(run["error"], str) and not events_shown:  # else the banner says it
-        st.warning(f"Run #{int(run['run_id'])} was stopped at an event; why:")
+        st.warning(f"Run #{int(run['run_id'])} was stopped; why:")
         st.code(run["error"].strip()[-3000:], language=None)
     if run["status"] == "stalled":
         st.warning(stall_text(run))

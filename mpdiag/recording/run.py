@@ -21,7 +21,7 @@ from typing import Any
 #: key of one of these names is kept under "user" (mpdiag.recording.recorder), never taken for mpdiag's
 RESERVED_CONFIG_KEYS = ("run", "watch", "fp8", "optimizer", "optimizer_step_nonfinite", "user")
 #: the statuses a run is ended with
-END_STATUSES = ("finished", "failed", "crashed", "stopped")  # stopped: by --stop-on at an event
+END_STATUSES = ("finished", "failed", "crashed", "stopped")  # stopped: at an event (--stop-on) or by a signal
 
 #: run options (``config["run"]``) stored as the run column of the same name too, so the runs table can be
 #: filtered and listed without parsing every run's JSON

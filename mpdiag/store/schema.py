@@ -55,7 +55,8 @@ DEFAULT_STORE = "mpdiag_runs.db"
 # of the writer's insert time (issue 28). A format added to the registry adds its columns (ALTER TABLE ... ADD COLUMN,
 # no row rewritten) and reads NULL for the rows before it. The long table is moved in and dropped.
 SCHEMA_VERSION = 17
-#: "stopped": training ended by --stop-on at an event, the reason in the run's error
+#: "stopped": training ended on request, the reason in the run's error: by --stop-on at an event, or by a signal
+#: (SIGTERM: the dashboard's Stop or a kill; SIGINT: Ctrl-C)
 STATUSES = ("queued", "running", "finished", "failed", "crashed", "stopped")  # readers also derive "stalled"
 STALL_S = 30.0  # a running run with no new step (or, before its first, no heartbeat) for this long reads "stalled"
 STALL_STEPS = 10  # ... and for this many of its median steps, so a slow step is not taken for a stall

@@ -187,9 +187,10 @@ def _name_first_failure(store_path, run_id: int, folder: str) -> None:
 
 
 def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
-    """The run is ``crashed`` (unless rank 0 had already ended it ``finished``: then a note), its error naming each rank that died and the step it had not finished
-    recording (one past its last row that reached rank_steps; rank 0 writes those rows, so if rank 0 was
-    killed too, rows it had not flushed make this step earlier). The launcher stops the surviving ranks with
+    """The run is ``crashed`` (unless rank 0 had already ended it: ``finished``, then a note; ``stopped``, left
+    so), its error naming each rank that died and the step it had not finished recording (one past its last row
+    that reached rank_steps; rank 0 writes those rows, so if rank 0 was killed too, rows it had not flushed make
+    this step earlier). The launcher stops the surviving ranks with
     SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
     from mpdiag.store import Store  # (here: the ranks, which import this module, never read the store)
 
@@ -206,10 +207,13 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     causes = sorted(set(failures) - stopped) or sorted(stopped)
     parts = [f"rank {rank} died ({how(failures[rank])}) at step {at_step(rank)}" for rank in causes]
     parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
+    status = Store(store_path).run(run_id)["status"]
+    if status == "stopped":  # rank 0 ended it on a stop (the dashboard's Stop, Ctrl-C): the ranks exited as asked
+        return
     writer = BackgroundWriter(store_path)
     try:
         run = Run.adopt(writer, run_id)
-        if Store(store_path).run(run_id)["status"] == "finished":
+        if status == "finished":
             # rank 0 had recorded every step and ended the run: a rank failing while exiting loses nothing
             run.describe(note=f"After the run ended, {'; '.join(parts)}.", wait=True)
         else:

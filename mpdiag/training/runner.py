@@ -182,8 +182,9 @@ def _stop_on_sigterm():
 
 def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.device, policy: PrecisionPolicy,
                job: distributed.RankJob | None, progress: ProgressFn | None) -> bool:
-    """Build, train and end the run; a failure of the script (or a stop) is recorded, never raised: by the
-    Recorder once it exists (its rows flushed first), else by the run itself. Returns whether a stop ended it."""
+    """Build, train and end the run; a failure of the script (``failed``) or a stop (``stopped``, the signal
+    named) is recorded, never raised: by the Recorder once it exists (its rows flushed first), else by the run
+    itself. Returns whether a stop ended it."""
     recorder = None
     try:
         seed_everything(config.seed + (job.rank if job else 0))  # each rank its own batches
@@ -203,8 +204,9 @@ def _train_run(run: Run, script: ModelScript, config: RunConfig, device: torch.d
         error = _failure_text(exc, script)
         if job is not None:  # every rank's error reaches the launching process, which names the first
             job.report_failure(error)
-        (recorder or run).fail(error)
-        return isinstance(exc, (RunStopped, KeyboardInterrupt))
+        stopped = isinstance(exc, (RunStopped, KeyboardInterrupt))  # asked to end: not the script's failure
+        (recorder or run).fail(error, status="stopped" if stopped else "failed")
+        return stopped
 
 
 def _recorder(run: Run, model, optimizer, policy: PrecisionPolicy, config: RunConfig,

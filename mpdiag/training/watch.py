@@ -656,10 +656,10 @@ def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], 
         status, error = ("finished", None) if code == 0 else ("failed", f"the script called sys.exit({exc.code!r})")
     except StoppedAtEvent as exc:
         status, error, code = "stopped", str(exc), STOPPED_EXIT_CODE
-    except WatchStopped as exc:
-        status, error, code = "crashed", str(exc), 128 + signal.SIGTERM
+    except WatchStopped as exc:  # asked to end (the dashboard's Stop, a kill): stopped, as python's exit code says
+        status, error, code = "stopped", str(exc), 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        status, error, code = "crashed", "stopped by keyboard interrupt (SIGINT)", 128 + signal.SIGINT
+        status, error, code = "stopped", "stopped by keyboard interrupt (SIGINT)", 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the script's own error: recorded, printed, exit 1 as python would
         error = traceback.format_exc()
         print(error, file=sys.stderr, end="")

@@ -216,7 +216,7 @@ def test_start_a_run_and_rerun_it_from_the_home_page(tmp_path, monkeypatch):
 def test_a_started_run_can_be_stopped_with_a_click_and_keeps_what_it_recorded(tmp_path, monkeypatch):
     """A run started from the home page shows a Stop button while it goes; nothing stops until it is clicked;
     then the page says it is stopping, and the run ends itself on the SIGTERM, as mpdiag run records a stop by a
-    signal (failed, the signal named, as the CLI's own SIGTERM test reads it), its recorded steps kept."""
+    signal (stopped, the signal named, as the CLI's own SIGTERM test reads it), its recorded steps kept."""
     store = tmp_path / "ui.db"
     at = app("app.py", store, monkeypatch)
     at.number_input(key="new_steps").set_value(100_000).run()
@@ -237,7 +237,7 @@ def test_a_started_run_can_be_stopped_with_a_click_and_keeps_what_it_recorded(tm
         for proc, _ in at.session_state[actions._LAUNCHED]:
             proc.request_stop()
     [run] = wait_for_runs(store, 1).to_dict("records")
-    assert (run["status"], run["error"]) == ("failed", "stopped by signal SIGTERM")
+    assert (run["status"], run["error"]) == ("stopped", "stopped by signal SIGTERM")
     assert 2 <= run["steps_done"] < 100_000 and len(Store(store).steps(run["run_id"])) == run["steps_done"]
 
 

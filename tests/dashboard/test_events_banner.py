@@ -99,7 +99,7 @@ def test_a_stopped_runs_page_says_why_once_in_its_banner(tmp_path, monkeypatch):
     banner = events_model.run_banner(Store(path), runs[runs["run_id"] == stopped].iloc[0])
     assert banner.heading.endswith("1 event while training; stopped by --stop-on nonfinite")
     at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(stopped))
-    assert not at.exception and "was stopped at an event" not in texts(at)
+    assert not at.exception and "was stopped; why:" not in texts(at)
     assert sum("stopped by" in w.value and "nonfinite" in w.value for w in at.warning) == 1  # plain() escapes "-"
     at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(bare))
-    assert not at.exception and "was stopped at an event" in texts(at) and reason in texts(at)
+    assert not at.exception and "was stopped; why:" in texts(at) and reason in texts(at)

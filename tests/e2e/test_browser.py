@@ -163,7 +163,7 @@ def watch_live_progress(browser, store, server):
         trainer.send_signal(signal.SIGTERM)
         trainer.wait(timeout=60)
         run = Store(store).runs().query("name == 'live'").iloc[0]
-        assert run["status"] == "failed" and "stopped by signal SIGTERM" in run["error"], run["error"]
+        assert run["status"] == "stopped" and run["error"] == "stopped by signal SIGTERM", run["error"]
         steps_seen = sorted({step for _, step in shown})
         assert len(steps_seen) >= 3, f"the progress did not advance by itself: {shown}"
         lags = [t - min(tc for tc, done in committed if done >= step) for t, step in shown

@@ -98,7 +98,7 @@ def test_a_queued_run_whose_supervisor_is_gone_reads_crashed(tmp_path):
 @pytest.mark.parametrize("how", ["SIGTERM to the child", "Stop button"])
 def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path, how):
     """SIGTERM to the training child, sent to it directly or by the dashboard's Stop (Launched.request_stop): the
-    run ends itself, crashed with the signal named (not a protocol refusal), its 3 steps kept; after a Stop, the
+    run ends itself, stopped with the signal named (not a protocol refusal), its 3 steps kept; after a Stop, the
     job's ending, which the page shows, says who stopped it."""
     store_path, started = tmp_path / "runs.db", tmp_path / "started"
     after = f"open({str(started)!r}, 'w').write('x'); time.sleep(120)"
@@ -115,7 +115,7 @@ def test_a_watched_run_stopped_by_sigterm_says_terminated(tmp_path, how):
         [child] = [c for c in supervisor.children() if "mpdiag.sandbox.child" in " ".join(c.cmdline())]
         child.send_signal(signal.SIGTERM)
     run = wait_final(store_path, proc)
-    assert run["status"] == "crashed" and run["error"] == "stopped by signal SIGTERM", run["error"]
+    assert run["status"] == "stopped" and run["error"] == "stopped by signal SIGTERM", run["error"]
     assert run["steps_done"] == 3 and len(Store(store_path).steps(int(run["run_id"]))) == 3
     if how == "Stop button":
         assert proc.ending() == "stopped from the dashboard (its Stop button)"
@@ -137,7 +137,7 @@ def test_a_pair_stopped_in_its_first_run_never_trains_its_twin(tmp_path):
     while proc.is_alive() and time.time() < deadline:
         time.sleep(0.3)
     first, twin = (Store(store_path).run(run_id) for run_id in sorted(proc.run_ids()))
-    assert (first["status"], first["error"]) == ("failed", "stopped by signal SIGTERM")
+    assert (first["status"], first["error"]) == ("stopped", "stopped by signal SIGTERM")
     assert 2 <= first["steps_done"] < 100_000 and len(Store(store_path).steps(int(first["run_id"]))) == first["steps_done"]
     assert (twin["status"], twin["steps_done"]) == ("failed", 0) and Store(store_path).steps(int(twin["run_id"])).empty
     assert twin["error"] == f"stopped before the FP32 twin of run {first['run_id']} started"
