@@ -17,6 +17,7 @@ import sys
 from transformers import TrainerCallback
 
 from mpdiag.options import WATCH_OPTIONS
+from mpdiag.recording.recorder import torch_optimizer
 from mpdiag.store import DEFAULT_STORE
 from mpdiag.training.watch import WatchConfig, WatchSession
 
@@ -44,9 +45,8 @@ class MpdiagTrainerCallback(TrainerCallback):
             target = dict(target=sys.argv[0], args=tuple(sys.argv[1:]))
         else:  # a notebook or an embedding process: nothing a rerun could repeat
             target = dict(target="__main__", module=True)
-        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
         self.session = WatchSession(WatchConfig(**target, **self.config), self.store,
-                                    optimizers=[inner] if inner is not None else [])
+                                    optimizers=[torch_optimizer(optimizer)] if optimizer is not None else [])
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.session is not None:

@@ -112,6 +112,18 @@ _REPRESENTABILITY_COUNTS = [f"{fmt}_{kind}" for fmt in LOW_PRECISION for kind in
 FLUSH_INTERVAL_S = 0.5  # rows are committed at least this often, so live readers lag at most this much
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer a framework's wrapper steps (Accelerate's AcceleratedOptimizer holds it as
+    ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``), else ``optimizer`` itself. The wrapper's own
+    step hooks never fire (AcceleratedOptimizer subclasses Optimizer without its ``__init__``: registering one
+    raised AttributeError); the inner optimizer's fire whenever the wrapper steps it."""
+    for attribute in ("optimizer", "_optimizer"):
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return torch_optimizer(inner)
+    return optimizer
+
+
 def _never_ends_training(method):
     """A Recorder method the training loop calls: when writing to the store fails (a full disk, a store gone), the
     Recorder stops recording and says so once; the loop goes on (:meth:`Recorder._stop_recording`)."""
@@ -302,8 +314,8 @@ class Recorder:
             raise ValueError(f"every must be >= 1, got {every}")
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.every = every
-        self._optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) \
-            else [optimizer]
+        given = [] if optimizer is None else list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+        self._optimizers = [torch_optimizer(opt) for opt in given]
         self.flush_interval_s = FLUSH_INTERVAL_S
         self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
         self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]

@@ -312,3 +312,37 @@ def test_a_write_that_fails_on_the_timer_flush_stops_recording_without_hanging(t
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpdiag:")]
     assert len(said) == 1 and "database or disk is full" in said[0]
     assert Store(tmp_path / "runs.db").run(rec.run_id)["status"] == "failed"
+
+
+def test_an_optimizer_wrapped_by_accelerate_or_lightning_is_recorded_through_the_one_it_steps(store_path):
+    """Accelerate's prepared optimizer (an Optimizer subclass built without Optimizer's __init__: registering a
+    step hook on it raised AttributeError in the Recorder's constructor) and Lightning's LightningOptimizer are
+    recorded through the torch optimizer they step: every step's learning rate and the gradient norm equal what
+    the loop's optimizer and Accelerate's own clip_grad_norm_ say."""
+    from accelerate import Accelerator
+    from pytorch_lightning.core.optimizer import LightningOptimizer
+
+    from mpdiag.recording.recorder import torch_optimizer
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0 / (1 + step))
+    model, optimizer, schedule = accelerator.prepare(model, inner, schedule)
+    assert optimizer is not inner and isinstance(optimizer, torch.optim.Optimizer)
+    assert torch_optimizer(optimizer) is inner and torch_optimizer(LightningOptimizer(inner)) is inner
+    lrs, norms = [], []
+    with Recorder(model, store=store_path, optimizer=optimizer) as rec:
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            accelerator.backward(loss)
+            rec.record(loss)
+            lrs.append(optimizer.param_groups[0]["lr"])
+            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+    steps = Store(store_path).steps(rec.run_id)
+    assert Store(store_path).run(rec.run_id)["status"] == "finished"
+    assert steps["lr"].tolist() == lrs and steps["grad_norm"].tolist() == norms
