@@ -55,7 +55,7 @@ from mpdiag.recording.nonfinite_step import EVERY_STEP, OptimizerStepCheck
 from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, ReplayFeature, ReplayResult
 from mpdiag.recording.retention import Retention
 from mpdiag.recording.run import RESERVED_CONFIG_KEYS, Run
-from mpdiag.recording.step_gradients import StepGradients
+from mpdiag.recording.step_gradients import StepGradients, UnscaleWatch
 from mpdiag.recording.tracing import ModuleTraceFeature
 from mpdiag.store import (
     DEFAULT_STORE,
@@ -124,6 +124,11 @@ def torch_optimizer(optimizer):
     return optimizer
 
 
+def _arrived(readback: DeviceReadback | None) -> bool:
+    """Whether a step row's own gradient norm (None: the readback's) has reached the host."""
+    return readback is None or readback.ready()
+
+
 def _never_ends_training(method):
     """A Recorder method the training loop calls: when writing to the store fails (a full disk, a store gone), the
     Recorder stops recording and says so once; the loop goes on (:meth:`Recorder._stop_recording`)."""
@@ -150,13 +155,17 @@ class GradientRead:
     step: the step it was read for; present: the recorded tensors' indices read; pending: their statistics on
     their way to the host (None: the step is not logged, or no gradient was this step's); unscale_by: what the
     gradients were divided by to unscale them; norm: the global L2 norm of the step's gradients, unscaled, as a
-    0-dim device tensor (read at every step, logged or not; None where this process records no statistics)."""
+    0-dim device tensor (read at every step, logged or not; None where this process records no statistics);
+    fresh and tensor_norms: the indices of the gradients that norm is over, and their per-tensor norms (still
+    scaled), for a norm over fewer of them once the step's owners are known (see ``_settle_owners``)."""
 
     step: int
     present: tuple[int, ...] = ()
     pending: PendingStats | None = None
     unscale_by: float | torch.Tensor = 1.0
     norm: torch.Tensor | None = None
+    fresh: tuple[int, ...] = ()
+    tensor_norms: torch.Tensor | None = None
 
 
 @dataclass
@@ -269,7 +278,9 @@ class Recorder:
       ``torch._foreach_norm`` over the gradients (in float32 for FP16/BF16 gradients, whose per-tensor norm
       could overflow), no synchronisation; under FSDP2 the shards' squared norms are summed across ranks. A
       non-finite norm (an overflowed step) is stored as such: inf, or NULL for NaN; 0.0 when no gradient was
-      this step's (what ``clip_grad_norm_`` returns for none).
+      this step's (what ``clip_grad_norm_`` returns for none). Where some of those gradients belong to no
+      optimizer of the step (a GAN's generator backward writes the discriminator's too), the norm is over the
+      stepping optimizers' alone once the step ends (one process; see ``_settle_owners``).
     * ``wall_time_s``: seconds from the Recorder's creation to the step's ``record`` call (the step's end, as
       ``step_time_s`` counts steps from one ``record`` to the next).
     """
@@ -353,6 +364,8 @@ class Recorder:
         # a row is complete once the next one's readback (the scaler's state after its update) has arrived.
         self._unread_steps: deque[tuple[list | None, DeviceReadback]] = deque()
         self._unread_stats: deque[_UnreadStats] = deque()
+        #: the open step's gradients as read (their per-tensor norms), until its owners are known
+        self._open_read: GradientRead | None = None
         self._step_rows: list[tuple] = []
         self._tensor_batches: list[TensorBatch] = []  # the kept steps' tensor rows, a batch per step
         self._kept_rows: list[tuple[int, str]] = []  # (step, reason) of the steps whose tensor rows are kept
@@ -496,10 +509,15 @@ class Recorder:
                 self._stepped = self._observable = True
                 self._after_optimizer_step(opt)
 
+        def unscaled(opt):  # asked to step, whether the scaler then steps it or skips it
+            if ours(opt):
+                self._step_grads.asked_to_step(torch_optimizer(opt))
+
+        scaled = [] if self.scaler is None else [UnscaleWatch(self.scaler, unscaled)]
         if self._optimizers:
-            return [hook for opt in self._optimizers
-                    for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after))]
-        return [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+            return [*scaled, *(hook for opt in self._optimizers
+                               for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after)))]
+        return [*scaled, register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
     def _first_seen_optimizer(self, opt) -> None:
         """No optimizer was given: the first seen stepping over the model's parameters gives the learning rate,
@@ -579,6 +597,7 @@ class Recorder:
         row = [step, None, None, None, None, None, now - self._last_record, peak_memory_bytes(self.device), 0,
                self._learning_rate(), None, now - self._started]
         self._unread_steps.append((row, state))
+        self._open_read = read if read.tensor_norms is not None and not self._dist.distributed else None
         self._read_arrived(wait=False)
         self._last_record = now
         self._step += 1
@@ -668,9 +687,11 @@ class Recorder:
         grads = local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh])
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
-        norm = self._dist.global_norm(self._grad_norm(grads)) / unscale_by
+        total, tensor_norms = self._grad_norm(grads)
+        norm = self._dist.global_norm(total) / unscale_by
+        owned = dict(unscale_by=unscale_by, fresh=fresh, tensor_norms=tensor_norms)
         if not fresh or not self._retention.computes(step):
-            return GradientRead(step, norm=norm)
+            return GradientRead(step, norm=norm, **owned)
         present = fresh
         computer = self._computers.get(present)
         if computer is None:
@@ -687,26 +708,41 @@ class Recorder:
             unseen = [i for i in present if i not in self._grad_dtype_known]
             if unseen:
                 self._note_grad_dtypes(unseen)
-        return GradientRead(step, present, pending, unscale_by, norm)
+        return GradientRead(step, present, pending, norm=norm, **owned)
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The L2 norm over ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms by one
-        ``torch._foreach_norm``, then the norm of those), in float32 at least; a 0-dim tensor, not read back."""
+        ``torch._foreach_norm``, then the norm of those), in float32 at least; a 0-dim tensor, not read back.
+        Also the per-tensor norms (None for no gradient)."""
         if not grads:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
+            return torch.zeros((), dtype=torch.float32, device=self.device), None
         low = not _LOW_DTYPES.isdisjoint(map(_DTYPE, grads))
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
         try:  # one device: no per-tensor copy (it cost as much as the norms themselves at 500 tensors)
             stacked = torch.stack(norms)
         except RuntimeError:  # gradients on several devices (a model split across GPUs): gathered on the first
             stacked = torch.stack([n.to(norms[0].device) for n in norms])
-        return torch.linalg.vector_norm(stacked, 2)
+        return torch.linalg.vector_norm(stacked, 2), stacked
 
     def _settle_owners(self) -> None:
-        """The open step ends: its rows keep the tensors held by the optimizers that stepped in it."""
+        """The open step ends: its rows keep the tensors held by the optimizers that stepped in it, and its
+        gradient norm is over those alone where other gradients were fresh too (a GAN's generator step: its
+        backward also wrote the discriminator's ``.grad``, which no optimizer of this step uses). That norm is
+        taken on the device from the same per-tensor norms, in the same order, as ``clip_grad_norm_`` over the
+        stepping optimizer's parameters takes it; one process only (under torchrun the norm was summed across
+        ranks at ``record``)."""
         fed = self._step_grads.fed()
         if self._unread_stats and not self._unread_stats[-1].settled:
             self._unread_stats[-1].keep, self._unread_stats[-1].settled = fed, True
+        read, self._open_read = self._open_read, None
+        if read is None or fed is None or fed.issuperset(read.fresh):
+            return
+        row = self._unread_steps[-1][0] if self._unread_steps else None
+        if row is None or row[0] != read.step:  # (its row is the newest: the next step's is not queued yet)
+            return
+        kept = [k for k, i in enumerate(read.fresh) if i in fed]
+        norm = torch.linalg.vector_norm(read.tensor_norms[kept], 2) if kept else read.tensor_norms.new_zeros(())
+        row[10] = DeviceReadback((norm / read.unscale_by).reshape(1).double())
 
     def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` steps in the step recorded last, though no step hook of it saw so (GradScaler skipped
@@ -755,13 +791,13 @@ class Recorder:
         A step row takes its loss and scale from its own readback and the growth tracker and scale after
         ``update()`` from the next one's; the final sentinel (row None) is the state at close()."""
         steps = self._unread_steps
-        while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready())):
+        while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready() and _arrived(steps[0][0][10]))):
             (row, state), (_, after) = steps.popleft(), steps[0]
             loss, scale, _, norm = state.numpy()
             _, scale_after, tracker, _ = after.numpy()
             row[1], row[2] = float(loss), float(scale)
             row[9] = float(row[9])  # a tensor learning rate is read here, a step later
-            row[10] = float(norm)
+            row[10] = float(norm if row[10] is None else row[10].numpy()[0])  # the owners' norm, where settled so
             row[4] = None if math.isnan(tracker) else int(tracker)
             row[5] = float(scale_after)
             self._step_rows.append(StepRow(*row))

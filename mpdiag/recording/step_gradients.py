@@ -14,7 +14,8 @@ Two rules, each exact where it applies:
   object than it did then (one assigned by hand). A gradient left over from an earlier step is neither.
 * **Fed.** Of the fresh gradients, those of the parameters held by the optimizers asked to step in that step
   (between its ``record`` and the next one, so a second optimizer stepping after the same backward passes
-  counts too). A step in which no optimizer holding a recorded parameter was seen keeps every fresh gradient
+  counts too; an optimizer the Recorder's GradScaler unscaled was asked, also when the scaler then skipped its
+  step, which fires no optimizer hook: :class:`UnscaleWatch`). A step in which no optimizer holding a recorded parameter was seen keeps every fresh gradient
   (weights updated by hand, FP32 master weights held by the optimizer instead, a run stopped inside the step),
   so a step's evidence is never dropped for lack of an owner.
 
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -105,3 +107,60 @@ class StepGradients:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+class UnscaleWatch:
+    """Calls ``seen(optimizer)`` whenever ``scaler`` unscales an optimizer's gradients: ``GradScaler.step`` does
+    before it steps the optimizer or skips it, and a loop that clips first does itself. A skipped step fires no
+    optimizer hook, so without this a GAN's skipped generator step kept the discriminator's fresh gradients too.
+    ``unscale_`` is wrapped on the scaler's class, acting for the watched scalers alone, and restored when the
+    last watch of that class is removed: an attribute on the instance would travel into ``torch.save(scaler)``
+    (GradScaler pickles its ``__dict__``) and a ``deepcopy``."""
+
+    _lock = threading.Lock()
+    #: per patched class: (its own ``unscale_``, or None where it inherited it; how many watches use it)
+    _patched: dict[type, list] = {}
+    #: per watched scaler's id: (a weak reference to it, the callbacks)
+    _watchers: dict[int, tuple[weakref.ref, list[Callable]]] = {}
+
+    def __init__(self, scaler, seen: Callable[[torch.optim.Optimizer], None]):
+        self._cls, self._id, self._seen = type(scaler), id(scaler), seen
+        with self._lock:
+            ref, callbacks = self._watchers.get(self._id, (None, []))
+            if ref is None or ref() is not scaler:  # a scaler since collected had this id
+                ref, callbacks = weakref.ref(scaler), []
+                self._watchers[self._id] = (ref, callbacks)
+            callbacks.append(seen)
+            if self._cls not in self._patched:
+                self._patched[self._cls] = [self._cls.__dict__.get("unscale_"), 0]
+                self._cls.unscale_ = self._wrapped(self._cls.unscale_)
+            self._patched[self._cls][1] += 1
+
+    @classmethod
+    def _wrapped(cls, unscale):
+        def unscale_(scaler, optimizer):
+            ref, callbacks = cls._watchers.get(id(scaler), (None, ()))
+            if ref is not None and ref() is scaler:
+                for seen in tuple(callbacks):
+                    seen(optimizer)
+            return unscale(scaler, optimizer)
+
+        return unscale_
+
+    def remove(self) -> None:
+        with self._lock:
+            ref, callbacks = self._watchers.get(self._id, (None, []))
+            if self._seen in callbacks:
+                callbacks.remove(self._seen)
+                if not callbacks:
+                    del self._watchers[self._id]
+            patch = self._patched.get(self._cls)
+            if patch is None:
+                return
+            patch[1] -= 1
+            if patch[1] == 0:
+                del self._patched[self._cls]
+                if patch[0] is None:
+                    del self._cls.unscale_
+                else:
+                    self._cls.unscale_ = patch[0]

@@ -1,6 +1,7 @@
 """Recorder against ground truth: analytic gradients, and GradScaler's own state for scale and skips."""
 
 import math
+import pickle
 import time
 
 import numpy as np
@@ -346,3 +347,57 @@ def test_an_optimizer_wrapped_by_accelerate_or_lightning_is_recorded_through_the
     steps = Store(store_path).steps(rec.run_id)
     assert Store(store_path).run(rec.run_id)["status"] == "finished"
     assert steps["lr"].tolist() == lrs and steps["grad_norm"].tolist() == norms
+
+
+def test_a_gan_step_records_its_own_models_norm_and_tensors_also_when_gradscaler_skips_it(store_path):
+    """DCGAN's loop with AMP and two optimizers: the generator's backward also writes into the discriminator's
+    ``.grad``, which no optimizer of that step uses. Each step's gradient norm is the stepping model's, equal to
+    ``clip_grad_norm_`` over its parameters (it was the norm over both models'), and a step GradScaler skips (no
+    optimizer hook fires; an inf planted in the generator's input) holds the generator's tensors alone (it held
+    both models'), the discriminator's steps the discriminator's. The scaler stays picklable while recorded, and
+    its class's ``unscale_`` (watched for this) is torch's own again after."""
+    unscale = torch.amp.GradScaler.unscale_
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)), \
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+    both = torch.nn.ModuleDict({"G": gen, "D": disc})
+    opt_d, opt_g = (torch.optim.Adam(m.parameters(), lr=2e-4, betas=(0.5, 0.999)) for m in (disc, gen))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    bce = torch.nn.BCEWithLogitsLoss()
+    truth = []  # per step: (the model that stepped, its clip_grad_norm_, whether GradScaler skipped it)
+
+    def step(model, optimizer, loss):
+        scaler.scale(loss).backward()
+        rec.record(loss)
+        scaler.unscale_(optimizer)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+        skipped = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) > 0
+        scaler.step(optimizer)
+        truth.append(("D" if model is disc else "G", norm, skipped))
+
+    with Recorder(both, store=store_path, scaler=scaler, optimizer=[opt_d, opt_g]) as rec:
+        for iteration in range(4):
+            pickle.loads(pickle.dumps(scaler))  # as torch.save(scaler) in a checkpoint between steps
+            noise, real = torch.randn(16, 4), torch.randn(16, 8)
+            opt_d.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = gen(noise)
+                loss_d = bce(disc(real), torch.ones(16, 1)) + bce(disc(fake.detach()), torch.zeros(16, 1))
+            step(disc, opt_d, loss_d)
+            opt_g.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                if iteration == 2:
+                    fake = gen(noise.index_fill(0, torch.tensor([0]), float("inf")))
+                loss_g = bce(disc(fake), torch.ones(16, 1))
+            step(gen, opt_g, loss_g)
+            scaler.update()
+    assert torch.amp.GradScaler.unscale_ is unscale and "unscale_" not in vars(scaler)
+    store = Store(store_path)
+    steps, stats, names = store.steps(rec.run_id), store.tensor_stats(rec.run_id), store.tensors(rec.run_id)
+    assert [skipped for *_, skipped in truth] == [False] * 5 + [True] + [False] * 2
+    assert steps["skipped"].tolist() == [int(skipped) for *_, skipped in truth]
+    stored_norms = steps["grad_norm"].tolist()
+    for s, (model, norm, skipped) in enumerate(truth):
+        assert stored_norms[s] == norm or (math.isnan(norm) and math.isnan(stored_norms[s])), (s, model)
+        tensors = set(stats.loc[stats["step"] == s, "tensor"])
+        assert tensors == set(names.loc[names["name"].str.startswith(model + "."), "name"]), (s, model, skipped)
