@@ -20,7 +20,7 @@ import torch
 
 from mpdiag.numerics.fp8_recipes import Fp8Settings
 from mpdiag.options import OPTIONS
-from mpdiag.recording.recorder import Recorder
+from mpdiag.recording.recorder import Recorder, torch_optimizer
 from mpdiag.training.watch import WatchSession
 
 
@@ -60,10 +60,14 @@ class MpdiagCallback(pl.Callback):
         self._loss = value if self._loss is None else self._loss + value
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        if self.recorder is None or self._loss is None:
-            return  # no backward since the step recorded last: another optimizer of the same step
-        self.recorder.record(self._loss)
-        self._loss = None
+        if self.recorder is None:
+            return
+        if self._loss is not None:  # else no backward since the step recorded last: another optimizer of that step
+            self.recorder.record(self._loss)
+            self._loss = None
+        # Lightning calls this hook from inside ``optimizer.step(closure)``, after the optimizer's own step
+        # pre-hook (and GradScaler's unscale_) counted it for the step recorded before: it steps in this one
+        self.recorder.asked_to_step(torch_optimizer(optimizer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.recorder is not None:
