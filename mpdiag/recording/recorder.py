@@ -513,11 +513,13 @@ class Recorder:
             if ours(opt):
                 self._step_grads.asked_to_step(torch_optimizer(opt))
 
-        scaled = [] if self.scaler is None else [UnscaleWatch(self.scaler, unscaled)]
         if self._optimizers:
-            return [*scaled, *(hook for opt in self._optimizers
-                               for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after)))]
-        return [*scaled, register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+            hooks = [hook for opt in self._optimizers
+                     for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after))]
+        else:
+            hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        # last: an optimizer refusing its hooks above leaves no scaler class patched
+        return hooks if self.scaler is None else [*hooks, UnscaleWatch(self.scaler, unscaled)]
 
     def _first_seen_optimizer(self, opt) -> None:
         """No optimizer was given: the first seen stepping over the model's parameters gives the learning rate,
