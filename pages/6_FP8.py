@@ -116,4 +116,4 @@ def whatif_view(model: Fp8Run, layer: str, role: str) -> None:
                   width="stretch")
 
 
-ui.single_run_page("FP8", fp8_view)
+ui.single_run_page("FP8", fp8_view, shows="fp8")

@@ -68,4 +68,4 @@ def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None
         replay_view(model.replay)
 
 
-ui.single_run_page("Modules", modules_view)
+ui.single_run_page("Modules", modules_view, shows="modules")

@@ -130,4 +130,4 @@ def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     verify_section(store, run, view.plan)
 
 
-ui.single_run_page("Plan", plan_page)
+ui.single_run_page("Plan", plan_page, shows="fp8")

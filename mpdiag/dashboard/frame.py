@@ -265,14 +265,22 @@ def console_output(store: Store, run: pd.Series) -> None:
     st.code(terminal_text(kept["text"]), language=None, height=420 if kept["text"].count("\n") > 25 else "content")
 
 
-def choose_run(store: Store) -> tuple[pd.Series, bool, pd.DataFrame] | None:
+def choose_run(store: Store, shows: str | None = None) -> tuple[pd.Series, bool, pd.DataFrame] | None:
     """The run picker every single-run page starts with: (run row, final, the runs table it was picked from) or
-    None when there are no runs. Reports a failed or crashed run's error above the page."""
+    None when there are no runs. Reports a failed or crashed run's error above the page. ``shows``: the data the
+    page is about (a key of ``Store.RUN_DATA``): without a run named, it opens on a run that recorded it, if any
+    did (the FP8 page opened on the newest run and said it had no FP8 statistics, though another run had)."""
     runs = store.runs()
     if runs.empty:
         st.info("No runs in this store yet. Start one on the Runs page (the home page).")
         return None
-    run_id = pick_run(runs, default=lambda: default_run(store, runs))
+
+    def default() -> int | None:
+        having = store.runs_with(shows) if shows is not None else set()
+        among = runs[runs["run_id"].isin(having)] if having else None
+        return default_run(store, runs, among)
+
+    run_id = pick_run(runs, default=default)
     run = runs[runs["run_id"] == run_id].iloc[0]
     banner = events_model.run_banner(store, run)
     explain_run_state(run, store, events_shown=banner is not None)
@@ -371,17 +379,18 @@ def _launched_live(store: Store) -> None:
         st.rerun(scope="app")
 
 
-def single_run_page(title: str, view) -> None:
+def single_run_page(title: str, view, shows: str | None = None) -> None:
     """The whole frame of a page about one run: store, run picker, then ``view(store, run, final, runs)``, live
     (re-run every LIVE_REFRESH_S) while the run is still going. ``runs`` is the runs table the picker read, the
-    page's one read of it: a view finds other runs' rows (an FP32 twin) there instead of reading it again."""
+    page's one read of it: a view finds other runs' rows (an FP32 twin) there instead of reading it again.
+    ``shows``: see :func:`choose_run`."""
     store = frame(title)
     if store is not None:
-        guarded(_single_run)(store, view)
+        guarded(_single_run)(store, view, shows)
 
 
-def _single_run(store: Store, view) -> None:
-    chosen = choose_run(store)
+def _single_run(store: Store, view, shows: str | None) -> None:
+    chosen = choose_run(store, shows)
     if chosen is None:
         return
     run, final, runs = chosen

@@ -226,6 +226,16 @@ class Store:
         df["tags"] = df["run_id"].map(lambda r: held.get(int(r), []))
         return df
 
+    #: what :meth:`runs_with` can ask about: a page's data, by the table holding it
+    RUN_DATA = {"fp8": "fp8_steps", "modules": "module_steps"}
+
+    def runs_with(self, data: str) -> set[int]:
+        """The ids of the runs that recorded ``data`` (a key of RUN_DATA: FP8 statistics, a module trace), one
+        index probe per run."""
+        table = self.RUN_DATA[data]
+        ids = self._query(f"SELECT run_id FROM runs WHERE EXISTS (SELECT 1 FROM {table} t WHERE t.run_id = runs.run_id)")
+        return set(ids["run_id"].astype(int))
+
     def _add_summaries(self, df: pd.DataFrame) -> None:
         """The step summary columns of every run in ``df`` (in place). Finished runs carry the summary their writer
         stored when they ended; only the others are read live, each from the steps after those its held summary

@@ -297,3 +297,14 @@ def test_block_scaled_recipes_show_their_exact_counts_beside_the_per_tensor_page
         assert shown_row["steps"] == 2 and shown_row["clipped"] == one["overflow"].sum()
         assert shown_row["worst underflow"] == (one["underflow"] / one["numel"]).max()
     assert table["worst underflow"].max() > 0  # the wide inputs lose values in blocks: not a table of zeros
+
+
+def test_without_a_run_named_the_page_opens_on_a_run_that_recorded_fp8_statistics(fp8_store, monkeypatch):
+    """The newest runs (#5 still running, #6 failed) have no FP8 rows: the page opened on #6 and said it had none,
+    though #1 and #2 had. It opens on one of those, and the Plan page (which needs them too) the same way."""
+    assert Store(fp8_store).runs_with("fp8") == {1, 2}
+    for path in ("pages/6_FP8.py", "pages/8_Plan.py"):
+        at = app(path, fp8_store, monkeypatch)
+        assert not at.exception, [e.value for e in at.exception]
+        assert at.query_params["run"] in ("1", "2"), path
+        assert "recorded without FP8 statistics" not in texts(at) and "recorded no FP8 statistics" not in texts(at)

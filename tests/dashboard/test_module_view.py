@@ -98,6 +98,10 @@ def test_the_overflow_finding_opens_the_modules_page_on_the_module_it_names(stor
     assert "first inf/NaN" in json.dumps(spec)
     untraced = app("pages/7_Modules.py", store_path, monkeypatch, run=str(plain_run))
     assert not untraced.exception and f"python -m mpdiag rerun {plain_run} --trace-modules" in texts(untraced)
+    # with no run named, the page opens on the traced run, not the newer untraced one
+    assert Store(store_path).runs_with("modules") == {run_id}
+    unnamed = app("pages/7_Modules.py", store_path, monkeypatch)
+    assert not unnamed.exception and unnamed.query_params["run"] == str(run_id)
 
 
 def test_the_loss_scale_page_says_what_the_findings_linking_to_it_say(store_path, monkeypatch):
