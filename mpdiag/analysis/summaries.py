@@ -489,20 +489,37 @@ SIGNAL_LINES = {
 }
 #: the most points a signal line is drawn with
 SIGNAL_POINTS = 5000
+#: the low-precision format an opt level's backward computes in (None: FP32); a level not here (a watched
+#: script's "custom") is not known
+LEVEL_FORMAT = {**dict.fromkeys(FP16_LEVELS, "FP16"), "bf16": "BF16", "bf16-pure": "BF16", "fp8-sim": "BF16",
+                "O0": None}
+#: what a signal line of a format its run does not compute in is called: what that format would have lost
+IF_CAST = ", if cast"
 
 
-def signal_lines(totals: pd.DataFrame) -> pd.DataFrame:
-    """The per-step signals as lines to draw: step, line (a SIGNAL_LINES name) and values (summed over the
-    step's tensors), for the lines with a value above 0 at some step. Over SIGNAL_POINTS rows (a live run's,
-    read step by step), each run of rows is drawn as its largest value at its first step, as
-    Store.step_signal_totals' ranges are, so a one-step spike is never thinned away. ``totals``: that read."""
+def _line_name(line: str, opt_level: str | None) -> str:
+    """A SIGNAL_LINES name as a run at ``opt_level`` shows it: FP16's and BF16's counts of a run computing in
+    another format (or FP32) are what a cast would have lost, said so (an FP32 twin's "FP16 underflow" line read as
+    if the twin had underflowed, worse than the failing FP16 run beside it)."""
+    computes = LEVEL_FORMAT.get(opt_level, "unknown")
+    cast = line.split(" ", 1)[0]
+    return line + IF_CAST if cast in ("FP16", "BF16") and computes != "unknown" and cast != computes else line
+
+
+def signal_lines(totals: pd.DataFrame, opt_level: str | None = None) -> pd.DataFrame:
+    """The per-step signals as lines to draw: step, line (a SIGNAL_LINES name, ", if cast" added for a format
+    the run at ``opt_level`` does not compute in) and values (summed over the step's tensors), for the lines with
+    a value above 0 at some step. Over SIGNAL_POINTS rows (a live run's, read step by step), each run of rows is
+    drawn as its largest value at its first step, as Store.step_signal_totals' ranges are, so a one-step spike is
+    never thinned away. ``totals``: that read."""
     drawn = pd.DataFrame({"step": totals["step"].to_numpy()}
                          | {line: totals[column].to_numpy() for line, column in SIGNAL_LINES.items()})
     if len(drawn) > SIGNAL_POINTS:
         bucket = np.arange(len(drawn)) // math.ceil(len(drawn) / SIGNAL_POINTS)
         drawn = drawn.groupby(bucket).agg({"step": "first"} | {line: "max" for line in SIGNAL_LINES})
     shown = [line for line in SIGNAL_LINES if (drawn[line] > 0).any()]
-    return drawn.melt(id_vars="step", value_vars=shown, var_name="line", value_name="values")
+    long = drawn.melt(id_vars="step", value_vars=shown, var_name="line", value_name="values")
+    return long.assign(line=long["line"].map(lambda line: _line_name(line, opt_level)))
 
 
 def signal_note(totals: pd.DataFrame, kept_steps: int, opt_level: str) -> str:
@@ -523,9 +540,16 @@ def signal_note(totals: pd.DataFrame, kept_steps: int, opt_level: str) -> str:
             said += (" A value the FP16 backward already flushed to zero is read as a zero, not as an underflow: the "
                      "Gradients and Findings pages measure those against an FP32 twin or shadow.")
         return said
+    computes = LEVEL_FORMAT.get(opt_level, "unknown")
+    cast_lines = any(_line_name(line, opt_level).endswith(IF_CAST) and (totals[column] > 0).any()
+                     for line, column in SIGNAL_LINES.items())
+    cast = "" if not cast_lines else (
+        f" This run computes in {computes or 'FP32'}: a line \"{IF_CAST.removeprefix(', ')}\" counts what a cast of its "
+        f"gradients to {'FP16 or BF16' if computes is None else ({'FP16', 'BF16'} - {computes}).pop()} would have lost, "
+        "not something that happened.")
     return (f"Values that overflow or underflow FP16/BF16 at the loss scale (S·g, as the backward produced them) "
             f"and inf/NaN values, summed over the tensors, at every step whether its full statistics were kept or "
-            f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis.")
+            f"not ({counted}); a line's point over a range of steps is its largest there; symmetric-log axis." + cast)
 
 
 def recorded_norms(steps: pd.DataFrame) -> pd.Series:

@@ -73,6 +73,6 @@ def _loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
     signals = reads.step_signal_totals(store, int(run["run_id"]), final)
     return LossScaleRun(steps, summaries.scale_events(recorded), summaries.nonfinite_losses(recorded), notes,
                         ranks(store, run, steps, final) if int(run["world_size"]) > 1 else None,
-                        summaries.signal_lines(signals),
+                        summaries.signal_lines(signals, run["opt_level"]),
                         summaries.signal_note(signals, len(reads.logged_steps(store, int(run["run_id"]), final)),
                                               run["opt_level"]))

@@ -337,3 +337,23 @@ def test_a_run_of_one_step_draws_a_point_on_every_line_chart():
         assert points(chart) == series, name
     for name, (chart, _) in _one_step_charts([7, 8]).items():
         assert points(chart) == 0, name
+
+
+def test_signal_lines_of_a_format_the_run_does_not_compute_in_say_if_cast():
+    """An FP32 twin's "FP16 underflow at the scale" line (what FP16 would have lost) read as if the twin had
+    underflowed, worse than the failing FP16 run beside it, and a BF16 run's as FP16's: each such line says "if
+    cast", and the note says what that means; a run of unknown format (a watched script) keeps the plain names."""
+    totals = pd.DataFrame({"step": [0, 1], "nan": [0, 0], "posinf": [0, 0], "neginf": [0, 0],
+                           "fp16_overflow_at_scale": [0, 0], "fp16_underflow_at_scale": [4000, 3],
+                           "bf16_overflow_at_scale": [0, 0], "bf16_underflow_at_scale": [0, 2], "steps": [1, 1]})
+    named = {level: summaries.signal_lines(totals, level)["line"].unique().tolist()
+             for level in ("O0", "bf16", "O1", "custom")}
+    assert named == {"O0": ["FP16 underflow at the scale, if cast", "BF16 underflow at the scale, if cast"],
+                     "bf16": ["FP16 underflow at the scale, if cast", "BF16 underflow at the scale"],
+                     "O1": ["FP16 underflow at the scale", "BF16 underflow at the scale, if cast"],
+                     "custom": ["FP16 underflow at the scale", "BF16 underflow at the scale"]}
+    assert "This run computes in FP32" in summaries.signal_note(totals, 2, "O0")
+    assert "cast of its gradients to FP16 would" in summaries.signal_note(totals, 2, "bf16")
+    assert "if cast" not in summaries.signal_note(totals, 2, "custom")
+    fp16_only = totals.assign(bf16_underflow_at_scale=0)
+    assert "if cast" not in summaries.signal_note(fp16_only, 2, "O1")  # no such line drawn: nothing to explain
