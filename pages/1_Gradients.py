@@ -47,7 +47,8 @@ def controls(model: gradients_model.GradientsRun) -> tuple[str, bool, bool]:
     c1, c2, c3 = st.columns([2, 1, 1])
     view = c1.radio("Gradient", ["unscaled g", "at the loss scale (S·g)"], horizontal=True, key="view", bind="query-params",
                     help="S·g is the gradient as it existed in the backward pass, which is what FP16 had to hold.")
-    fmt = c2.radio("Format", model.formats, horizontal=True, key="fmt", bind="query-params", help=model.format_help)
+    fmt = c2.radio("Format", model.formats, index=model.formats.index(model.default_format), horizontal=True,
+                   key="fmt", bind="query-params", help=model.format_help)
     show_bf16 = c3.checkbox("Draw BF16 limits too", key="bf16_lines", value=False)
     return fmt, view != "unscaled g", show_bf16
 

@@ -159,6 +159,13 @@ class GradientsRun:
         return summaries.recorded_formats(self.totals)
 
     @property
+    def default_format(self) -> str:
+        """The format the page opens on: the one the run computes in (BF16 for a BF16 run: it opened on FP16's
+        limits and shares), else the first recorded (FP16)."""
+        own = (summaries.LEVEL_FORMAT.get(self.run["opt_level"]) or "").lower()
+        return own if own in self.formats else self.formats[0]
+
+    @property
     def format_help(self) -> str:
         return ("FP8 (E4M3, E5M2) as a plain cast, without a per-tensor scale; what FP8 recipes' scaled casts do "
                 "to each Linear's tensors is on the FP8 page" + ("" if len(self.formats) == len(LOW_PRECISION) else

@@ -427,3 +427,25 @@ def test_a_long_runs_heatmap_reads_bucket_sums_that_are_exact_and_says_what_each
     spec = charts.exponent_heatmap(cells.head(50), summaries.format_lines(), (0, 6_000)).to_dict()
     tooltips = [t.get("title") for t in spec["layer"][0]["encoding"]["tooltip"]]
     assert tooltips[0] == "column" and spec["layer"][0]["encoding"]["tooltip"][0]["field"] == "steps"
+
+
+def test_the_format_opens_on_the_one_the_run_computes_in(store_path, monkeypatch):
+    """A BF16 run's page opened on FP16's limits and shares (the first format): it opens on the run's own; an FP16
+    run's and an FP32 run's on FP16, and the radio shows it."""
+    from mpdiag import Store
+    from mpdiag.dashboard import gradients_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    run = runs[runs["run_id"] == 1].iloc[0]
+
+    def at_level(level: str) -> pd.Series:
+        relabelled = run.copy()
+        relabelled["opt_level"] = level
+        return relabelled
+
+    by_level = {level: gradients_model.gradients(store, at_level(level), True, runs).default_format
+                for level in ("O1", "O0", "bf16", "bf16-pure", "fp8-sim", "custom")}
+    assert by_level == {"O1": "fp16", "O0": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp8-sim": "bf16",
+                        "custom": "fp16"}
+    assert page(store_path, monkeypatch, run="1").radio(key="fmt").value == "fp16"
