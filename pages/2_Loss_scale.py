@@ -11,7 +11,7 @@ import streamlit as st
 from mpdiag.analysis import summaries
 from mpdiag.dashboard import charts, loss_scale_model
 from mpdiag.dashboard import frame as ui
-from mpdiag.dashboard.untrusted import plain
+from mpdiag.dashboard.untrusted import plain, url_count
 
 
 def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
@@ -33,7 +33,11 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":
         st.info(f"Static loss scale {run['loss_scale']:g}: it never changes; steps with inf/NaN gradients are still skipped.")
-    ui.show_chart(charts.loss_scale_panel(model.drawn_steps), width="stretch")
+    linked = url_count(st.query_params.get("step"))  # an event's evidence link (?step=N): marked on every panel
+    marked = linked if linked is not None and linked in set(steps["step"]) else None
+    if marked is not None:
+        st.caption(f"The dashed line marks step {marked:,}, the step the link you followed names.")
+    ui.show_chart(charts.loss_scale_panel(model.drawn_steps, marked), width="stretch")
     for note in model.notes:
         st.caption(plain(note))
     st.caption("The loss scale drawn is the one each step ran at (GradScaler's scale before that step's update(); "

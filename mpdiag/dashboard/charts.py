@@ -374,12 +374,13 @@ def drawable_on_log(values: pd.Series) -> pd.Series:
 
 
 @_reused
-def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
+def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
     beneath, sharing the step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
     collapsed dynamic scale) are red rules on the scale panel (a log axis has no 0), the scale panel is left out
     when no step had a scale above 0, the growth tracker when none was recorded (no dynamic GradScaler): the
-    page says why (:func:`mpdiag.analysis.summaries.loss_scale_notes`)."""
+    page says why (:func:`mpdiag.analysis.summaries.loss_scale_notes`). ``marked``: a step (an event's link
+    names one) drawn as a dashed rule across every panel."""
     panels = []
     positive = drawable_on_log(steps["loss_scale"])
     if positive.any():
@@ -414,6 +415,10 @@ def loss_scale_panel(steps: pd.DataFrame) -> alt.VConcatChart:
     bad = (~np.isfinite(steps["loss"].astype(float))).any()
     panels.append(loss.properties(height=200, title="loss" + (" (red rules: NaN/inf loss)" if bad else "")))
     panels += [p for p in (learning_rate_panel(steps), grad_norm_panel(steps)) if p is not None]
+    if marked is not None:
+        rule = alt.Chart(pd.DataFrame({"step": [marked]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
+            x=STEP_X, tooltip=[alt.Tooltip("step:Q", title="the linked step")])
+        panels = [alt.layer(panel, rule) for panel in panels]
     return stacked_over_steps(*panels)
 
 

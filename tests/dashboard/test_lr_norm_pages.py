@@ -156,6 +156,23 @@ def test_loss_scale_page_says_why_a_panel_is_missing(store, monkeypatch, run, se
     assert any(t.startswith("global gradient norm") for t in titles) == (run == "3")
 
 
+def test_a_step_in_the_link_is_marked_on_every_loss_scale_panel(store, monkeypatch):
+    """An event's link (/Loss_scale?run=1&step=N) opened the page with nothing at step N: a dashed rule at N in
+    every panel, said in a caption; a step the run does not have (or not a number) marks nothing."""
+    at = page("2_Loss_scale.py", store, monkeypatch, run="1", step="5")
+    assert not at.exception and not page_chart_problems(at)
+    assert "The dashed line marks step 5" in said(at)
+    spec = json.loads(stacked(at).proto.spec)
+    panels = spec["vconcat"]
+    rules = [[v for v, _ in views(panel) if v["mark"] == {"type": "rule", "color": "black", "strokeDash": [4, 4]}]
+             for panel in panels]
+    assert len(panels) >= 3 and all(len(r) == 1 for r in rules)
+    assert any(frame.to_dict("records") == [{"step": 5}] for frame in frames(stacked(at)))
+    for step in ("99999", "x"):
+        unmarked = page("2_Loss_scale.py", store, monkeypatch, run="1", step=step)
+        assert not unmarked.exception and "dashed line marks" not in said(unmarked)
+
+
 def _loss_views(at):
     spec = json.loads(stacked(at).proto.spec)
     return [v for v, t in views(spec) if t.startswith("loss") and not t.startswith("loss scale")
