@@ -192,9 +192,9 @@ def run_precision(opt_level: str, hist: np.ndarray, activation_max: float | None
     k = recommended_scale(hist, complete=complete)
     if k is None:
         return "bf16", None, (f"no loss scale fits the gradients in FP16 (every scale that avoids overflow leaves "
-                              f"more than LOW_RANGE_SHARE {LOW_RANGE_SHARE:.0%} underflowing or subnormal): BF16")
+                              f"more than {LOW_RANGE_SHARE:.0%} underflowing or subnormal): BF16")
     fits = (f"dynamic loss scaling from 2^{k} fits the gradients in FP16 (underflowing or subnormal at most "
-            f"LOW_RANGE_TARGET {LOW_RANGE_TARGET:.1%}, else LOW_RANGE_SHARE {LOW_RANGE_SHARE:.0%}, no overflow)")
+            f"{LOW_RANGE_TARGET:.1%} where a scale gets there, else {LOW_RANGE_SHARE:.0%}; no overflow)")
     if activation_max is None:
         return "bf16", None, (f"{fits}, but the module outputs' range is not recorded (--trace-modules records it): "
                               "BF16, which has FP32's range")
@@ -235,11 +235,11 @@ def moment_format(per_tensor: np.ndarray) -> tuple[str, str]:
         said.append(f"{LABELS[fmt]}: m loses at most {m:.2%}, v {v:.2%} of a tensor's values")
         if max(m, v) <= MOMENT_LOST_SHARE:
             return fmt, (f"the moments are not recorded; judged by the gradients they average (m: g's binades, "
-                         f"v: g²'s): {'; '.join(said)} (≤ MOMENT_LOST_SHARE {MOMENT_LOST_SHARE:.0%}). Adam's betas "
+                         f"v: g²'s): {'; '.join(said)} (at most {MOMENT_LOST_SHARE:.0%}). Adam's betas "
                          f"are not recorded either: a moment stored in BF16 also needs 1-β ≥ 2^{resolution_log2('bf16')} "
                          "(PyTorch's default β2 = 0.999 does not meet it) or stochastic rounding")
     return "fp32", (f"the moments are not recorded; judged by the gradients they average: {'; '.join(said)} "
-                    f"(> MOMENT_LOST_SHARE {MOMENT_LOST_SHARE:.0%}): FP32")
+                    f"(more than {MOMENT_LOST_SHARE:.0%}): FP32")
 
 
 def _with_accounts(plan: Plan, params: int) -> Plan:
