@@ -86,24 +86,28 @@ def step_slider(clicked, logged: list[int]) -> int:
 
 
 def step_tiles(ranking: Ranking, at: StepView) -> None:
-    """The step's histogram and its exact shares as tiles: S·g at the step's own loss scale (where the what-if
-    starts), g itself beside them; two rows of three, lined up with the what-if's three below."""
+    """The step's histogram and its exact shares as tiles, both of the view chosen (g, or S·g at the step's own
+    loss scale, where the what-if starts), the other view's shares beneath them; two rows of three, lined up with
+    the what-if's three below. (The tiles always showed S·g: under the default view, g's histogram coloured most
+    bars as underflow above tiles saying 0% underflow.)"""
     fmt, step, scale = ranking.fmt, at.step, at.scale
+    scaled = f"S·g at this step's loss scale {summaries.scale_text(scale)}"
+    shown, other = (scaled, "the unscaled gradient g (2^0)") if ranking.at_scale else ("g, unscaled", scaled)
     if at.bars is not None:
-        ui.show_chart(charts.step_histogram(at.bars, f"step {step:,}, loss scale {summaries.scale_text(scale)}"),
+        ui.show_chart(charts.step_histogram(at.bars, f"step {step:,}: {shown}, coloured by {fmt} region"),
                       width="stretch")
     else:
         st.info(f"At step {step:,} the loss scale was 0: S·g is 0 everywhere, so there is no exponent to histogram "
                 "(the unscaled view shows g).")
-    st.markdown(f"**At step {step:,}: S·g at this step's loss scale {plain(summaries.scale_text(scale))}, cast to "
-                f"{fmt} (exact counts)**")
+    st.markdown(f"**At step {step:,}: {plain(shown)}, cast to {fmt} (exact counts)**")
+    tiles, beneath = (at.tiles, at.unscaled) if ranking.at_scale else (at.unscaled, at.tiles)
     m = [*st.columns(3), *st.columns(3)]
     for col, cat in zip(m, CATEGORIES, strict=False):
-        col.metric(f"{fmt} {cat}", summaries.share_text(at.tiles[cat]),
+        col.metric(f"{fmt} {cat}", summaries.share_text(tiles[cat]),
                    help=f"Of the {at.denom:,} finite non-zero values, counted by casting each one to {fmt}.")
     if scale != 1:
-        st.caption(f"The unscaled gradient g (2^0) cast to {fmt}, also exact: " + ", ".join(
-            f"{cat} {summaries.share_text(at.unscaled[cat])}" for cat in CATEGORIES) + ".")
+        st.caption(plain(f"{other[0].upper()}{other[1:]} cast to {fmt}, also exact: " + ", ".join(
+            f"{cat} {summaries.share_text(beneath[cat])}" for cat in CATEGORIES) + "."))
     m[3].metric("zeros", f"{int(at.at_step['zeros']):,}", help=f"Of {int(at.at_step['numel']):,} values.")
     m[4].metric("NaN / inf", f"{int(at.at_step['nan'] + at.at_step['posinf'] + at.at_step['neginf']):,}")
     if ranking.states_flushed:
@@ -122,7 +126,7 @@ def whatif(model: gradients_model.GradientsRun, ranking: Ranking, at: StepView) 
     for col, cat in zip(st.columns(3), CATEGORIES, strict=True):
         col.metric(f"{ranking.fmt} {cat} at 2^{k}", summaries.share_text(shares[cat]),
                    help="exact: counted by casting" if shares[cat][2] else "from the exponent histogram")
-    exact_at = ([f"At 2^{used}, this step's loss scale, these are the tiles' exact counts of S·g"]
+    exact_at = ([f"At 2^{used}, this step's loss scale, these are the exact counts of S·g"]
                 if used is not None and 2.0**used == at.scale and used != 0 else []) + ["at 2^0 the exact counts of g"]
     st.caption(
         f"{'; '.join(exact_at).capitalize() if len(exact_at) == 1 else '; '.join(exact_at)}. At any other power they "

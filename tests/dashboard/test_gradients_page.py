@@ -449,3 +449,29 @@ def test_the_format_opens_on_the_one_the_run_computes_in(store_path, monkeypatch
     assert by_level == {"O1": "fp16", "O0": "fp16", "bf16": "bf16", "bf16-pure": "bf16", "fp8-sim": "bf16",
                         "custom": "fp16"}
     assert page(store_path, monkeypatch, run="1").radio(key="fmt").value == "fp16"
+
+
+def test_the_step_tiles_show_the_view_the_histogram_shows(tmp_path, monkeypatch):
+    """A dynamic-scale FP16 run (S = 2^16): under the default view the histogram showed g coloured by FP16 region
+    (most of it underflow) above tiles of S·g saying 0% underflow. The tiles now count the view shown, each equal
+    to the stored torch-cast count of that view (g's, or S·g's) over the finite non-zero values, and the other
+    view's shares are said beneath; the histogram's title names its view."""
+    from mpdiag import Store
+
+    store_path = tmp_path / "runs.db"
+    subprocess.run([sys.executable, "-m", "mpdiag", "run", str(EXAMPLES / "gallery_underflow.py"), "--device", "cpu",
+                    "--store", str(store_path), "--opt-level", "O1", "--steps", "2"], check=True, cwd=ROOT,
+                   capture_output=True)
+    for view, suffix, named in (("unscaled g", "", "g, unscaled"),
+                                ("at the loss scale (S·g)", "_at_scale", "S·g at this step's loss scale")):
+        at = page(store_path, monkeypatch, run="1", view=view)
+        tensor, step = at.selectbox(key="tensor").value, at.session_state["step"]
+        row = Store(store_path, create=False).tensor_stats(1, tensor=tensor, step=step).iloc[0]
+        finite_nonzero = row["numel"] - row["zeros"] - row["nan"] - row["posinf"] - row["neginf"]
+        tiles = {m.label: m.value for m in at.metric}
+        for kind in ("underflow", "subnormal", "overflow"):
+            share = row[f"fp16_{kind}{suffix}"] / finite_nonzero
+            assert tiles[f"fp16 {kind}"] == summaries.share_text((share, share, True)), view
+        assert f"At step {step}: {named}" in "\n".join(m.value.replace("\\", "") for m in at.markdown), view
+        histogram = next(c for c in at.get("vega_lite_chart") if "coloured by fp16 region" in c.proto.spec)
+        assert named in json.loads(histogram.proto.spec)["title"], view
