@@ -32,20 +32,23 @@ WIDE_RUN_COLUMN = st.column_config.TextColumn("run", width="large", pinned=True,
 COST_ORDER = ["run", "final loss", "skipped steps", "median step time", "throughput", "peak memory", "model state"]
 
 
-def curve_controls() -> tuple[float, bool, str]:
-    """TensorBoard's controls over the curves: smoothing weight, log y for the loss, the x axis."""
+def curve_controls(chosen: pd.DataFrame) -> tuple[float, bool, str]:
+    """TensorBoard's controls over the curves: smoothing weight, log y for the loss (on at first where the chosen
+    runs' losses are far apart: compare_model.losses_far_apart), the x axis."""
     left, middle, right = st.columns([2, 1, 2])
     weight = left.slider("Smoothing", min_value=0.0, max_value=0.99, value=0.0, step=0.01, key="smoothing",
                          help="TensorBoard's debiased exponential moving average of the loss and the gradient norm "
                               "(0: none). The raw curve stays drawn, faint, behind the smoothed one.")
-    log_loss = middle.toggle("Log loss axis", value=False, key="loss_log")
+    log_loss = middle.toggle("Log loss axis", value=compare_model.losses_far_apart(chosen), key="loss_log",
+                             help="On at first when the runs' final losses are more than "
+                                  f"{compare_model.LOG_LOSS_SPAN}x apart.")
     x_label = right.radio("x axis", list(X_AXES), horizontal=True, key="x_axis",
                           help="Wall time: seconds since each run's recording started, at the end of each step.")
     return weight, log_loss, X_AXES[x_label]
 
 
 def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
-    weight, log_loss, x = curve_controls()
+    weight, log_loss, x = curve_controls(chosen)
     model = compare_model.compare(store, chosen, all_runs, weight)
     curves = model.curves(x, smooth=weight > 0)
     if curves.curves.empty:

@@ -36,6 +36,17 @@ from mpdiag.dashboard import reads
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.store import Store
 
+#: how far apart (a ratio) the chosen runs' final losses are before the loss axis starts as a log one
+LOG_LOSS_SPAN = 100
+
+
+def losses_far_apart(chosen: pd.DataFrame) -> bool:
+    """Whether the chosen runs' (Store.runs rows) final losses lie more than LOG_LOSS_SPAN apart: on a linear
+    axis a run ending at 3e-5 beside one at 2 was a flat line at 0."""
+    final = pd.to_numeric(chosen["final_loss"], errors="coerce").astype(float)
+    final = final[np.isfinite(final) & (final > 0)]
+    return len(final) > 1 and float(final.max() / final.min()) > LOG_LOSS_SPAN
+
 
 @dataclass(frozen=True)
 class Curves:

@@ -5,6 +5,7 @@ review found the table hid the fix (a setting only some runs have counted as no 
 2^0 hid the static scale of 1."""
 
 import json
+import shutil
 
 import pandas as pd
 import pyarrow as pa
@@ -78,10 +79,10 @@ def test_settings_are_written_readably():
     assert setting_text("backoff_factor", 0.5) == "0.5" and setting_text("trace_modules", True) == "yes"
 
 
-def _page(path, monkeypatch):
+def _page(path, monkeypatch, runs=("1", "2", "3")):
     monkeypatch.setenv("MPDIAG_STORE", str(path))
     at = AppTest.from_file(str(ROOT / "pages" / "3_Compare.py"), default_timeout=TIMEOUT)
-    at.query_params["runs"] = ["1", "2", "3"]
+    at.query_params["runs"] = list(runs)
     return at.run()
 
 
@@ -216,3 +217,28 @@ def test_a_plan_rounds_moments_format_and_fp16_level_are_settings():
     assert table.loc["opt_level"].tolist() == ["O0", "fp8-sim-fp16"]
     assert table.loc["moment_format"].tolist() == [MISSING, "bf16"]
     assert table.loc["fp8_modules"].tolist() == [MISSING, "head=current,body=bf16"]
+
+
+def test_the_loss_axis_starts_as_a_log_one_where_the_runs_losses_are_far_apart(store, monkeypatch, tmp_path):
+    """A run ending at 3e-5 beside one ending at 2 was a flat line at 0 on the linear loss axis: the toggle starts on
+    where the chosen runs' final losses are more than LOG_LOSS_SPAN apart, off where they are near (this store's
+    three, 0.41-0.82), and the loss panel's axis follows it."""
+    from mpdiag.dashboard import compare_model
+
+    runs = chosen(store)
+    assert not compare_model.losses_far_apart(runs)
+    far = runs.assign(final_loss=[3.5e-5, 2.0, float("nan")])
+    assert compare_model.losses_far_apart(far) and not compare_model.losses_far_apart(far.iloc[[0]])
+    assert not compare_model.losses_far_apart(runs.assign(final_loss=[0.0, 2.0, -1.0]))  # no log of 0 or below
+    at = _page(store, monkeypatch)
+    assert at.toggle(key="loss_log").value is False
+    store = shutil.copy(store, tmp_path / "runs.db")  # the module's store stays as the other tests read it
+    with StoreWriter(store) as writer:  # a fourth run, far below the others
+        run = writer.create_run(name="tiny loss", opt_level="O1", scaling="none", seed=0, steps=STEPS, device="cpu")
+        writer.write_batch(run, [StepRow(s, 3e-5, 1.0, 0, None, 1.0, 0.05, MIB, 0, 1e-3, 1.0, 0.1 * s)
+                                 for s in range(STEPS)], [])
+        writer.end_run(run, "finished")
+    at = _page(store, monkeypatch, runs=["1", str(run)])
+    assert at.toggle(key="loss_log").value is True
+    view, _ = _view(at, "loss")
+    assert view["encoding"]["y"]["scale"]["type"] == "log"
