@@ -32,9 +32,14 @@ def runs_panel(store) -> None:
     if runs.empty:
         first_run_offer(store)
         return
-    with st.container():
-        for banner in events_model.runs_banners(store, runs):  # live: an event shows at the next refresh
-            ui.events_banner(banner)
+    with st.container():  # live: an event shows at the next refresh
+        banners = events_model.runs_banners(store, runs)
+        if banners:  # folded unless a run still going raised them: five runs' events hid the runs table below
+            going = set(runs.loc[runs["status"].isin(LIVE_STATUSES), "run_id"].astype(int))
+            with st.expander(f"Events while training: {len(banners)} of the newest runs raised some",
+                             expanded=any(banner.run_id in going for banner in banners)):
+                for banner in banners:
+                    ui.events_banner(banner)
     with st.container():
         for live in runs_model.live_runs(store, runs):
             with st.container(border=True):

@@ -99,15 +99,15 @@ def step_tiles(ranking: Ranking, at: StepView) -> None:
     else:
         st.info(f"At step {step:,} the loss scale was 0: S·g is 0 everywhere, so there is no exponent to histogram "
                 "(the unscaled view shows g).")
-    st.markdown(f"**At step {step:,}: {plain(shown)}, cast to {fmt} (exact counts)**")
+    st.markdown(f"**At step {step:,}: {shown}, cast to {fmt} (exact counts)**")  # mpdiag's words and numbers
     tiles, beneath = (at.tiles, at.unscaled) if ranking.at_scale else (at.unscaled, at.tiles)
     m = [*st.columns(3), *st.columns(3)]
     for col, cat in zip(m, CATEGORIES, strict=False):
         col.metric(f"{fmt} {cat}", summaries.share_text(tiles[cat]),
                    help=f"Of the {at.denom:,} finite non-zero values, counted by casting each one to {fmt}.")
     if scale != 1:
-        st.caption(plain(f"{other[0].upper()}{other[1:]} cast to {fmt}, also exact: " + ", ".join(
-            f"{cat} {summaries.share_text(beneath[cat])}" for cat in CATEGORIES) + "."))
+        st.caption(f"{other[0].upper()}{other[1:]} cast to {fmt}, also exact: " + ", ".join(
+            f"{cat} {summaries.share_text(beneath[cat])}" for cat in CATEGORIES) + ".")
     m[3].metric("zeros", f"{int(at.at_step['zeros']):,}", help=f"Of {int(at.at_step['numel']):,} values.")
     m[4].metric("NaN / inf", f"{int(at.at_step['nan'] + at.at_step['posinf'] + at.at_step['neginf']):,}")
     if ranking.states_flushed:

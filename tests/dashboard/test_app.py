@@ -147,15 +147,17 @@ def shown_share(text: str) -> float:
 
 
 def test_gradients_tiles_and_whatif_agree_at_the_runs_own_scale_with_the_store(filled_store, monkeypatch):
-    """Issue 27: the exact tiles and the what-if at the step's own loss scale (2^16, dynamic) are the same
-    numbers, and both are the store's exact counts of S·g; the what-if at 2^0 is the store's counts of g."""
+    """Issue 27: the exact tiles (in the S·g view; in the g view they are g's) and the what-if at the step's own
+    loss scale (2^16, dynamic) are the same numbers, and both are the store's exact counts of S·g; the what-if at
+    2^0 is the store's counts of g."""
     store = Store(filled_store)
     step = store.logged_steps(1)[-1]
     scale = float(store.steps(1).set_index("step").loc[step, "loss_scale"])
     k = round(math.log2(scale))
     assert 2.0**k == scale and k != 0
     for fmt in ("fp16", "bf16"):
-        at = app("pages/1_Gradients.py", filled_store, monkeypatch, run="1", tensor="1.weight", fmt=fmt)
+        at = app("pages/1_Gradients.py", filled_store, monkeypatch, run="1", tensor="1.weight", fmt=fmt,
+                 view="at the loss scale (S·g)")
         assert not at.exception, [e.value for e in at.exception]
         row = store.tensor_stats(1, "1.weight", step=step).iloc[0]
         denom = row["numel"] - row["zeros"] - row["nan"] - row["posinf"] - row["neginf"]

@@ -48,6 +48,10 @@ def test_runs_page_and_the_runs_own_page_show_the_banner_as_text(tmp_path, monke
         assert f"(/Loss_scale?run={noisy}&step=40)" in said and f"(/Gradients?run={noisy}&step=45)" in said
         heading = [w.value for w in at.warning if "events while training" in w.value][0]
         assert "\\*\\*bold\\*\\*" in heading and "](http" not in heading  # the name is inert text
+    # on the Runs page the events of finished runs are folded away: five runs' events hid the runs table
+    [folded] = [e for e in app("app.py", tmp_path / "runs.db", monkeypatch).expander
+                if e.label.startswith("Events while training")]
+    assert folded.label == "Events while training: 1 of the newest runs raised some" and not folded.proto.expanded
 
 
 def test_an_event_committed_while_the_runs_page_is_open_shows_at_its_next_live_refresh(tmp_path, monkeypatch):
@@ -60,6 +64,7 @@ def test_an_event_committed_while_the_runs_page_is_open_shows_at_its_next_live_r
         writer.add_events(run_id, [(3, "skips", json.dumps({"summary": "5 optimizer steps skipped in a row"}), 1.0)])
     at.run()  # what the live fragment does every LIVE_REFRESH_S: it reads the events afresh
     assert "Step 3: skips: 5 optimizer steps skipped in a row" in texts(at)
+    assert [e.proto.expanded for e in at.expander if e.label.startswith("Events while training")] == [True]  # going
     assert ui.LIVE_REFRESH_S + 0.5 <= 3.0  # a refresh, plus the Recorder's commit interval, within ~3 s
 
 

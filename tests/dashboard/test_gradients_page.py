@@ -472,6 +472,6 @@ def test_the_step_tiles_show_the_view_the_histogram_shows(tmp_path, monkeypatch)
         for kind in ("underflow", "subnormal", "overflow"):
             share = row[f"fp16_{kind}{suffix}"] / finite_nonzero
             assert tiles[f"fp16 {kind}"] == summaries.share_text((share, share, True)), view
-        assert f"At step {step}: {named}" in "\n".join(m.value.replace("\\", "") for m in at.markdown), view
+        assert f"At step {step}: {named}" in "\n".join(m.value for m in at.markdown), view
         histogram = next(c for c in at.get("vega_lite_chart") if "coloured by fp16 region" in c.proto.spec)
         assert named in json.loads(histogram.proto.spec)["title"], view
