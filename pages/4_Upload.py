@@ -122,7 +122,8 @@ def training_code(store) -> None:
 def stored_code(store):
     """The stored training code chosen, with its files listed: (sha256, bundle), or None (none stored, or the
     stored one is refused: said here)."""
-    sha = pick_stored(store.bundles(), "name", "Stored code", "code", "No training code stored yet: upload it above.")
+    sha = pick_stored(store.bundles(), "name", "Stored code", "code",
+                      "No training code uploaded yet: upload it above (the runs' own scripts are kept with each run).")
     if sha is None:
         return None
     try:
