@@ -46,6 +46,7 @@ _DTYPE = operator.attrgetter("dtype")
 #: ``torch.device`` (~0.1 us a tensor, 1,000 tensors a step)
 _DEVICE_INDEX = torch.Tensor.get_device
 _IS_CUDA = operator.attrgetter("is_cuda")
+_LAYOUT = operator.attrgetter("layout")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -191,8 +192,10 @@ _ONE_PASS_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 
 
 def _on_one_cuda_device(shards: list[torch.Tensor]) -> bool:
-    """Whether every tensor is on one and the same CUDA device, told in C."""
-    return all(map(_IS_CUDA, shards)) and len(set(map(_DEVICE_INDEX, shards))) == 1
+    """Whether every tensor is a strided one (GradScaler's pass refuses a sparse gradient) on one and the same
+    CUDA device, told in C."""
+    return (all(map(_IS_CUDA, shards)) and len(set(map(_DEVICE_INDEX, shards))) == 1
+            and set(map(_LAYOUT, shards)) == {torch.strided})
 
 
 class AnyNonfinite:

@@ -793,7 +793,8 @@ class Recorder:
         A step row takes its loss and scale from its own readback and the growth tracker and scale after
         ``update()`` from the next one's; the final sentinel (row None) is the state at close()."""
         steps = self._unread_steps
-        while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready() and _arrived(steps[0][0][10]))):
+        while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready()
+                                            and _arrived(steps[0][0][10]))):
             (row, state), (_, after) = steps.popleft(), steps[0]
             loss, scale, _, norm = state.numpy()
             _, scale_after, tracker, _ = after.numpy()
