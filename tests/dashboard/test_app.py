@@ -104,7 +104,8 @@ def test_empty_store_offers_the_bundled_example(tmp_path, monkeypatch):
     for page in PAGES[1:]:
         other = app(page, tmp_path / "fresh.db", monkeypatch)
         said = texts(other)
-        assert not other.exception and any(m in said for m in ("No runs", "at least two runs", "No training code stored"))
+        assert not other.exception and any(m in said for m in ("No runs", "at least two runs",
+                                                               "No training code uploaded"))
 
 
 @pytest.mark.parametrize("page", PAGES)
