@@ -13,8 +13,8 @@ the :class:`mpdiag.recording.run.Run` they created) and its core: this step's gr
 the step rows, what retention keeps, the flush to the background writer and the end of the run. The optional
 parts - the module trace, the FP8 capture, the update counts, the optimizer-step check, the replay and the FP32
 shadow comparison - are features behind one protocol (:mod:`mpdiag.recording.features`): the Recorder builds
-the list of those its arguments ask for in one place (``_optional_features``) and calls their hooks in a loop at
-``record``, around the optimizer step, at each flush and at the end. Must not write the run row itself (its Run
+the list of those its arguments ask for in one place (``_add_optional_features``) and calls their hooks in a loop
+at ``record``, around the optimizer step, at each flush and at the end. Must not write the run row itself (its Run
 does), validate run options (:mod:`mpdiag.options` does), hold an optional part's state (its feature does) nor
 import from the training layer above it.
 """
@@ -314,10 +314,15 @@ class Recorder:
         self._retention = Retention(every, [p.numel() for _, p in self._params], anomalies=retain_anomalies)
         self._open_run(run, store, name, config, update_format, fp8)
         self.run_id = self._run.run_id
-        self._hook_in(model, self._optional_features(
-            model, trace_modules=trace_modules, update_format=update_format, fp8=fp8,
-            check_optimizer_step=check_optimizer_step, replay=replay, replay_model=replay_model),
-            watch_ranks=not launcher_names_failures)
+        self._features, self._hooks = [], []  # filled as each is installed: a failure below removes what was
+        try:
+            self._add_optional_features(model, trace_modules=trace_modules, update_format=update_format, fp8=fp8,
+                                        check_optimizer_step=check_optimizer_step, replay=replay,
+                                        replay_model=replay_model)
+            self._hook_in(watch_ranks=not launcher_names_failures)
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
 
     def _start(self, model, scaler, optimizer, every, update_format, update_targets) -> None:
         """Everything that does not depend on where the rows go; refuses bad arguments before a writer exists."""
@@ -395,26 +400,45 @@ class Recorder:
         self._run = self._new_run(name, {"update_format": update_format, **self._dist.run_fields(), **fp8_field},
                                   config or {})
 
-    def _hook_in(self, model: torch.nn.Module, features: list[RecorderFeature], watch_ranks: bool) -> None:
+    def _hook_in(self, watch_ranks: bool) -> None:
         """Queue the run's tensor rows and install the hooks: only once the writer exists, so a store that cannot
-        be opened leaves no hook behind. ``features``: the optional parts, their hooks just installed."""
+        be opened leaves no hook behind. The optional parts are in ``_features`` already, their hooks installed."""
         self._writer.submit(lambda w: w.add_tensors(self.run_id, self._tensor_rows()))
         self._step_grads = StepGradients([p for _, p in self._params])
-        #: the FP32 shadow comparison (always there: its caller decides when) and the optional parts, in the order
-        #: their hooks are called (:mod:`mpdiag.recording.features`)
+        #: the FP32 shadow comparison (always there: its caller decides when) after the optional parts: the order
+        #: their hooks are called in (:mod:`mpdiag.recording.features`)
         self._shadow = ShadowComparison(self._params, self.run_id)
-        self._features = [*features, self._shadow]
-        self._hooks = self._install_step_hooks()
+        self._features.append(self._shadow)
+        self._install_step_hooks()
         self._stop_timer = self._writer.every(self.flush_interval_s, self._flush_on_timer)
         if watch_ranks:
             self._dist.watch_for_dead_ranks(self._name_dead_rank)
 
-    def _optional_features(self, model: torch.nn.Module, *, trace_modules: bool, update_format: str | None,
-                           fp8: Fp8Settings | None, check_optimizer_step: bool | str, replay: bool | None,
-                           replay_model: torch.nn.Module | None) -> list[RecorderFeature]:
-        """The optional parts the arguments ask for (see the class's docstring), each with its hooks installed; the
-        replay first, so it runs before the others take the step's captured tensors."""
-        features: list[RecorderFeature] = []
+    def _abandon(self, exc: BaseException) -> None:
+        """The constructor failed once the run existed: every hook installed so far removed (they would have run in
+        the loop's steps on a Recorder that never started), and the run ended failed saying why (it was left
+        running, read later as "crashed: the training process exited without closing the run", with 0 steps)."""
+        stop_timer = getattr(self, "_stop_timer", None)
+        if stop_timer is not None:
+            stop_timer()
+        for hook in self._hooks:
+            hook.remove()
+        for feature in self._features:
+            feature.remove()
+        step_grads = getattr(self, "_step_grads", None)
+        if step_grads is not None:
+            step_grads.remove()
+        self._run.fail(f"mpdiag could not start recording: {type(exc).__name__}: {exc}", wait=True)
+        if self._owns_writer:
+            self._writer.close()
+
+    def _add_optional_features(self, model: torch.nn.Module, *, trace_modules: bool, update_format: str | None,
+                               fp8: Fp8Settings | None, check_optimizer_step: bool | str, replay: bool | None,
+                               replay_model: torch.nn.Module | None) -> None:
+        """The optional parts the arguments ask for (see the class's docstring), each added to ``_features`` once
+        its hooks are installed; the replay first, so it runs before the others take the step's captured
+        tensors."""
+        features = self._features
         # replay=None (the runner's): off on a GPU without a GradScaler, where its read of the loss and norm
         # would be the step's only synchronisation (GradScaler's step synchronises anyway)
         sync_free = self.device.type != "cuda" or self.scaler is not None
@@ -430,7 +454,6 @@ class Recorder:
         if check_optimizer_step:
             features.append(OptimizerStepCheck(check_optimizer_step, self._params, self._update_targets,
                                                self._found_optimizer_step))
-        return features
 
     def _name_dead_rank(self, text: str) -> None:
         """Rank 0 under torchrun, from the dead-rank watch's thread: the run's error names the rank that died,
@@ -488,9 +511,10 @@ class Recorder:
         """The tensors the optimizer updates: the update targets, else the recorded parameters."""
         return [p for _, p in self._params] if self._update_targets is None else self._update_targets
 
-    def _install_step_hooks(self) -> list:
-        """Hooks around the optimizer steps: on the given optimizers; else global ones that act on any
-        optimizer holding one of the model's parameters (torch.optim's own global step hooks)."""
+    def _install_step_hooks(self) -> None:
+        """Hooks around the optimizer steps, into ``_hooks``: on the given optimizers; else global ones that act on
+        any optimizer holding one of the model's parameters (torch.optim's own global step hooks); and the watch of
+        the scaler's unscale_."""
         mine = {id(p) for _, p in self._params}
 
         def ours(opt) -> bool:
@@ -513,13 +537,15 @@ class Recorder:
             if ours(opt):
                 self._step_grads.asked_to_step(torch_optimizer(opt))
 
+        hooks = self._hooks  # each kept as it is made: an optimizer refusing one leaves the others removable
         if self._optimizers:
-            hooks = [hook for opt in self._optimizers
-                     for hook in (opt.register_step_pre_hook(before), opt.register_step_post_hook(after))]
+            for opt in self._optimizers:
+                hooks.append(opt.register_step_pre_hook(before))
+                hooks.append(opt.register_step_post_hook(after))
         else:
-            hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
-        # last: an optimizer refusing its hooks above leaves no scaler class patched
-        return hooks if self.scaler is None else [*hooks, UnscaleWatch(self.scaler, unscaled)]
+            hooks += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        if self.scaler is not None:  # last: an optimizer refusing its hooks above leaves no scaler class patched
+            hooks.append(UnscaleWatch(self.scaler, unscaled))
 
     def _first_seen_optimizer(self, opt) -> None:
         """No optimizer was given: the first seen stepping over the model's parameters gives the learning rate,

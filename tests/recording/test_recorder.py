@@ -401,3 +401,29 @@ def test_a_gan_step_records_its_own_models_norm_and_tensors_also_when_gradscaler
         assert stored_norms[s] == norm or (math.isnan(norm) and math.isnan(stored_norms[s])), (s, model)
         tensors = set(stats.loc[stats["step"] == s, "tensor"])
         assert tensors == set(names.loc[names["name"].str.startswith(model + "."), "name"]), (s, model, skipped)
+
+
+def test_a_recorder_that_cannot_hook_in_ends_its_run_failed_and_leaves_no_hook(store_path):
+    """An optimizer refusing a step hook (as Accelerate's wrapped one did) made Recorder(...) raise after its run
+    existed: the run was left running (read later as crashed, 0 steps) and the hooks installed before it - on the
+    parameters, the modules, the first optimizer - stayed, to run in the loop's steps. The constructor still
+    raises; the run ends failed saying why, and every hook is gone: the loop trains on as without mpdiag."""
+
+    class Refusing(torch.optim.SGD):
+        def register_step_post_hook(self, hook):
+            raise RuntimeError("no hooks here")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    fine, refusing = torch.optim.SGD(model[0].parameters(), lr=0.1), Refusing(model[2].parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    unscale = torch.amp.GradScaler.unscale_
+    with pytest.raises(RuntimeError, match="no hooks here"):
+        Recorder(model, store=store_path, optimizer=[fine, refusing], scaler=scaler, trace_modules=True)
+    run = Store(store_path).runs().iloc[0]
+    assert (run["status"], run["error"]) == ("failed", "mpdiag could not start recording: RuntimeError: no hooks here")
+    assert not fine._optimizer_step_pre_hooks and not fine._optimizer_step_post_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
+    assert torch.amp.GradScaler.unscale_ is unscale
+    model(torch.randn(2, 4)).sum().backward()
+    fine.step()  # as without mpdiag
