@@ -198,14 +198,20 @@ def _on_one_cuda_device(shards: list[torch.Tensor]) -> bool:
             and set(map(_LAYOUT, shards)) == {torch.strided})
 
 
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """The inverse scale 1 GradScaler's pass is given, made once per device (only read: not a launch a step)."""
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 class AnyNonfinite:
     """Whether any value of a list of tensors (this rank's shards) is inf or NaN, found without a synchronisation:
     all the check needs to know of the values before a step. Where they are all on one CUDA device, the tensors
     of the dtypes its kernel reads go through GradScaler's own pass over the gradients,
     ``_amp_foreach_non_finite_check_and_unscale_``, with an inverse scale of 1 (one call per dtype): one flag from
     one launch per chunk of tensors and no tensor made per tensor, where per-tensor norms and their ``stack`` took
-    2.1-2.6 ms of host time before an SGD step of 202 tensors on an H200's host (405 tensors: ~6 us each; 0.5 ms
-    this way). The pass writes each value back as it read it (x * 1 is x, a NaN stays a NaN), as GradScaler's
+    2.1-3.5 ms of host time before an SGD step of 202 tensors on an H200's host (405 tensors: ~6 us each; 0.5-0.8
+    ms this way). The pass writes each value back as it read it (x * 1 is x, a NaN stays a NaN), as GradScaler's
     unscaling does to every gradient before a step; it is not used on the CPU, where a tensor may be read-only
     memory. The other tensors (the CPU's, BF16, FP8): any of their :class:`NonfiniteFlags`."""
 
@@ -227,10 +233,9 @@ class AnyNonfinite:
         if one_pass:
             device = one_pass[0][0].device
             found = torch.zeros(1, dtype=torch.float32, device=device)
-            one = torch.ones(1, dtype=torch.float32, device=device)
             with torch.no_grad():
                 for group in one_pass:  # its fast path takes one dtype; others would be read one tensor at a time
-                    torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found, _one(device))
             self._readback = DeviceReadback(found)
 
     def ready(self) -> bool:

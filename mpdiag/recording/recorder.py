@@ -171,7 +171,8 @@ class GradientRead:
 @dataclass
 class _UnreadStats:
     """A logged step's statistics until they reach the host and the step's owners are known (its ``keep``: the
-    tensors the optimizers stepping in it hold, None for all; settled once the next step or the end began)."""
+    tensors the optimizers stepping in it hold, None where they hold every tensor read; settled once the next step or
+    the end began)."""
 
     step: int
     read: GradientRead
@@ -760,10 +761,13 @@ class Recorder:
         stepping optimizer's parameters takes it; one process only (under torchrun the norm was summed across
         ranks at ``record``)."""
         fed = self._step_grads.fed()
-        if self._unread_stats and not self._unread_stats[-1].settled:
-            self._unread_stats[-1].keep, self._unread_stats[-1].settled = fed, True
+        unread = self._unread_stats[-1] if self._unread_stats and not self._unread_stats[-1].settled else None
         read, self._open_read = self._open_read, None
-        if read is None or fed is None or fed.issuperset(read.fresh):
+        fresh = read.fresh if read is not None else unread.read.present if unread is not None else ()
+        covers = fed is None or fed.issuperset(fresh)  # the usual step: tested once here, not again per row
+        if unread is not None:
+            unread.keep, unread.settled = None if covers else fed, True
+        if covers or read is None:
             return
         row = self._unread_steps[-1][0] if self._unread_steps else None
         if row is None or row[0] != read.step:  # (its row is the newest: the next step's is not queued yet)
@@ -848,7 +852,7 @@ class Recorder:
     def _see_stats(self, step: int, present: tuple[int, ...], stats, keep: frozenset[int] | None) -> None:
         """Hand a step's statistics to the retention, which holds them until it decides whether to keep the step."""
         # another optimizer's parameter (not in ``keep``): its fresh gradient fed no step here
-        if keep is None or keep.issuperset(present):  # the usual step: every tensor, no per-tensor test
+        if keep is None:  # the usual step (_settle_owners found every tensor fed): no per-tensor test
             kept, counts, tensor_ids = list(range(len(present))), stats.counts, np.asarray(present)
         else:
             kept = [k for k, i in enumerate(present) if i in keep]
