@@ -233,6 +233,7 @@ class EventLog:
         self.pending: list[Event] = []  # raised, not yet handed to the writer
         self.counts: dict[str, int] = {}
         self.stop_reason: str | None = None
+        self.stopped_at: int | None = None  # the step training stops at (recorded; its update not applied)
 
     def configure(self, stop_on: StopOn | str | None = None,
                   announce: Callable[[Event], None] | bool | None = None) -> None:
@@ -264,6 +265,14 @@ class EventLog:
         if self.stop_reason is None and rule.stops(self.stop_on):
             self.stop_reason = (f"--stop-on {self.stop_on.text}: {event.kind} at step {event.step}: "
                                 f"{event.evidence['summary']}")
+
+    def stop_at(self, step: int) -> None:
+        """The training stops at ``step``, recorded but not stepped, once :attr:`stop_reason` is set: the reason
+        says so, since the event's step (a step row completes at the next record, on a GPU possibly later) is
+        earlier than the last step the run shows."""
+        if self.stop_reason is not None and self.stopped_at is None:
+            self.stopped_at = step
+            self.stop_reason += f"; training stopped at step {step} (recorded, its update not applied)"
 
     def take(self) -> list[tuple]:
         """The events raised since the last call, as the writer's rows."""

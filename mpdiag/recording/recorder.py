@@ -628,6 +628,7 @@ class Recorder:
         self._unread_steps.append((row, state))
         self._open_read = read if read.tensor_norms is not None and not self._dist.distributed else None
         self._read_arrived(wait=False)
+        self.events.stop_at(step)  # --stop-on: the runner and watch do not step a step whose record raised it
         self._last_record = now
         self._step += 1
         self._stepped = False

@@ -34,6 +34,7 @@ def test_run_stop_on_nonfinite_stops_at_the_next_record_keeping_every_step(tmp_p
     assert run["status"] == "stopped"
     assert run["error"].startswith("--stop-on nonfinite: nonfinite at step 0:")
     assert steps["step"].tolist() == [0, 1]  # step 1 was recorded, then not stepped: its skip is unknown
+    assert run["error"].endswith("; training stopped at step 1 (recorded, its update not applied)")
     assert steps["skipped"].iloc[0] == 1 and steps["skipped"].isna().iloc[1]
     assert _events(store, run_id) == [(0, NONFINITE)]
     assert "mpdiag: event at step 0: nonfinite" in capsys.readouterr().err
@@ -45,6 +46,7 @@ def test_run_stop_on_skips_n_stops_at_the_nth_skip_in_a_row(tmp_path):
     assert run["status"] == "stopped" and "skips at step 2" in run["error"]
     assert _events(store, run_id) == [(0, NONFINITE), (2, SKIPS)]  # nonfinite is raised, not asked to stop
     assert store.steps(run_id)["step"].tolist() == [0, 1, 2, 3]
+    assert "training stopped at step 3 (recorded" in run["error"]  # the last step the run shows
 
 
 def test_without_stop_on_events_are_recorded_and_the_run_finishes(tmp_path):
@@ -97,6 +99,7 @@ def test_watch_stop_on_ends_the_script_cleanly_stopped_with_one_stderr_line(tmp_
     lines = [line for line in out.err.splitlines() if line.startswith("mpdiag: event")]
     assert len(lines) == 1 and lines[0].startswith("mpdiag: event at step 5: nonfinite")
     assert store.steps(run_id)["step"].tolist() == list(range(7))  # step 6 recorded, not stepped
+    assert run["error"].endswith("; training stopped at step 6 (recorded, its update not applied)")
     assert _events(store, run_id) == [(5, NONFINITE)]
     assert run["config"]["watch"]["stop_on"] == "nonfinite"  # a rerun repeats it
 
