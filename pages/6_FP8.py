@@ -68,6 +68,7 @@ def fp8_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     ui.show_chart(charts.fp8_amax_panel(shown.series, f"amax of {layer}'s {role} against what the {recipe} scale lets "
                                                       "through (▲ values overflowed)"), width="stretch")
     st.subheader("Layers, worst first")
+    st.caption(fp8_summaries.TABLE_CAPTION)
     counts = [c for c in table.columns if c not in ("layer", "role", "recipe", "worst lost", "at step")]
     # every row on the page up to TABLE_ROWS_SHOWN (Streamlit's own height shows ten and scrolls inside the page)
     st.dataframe(table.style.format({"worst lost": percent, **{c: "{:,}" for c in counts}}), hide_index=True,

@@ -61,6 +61,10 @@ TABLE_COLUMNS = {
     "subnormal": "Values that land in the format's subnormal range (fewer significant bits), summed over the "
                  "recorded steps",
 }
+#: what the layer table's two kinds of count are (said above it: the headers alone read as near-synonyms)
+TABLE_CAPTION = ("One row per layer, role and recipe. \"steps\" to \"losing\" count recorded steps; \"underflow\", "
+                 "\"overflow\" and \"subnormal\" count values, summed over all recorded steps (a finding quotes one "
+                 "step's). Hover a header for its exact test.")
 #: the step counts, each with the one test that defines it
 STEP_TESTS = {"overflowing": overflows, "flagged": past_threshold, "losing": loses_any}
 

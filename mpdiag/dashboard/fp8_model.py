@@ -105,7 +105,8 @@ class Fp8Run:
         recorded_lost = fp8_summaries.recorded_counts(self.records, layer, role, settings.recipe, settings,
                                                       self.settings)
         if recorded_lost is not None:
-            said += f" These are the recorded settings: the recorded count is exactly {recorded_lost:,}."
+            said += (f" These are the recorded settings: the recorded count is exactly {recorded_lost:,} (the layer "
+                     "table's underflow + overflow of this row).")
         return WhatIf(df, said, high != 0)
 
 

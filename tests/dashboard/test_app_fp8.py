@@ -13,6 +13,7 @@ from chart_check import chart_problems
 from conftest import EXAMPLES
 
 from mpdiag import Store
+from mpdiag.analysis import fp8_summaries
 from mpdiag.analysis.findings import diagnose, evidence_link
 from mpdiag.dashboard.reads import store_key
 from mpdiag.store import StoreWriter
@@ -86,7 +87,13 @@ def test_whatif_controls_change_the_counts_and_the_recorded_settings_give_the_re
     at = page(fp8_store, monkeypatch, run="1", layer="head", role="input", recipe="delayed")
     rows = Store(fp8_store).fp8(1)
     rows = rows[(rows["module"] == "head") & (rows["role"] == "input") & (rows["recipe"] == "delayed")]
-    assert f"the recorded count is exactly {int((rows['underflow'] + rows['overflow']).sum()):,}" in texts(at)
+    recorded = int((rows['underflow'] + rows['overflow']).sum())
+    assert f"the recorded count is exactly {recorded:,} (the layer table's underflow + overflow of this row)" in texts(at)
+    # the table the what-if points to shows that sum in the row, and says which columns count steps, which values
+    (table,) = [d.value for d in at.dataframe if "subnormal" in d.value.columns]
+    row = table[(table["layer"] == "head") & (table["role"] == "input") & (table["recipe"] == "delayed")].iloc[0]
+    assert row["underflow"] + row["overflow"] == recorded
+    assert fp8_summaries.TABLE_CAPTION in [c.value for c in at.caption]
     (whatif,) = [c for c in at.get("vega_lite_chart") if "values lost per recorded step" in c.proto.spec]
     assert not chart_problems(whatif.proto)  # at least 150 px tall, rows with finite positions
     before = [c.value for c in at.caption]
