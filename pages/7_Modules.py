@@ -1,7 +1,8 @@
 """Modules: for a run recorded with ``--trace-modules``, every module's largest forward output and gradient per
 step, where the first inf/NaN appeared in each pass, and one module's magnitudes against FP16's range; and, for
-any run whose first non-finite step (or first loss spike) the Recorder replayed, that step as a
-forward-then-backward strip of module calls with the first offender marked: first on the page when the URL names
+any run whose first non-finite step the Recorder replayed, that step as a forward-then-backward strip of module
+calls with the first offender marked (a first loss spike's replay: how much each forward call's output rose against
+the previous step's batch, beside the spike rule's threshold): first on the page when the URL names
 it (``?replay=STEP``, the link of the findings ``nonfinite-origin`` and ``loss-spike-origin``), else below the
 trace.
 
@@ -37,7 +38,10 @@ def replay_view(replay: modules_model.ReplayStrip | None) -> None:
     if replay is not None:
         st.subheader(f"Replay of step {replay.step}")
         st.caption(plain(replay.said()))
-        ui.show_chart(charts.replay_strip(replay.rows, replay.step), width="stretch")
+        if replay.spike:  # all finite: the strip would be one colour; how much each call's output rose is the news
+            ui.show_chart(charts.spike_rises(replay.rises, replay.step, modules_model.SPIKE_FACTOR), width="stretch")
+        else:
+            ui.show_chart(charts.replay_strip(replay.rows, replay.step), width="stretch")
 
 
 def modules_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:

@@ -844,6 +844,53 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
         width="container", height=160).properties(autosize=_FIT_WIDTH)
 
 
+def spike_rises(rises: pd.DataFrame, step: int, threshold: float) -> alt.LayerChart:
+    """A loss spike's replay (``modules_model.ReplayStrip.rises``): per forward call in execution order, how many
+    times its output's absmax (dot) and its inputs' (grey tick) were the same call's on step ``step`` - 1's batch,
+    on a log axis with 1x (no change) and the spike rule's ``threshold`` as rules; a call meeting the rule (its
+    output rose that much, its inputs less) in red. Calls not comparable (no previous call, no float tensor) are
+    left out of the drawing (their tooltips are in the strip)."""
+    drawn = rises[np.isfinite(rises["out_rise"]) & (rises["out_rise"] > 0)]
+    finite = [*drawn["out_rise"], *rises["in_rise"][np.isfinite(rises["in_rise"]) & (rises["in_rise"] > 0)]]
+    low, high = min([1.0, *finite]) / 2, max([threshold, *finite]) * 2
+    y_scale = alt.Scale(type="log", domain=[low, high], nice=False)
+    order = list(drawn.sort_values("pos")["call"])
+    x = alt.X("call:N", sort=order, title="forward calls in execution order",
+              axis=alt.Axis(labels=len(order) <= REPLAY_NAMED_CALLS, labelAngle=-40, labelLimit=160, ticks=False))
+    colour = alt.Color("meets:N", title=None, scale=alt.Scale(domain=[f"output rose {threshold:g}x or more, inputs less",
+                                                                      "below the rule"],
+                                                              range=[REPLAY_COLOURS["first offender"], RUN_COLOURS[0]]),
+                       legend=alt.Legend(orient="top", labelLimit=400))
+    meets = np.where(drawn["offender"], f"output rose {threshold:g}x or more, inputs less", "below the rule")
+    base = alt.Chart(drawn.assign(meets=meets)).encode(x=x, tooltip=[
+        "call:N", alt.Tooltip("out_rise:Q", format=".4g", title="output rise (x)"),
+        alt.Tooltip("in_rise:Q", format=".4g", title="inputs' rise (x)"),
+        alt.Tooltip("absmax:Q", format=".6g", title=f"output absmax, step {step}"),
+        alt.Tooltip("absmax_before:Q", format=".6g", title=f"output absmax, step {step - 1}'s batch")])
+    axis = alt.Axis(title=f"absmax on step {step}'s batch ÷ on step {step - 1}'s",
+                    labelExpr="format(datum.value, '~g') + 'x'", values=_decades(low, high))
+    dots = base.mark_point(filled=True, size=80, opacity=1).encode(y=alt.Y("out_rise:Q", scale=y_scale, axis=axis),
+                                                                   color=colour)
+    ticks = base.transform_filter("isFinite(datum.in_rise) && datum.in_rise > 0").mark_tick(
+        color="#7f7f7f", thickness=2, size=18).encode(y=alt.Y("in_rise:Q", scale=y_scale))
+    rules = pd.DataFrame({"y": [1.0, threshold], "label": ["1x: no change", f"{threshold:g}x: the spike rule"]})
+    rule = alt.Chart(rules).mark_rule(strokeDash=[6, 3]).encode(
+        y=alt.Y("y:Q", scale=y_scale), color=alt.value("#555"))
+    text = alt.Chart(rules).mark_text(align="left", baseline="bottom", dx=4, dy=-2, color="#555").encode(
+        y=alt.Y("y:Q", scale=y_scale), x=alt.value(0), text="label:N")
+    return alt.layer(rule, text, ticks, dots).properties(
+        title=f"step {step}'s loss spike replayed: each forward call's output (dot) and inputs (grey tick) against "
+              f"step {step - 1}'s batch", width="container", height=260).properties(autosize=_FIT_WIDTH)
+
+
+def _decades(low: float, high: float) -> list[float]:
+    """Axis values for a log axis from ``low`` to ``high``: 1, 2, 5 per decade when it spans two decades or
+    less, else the powers of ten."""
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    steps = (1, 2, 5) if last - first <= 2 else (1,)
+    return [m * 10.0**k for k in range(first, last + 1) for m in steps if low <= m * 10.0**k <= high]
+
+
 def module_lines(cells: pd.DataFrame, module: str) -> alt.LayerChart:
     """One module's largest |forward output| and |gradient into its output| per traced step on a log2 axis,
     FP16's max as a labelled rule, faint vertical rules where a value was inf/NaN."""

@@ -15,6 +15,7 @@ from mpdiag.analysis import module_trace
 from mpdiag.analysis.findings import SPIKE_TRIGGER
 from mpdiag.analysis.module_trace import module_said
 from mpdiag.dashboard import reads
+from mpdiag.recording.replay import SPIKE_FACTOR, call_rises
 from mpdiag.store import Store
 
 #: the replay strip's states, as the chart colours them
@@ -34,6 +35,9 @@ class ReplayStrip:
     reproduced: bool
     spike: bool = False
     note: str | None = None
+    #: a loss spike's replay: per forward call (``pos`` as in ``rows``), how many times its output's and its inputs'
+    #: absmax were the same call's on the previous step's batch (``out_rise``, ``in_rise``; NaN: not comparable)
+    rises: pd.DataFrame | None = None
 
     def said(self) -> str:
         if self.spike:
@@ -68,8 +72,23 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None 
     hit = rows.index[(rows["module"] == first) & (rows["phase"] == phase)]
     if len(hit):
         state[hit[0]] = REPLAY_STATES[3]
-    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]),
-                       replay["trigger"] == SPIKE_TRIGGER, replay["note"] if isinstance(replay["note"], str) else None)
+    spike = replay["trigger"] == SPIKE_TRIGGER
+    return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]), spike,
+                       replay["note"] if isinstance(replay["note"], str) else None,
+                       _rises(rows, modules[modules["step"] == step - 1]) if spike else None)
+
+
+def _rises(rows: pd.DataFrame, previous: pd.DataFrame) -> pd.DataFrame:
+    """A spike replay's forward calls (``rows``) against the previous batch's (``previous``), matched as the spike
+    rule matched them (:func:`mpdiag.recording.replay.call_rises`); ``offender``: the rule's threshold is met."""
+    forward, before = rows[rows["phase"] == "forward"], previous[previous["phase"] == "forward"].sort_values("ord")
+    rises = call_rises(list(before[["module", "absmax", "in_absmax"]].itertuples(index=False)),
+                       list(forward[["module", "absmax", "in_absmax"]].itertuples(index=False)))
+    table = pd.DataFrame(rises, columns=["module", "absmax", "absmax_before", "in_absmax", "in_absmax_before",
+                                         "out_rise", "in_rise"]).astype({"out_rise": float, "in_rise": float})
+    table.insert(0, "pos", forward["pos"].to_numpy())
+    table.insert(1, "call", forward["call"].to_numpy())
+    return table.assign(offender=(table["out_rise"] >= SPIKE_FACTOR) & ~(table["in_rise"] >= SPIKE_FACTOR))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 from app_helpers import app, texts
+from chart_check import chart_problems
 from torch import nn
 
 from mpdiag import Recorder, Store
@@ -115,3 +116,36 @@ def test_a_loss_spikes_strip_says_what_the_replay_found_in_its_words():
     assert list(strip.rows["state"]) == ["finite", "first offender"]
     assert strip.said() == ("Step 40's loss spike replayed module by module, forward only (2 calls), and step 39's "
                             "batch on the same copy: boost's output at step 40 was 86.6x its output on step 39's batch.")
+
+
+def test_a_loss_spikes_replay_is_drawn_as_each_calls_rise_against_the_rule(tmp_path, monkeypatch):
+    """A spike replay is all finite: the strip's cells were one colour. The page draws instead how many times each
+    forward call's output and inputs were the same call's on the previous batch: ``boost`` (x100 planted at step 40,
+    its inputs unchanged) is the one call meeting the 10x rule, drawn red, at the rise the stored rows give."""
+    from fixtures.scripts.replay_planted import at as plant_at
+    from fixtures.scripts.replay_planted import train as planted_train
+
+    store = tmp_path / "s.db"
+    rec, _, _ = planted_train(45, plant_at(40, {"boost": 100.0}), spike=True, recorder=lambda model, scaler, opt:
+                              Recorder(model, store=store, scaler=scaler, optimizer=opt, replay=True))
+    run = Store(store).runs().set_index("run_id", drop=False).loc[rec.run_id]
+    strip = modules_model.modules(Store(store), run, True).replay
+    assert strip.spike and (strip.step, strip.first_module) == (40, "boost")
+    stored = Store(store).replay_modules(rec.run_id)
+    boost = stored[stored.module == "boost"].set_index("step")
+    rises = strip.rises.set_index("module")
+    assert rises.loc["boost", "out_rise"] == boost.loc[40, "absmax"] / boost.loc[39, "absmax"]
+    assert 100 / 1.5 < rises.loc["boost", "out_rise"] < 100 * 1.5  # planted x100 on two different batches
+    assert rises.loc["boost", "in_rise"] < modules_model.SPIKE_FACTOR
+    assert list(rises.index[rises["offender"]])[0] == "boost"  # the rule's first offender, as the replay named it
+    assert list(strip.rises["pos"]) == list(strip.rows.loc[strip.rows.phase == "forward", "pos"])
+
+    page = app("pages/7_Modules.py", store, monkeypatch, run=str(rec.run_id))
+    assert not page.exception, [e.value for e in page.exception]
+    (chart,) = page.get("vega_lite_chart")
+    assert "loss spike replayed: each forward call's output" in chart.proto.spec
+    assert not chart_problems(chart.proto)
+    drawn = next(f for f in (pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets)
+                 if "out_rise" in f)
+    met = drawn[drawn["meets"].str.startswith("output rose 10x")]
+    assert list(met["call"]) == ["boost (Boost)"]
