@@ -8,6 +8,14 @@ micro-batch loss / k, so the sum is their mean); the gradients are read at ``on_
 Lightning calls once they are final for the step, unscaled and before it clips them. Optimizer steps after the same
 backward passes are one step, as in ``mpdiag watch``. The run ends at ``on_train_end`` (finished) or
 ``on_exception`` (failed, with the traceback).
+
+A batch whose ``training_step`` returns None (automatic optimization) back-propagates nothing, so it is no step
+(its row would hold no loss and no gradient), though Lightning counts it in ``global_step`` and steps an
+``interval="step"`` scheduler after it; the run's note says how many there were. Where it ends an accumulation
+window, Lightning's optimizer step depends on the precision plugin: without a GradScaler it steps on the window's
+earlier micro-batches, recorded as the step; with one it neither unscales nor steps, and the next window's
+``zero_grad`` discards those gradients, so no step is recorded (not a skipped one: GradScaler skipped nothing) and
+their loss is no later step's.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class MpdiagCallback(pl.Callback):
         self.store, self.name, self.every, self.trace_modules, self.fp8 = store, name, every, trace_modules, fp8
         self.recorder: Recorder | None = None
         self._loss: torch.Tensor | None = None  # the unscaled loss back-propagated since the previous step
+        self._backward_in_batch = False  # False at the optimizer step: this batch's training_step returned None
+        self._steps_without_backward = 0  # Lightning's optimizer steps (in global_step) that record no step here
 
     @property
     def run_id(self) -> int | None:
@@ -50,9 +60,13 @@ class MpdiagCallback(pl.Callback):
                                  scaler=scaler, optimizer=list(trainer.optimizers), every=self.every,
                                  config={"lightning": settings}, trace_modules=self.trace_modules, fp8=self.fp8)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        self._backward_in_batch = False
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self.recorder is None:
             return
+        self._backward_in_batch = True
         value = loss.detach().reshape(()).double()
         scaler = self.recorder.scaler
         if scaler is not None:  # Lightning scaled it before the hook; the scale is a power of 2: exact
@@ -62,6 +76,14 @@ class MpdiagCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         if self.recorder is None:
             return
+        if pl_module.automatic_optimization and not self._backward_in_batch:  # training_step returned None
+            if self.recorder.scaler is not None:
+                # Lightning's GradScaler plugin then calls neither unscale_ nor scaler.step, and the next window's
+                # zero_grad drops the gradients of its earlier micro-batches, with their loss
+                self._loss = None
+            if self._loss is None:
+                self._steps_without_backward += 1
+                return
         if self._loss is not None:  # else no backward since the step recorded last: another optimizer of that step
             self.recorder.record(self._loss)
             self._loss = None
@@ -70,8 +92,14 @@ class MpdiagCallback(pl.Callback):
         self.recorder.asked_to_step(torch_optimizer(optimizer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.recorder is not None:
-            self.recorder.close()
+        if self.recorder is None:
+            return
+        note = None
+        if self._steps_without_backward:  # the step numbers then run behind global_step: the run says why
+            note = (f"{self._steps_without_backward} of Lightning's optimizer steps (global_step {trainer.global_step}) "
+                    "back-propagated nothing: their training_step returned None, so no step was recorded for them "
+                    "and each step here is Lightning's global_step less the number of those before it.")
+        self.recorder.close(note=note)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.recorder is not None:

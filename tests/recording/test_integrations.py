@@ -101,3 +101,107 @@ def test_hugging_face_callback_records_what_watch_records(store_path, tmp_path, 
     steps = store.steps(callback_run)
     assert steps["grad_norm"].tolist() == pytest.approx(logged, rel=1e-5)
     assert steps["lr"].tolist() == [entry["learning_rate"] for entry in log]
+
+
+def _module_skipping_batches(skip: set[int]):
+    """A LightningModule whose ``training_step`` returns None on the batches in ``skip`` (Lightning's documented way
+    to skip a batch in automatic optimization); LambdaLR changes the rate at every optimizer step."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+
+    class SkipsBatches(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx in skip:
+                return None
+            x, y = batch
+            return nn.functional.mse_loss(self.body(x).float(), y)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda count: 1.0 / (count + 1))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return SkipsBatches()
+
+
+def _lightning_steps_truth():
+    """A callback collecting Lightning's own numbers per optimizer step of its (one per ``on_before_optimizer_step``):
+    ``global_step`` then, the optimizer's rate, the loss it handed ``on_before_backward`` since its previous optimizer
+    step (unscaled), the global L2 norm of the gradients there (None: no gradient), GradScaler's scale, and whether
+    torch's ``optimizer.step`` then ran."""
+    import pytorch_lightning as pl
+    import torch
+
+    class LightningSteps(pl.Callback):
+        def __init__(self):
+            self.steps, self._loss = [], 0.0
+
+        def _scale(self, trainer) -> float:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            return 1.0 if scaler is None else float(scaler.get_scale())
+
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_post_hook(lambda *_: self.steps[-1].update(stepped=True))
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._loss += float(loss.detach().double()) / self._scale(trainer)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [p.grad.double() for p in pl_module.parameters() if p.grad is not None]
+            norm = float(torch.stack([g.norm() for g in grads]).norm()) if grads else None
+            self.steps.append({"global_step": trainer.global_step, "lr": optimizer.param_groups[0]["lr"],
+                               "loss": self._loss, "grad_norm": norm, "scale": self._scale(trainer), "stepped": False})
+            self._loss = 0.0
+
+    return LightningSteps()
+
+
+@pytest.mark.parametrize("precision, accumulate, skip, max_steps", [
+    ("32-true", 1, {3, 7}, 10), ("bf16-mixed", 1, {3, 7}, 10), ("cpu-fp16", 1, {3, 7}, 10),
+    ("32-true", 2, {3, 8, 9}, 6), ("cpu-fp16", 2, {3, 8, 9}, 6)],
+    ids=["32", "bf16-mixed", "16-mixed-scaled", "32-accumulate", "16-mixed-scaled-accumulate"])
+def test_lightning_callback_when_training_step_returns_none(store_path, precision, accumulate, skip, max_steps):
+    """A batch whose training_step returns None back-propagates nothing: Lightning counts an optimizer step for it
+    in global_step and steps the per-step scheduler after it, but the weights take no gradient from it. The steps
+    recorded are Lightning's optimizer steps that applied gradients, each with its own loss, rate, norm and scale,
+    none stored as skipped; the note counts the others. Where a None batch ends an accumulation window, Lightning
+    steps on the window's earlier micro-batch in FP32 (batch 3: a step, with batch 2's loss), and under its
+    GradScaler plugin neither steps nor keeps those gradients (no step, and their loss is no later step's)."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.plugins import MixedPrecision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mpdiag.integrations.lightning import MpdiagCallback
+
+    pl.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 8, generator=generator)
+    data = DataLoader(TensorDataset(x, x[:, :1] * 3 + 0.1 * torch.randn(160, 1, generator=generator)), batch_size=8)
+    truth = _lightning_steps_truth()
+    settings = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))]} \
+        if precision == "cpu-fp16" else {"precision": precision}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
+                         callbacks=[truth, MpdiagCallback(store=store_path, name="skips")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **settings)
+    trainer.fit(_module_skipping_batches(skip), data)
+
+    assert [step["global_step"] for step in truth.steps] == list(range(max_steps))
+    applied = [step for step in truth.steps if step["stepped"] and step["grad_norm"] is not None]
+    store = Store(store_path)
+    run_id = int(store.runs()["run_id"].max())
+    steps = store.steps(run_id)
+    assert steps["step"].tolist() == list(range(len(applied)))
+    assert len(applied) < max_steps
+    assert steps["loss"].tolist() == pytest.approx([step["loss"] for step in applied], rel=1e-6)
+    assert steps["lr"].tolist() == [step["lr"] for step in applied]
+    assert steps["grad_norm"].tolist() == pytest.approx([step["grad_norm"] for step in applied], rel=1e-6)
+    assert steps["loss_scale"].tolist() == [step["scale"] for step in applied]
+    assert steps["skipped"].tolist() == [0.0] * len(applied)
+    assert store.run(run_id)["note"].startswith(f"{max_steps - len(applied)} of Lightning's optimizer steps "
+                                                f"(global_step {max_steps}) back-propagated nothing")
