@@ -9,7 +9,7 @@ blocks so drift hits both alike:
 
 Each step's time is the slowest rank's (the job waits for it). Rank 0 prints medians and writes JSON.
 
-    python bench/distributed_overhead.py [--steps 20] [--width 1024]
+    python bench/distributed_overhead.py [--steps 20] [--width 1024] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant (after 3 warm-up)")
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--out-dir", default=str(ROOT / "bench/results"),
+                        help="the folder of distributed_overhead_ddp.json and distributed_overhead_fsdp.json")
     parser.add_argument("--rank", nargs=3, metavar=("PARALLEL", "STORE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -103,7 +105,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         for parallel in ("ddp", "fsdp"):
-            out = ROOT / f"bench/results/distributed_overhead_{parallel}.json"
+            out = Path(args.out_dir) / f"distributed_overhead_{parallel}.json"
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             __file__, "--steps", str(args.steps), "--width", str(args.width),
                             "--rank", parallel, os.path.join(folder, "runs.db"), str(out)],
