@@ -15,7 +15,7 @@ from mpdiag.analysis import module_trace
 from mpdiag.analysis.findings import SPIKE_TRIGGER
 from mpdiag.analysis.module_trace import module_said
 from mpdiag.dashboard import reads
-from mpdiag.recording.replay import SPIKE_FACTOR, call_rises
+from mpdiag.recording.spike_rule import SPIKE_FACTOR, call_rises
 from mpdiag.store import Store
 
 #: the replay strip's states, as the chart colours them
@@ -80,7 +80,7 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None 
 
 def _rises(rows: pd.DataFrame, previous: pd.DataFrame) -> pd.DataFrame:
     """A spike replay's forward calls (``rows``) against the previous batch's (``previous``), matched as the spike
-    rule matched them (:func:`mpdiag.recording.replay.call_rises`); ``offender``: the rule's threshold is met."""
+    rule matched them (:func:`mpdiag.recording.spike_rule.call_rises`); ``offender``: the rule's threshold is met."""
     forward, before = rows[rows["phase"] == "forward"], previous[previous["phase"] == "forward"].sort_values("ord")
     rises = call_rises(list(before[["module", "absmax", "in_absmax"]].itertuples(index=False)),
                        list(forward[["module", "absmax", "in_absmax"]].itertuples(index=False)))

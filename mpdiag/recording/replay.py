@@ -56,8 +56,8 @@ from something the replay does not repeat (non-determinism, a kernel's race, har
 **A loss spike** is finite, so it has no bad value to find: the forwards of the previous step's batch and of the
 spike step's run, forward only and without gradients, on the same copy (the spike step's weights, each batch with
 its own random state), and each module call's output absmax is compared with the same call's on the previous batch
-(calls matched by module and the how-manieth call of it). The first offender (:func:`_spike_offender`) is
-``(inputs)`` when the batch's floating-point tensors' absmax is at least :data:`SPIKE_FACTOR` times the previous
+(calls matched by module and the how-manieth call of it). The first offender (:func:`mpdiag.recording.spike_rule.spike_offender`) is
+``(inputs)`` when the batch's floating-point tensors' absmax is at least ``SPIKE_FACTOR`` times the previous
 batch's; else the first module call, in completion order, whose output absmax is at least that many times its
 previous one while its inputs' absmax rose less (a batch of integer ids has no magnitude to compare: there the
 embedding is the first module whose inputs did not rise); else none, said with the largest rise seen. Its note says
@@ -81,13 +81,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from mpdiag.recording.events import LOSS_SPIKE, SpikeRule
 from mpdiag.recording.features import RecordedStep, RecorderFeature, WriterJob
+from mpdiag.recording.spike_rule import INPUTS, LOSS, spike_offender
 
 FORWARD, BACKWARD = "forward", "backward"
-INPUTS, LOSS = "(inputs)", "(loss)"
 NONFINITE_LOSS, NONFINITE_GRADIENTS, LOSS_SPIKE_TRIGGER = "nonfinite loss", "nonfinite gradients", "loss spike"
-#: a loss spike's first offender: the first module call whose output absmax is at least this many times the same
-#: call's on the previous step's batch, replayed on the same copy, while what it received rose less than that
-SPIKE_FACTOR = 10.0
 _DEVICE_TYPES = ("cpu", "cuda")
 #: under a dynamic loss scaler, gradient overflows replayed at most this many times when they turn out to be the
 #: scale's (finite at scale 1); then the replay is given up for the run
@@ -325,7 +322,7 @@ class StepReplay:
 
     def _spike(self, previous: _Kept, kept: _Kept, result: ReplayResult) -> None:
         """A loss spike: the previous step's batch and this step's, forward only, on the same copy (this step's
-        weights), and the first offender by :func:`_spike_offender`."""
+        weights), and the first offender by :func:`spike_offender`."""
         self._format(kept, result)
         model = self._copy()
         probe = _Probe(model, backward=False)
@@ -340,7 +337,7 @@ class StepReplay:
         result.previous = [(FORWARD, i, *row) for i, row in enumerate(rows[0])]
         result.modules = [(FORWARD, i, *row) for i, row in enumerate(rows[1])]
         batches = [_stats(_tensors((one.args, one.kwargs))).tolist()[0] for one in (previous, kept)]
-        offender, result.note = _spike_offender(result.step, *rows, *batches)
+        offender, result.note = spike_offender(result.step, *rows, *batches)
         if offender is not None:
             result.first_module, result.first_phase, result.reproduced = offender, FORWARD, True
 
@@ -462,68 +459,6 @@ def reduce_ex_without_replay_hooks(module: torch.nn.Module, protocol: int):
 def _bad(values, limit: float | None) -> bool:
     absmax, nonfinite = values
     return nonfinite > 0 or (limit is not None and not math.isnan(absmax) and absmax > limit)
-
-
-def _ratio(now: float, before: float) -> float:
-    """How many times ``before`` ``now`` is; NaN where either is unknown (no floating-point tensor)."""
-    if math.isnan(now) or math.isnan(before):
-        return math.nan
-    return now / before if before > 0 else (math.inf if now > 0 else 1.0)
-
-
-def call_rises(previous: list[tuple[str, float, float]], current: list[tuple[str, float, float]]) -> list[tuple]:
-    """Each call of ``current`` (module name, output absmax, inputs' absmax; completion order) matched with the same
-    call on the previous batch (the same module's how-manieth call): (name, absmax, absmax before, inputs' absmax,
-    theirs before, output rise, inputs' rise), rises by :func:`_ratio`; for a call the previous batch did not make
-    (data-dependent control flow) the values before are None and the rises NaN. The spike rule reads these, and
-    the Modules page draws them."""
-    seen: dict[str, int] = {}
-    before = {}
-    for name, absmax, in_absmax in previous:
-        seen[name] = seen.get(name, 0) + 1
-        before[(name, seen[name])] = (absmax, in_absmax)
-    seen.clear()
-    rises = []
-    for name, absmax, in_absmax in current:
-        seen[name] = seen.get(name, 0) + 1
-        out_before, in_before = before.get((name, seen[name]), (None, None))
-        matched = out_before is not None
-        rises.append((name, absmax, out_before, in_absmax, in_before,
-                      _ratio(absmax, out_before) if matched else math.nan,
-                      _ratio(in_absmax, in_before) if matched else math.nan))
-    return rises
-
-
-def _spike_offender(step: int, previous: list[tuple], current: list[tuple], batch_before: float,
-                    batch_now: float) -> tuple[str | None, str]:
-    """A loss spike's first offender and what was found, in words: ``(inputs)`` when the batch's floating-point
-    tensors' absmax is :data:`SPIKE_FACTOR` times the previous step's; else the first module call, in completion
-    order, whose output absmax is that many times the same call's on the previous batch (:func:`call_rises`) while
-    its inputs' rose less (a batch of integer ids has no magnitude: its embedding is the first module whose inputs
-    did not rise); else None, with the largest rise seen."""
-    batch = _ratio(batch_now, batch_before)
-    if batch >= SPIKE_FACTOR:
-        return INPUTS, (f"the batch at step {step} was already {batch:.3g}x larger than the step before (absmax "
-                        f"{batch_now:.4g} against {batch_before:.4g}), before any module ran")
-    # a batch of integer ids has no magnitude: its ratio is unknown, and not said
-    batch_said = "" if math.isnan(batch) else f"the batch was {batch:.3g}x"
-    largest = (None, math.nan)
-    for name, absmax, out_before, _, _, out, inp in call_rises([(r[0], r[2], r[4]) for r in previous],
-                                                                [(r[0], r[2], r[4]) for r in current]):
-        if out_before is None:
-            continue  # a call the previous batch did not make
-        if out >= SPIKE_FACTOR and not inp >= SPIKE_FACTOR:
-            received = "" if math.isnan(inp) else f" while its inputs were {inp:.3g}x"
-            return name, (f"{name}'s output at step {step} was {out:.3g}x its output on step {step - 1}'s batch "
-                          f"(absmax {absmax:.4g} against {out_before:.4g}){received}"
-                          + (f"; {batch_said}" if batch_said else ""))
-        if not out <= largest[1]:
-            largest = (name, out)
-    seen_said = "; ".join(([f"largest rise: module '{largest[0]}', {largest[1]:.3g}x"] if largest[0] is not None else [])
-                          + ([batch_said] if batch_said else []))
-    return None, (f"no module's output was {SPIKE_FACTOR:g}x its output on step {step - 1}'s batch while its inputs "
-                  f"rose less{f' ({seen_said})' if seen_said else ''}: the spike came from outside the model (the loss "
-                  "function, the targets) or from a rise spread over many modules")
 
 
 def _first_offender(rows: list[tuple], phase: str, limit: float | None) -> tuple[str, str] | None:

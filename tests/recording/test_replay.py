@@ -271,21 +271,21 @@ def test_a_loss_spike_born_in_a_module_names_that_module(tmp_path):
 def test_a_spike_in_a_batch_of_token_ids_is_named_at_its_embedding():
     """Integer ids have no magnitude to compare (their ratio is unknown, and not said): the first module whose
     output rose 10x while its inputs did not - the embedding, when the batch is to blame - is named."""
-    from mpdiag.recording.replay import _spike_offender
+    from mpdiag.recording.spike_rule import spike_offender
 
     nan = float("nan")
     previous = [("tok", "Embedding", 1.0, 0, nan, 0), ("head", "Linear", 2.0, 0, 1.0, 0), ("LM", "LM", 2.0, 0, nan, 0)]
     current = [("tok", "Embedding", 30.0, 0, nan, 0), ("head", "Linear", 60.0, 0, 30.0, 0), ("LM", "LM", 60.0, 0, nan, 0)]
-    assert _spike_offender(5, previous, current, nan, nan) == \
+    assert spike_offender(5, previous, current, nan, nan) == \
         ("tok", "tok's output at step 5 was 30x its output on step 4's batch (absmax 30 against 1)")
 
 
 def test_a_spike_no_module_explains_names_the_largest_rise_as_a_module():
     """Nothing rose 10x: the note names the largest rise seen, the module quoted as the page's other findings
     quote one (a bare '1' beside the ratio read as a number: "largest rise: 1, 1.5x")."""
-    from mpdiag.recording.replay import _spike_offender
+    from mpdiag.recording.spike_rule import spike_offender
 
     previous = [("0", "Linear", 2.0, 0, 1.0, 0), ("1", "Linear", 2.0, 0, 2.0, 0)]
     current = [("0", "Linear", 2.2, 0, 1.0, 0), ("1", "Linear", 3.0, 0, 2.2, 0)]
-    name, note = _spike_offender(7, previous, current, 1.0, 1.0)
+    name, note = spike_offender(7, previous, current, 1.0, 1.0)
     assert name is None and "(largest rise: module '1', 1.5x; the batch was 1x)" in note
