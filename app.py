@@ -11,7 +11,6 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES, script_names, select_runs
-from mpdiag.analysis.summaries import RUN_LINKS
 from mpdiag.dashboard import actions, charts, events_model, runs_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
@@ -51,14 +50,12 @@ def runs_panel(store) -> None:
                     ui.show_chart(charts.live_loss(live.drawn), f"live_loss_{live.run_id}", width="stretch")
                 else:
                     st.caption(live.no_loss)
-    st.dataframe(runs_model.table(store, runs, filtered_runs(runs)), hide_index=True, width="stretch", column_config={
-        "run": st.column_config.NumberColumn(width=40, pinned=True),
-        "name": st.column_config.TextColumn(width=190, pinned=True, help="Rename it below; hover for a long name"),
-        # widths for what grows while a run goes: the browser sizes a column once, to what it first showed
-        **{column: st.column_config.TextColumn(width=width)
-           for column, width in (("health", 130), ("steps", 100), ("skipped", 95))},
-        **{column: st.column_config.LinkColumn(text, display_text=text, width=80)
-           for column, text in RUN_LINKS.items()}})
+    table = runs_model.table(store, runs, filtered_runs(runs))
+    ui.table(table, runs_model.TABLE_COLUMNS)
+    with st.expander("More about each run: settings, timing, tags and notes", expanded=False):
+        for title, columns in runs_model.MORE_TABLES.items():
+            st.caption(title)
+            ui.table(table, columns)
     for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
         ui.explain_run_state(run)
 

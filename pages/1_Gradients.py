@@ -30,13 +30,9 @@ def gradients_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> No
     at = model.at_step(ranking, shown, step_slider(heatmap(shown, model.logged), model.logged))
     step_tiles(ranking, at)
     k = whatif(model, ranking, at)
-    st.subheader(f"All tensors, worst first ({ranking.what}, all logged steps)")
-    table, columns = model.table(ranking, at, k)
-    st.dataframe(table, hide_index=True, width="stretch", column_config={
-        label: (st.column_config.NumberColumn(label, help=help_, format="%,d") if c in gradients_model.COUNT_COLUMNS
-                else st.column_config.TextColumn(label, help=help_, pinned=c == "tensor"))
-        for c, label, help_ in columns})
-    st.caption(ranking.ranked_by + " Shares of finite non-zero values unless the column says otherwise; n/a: the "
+    st.subheader(f"All tensors, worst first ({ranking.fmt}, {ranking.what}, all logged steps)")
+    ui.table(*model.table(ranking, at, k))
+    st.caption(ranking.ranked_by + " Shares of finite non-zero values unless a column's tooltip says otherwise; n/a: the "
                "tensor had no finite non-zero value (every value 0, NaN or inf). Exponent bins start at "
                f"2^{EXP_MIN}.")
     histogram_grid(model, ranking, at)

@@ -23,13 +23,9 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.compare_model import CompareRuns, Curves
 from mpdiag.dashboard.untrusted import plain
 
-#: the run column of Compare's tables: a run's whole label is as wide as the table at 1,280 px and pushed the
-#: numbers off screen; shortened (hover for the whole label; the "#N" starts it) and kept in view when scrolled
-RUN_COLUMN = st.column_config.TextColumn("run", width="medium", pinned=True, help="Hover a cell for the whole label.")
-#: the same in a table of few columns (the histogram's): room for a rerun's label, whose end tells it apart
+#: the run column of the histogram's table (few columns): room for a rerun's label, whose end tells it apart; hover a
+#: cell for the whole label, kept in view when scrolled
 WIDE_RUN_COLUMN = st.column_config.TextColumn("run", width="large", pinned=True, help="Hover a cell for the whole label.")
-#: the cost table's columns, what tells the runs apart first (at 1,280 px the last ones are scrolled off)
-COST_ORDER = ["run", "final loss", "skipped steps", "median step time", "throughput", "peak memory", "model state"]
 
 
 def curve_controls(chosen: pd.DataFrame) -> tuple[float, bool, str]:
@@ -67,7 +63,8 @@ def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
     histograms_overlaid(model)
     st.subheader("Configuration")
     only_diff = st.checkbox("Only settings that differ", value=True, key="only_diff")
-    st.dataframe(model.configuration(only_diff), width="stretch")
+    st.dataframe(model.configuration(only_diff), width="stretch",
+                 column_config=ui.column_config(model.configuration_columns()))
 
 
 def panels(curves: Curves, labels: list[str], log_loss: bool) -> list:
@@ -104,8 +101,7 @@ def costs(model: CompareRuns) -> None:
                                                   zero=True), width="stretch")
     else:
         box.caption("Peak memory: none of these runs recorded it.")
-    st.dataframe(said.table, hide_index=True, width="stretch", column_config={"run": RUN_COLUMN},
-                 column_order=COST_ORDER)
+    ui.table(said.table, compare_model.COST_COLUMNS)
     st.caption("Median step time is over the steps after the warm-up step 0. Peak memory is the CUDA allocator's "
                "peak on a GPU and the process's peak RSS on a CPU; model state is the bytes allocated for weights, "
                "gradients, master weights and optimizer state.")

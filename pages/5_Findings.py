@@ -36,22 +36,10 @@ def probe_section(store, run: pd.Series) -> None:
 
 def reruns_table(model: FindingsRun) -> None:
     """Reruns of this run: did each finding go away, and how does the loss compare to FP32?"""
-    outcomes = model.outcomes
-    if outcomes.empty:
+    if model.reruns.empty:
         return
     st.subheader("Reruns of this run")
-    losses = {c: st.column_config.NumberColumn(format="%.4e") for c in ("final loss", "FP32 final loss")}
-    # what the table is for first, the loss against FP32 and each finding gone or still there: at 1,280 px a
-    # rerun's long name pushed them off screen; the name is shortened (hover for it) and the run kept in view. The
-    # loss comes before the findings' columns, whose names are long: after them it was cut at "final lo"
-    rules = [f.rule for f in model.findings if f.rule in outcomes.columns]
-    order = ["run", "name", "vs FP32", "final loss", *rules, "FP32 final loss", "opt level", "status"]
-    st.dataframe(outcomes, hide_index=True, width="stretch", column_order=[c for c in order if c in outcomes.columns],
-                 column_config={**losses, "run": st.column_config.NumberColumn(pinned=True),
-                                "name": st.column_config.TextColumn(width="medium", help="Hover for a long name."),
-                                "vs FP32": st.column_config.NumberColumn(
-                                    format="%+.3f %%",
-                                    help="final loss minus the FP32 reference's, in % of the reference")})
+    ui.table(model.reruns, model.rerun_columns)
 
 
 def shadow_section(shadow: findings_model.Shadow | None) -> None:

@@ -25,25 +25,6 @@ def verify_section(store, run: pd.Series, plan) -> None:
     ui.live(lambda: verify_body(store, run, plan, job), ui.LIVE_REFRESH_S if going else None)()
 
 
-ROUND_COLUMNS = {
-    "round": st.column_config.NumberColumn(width="small"),
-    "run": st.column_config.NumberColumn(width="small"),
-    "status": None,
-    "loss predicted": st.column_config.TextColumn(help="What the plan's evidence predicts: every Linear in a recipe "
-                                                       "that holds, so the loss tracks FP32"),
-    "loss measured": st.column_config.NumberColumn(
-        format="percent", help="Mean loss over the last quarter of the steps, relative to the FP32 reference's"),
-    "memory saved (MB)": st.column_config.NumberColumn(
-        format="%.3f", help="Predicted: model state against FP32, by the 16Ψ account"),
-    "GEMM saved per step (MB)": st.column_config.NumberColumn(
-        format="%.3f", help="Predicted: Linear GEMM operand bytes against FP32"),
-    "bytes measured": st.column_config.TextColumn(help=plan_model.BYTES_UNMEASURED),
-    "ran": st.column_config.TextColumn(width="large", help="The round's run precision and loss scale, its Linears "
-                                                           "by choice, its moments' format"),
-    "verdict": st.column_config.TextColumn(width="large"),
-}
-
-
 def verify_body(store, run: pd.Series, plan, job) -> None:
     view = plan_model.verify_view(store, run, store.runs(), plan)
     st.subheader("Verify")
@@ -54,9 +35,8 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
     elif job is not None and job.ending():
         st.caption(plain(f"The verification you started ended: {job.ending()}."))
     if not view.rounds.empty:
-        st.dataframe(view.rounds[list(ROUND_COLUMNS)], hide_index=True, width="stretch",
-                     column_config={name: config for name, config in ROUND_COLUMNS.items() if config is not None})
-        for sentence in view.said:  # the table's cells cut these sentences at 1,280 px
+        ui.table(view.rounds, plan_model.ROUND_COLUMNS)
+        for sentence in view.said:  # each round in full: what ran, predicted, measured and the verdict
             st.markdown(plain(sentence))
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
@@ -112,16 +92,11 @@ def plan_page(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
     for note in view.plan.notes:
         st.caption(plain(f"Not recorded: {note}."))
     st.subheader("Linears")
-    st.dataframe(view.table, hide_index=True, width="stretch", column_config={
-        "evidence": st.column_config.TextColumn(width="large", help="The counts and named thresholds that decided "
-                                                                    "it (docs/plan.md)"),
-        "rejected": st.column_config.TextColumn(width="large", help="Each cheaper choice and why it did not hold"),
-        "memory saved (bytes)": st.column_config.NumberColumn(format="%,d", help="Against FP32, by the 16Ψ account"),
-        "GEMM bytes saved per step": st.column_config.NumberColumn(format="%,d", help="Operand bytes against FP32")})
-    with st.expander("Each Linear's evidence in full"):  # the table's cells cut long sentences at 1,280 px
-        for row in view.table.to_dict("records"):
-            st.markdown(plain(f"{row['layer']}: {row['choice']}. {row['evidence'].rstrip('.')}."
-                              + (f" Rejected: {row['rejected']}." if row.get("rejected") else "")))
+    ui.table(view.table, plan_model.LINEAR_COLUMNS)
+    with st.expander("Why each Linear got its choice: its evidence and the cheaper choices rejected",
+                     expanded=view.evidence_expanded):
+        for line in view.evidence_lines():
+            st.markdown(plain(line))
     left, right = st.columns(2)
     ui.show_chart_in(left, charts.plan_bytes(view.memory, "model state, 16Ψ account (MB)"), width="stretch")
     ui.show_chart_in(right, charts.plan_bytes(view.gemm, "Linear GEMM operands per step (MB)"), width="stretch")

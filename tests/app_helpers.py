@@ -1,9 +1,10 @@
 """The page tests' AppTest helpers: a page rendered on a store (with query parameters), what it says as it
-reads on screen, a confirmed click, and waiting for the runs a click started."""
+reads on screen, the Runs page's table whole, a confirmed click, and waiting for the runs a click started."""
 
 import re
 import time
 
+import pandas as pd
 from conftest import ROOT
 from streamlit.testing.v1 import AppTest
 
@@ -20,6 +21,14 @@ def app(page, store, monkeypatch, **query):
     for key, value in query.items():
         at.query_params[key] = value
     return at.run()
+
+
+def runs_table(at) -> pd.DataFrame:
+    """The Runs page's table whole: the columns on screen and the two tables folded beneath it (its settings; its
+    timing, tags and notes), joined on the run, in the table's order."""
+    parts = [d.value.set_index("run") for d in at.dataframe[:3]]
+    assert [p.index.tolist() for p in parts[1:]] == [parts[0].index.tolist()] * 2
+    return pd.concat(parts, axis=1).reset_index()
 
 
 def shown(markdown: str) -> str:

@@ -146,13 +146,13 @@ def loss_text(value, digits: int) -> str:
     return f"{float(value):.{digits}g}"
 
 
-def cost_table(chosen: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
+def cost_table(chosen: pd.DataFrame, labels: list[str], digits: int | None = None) -> pd.DataFrame:
     """What each chosen run cost, one row per run (``labels`` name them), as the page shows it (text, with
     thousands separators and units): median step time (after the warm-up step 0), throughput (batch size /
     median step time), peak memory, the bytes of model state (weights, gradients, master weights, optimizer
     state; the ``params`` count excluded), skipped steps, and the final loss to as many significant digits as
-    tell the runs apart."""
-    digits = distinct_digits(chosen["final_loss"])
+    tell the runs apart (or ``digits``: those that tell the whole store's runs apart, as the other pages write it)."""
+    digits = distinct_digits(chosen["final_loss"]) if digits is None else digits
     state = [sum(v for k, v in s.items() if k != "params") / 2**20 if isinstance(s, dict) and s else None
              for s in chosen["model_state"]]
     return pd.DataFrame({

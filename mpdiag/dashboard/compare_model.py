@@ -33,6 +33,7 @@ from mpdiag.analysis.compare import (
     worst_by_total,
 )
 from mpdiag.dashboard import reads
+from mpdiag.dashboard.tables import TABLE_PX, Column, loss_digits
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.store import Store
 
@@ -218,7 +219,7 @@ class CompareRuns:
                      f"Not in the chart (over {STEP_TIME_OUTLIER:g}× their run's 90th percentile step time; in the "
                      f"medians): {listed}{more}." if outliers.any() else None,
                      memory if np.isfinite(memory["peak_mem_mb"].astype(float)).any() else None,
-                     cost_table(self.chosen, self.labels))
+                     cost_table(self.chosen, self.labels, loss_digits(self.all_runs)))
 
     @_held_per_choice
     def fp16_shares(self) -> Fp16Shares:
@@ -246,6 +247,14 @@ class CompareRuns:
     def configuration(self, only_differences: bool) -> pd.DataFrame:
         """The runs' settings side by side (config_table), each setting named as the page shows it."""
         return config_table(self.chosen, self.labels, only_differences).rename(index=setting_label)
+
+    def configuration_columns(self) -> dict[str, Column]:
+        """The configuration table's columns, a run each: headed by its number and level, its whole label the
+        tooltip, all of them on screen at 1,280 px (headed by their whole labels, a third run's was cut off)."""
+        width = (TABLE_PX - SETTING_PX) // max(len(self.labels), 1)
+        return {"_index": Column("setting", width=SETTING_PX),
+                **{lab: Column(f"#{int(r['run_id'])} · {r['opt_level']}", help=lab, width=width)
+                   for lab, r in self._rows()}}
 
     def _reads(self):
         return [(lab, int(r["run_id"]), reads.is_final(r)) for lab, r in self._rows()]
@@ -300,6 +309,22 @@ class CompareRuns:
 def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:
     """One run's steps with the loss and gradient norm smoothed (before thinning: the average sees every step)."""
     return smoothed(smoothed(df, "loss", weight), "grad_norm", weight) if weight > 0 else df
+
+
+#: the cost table's columns, what tells the runs apart first, every one on screen at 1,280 px
+COST_COLUMNS = {
+    "run": Column(width=200, pinned=True, help="Hover a cell for the whole label."),
+    "final loss": Column(width=90, help="The last step's loss, as every page writes it."),
+    "skipped steps": Column("skipped", width=80, help="Optimizer steps the loss scaler skipped, of the steps "
+                                                      "recorded."),
+    "median step time": Column("step time", width=85, help="Median time per step, over the steps after the "
+                                                           "warm-up step 0."),
+    "throughput": Column(width=125, help="Batch size over the median step time."),
+    "peak memory": Column(width=100),
+    "model state": Column(width=100),
+}
+#: the configuration table's column of setting names
+SETTING_PX = 170
 
 
 def compare(store: Store, chosen: pd.DataFrame, all_runs: pd.DataFrame, weight: float) -> CompareRuns:

@@ -6,7 +6,7 @@ started here (the page asks for a confirmed click before a rerun), so every part
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -21,6 +21,7 @@ from mpdiag.analysis.findings import (
 )
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import reads
+from mpdiag.dashboard.tables import RUN_PX, Column, loss_digits, loss_texts
 from mpdiag.options import fix_text
 from mpdiag.store import Store
 
@@ -58,10 +59,58 @@ class FindingsRun:
     shadow: Shadow | None
     #: (per tensor, per step) shares of updates below the weight format's resolution
     updates: tuple[pd.DataFrame, pd.DataFrame] | None
+    #: the reruns table as the page shows it (:func:`reruns_table`) and its columns
+    reruns: pd.DataFrame = field(default_factory=pd.DataFrame)
+    rerun_columns: dict[str, Column] = field(default_factory=dict)
 
     @property
     def findings(self) -> list[Finding]:
         return [card.finding for card in self.cards]
+
+
+#: the reruns table's columns at 1,280 px: what it is for first (the loss against FP32, the findings still there),
+#: every column on screen (each finding a column of its own, with its long name, pushed them off)
+RERUN_COLUMNS = {
+    "run": Column(width=RUN_PX, kind="number", pinned=True),
+    "name": Column(width=150, help="Hover a cell for a long name."),
+    "status": Column(width=70),
+    "vs FP32": Column(width=80, kind="number", format="%+.3f %%",
+                      help="The rerun's final loss minus its FP32 reference's, in % of the reference's."),
+    "final loss": Column(width=84, help="The rerun's last step's loss, as every page writes it."),
+    "still there": Column(width=160, help="This run's findings (the cards above) that the rerun raises too; none: "
+                                          "every one went away. Blank until the rerun has finished."),
+    "gone": Column(width=70, help="How many of this run's findings the rerun no longer raises."),
+    "opt level": Column("level", width=58),
+    "FP32 final loss": Column("FP32 loss", width=100, help="The final loss of the FP32 run the rerun is compared "
+                                                           "with (same script and seed)."),
+}
+
+
+def reruns_table(outcomes: pd.DataFrame, findings: list[Finding], runs: pd.DataFrame) -> tuple[pd.DataFrame,
+                                                                                                 dict[str, Column]]:
+    """The reruns' outcomes (findings.rerun_outcomes) as the page shows them: per rerun, the run's findings it still
+    raises and how many went away (a column per finding did not fit), its losses as every page writes them (the
+    digits of ``runs``, tables.loss_digits); and the columns it has (none about findings for a run without any)."""
+    if outcomes.empty:
+        return outcomes, {}
+    rules = [f.rule for f in findings if f.rule in outcomes.columns]
+    judged = outcomes[rules].notna().all(axis=1) if rules else outcomes["status"] == "finished"
+    still = [[r for r in rules if row[r] == "still there"] for _, row in outcomes.iterrows()]
+    digits = loss_digits(runs)
+    missing = pd.Series(np.nan, index=outcomes.index)
+    reference = outcomes.get("FP32 final loss", missing)
+    table = pd.DataFrame({
+        "run": outcomes["run"], "name": outcomes["name"], "status": outcomes["status"],
+        "vs FP32": outcomes.get("vs FP32", missing).astype(float),
+        "final loss": loss_texts(outcomes["final loss"], digits),
+        "still there": [(", ".join(s) or "none") if j else "" for s, j in zip(still, judged, strict=True)],
+        "gone": [f"{len(rules) - len(s)} of {len(rules)}" if j else "" for s, j in zip(still, judged, strict=True)],
+        "opt level": outcomes["opt level"],
+        "FP32 final loss": [t if pd.notna(v) else "" for v, t in zip(reference, loss_texts(reference, digits),
+                                                                     strict=True)],
+    })
+    columns = {c: spec for c, spec in RERUN_COLUMNS.items() if rules or c not in ("still there", "gone")}
+    return table, columns
 
 
 def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> Card:
@@ -104,5 +153,6 @@ def _findings(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> 
     judged = runs if final else None
     found = diagnose(store, run_id, judged)
     updates = reads.update_stats(store, run_id, final)
-    return FindingsRun(run, [card(run, final, runs, f) for f in found], rerun_outcomes(store, run_id, found, judged),
-                       shadow(store, run_id, final), None if updates.empty else update_shares(updates))
+    outcomes = rerun_outcomes(store, run_id, found, judged)
+    return FindingsRun(run, [card(run, final, runs, f) for f in found], outcomes, shadow(store, run_id, final),
+                       None if updates.empty else update_shares(updates), *reruns_table(outcomes, found, runs))

@@ -35,6 +35,7 @@ from mpdiag.dashboard.reads import (
     steps,
     store_key,
 )
+from mpdiag.dashboard.tables import Column
 from mpdiag.dashboard.untrusted import ALLOWED_HOSTS_ENV, host_allowed, plain, terminal_text, url_count
 from mpdiag.options import (
     COMMAND_OPTIONS,
@@ -153,6 +154,31 @@ ROW_PX, HEADER_PX = 35, 38
 def table_height(rows: int, most: int) -> int:
     """A st.dataframe height that shows ``rows`` rows without an inner scrollbar, up to ``most`` of them."""
     return HEADER_PX + ROW_PX * max(1, min(rows, most)) + 2
+
+
+#: the st.column_config class of each tables.Column kind
+_COLUMN_KINDS = {"text": st.column_config.TextColumn, "number": st.column_config.NumberColumn,
+                 "link": st.column_config.LinkColumn, "checkbox": st.column_config.CheckboxColumn}
+
+
+def column_config(columns: dict[str, Column]) -> dict:
+    """A view model's column specs (mpdiag.dashboard.tables) as st.dataframe's ``column_config``."""
+    config = {}
+    for name, column in columns.items():
+        options = {"help": column.help, "width": column.width, "pinned": column.pinned}
+        if column.kind == "number" and column.format:
+            options["format"] = column.format
+        if column.kind == "link" and column.display_text:
+            options["display_text"] = column.display_text
+        config[name] = _COLUMN_KINDS[column.kind](column.label, **options)
+    return config
+
+
+def table(frame: pd.DataFrame, columns: dict[str, Column], **kwargs) -> None:
+    """``frame`` as a table of ``columns`` (those of its columns, in that order), each as its spec says; text
+    cells are drawn as text (never Markdown or HTML)."""
+    st.dataframe(frame[list(columns)], hide_index=True, width="stretch", column_config=column_config(columns),
+                 **kwargs)
 
 
 def _seed_from_url(key: str, runs: pd.DataFrame, fallback) -> None:

@@ -15,6 +15,7 @@ import pandas as pd
 
 from mpdiag.analysis import summaries
 from mpdiag.dashboard import reads
+from mpdiag.dashboard.tables import Column
 from mpdiag.numerics.formats import LOW_PRECISION
 from mpdiag.store import Store
 
@@ -254,9 +255,10 @@ class GradientsRun:
         return summaries.cast_shares(at.at_step, at.hist, ranking.fmt, k, at.scale)
 
     @_held(lambda ranking, at, k: (ranking.fmt, ranking.at_scale, at.step, k))  # the same for every tensor
-    def table(self, ranking: Ranking, at: StepView, k: int) -> tuple[pd.DataFrame, list[tuple[str, str, str]]]:
+    def table(self, ranking: Ranking, at: StepView, k: int) -> tuple[pd.DataFrame, dict[str, Column]]:
         """The ranking as the table shows it, with the underflow at the what-if's power at this step beside the
-        underflow over all steps (at 1,280 px a last column is off screen); its ``(column, label, help)``s."""
+        underflow over all steps; each column (named by its long label) with a short header, its long label and
+        explanation as the header's tooltip, and a width: at 1,280 px every column is on screen (table_columns)."""
         table = pd.DataFrame({label: (ranking.rows[c] if c in ("tensor", *COUNT_COLUMNS) else
                                       ranking.rows[c].map(lambda v: "n/a" if pd.isna(v) else f"{v:.2%}"))
                               for c, label, _ in ranking.columns})
@@ -276,7 +278,7 @@ class GradientsRun:
         columns.insert(where, ("whatif", label, f"Of its finite non-zero values at step {at.step:,}, the share that "
                                                 f"would underflow in {ranking.fmt} were g multiplied by 2^{k} (the "
                                                 "what-if above); a range where a bin straddles the edge."))
-        return table, columns
+        return table, {label: table_column(c, label, help_, k) for c, label, help_ in columns}
 
     @_held(lambda ranking, at, everything: (ranking.fmt, ranking.at_scale, at.step, everything))
     def grid(self, ranking: Ranking, at: StepView, everything: bool) -> Grid:
@@ -327,6 +329,22 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
         ("numel", "values per step", "Number of elements of the gradient tensor."),
         ("nonfinite", "NaN / inf", "NaN, +inf and -inf values (a count, not a share), summed over steps."),
     ]
+
+
+#: each ranking column's short header and width (px): together at most tables.TABLE_PX, so at 1,280 px no column is
+#: off screen (the long names, 'fp16 underflow at 2^0, step 99', took 1,030 px); the format is in the section's title
+TABLE_HEADERS = {"tensor": ("tensor", 155), "flushed_share": ("flushed", 80), "underflow_share": ("underflow", 85),
+                 "whatif": (None, 120), "subnormal_share": ("subnormal", 85), "overflow_share": ("overflow", 80),
+                 "zero_share": ("zeros", 65), "numel": ("values", 75), "nonfinite": ("NaN / inf", 70)}
+
+
+def table_column(column: str, label: str, help_: str, k: int) -> Column:
+    """How the table shows one of its columns (``label``: its long name with its unit, first in the tooltip)."""
+    header, width = TABLE_HEADERS[column]
+    if column in COUNT_COLUMNS:
+        return Column(header, f"{label}: {help_}", width, kind="number", format="%,d")
+    return Column(header or f"underflow at 2^{k}", f"{label}: {help_}" if column != "tensor" else help_, width,
+                  pinned=True if column == "tensor" else None)
 
 
 def gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> GradientsRun:

@@ -27,6 +27,7 @@ from mpdiag.analysis.plan_verify import BYTES_UNMEASURED as BYTES_UNMEASURED  # 
 from mpdiag.analysis.plan_verify import MB, round_lines, round_options, round_row
 from mpdiag.analysis.summaries import run_progress
 from mpdiag.dashboard import reads
+from mpdiag.dashboard.tables import RUN_PX, Column
 from mpdiag.options import FP8_SIM_LEVELS
 from mpdiag.store import Store
 
@@ -72,6 +73,18 @@ class PlanView:
     record_options: dict | None = None
     record_refused: str | None = None
 
+    @property
+    def evidence_expanded(self) -> bool:
+        """Each Linear's evidence shows open under the table for a few Linears (folded for many: a page of them)."""
+        return len(self.table) <= EVIDENCE_OPEN_LINEARS
+
+    def evidence_lines(self) -> list[str]:
+        """Each Linear's choice with its evidence and the cheaper choices rejected, a sentence each (the table's
+        cells cut them at 1,280 px: they are said here, not in the table)."""
+        return [f"{row['layer']}: {row['choice']}. {row['evidence'].rstrip('.')}."
+                + (f" Rejected: {row['rejected']}." if row.get("rejected") else "")
+                for row in self.table.to_dict("records")]
+
     def run_said(self) -> str:
         plan = self.plan
         scale = f", dynamic loss scaling from 2^{plan.loss_scale_log2}" if plan.loss_scale_log2 is not None else ""
@@ -81,6 +94,35 @@ class PlanView:
         plan = self.plan
         fmt = LABELS[plan.moment_format] if plan.moment_format else "no format to choose"
         return f"Optimizer moments: {fmt}. Evidence: {plan.moment_evidence}."
+
+
+#: the Linears' table at 1,280 px: the choice and its savings; its evidence, sentences too long for a cell, is
+#: said beneath it (PlanView.evidence_lines), open for up to this many Linears
+EVIDENCE_OPEN_LINEARS = 8
+LINEAR_COLUMNS = {
+    "layer": Column(width=220, help="The Linear, as the model names it (hover a cell for a long name)."),
+    "choice": Column(width=150, help="The cheapest precision whose evidence holds; why: beneath the table."),
+    "memory saved (bytes)": Column("memory saved (bytes)", width=170, kind="number", format="%,d",
+                                   help="Model state against FP32, by the 16Ψ account."),
+    "GEMM bytes saved per step": Column("GEMM saved per step (bytes)", width=200, kind="number", format="%,d",
+                                        help="Linear GEMM operand bytes against FP32."),
+}
+#: the verify rounds' table at 1,280 px: what each round measured beside what the plan saves; what it ran, what was
+#: predicted and the verdict in full are the sentences beneath it (VerifyView.said)
+ROUND_COLUMNS = {
+    "round": Column(width=60, kind="number"),
+    "run": Column(width=RUN_PX, kind="number"),
+    "status": Column(width=75),
+    "loss measured": Column("loss vs FP32", width=100, kind="number", format="percent",
+                            help="Measured: the mean loss over the last quarter of the steps, relative to the FP32 "
+                                 "reference's. The plan predicts it tracks FP32 (the sentence beneath says within "
+                                 "how much)."),
+    "memory saved (MB)": Column("memory saved", width=110, kind="number", format="%.3f MB",
+                                help=f"Predicted: model state against FP32, by the 16Ψ account; {BYTES_UNMEASURED}."),
+    "GEMM saved per step (MB)": Column("GEMM saved/step", width=125, kind="number", format="%.3f MB",
+                                       help=f"Predicted: Linear GEMM operand bytes against FP32; {BYTES_UNMEASURED}."),
+    "verdict": Column(width=300, help="Whether the round's loss tracks FP32; in full in the sentence beneath."),
+}
 
 
 def _bytes(parts: dict[str, float], names: dict[str, str]) -> pd.DataFrame:
@@ -106,7 +148,6 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
                                           for layer in plan.layers])
     table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)
     table["GEMM bytes saved per step"] = table["GEMM bytes saved per step"].round().astype(int)
-    # the numbers before the sentences: at 1,280 px the evidence's wide cell pushed the savings off the table
     table = table[["layer", "choice", "memory saved (bytes)", "GEMM bytes saved per step", "evidence", "rejected"]]
     memory = _bytes(plan.memory["bytes"], {"fp32": "FP32", "mixed": "mixed precision (16Ψ)", "plan": "plan"})
     gemm = _bytes(plan.gemm, {"fp32": "FP32", "bf16": "BF16", "plan": "plan"})

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES
-from mpdiag.analysis.summaries import nonfinite_losses, run_label, run_progress, runs_table, thin_steps
+from mpdiag.analysis.summaries import RUN_LINKS, nonfinite_losses, run_label, run_progress, runs_table, thin_steps
 from mpdiag.dashboard import reads
+from mpdiag.dashboard.tables import RUN_PX, Column, loss_digits, loss_texts
 from mpdiag.store import Store
 
 #: how much of a note the runs table shows
@@ -57,13 +58,58 @@ def live_run(store: Store, run: pd.Series) -> LiveRun:
 
 def table(store: Store, runs: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:
     """The runs table of ``shown`` (the runs the filters keep), each run's health from its findings (cached
-    for final runs while nothing they depend on changes), its tags beside the loss scale and its note's
-    first line."""
+    for final runs while nothing they depend on changes), its final loss as every page writes it (to the digits
+    that tell all of ``runs`` apart: tables.loss_digits), its tags beside the loss scale and its note's first
+    line. The page shows it in parts (:data:`TABLE_COLUMNS`, :data:`MORE_TABLES`)."""
     version = reads.findings_version(store, runs)
     table = runs_table(shown, [reads.finding_severities(store, run, version, runs) for _, run in shown.iterrows()])
+    table["final loss"] = loss_texts(shown["final_loss"], loss_digits(runs))
     table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())
     table["note"] = shown["user_note"].map(note_preview).to_numpy()
     return table
+
+
+_RUN = Column(width=RUN_PX, kind="number", pinned=True)
+#: the runs table's columns on screen at 1,280 px, what triage needs: which run, how it is, and its pages. The
+#: widths leave room for what grows while a run goes (the browser sizes a column once, to what it first showed)
+TABLE_COLUMNS = {
+    "run": _RUN,
+    "name": Column(width=180, pinned=True, help="Rename it below; hover a cell for a long name."),
+    "status": Column(width=70),
+    "health": Column(width=96, help="The run's findings, counted by severity (each explained on its Findings "
+                                     "page); hover a cell for the whole count."),
+    "opt level": Column("level", width=58, help="The opt level the run trained at (O0: FP32; O1-O3: FP16 "
+                                                "mixed precision; bf16...)."),
+    "final loss": Column(width=80, help="The last step's loss, to as many significant digits as tell this store's "
+                                        "runs apart (the same on every page)."),
+    "steps": Column(width=68, help="Steps recorded of the steps asked for."),
+    **{column: Column(text, kind="link", display_text=text, width={"findings": 68, "gradients": 76}.get(column, 78))
+       for column, text in RUN_LINKS.items()},
+}
+#: the rest of the runs table, in two tables that each fit beside the run number in the expander the page folds them
+#: in (about 780 px)
+MORE_TABLES = {
+    "Settings": {
+        "run": _RUN,
+        "script": Column(width=180, help="The script the run trained (hover a cell for a long name)."),
+        "scaling": Column(width=75, help="Loss scaling: dynamic (GradScaler), static, or none."),
+        "init scale": Column(width=85, help="A dynamic loss scale's first value."),
+        "static scale": Column(width=85, help="A static loss scale's value."),
+        "device": Column(width=90),
+        "ranks": Column(width=55, help="Processes of a distributed run."),
+        "related": Column(width=170, help="Its FP32 twin, or the run it reran."),
+    },
+    "Timing, tags and notes": {
+        "run": _RUN,
+        "skipped": Column(width=90, help="Optimizer steps the loss scaler skipped (a non-finite gradient), of "
+                                         "the steps recorded."),
+        "step ms (median)": Column("step ms", width=70, help="Median milliseconds per step."),
+        "started (UTC)": Column(width=140),
+        "tags": Column(width=150, help="Set them below."),
+        "note": Column(width=230, help="Your note's first line; the whole note is below, under Rename, tag, "
+                                       "note or delete a run."),
+    },
+}
 
 
 def note_preview(note) -> str:

@@ -8,11 +8,13 @@ import sys
 import time
 
 import pytest
-from app_helpers import PAGES, app, confirm, shown, texts, wait_for_runs
+from app_helpers import PAGES, app, confirm, runs_table, shown, texts, wait_for_runs
 from conftest import EXAMPLES, ROOT
 
 from mpdiag import Store
+from mpdiag.analysis.findings import diagnose
 from mpdiag.dashboard import actions
+from mpdiag.dashboard.tables import TABLE_PX
 from mpdiag.training.runner import RunConfig, train, train_pair
 from mpdiag.training.script import ModelScript
 
@@ -308,15 +310,22 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert "You started the fix of scale-collapse on #1 (level bf16): #2" in said
     assert "finished, 6 of 6 steps recorded." in said and "[Gradients](/Gradients?run=2)" in said
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
-    table = at.dataframe[0].value
-    assert table["scale-collapse"].tolist() == ["gone"] and "vs FP32" in table
-    # at 1,280 px what the table is for comes first: the loss against FP32 and each finding's outcome, not
-    # behind a long rerun name (shortened, the run number pinned) nor behind the findings' long column names
     element = at.dataframe[0]
-    order, rules = list(element.proto.column_order), [c for c in table.columns if c.islower() and "-" in c]
-    assert "scale-collapse" in rules and order[:len(rules) + 4] == ["run", "name", "vs FP32", "final loss", *rules], order
+    row = element.value.iloc[0]
+    rules = [f.rule for f in diagnose(Store(store), run_id)]  # the run's findings, a card each
+    still = [r for r in rules if r in row["still there"].split(", ")]
+    assert "scale-collapse" in rules and "scale-collapse" not in still  # the fix made it go away
+    assert row["gone"] == f"{len(rules) - len(still)} of {len(rules)}" and (still or row["still there"] == "none")
+    # at 1,280 px every column is on screen, what the table is for first: the loss against FP32 and the findings
+    # still there (a column per finding, each with its long name, pushed them off); the run number pinned
     config = json.loads(element.proto.columns)
-    assert config["run"]["pinned"] is True and config["name"]["width"] == "medium"
+    assert element.value.columns.tolist() == ["run", "name", "status", "vs FP32", "final loss", "still there", "gone",
+                                              "opt level", "FP32 final loss"]
+    assert config["run"]["pinned"] is True and sum(c.get("width", 0) for c in config.values()) <= TABLE_PX
+    assert all(config[c].get("help") for c in ("vs FP32", "final loss", "still there", "gone", "FP32 final loss"))
+    # its losses read as every page writes them: the Runs page's text for the same runs
+    home = runs_table(app("app.py", store, monkeypatch)).set_index("run")
+    assert row["final loss"] == home.loc[row["run"], "final loss"]
 
 
 def test_findings_page_shows_update_swamping_and_the_fp32_shadow_ranking(tmp_path, monkeypatch):

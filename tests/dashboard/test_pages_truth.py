@@ -10,10 +10,12 @@ import sys
 import pandas as pd
 import pyarrow as pa
 import pytest
+from app_helpers import runs_table
 from conftest import EXAMPLES, ROOT
 from streamlit.testing.v1 import AppTest
 
 from mpdiag.analysis.compare import COUNTED_PART, FLUSHED_PART
+from mpdiag.dashboard.tables import TABLE_PX
 
 TIMEOUT = 60
 COLLAPSED_SCALE = 2.0**-83  # every scaled gradient underflows FP32 to exact zero
@@ -163,8 +165,10 @@ def test_compare_keeps_what_tells_runs_apart_in_view_at_1280_px(truth_store, mon
     assert chart["encoding"]["color"]["legend"]["orient"] == "top"
     cost = next(d for d in compare.dataframe if "median step time" in d.value.columns)
     config = json.loads(cost.proto.columns)
-    assert config["run"]["pinned"] is True and config["run"]["width"] == "medium"
-    assert list(cost.proto.column_order)[:3] == ["run", "final loss", "skipped steps"]
+    assert config["run"]["pinned"] is True
+    assert cost.value.columns.tolist()[:3] == ["run", "final loss", "skipped steps"]
+    # at 1,280 px every column is on screen: short headers, the long explanation on hover, widths that fit
+    assert sum(c.get("width", 0) for c in config.values()) <= TABLE_PX and config["median step time"]["label"] == "step time"
     histograms = next(d for d in compare.dataframe if "NaN / inf" in d.value.columns)
     assert json.loads(histograms.proto.columns)["run"]["pinned"] is True
 
@@ -193,7 +197,7 @@ def test_runs_table_for_triage(truth_store, monkeypatch):
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT).run()
     # the store holds a static-scale run: its rerun form (static scale picker beside the mode radio) renders
     assert not at.exception, [e.value for e in at.exception]
-    table = at.dataframe[0].value.set_index("run")
+    table = runs_table(at).set_index("run")
     assert table.loc[2, "final loss"] == "NaN"  # the activation-overflow run's loss was NaN to the end
     assert table.loc[2, "skipped"] == "5 of 5" and table.loc[1, "skipped"] == "0 of 3"
     assert (table["ranks"] == "1").all()  # one process each

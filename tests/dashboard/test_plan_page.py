@@ -2,6 +2,8 @@
 config, the verify round against FP32 with readable charts, the next round offered only on a confirmed click,
 and a run without FP8 statistics told how to get them."""
 
+import json
+
 from app_helpers import app, confirm, texts
 from chart_check import page_chart_problems
 from conftest import imports_torch
@@ -9,6 +11,7 @@ from conftest import imports_torch
 from mpdiag import Store
 from mpdiag.analysis.plan import plan_run
 from mpdiag.dashboard import actions, plan_model
+from mpdiag.dashboard.tables import TABLE_PX
 from mpdiag.dashboard.untrusted import plain
 
 
@@ -20,10 +23,24 @@ def test_the_page_shows_the_plan_its_savings_and_the_verified_round(plan_runs, m
     table = at.dataframe[0].value
     assert dict(zip(table["layer"], table["choice"], strict=True)) == {"head": "FP8 current", "outlier": "BF16",
                                                                        "tiny": "BF16"}
-    for row in table.to_dict("records"):  # each Linear's whole sentence, which the table's cell cuts, in full
+    # at 1,280 px every column is on screen: the choice and its savings; each Linear's evidence, sentences a cell
+    # cut, is said in full beneath the table (open for a few Linears)
+    assert table.columns.tolist() == list(plan_model.LINEAR_COLUMNS)
+    store = Store(plan_runs.store)
+    runs = store.runs()
+    view = plan_model.plan_view(store, runs[runs["run_id"] == plan_runs.source].iloc[0], runs)
+    assert view.evidence_expanded and [e.proto.expanded for e in at.expander][0]
+    for row in view.table.to_dict("records"):
         assert f"{row['layer']}: {row['choice']}. {row['evidence']}" in said, row["layer"]
+        assert f"Rejected: {row['rejected']}" in said, row["layer"]
     rounds = at.dataframe[1].value
+    assert rounds.columns.tolist() == list(plan_model.ROUND_COLUMNS)  # what ran and was predicted: said beneath
     assert rounds["run"].tolist() == [plan_runs.rounds[0].run_id] and rounds["verdict"].iloc[0].startswith("tracks")
+    assert f"Round 1: run {plan_runs.rounds[0].run_id} tracks FP32" in said and "Predicted: the loss tracks FP32" in said
+    for element in at.dataframe[:2]:
+        config = json.loads(element.proto.columns)
+        assert sum(c.get("width", 0) for c in config.values()) <= TABLE_PX
+        assert all(config[c].get("help") for c in config if config[c].get("label") not in (None, c))  # short headers
     assert "--fp8-modules head=current,outlier=bf16,tiny=bf16" in said and "Float8CurrentScaling()" in said
     assert len(at.get("arrow_vega_lite_chart") or at.get("vega_lite_chart")) == 3  # memory, GEMM bytes, losses
     assert not page_chart_problems(at)

@@ -9,7 +9,7 @@ import math
 import zipfile
 
 import pytest
-from app_helpers import app, confirm, shown, texts, wait_for_runs
+from app_helpers import app, confirm, runs_table, shown, texts, wait_for_runs
 from conftest import ROOT
 
 from mpdiag.sandbox.bundle import MAX_BUNDLE_BYTES, BundleRefused, bundle_from_uploads, check_bundle, command_line
@@ -143,7 +143,7 @@ def test_uploaded_code_runs_unmodified_and_records_what_the_loop_computed(tmp_pa
     assert settings["cwd"] is None and settings["bundle"] == Store(store).bundles()["sha256"].iloc[0]
     assert run["script_path"] is None  # the child's temporary copy is not a path anyone can open
     home = app("app.py", store, monkeypatch)  # the runs table names the entry point it ran (item 9)
-    assert home.dataframe[0].value.set_index("run").loc[int(run["run_id"]), "script"] == "launch.py (uploaded)"
+    assert runs_table(home).set_index("run").loc[int(run["run_id"]), "script"] == "launch.py (uploaded)"
     said = texts(at.run())
     assert "launch.py" in said and "finished" in said  # the page says what it started and how it ended
 
@@ -169,7 +169,7 @@ def test_a_finding_on_uploaded_code_is_fixed_by_a_rerun_from_the_findings_page(t
     assert json.loads(log_path.read_text())["scale"][0] == fix["init_scale"] or fix["opt_level"] == "bf16"
     assert Store(store).steps(int(child["run_id"]))["skipped"].sum() < 4
     table = app("pages/5_Findings.py", store, monkeypatch, run=str(parent)).dataframe[0].value
-    assert "gone" in table.iloc[0].tolist()
+    assert table.iloc[0]["still there"] == "none" and table.iloc[0]["gone"].startswith("1 of")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import sys
 
 import pandas as pd
 import pytest
+from app_helpers import runs_table
 from conftest import EXAMPLES, ROOT, run_cli
 
 from mpdiag import Store
@@ -270,7 +271,7 @@ def test_runs_page_renames_tags_notes_and_filters_on_click_only(three_runs, monk
             ("baseline fp16", "scale 1 underflows\nsee step 40")
         assert [t for (t,) in conn.execute("SELECT tag FROM run_tags WHERE run_id = 1 ORDER BY tag")] == \
             ["fp16", "lr 3e-4", "shared"]
-    table = at.dataframe[0].value.set_index("run")
+    table = runs_table(at).set_index("run")
     assert table.loc[1, "name"] == "baseline fp16" and table.loc[1, "tags"] == "fp16, lr 3e-4, shared"
     assert table.loc[1, "note"] == "scale 1 underflows…" and table.loc[2, "tags"] == "shared, t2"
     at.multiselect(key="filter_tag").set_value(["fp16", "t3"]).run()  # any of the tags
