@@ -265,15 +265,20 @@ class RankContext:
         combined = combine_packed(np.stack([g.cpu().numpy() for g in gathered]), local)
         return PendingStats(lambda _: combined)
 
-    def global_norm(self, local: torch.Tensor) -> torch.Tensor:
-        """FSDP2: the L2 norm of the full gradients from this rank's shards' norm ``local`` (their squares summed
-        over the ranks by one all_reduce of one value, no gradient values; every rank calls it at every step).
-        Otherwise ``local`` itself: DDP's gradients are the same on every rank, and rank 0's alone are recorded."""
+    def global_norm(self, local: torch.Tensor, tensor_norms: torch.Tensor | None) -> torch.Tensor:
+        """FSDP2: the L2 norm of the full gradients from this rank's shards' norms ``tensor_norms`` (one per
+        gradient, stacked; None for none), taken as ``clip_grad_norm_`` over the DTensor gradients takes it, so
+        bit for bit its value: each tensor's norm is its shards' squared norms summed over the ranks, then raised to
+        1/2 (DTensor's ``_NormPartial``), and the global norm is the norm of those. One all_reduce of one value per
+        gradient, no gradient values; every rank calls it at every step. (Summing the ranks' squared global norms in
+        float64 differed from torch's in the 8th digit.) Otherwise ``local`` itself: DDP's gradients are the same
+        on every rank, and rank 0's alone are recorded."""
         if self.parallel != "fsdp":
             return local
-        squared = (local.double() ** 2).reshape(1).to(_collective_device(self.backend))
+        device = _collective_device(self.backend)
+        squared = tensor_norms.to(device) ** 2 if tensor_norms is not None else torch.zeros(0, device=device)
         dist.all_reduce(squared)
-        return squared.sqrt()[0].to(local.device)
+        return torch.linalg.vector_norm(squared ** 0.5, 2).to(local.device)
 
     def exchange_loss(self, step: int, loss: torch.Tensor | float) -> torch.Tensor | float:
         """Every rank's local loss and local inf/NaN count for ``step`` to rank 0 (one small all_gather,

@@ -47,6 +47,14 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device
 _IS_CUDA = operator.attrgetter("is_cuda")
 _LAYOUT = operator.attrgetter("layout")
+_STRIDED = frozenset((torch.strided,))
+
+
+def _sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """The values of a sparse COO gradient (``nn.Embedding(sparse=True)``'s), duplicate indices summed as the
+    optimizer applies them: it is finite exactly when they are, and no norm or numba pass reads the sparse tensor
+    itself (NotImplementedError before SparseAdam's step)."""
+    return grad.coalesce().values()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -303,8 +311,10 @@ class NonfiniteStepCheck:
         if not self._updated:
             return
         device = self._updated[0][1].device
-        values = [torch.as_tensor(loss, device=device).detach()] + [p.grad for p in self._grads_of if p.grad is not None]
-        values += [t for _, _, t in self._tensors()]
+        grads = [p.grad for p in self._grads_of if p.grad is not None]
+        if not _STRIDED.issuperset(map(_LAYOUT, grads)):  # told in C: a sparse gradient is rare
+            grads = [g if g.layout is torch.strided else _sparse_values(g) for g in grads]
+        values = [torch.as_tensor(loss, device=device).detach(), *grads, *(t for _, _, t in self._tensors())]
         self._before = AnyNonfinite(values)
 
     def after(self, step: int) -> _CheckedStep | None:

@@ -106,6 +106,8 @@ def scaler_run_fields(scaler) -> dict[str, Any]:
 #: test maps over the gradients in C
 _LOW_DTYPES = frozenset((torch.float16, torch.bfloat16))
 _DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_STRIDED = frozenset((torch.strided,))
 #: the StepGradStats counts of a TensorBatch's representability, format by format (LOW_PRECISION), kind by kind
 _REPRESENTABILITY_COUNTS = [f"{fmt}_{kind}" for fmt in LOW_PRECISION for kind in REPRESENTABILITY_KINDS]
 
@@ -122,6 +124,16 @@ def torch_optimizer(optimizer):
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
             return torch_optimizer(inner)
     return optimizer
+
+
+def _dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient as the strided tensor it stands for: ``nn.Embedding(sparse=True)``'s is a sparse COO tensor,
+    which the norm's foreach kernel and the statistics refused (NotImplementedError out of ``record``;
+    ``clip_grad_norm_`` itself raises on it), read as its dense value (duplicate indices summed, as SparseAdam
+    applies it), one copy of it a step. The list as it is when every gradient is strided (tested in C)."""
+    if _STRIDED.issuperset(map(_LAYOUT, grads)):
+        return grads
+    return [g if g.layout is torch.strided else g.to_dense() for g in grads]
 
 
 def _arrived(readback: DeviceReadback | None) -> bool:
@@ -277,7 +289,9 @@ class Recorder:
       are still scaled: the value ``torch.nn.utils.clip_grad_norm_`` returns when called on them then, so call
       ``record`` before clipping for the norm before clipping (``watch`` reads them at the clip call). One
       ``torch._foreach_norm`` over the gradients (in float32 for FP16/BF16 gradients, whose per-tensor norm
-      could overflow), no synchronisation; under FSDP2 the shards' squared norms are summed across ranks. A
+      could overflow), no synchronisation; under FSDP2 each tensor's shards' squared norms are summed across
+      ranks, as DTensor's own norm sums them. A sparse gradient (``nn.Embedding(sparse=True)``, which
+      ``clip_grad_norm_`` refuses) counts as the dense gradient it stands for, as do its statistics. A
       non-finite norm (an overflowed step) is stored as such: inf, or NULL for NaN; 0.0 when no gradient was
       this step's (what ``clip_grad_norm_`` returns for none). Where some of those gradients belong to no
       optimizer of the step (a GAN's generator backward writes the discriminator's too), the norm is over the
@@ -538,6 +552,10 @@ class Recorder:
             if ours(opt):
                 self._step_grads.asked_to_step(torch_optimizer(opt))
 
+        # a compiled optimizer step (``opt.step = torch.compile(opt.step)``, torch's "compiling the optimizer"
+        # recipe) calls its hooks inside the traced frame: Dynamo failed tracing the optimizer-step check's numba
+        # kernel (ValueError: nonfinite_counts() requires a code object ...), so they run eagerly at a graph break
+        before, after = torch.compiler.disable(before), torch.compiler.disable(after)
         hooks = self._hooks  # each kept as it is made: an optimizer refusing one leaves the others removable
         if self._optimizers:
             for opt in self._optimizers:
@@ -714,11 +732,11 @@ class Recorder:
         if not self._dist.computes_stats:
             return GradientRead(step)
         fresh = self._step_grads.fresh(every_grad)
-        grads = local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh])
+        grads = _dense(local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh]))
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
         total, tensor_norms = self._grad_norm(grads)
-        norm = self._dist.global_norm(total) / unscale_by
+        norm = self._dist.global_norm(total, tensor_norms) / unscale_by
         owned = dict(unscale_by=unscale_by, fresh=fresh, tensor_norms=tensor_norms)
         if not fresh or not self._retention.computes(step):
             return GradientRead(step, norm=norm, **owned)
@@ -733,7 +751,8 @@ class Recorder:
         else:
             pending = self._dist.combine(computer.start(grads, scale, grads_are_scaled=not unscaled))
         if pending is None:  # a rank other than 0 took part in combining FSDP2 shards; rank 0 records them
-            return GradientRead(step)
+            # its norm kept: a NaN one read as non-finite gradients, and watch announced a false event on that rank
+            return GradientRead(step, norm=norm)
         if len(self._grad_dtype_known) < len(self._params):  # until every grad dtype is known (no walk after)
             unseen = [i for i in present if i not in self._grad_dtype_known]
             if unseen:

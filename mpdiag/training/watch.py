@@ -255,8 +255,10 @@ class Watcher:
                 watcher._optimizers.append(weakref.ref(opt))
 
         p.set(torch.optim.Optimizer, "__init__", optimizer_init)
-        p.hook(register_optimizer_step_pre_hook(self._before_optimizer_step))
-        p.hook(register_optimizer_step_post_hook(lambda opt, args, kwargs: watcher._after_optimizer_step(opt)))
+        # a compiled optimizer step traces its hooks: they record (and may run a closure) eagerly, at a graph break
+        p.hook(register_optimizer_step_pre_hook(torch.compiler.disable(self._before_optimizer_step)))
+        p.hook(register_optimizer_step_post_hook(
+            torch.compiler.disable(lambda opt, args, kwargs: watcher._after_optimizer_step(opt))))
 
     def _watch_grad_scalers(self, level: tuple | None) -> None:
         p, watcher = self._patches, self
@@ -273,12 +275,26 @@ class Watcher:
                 bound.arguments["init_scale"] = watcher.config.init_scale
             scaler_init(*bound.args, **bound.kwargs)
             watcher._scalers.append(weakref.ref(scaler))
+            watch_own_scale(type(scaler))
 
-        def scale(scaler, outputs):
-            scaled = scaler_scale(scaler, outputs)
-            if torch.is_tensor(outputs) and torch.is_tensor(scaled):
-                watcher._scaled[id(scaled)] = (weakref.ref(scaled), outputs.detach())
-            return scaled
+        def watched_scale(own_scale):
+            def scale(scaler, outputs):
+                scaled = own_scale(scaler, outputs)
+                if torch.is_tensor(outputs) and torch.is_tensor(scaled):
+                    watcher._scaled[id(scaled)] = (weakref.ref(scaled), outputs.detach())
+                return scaled
+
+            return scale
+
+        own_scales_watched = {scaler_cls}
+
+        def watch_own_scale(cls):
+            # a subclass with a scale of its own (FSDP's ShardedGradScaler) never calls GradScaler's: unwatched,
+            # its scaled loss was recorded as the loss (1,024 times the script's, ranks' losses included)
+            for klass in cls.__mro__[:cls.__mro__.index(scaler_cls)]:
+                if "scale" in klass.__dict__ and klass not in own_scales_watched:
+                    own_scales_watched.add(klass)
+                    p.set(klass, "scale", watched_scale(klass.__dict__["scale"]))
 
         def step(scaler, optimizer, *args, **kwargs):
             if _closure(args, kwargs) is None:
@@ -291,7 +307,7 @@ class Watcher:
                 watcher._mark_stepped()  # also when GradScaler skipped the optimizer's step
 
         p.set(scaler_cls, "__init__", init)
-        p.set(scaler_cls, "scale", scale)
+        p.set(scaler_cls, "scale", watched_scale(scaler_scale))
         p.set(scaler_cls, "step", step)
 
     def _watch_backward(self) -> None:

@@ -234,3 +234,33 @@ def test_low_bit_optimizer_states_are_read_through_their_parts(tmp_path, name):
     assert truth == [False, True, False]
     assert NonfiniteFlags(values).numpy().tolist() == truth
     assert AnyNonfinite(values).any()
+
+
+def test_a_compiled_optimizer_step_is_checked_and_recorded(tmp_path):
+    """``opt.step = torch.compile(opt.step)`` (torch's "compiling the optimizer" recipe) runs the step hooks inside
+    the traced frame; Dynamo tracing the check's numba kernel raised a ValueError out of the training loop. The
+    step is checked and recorded as an eager one is: the finding at the step whose update the loop itself sees turn
+    the weights inf (its tensor learning rate raised to overflow them), each norm ``clip_grad_norm_``'s."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    opt.step = torch.compile(opt.step, backend="eager")
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt, check_optimizer_step=EVERY_STEP)
+    norms, broke_at = [], None
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["lr"].fill_(3e38)
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).pow(2).sum()
+        loss.backward()
+        rec.record(loss)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        opt.step()
+        if broke_at is None and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            broke_at = step
+    rec.close()
+    assert broke_at == 2
+    assert rec.optimizer_step_nonfinite["step"] == broke_at
+    steps = Store(tmp_path / "runs.db").steps(rec.run_id)
+    assert steps["skipped"].tolist() == [0, 0, 0, 0]
+    assert steps["grad_norm"].tolist()[:3] == norms[:3]  # step 3's gradients are NaN (stored NULL)

@@ -236,3 +236,49 @@ def test_watch_records_the_scripts_own_rate_and_clip_norm(write_script, store_pa
     steps = Store(store_path).steps(run_id)
     assert steps["lr"].tolist() == [lr for lr, _ in seen]
     assert steps["grad_norm"].tolist() == pytest.approx([norm for _, norm in seen], rel=1e-6)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_sparse_embedding_gradients_are_read_as_the_dense_gradient_they_stand_for(store_path, autocast):
+    """``nn.Embedding(sparse=True)`` stepped by SparseAdam beside Adam: its gradient is an uncoalesced sparse COO
+    tensor, which ``record`` and the optimizer-step check raised on (NotImplementedError, as ``clip_grad_norm_``
+    itself does). Each step's norm is ``clip_grad_norm_``'s over the dense gradients SparseAdam applies (duplicate
+    rows summed), and each tensor's L2, zeros and FP16 underflow are torch's on that dense gradient."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 50)
+    model = torch.nn.Sequential(emb, head)
+    sparse_opt, dense_opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-2), torch.optim.Adam(head.parameters())
+    rec = Recorder(model, store=store_path, optimizer=[dense_opt, sparse_opt])  # checks every step below 1,000
+    norms, dense = [], []
+    for step in range(3):
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        idx = torch.randint(0, 50, (6, 4))  # repeated rows: the COO gradient holds duplicate indices
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            logits = model(idx).mean(1)
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.randint(0, 50, (6,)))
+        loss = loss * (1e-7 if step == 1 else 1.0)  # step 1: gradients below FP16's smallest subnormal
+        loss.backward()
+        assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+        rec.record(loss)
+        dense.append([p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in model.parameters()])
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for copy, grad in zip(copies, dense[-1], strict=True):
+            copy.grad = grad
+        norms.append(float(torch.nn.utils.clip_grad_norm_(copies, float("inf"))))
+        sparse_opt.step()
+        dense_opt.step()
+    rec.close()
+    store = Store(store_path)
+    assert store.steps(rec.run_id)["grad_norm"].tolist() == norms
+    stats = store.tensor_stats(rec.run_id)
+    for step, grads in enumerate(dense):
+        rows = stats[stats["step"] == step].set_index("tensor")
+        for name, grad in zip(["0.weight", "1.weight", "1.bias"], grads, strict=True):
+            assert rows.loc[name, "l2"] == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
+            assert rows.loc[name, "zeros"] == int((grad == 0).sum())
+            assert rows.loc[name, "fp16_underflow"] == int(((grad != 0) & (grad.half() == 0)).sum())
+    assert rows.loc["0.weight", "zeros"] > 0  # the rows no index touched
+    # step 1's FP32 gradients underflow FP16; under autocast FP16's own backward already flushed them to zeros
+    assert (stats["fp16_underflow"].sum() > 0) != autocast
+    assert rec.optimizer_step_nonfinite is None

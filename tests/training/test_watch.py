@@ -141,6 +141,43 @@ def test_wrapped_optimizer_and_two_modules(store_path, write_script):
     assert store.tensors(run_id)["name"].tolist() == ["Linear0.weight", "Linear0.bias", "Linear1.weight", "Linear1.bias"]
 
 
+COMPILED_STEP = '''
+import json, sys
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=sys.argv[2] == "scaled")
+opt.step = torch.compile(opt.step, backend="eager")  # torch's "compiling the optimizer" recipe
+own = {"loss": [], "grad_norm": []}
+for step in range(3):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16, enabled=scaler.is_enabled()):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    own["loss"].append(loss.item())
+    own["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+    scaler.step(opt)
+    scaler.update()
+json.dump(own, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.parametrize("scaling", ["scaled", "fp32"])
+def test_a_compiled_optimizer_step_is_recorded_as_the_loop_computes_it(store_path, write_script, tmp_path, scaling):
+    """A compiled ``opt.step`` traces watch's step hooks (Dynamo failed inside the Recorder's optimizer-step check
+    and the script died): each step is recorded, its loss and norm the loop's own."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(COMPILED_STEP, "compiled_step.py"), out, scaling)
+    assert code == 0 and store.run(run_id)["status"] == "finished"
+    own, steps = json.loads(out.read_text()), store.steps(run_id)
+    assert steps["loss"].tolist() == own["loss"]
+    assert steps["grad_norm"].tolist() == own["grad_norm"]
+    assert steps["skipped"].tolist() == [0, 0, 0]
+
+
 def test_tied_weight_is_one_tensor_named_by_its_first_path():
     class Tied(torch.nn.Module):
         def __init__(self):
