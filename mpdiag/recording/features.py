@@ -122,7 +122,9 @@ class ShadowComparison(RecorderFeature):
     FP32 reference gradients of the same weights and batch (``Store.shadow``). Always on: a caller decides when
     to compare (the runner's ``--shadow-every``, ``watch``'s shadow)."""
 
-    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], run_id: int):
+    def __init__(self, params: Sequence[tuple[int, torch.Tensor]], run_id: int):
+        """``params``: (tensor id, parameter) of the parameters trainable when recording started, the ones a
+        reference's gradients are given for, in order."""
         self._params, self._run_id = list(params), run_id
         self._rows: list[tuple] = []
 
@@ -132,7 +134,7 @@ class ShadowComparison(RecorderFeature):
         if len(reference) != len(self._params):
             raise ValueError(f"reference has {len(reference)} gradients; the model has {len(self._params)} trainable parameters")
         present, stats = [], []
-        for i, ((_, p), ref) in enumerate(zip(self._params, reference, strict=True)):
+        for (i, p), ref in zip(self._params, reference, strict=True):
             if p.grad is None or ref is None:
                 continue
             g, r = p.grad.detach().double() / unscale_by, ref.detach().double()

@@ -349,7 +349,11 @@ class Recorder:
         self._optimizers = [torch_optimizer(opt) for opt in given]
         self.flush_interval_s = FLUSH_INTERVAL_S
         self._dist = RankContext.of(model)  # under torchrun: rank 0 writes, FSDP2 shards are combined
-        self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        # every parameter, frozen ones included: a layer unfrozen later (gradual unfreezing, fine-tuning) is recorded
+        # from its first gradient and counts in the norm (left out, the norm missed it silently). Update targets
+        # are the trainable parameters' FP32 masters (mpdiag's runner), so they pair with the trainable ones alone.
+        self._params = [(self._dist.tensor_name(n), p) for n, p in model.named_parameters()
+                        if p.requires_grad or update_targets is None]
         self.device = self._params[0][1].device if self._params else torch.device("cpu")
         self._update_targets = self._checked_targets(update_targets)
         self._check_update_format(update_format)
@@ -422,7 +426,8 @@ class Recorder:
         self._step_grads = StepGradients([p for _, p in self._params])
         #: the FP32 shadow comparison (always there: its caller decides when) after the optional parts: the order
         #: their hooks are called in (:mod:`mpdiag.recording.features`)
-        self._shadow = ShadowComparison(self._params, self.run_id)
+        self._shadow = ShadowComparison([(i, p) for i, (_, p) in enumerate(self._params) if p.requires_grad],
+                                        self.run_id)
         self._features.append(self._shadow)
         self._install_step_hooks()
         self._stop_timer = self._writer.every(self.flush_interval_s, self._flush_on_timer)
@@ -795,6 +800,10 @@ class Recorder:
         kept = [k for k, i in enumerate(read.fresh) if i in fed]
         norm = torch.linalg.vector_norm(read.tensor_norms[kept], 2) if kept else read.tensor_norms.new_zeros(())
         row[10] = DeviceReadback((norm / read.unscale_by).reshape(1).double())
+
+    def recorded_parameter_ids(self) -> frozenset[int]:
+        """The ``id`` of every parameter recorded (fixed when recording starts: frozen ones included)."""
+        return frozenset(id(p) for _, p in self._params)
 
     def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` steps in the step recorded last, though no step hook of it saw so (GradScaler skipped

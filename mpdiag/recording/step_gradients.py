@@ -11,7 +11,9 @@ Two rules, each exact where it applies:
 
 * **Fresh.** A gradient is this step's when autograd accumulated into it since the previous step began (a
   post-accumulate-grad hook, which DDP and FSDP2 also run) or the parameter holds a different ``.grad``
-  object than it did then (one assigned by hand). A gradient left over from an earlier step is neither.
+  object than it did then (one assigned by hand). A gradient left over from an earlier step is neither. A
+  parameter frozen when recording starts cannot carry the hook (torch refuses it without ``requires_grad``): its
+  first gradient, once it is unfrozen, is fresh by the second rule, and the hook is added at that step's end.
 * **Fed.** Of the fresh gradients, those of the parameters held by the optimizers asked to step in that step
   (between its ``record`` and the next one, so a second optimizer stepping after the same backward passes
   counts too; an optimizer the Recorder's GradScaler unscaled was asked, also when the scaler then skipped its
@@ -41,13 +43,16 @@ class StepGradients:
     def __init__(self, params: Sequence[torch.Tensor]):
         self._params = list(params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._accumulated = [False] * len(self._params)
         self._previous: list[weakref.ref | None] = [None] * len(self._params)  # each .grad when the step began
         self._asked: dict[int, torch.optim.Optimizer] = {}  # optimizers asked to step in the open step
         #: per optimizer seen: (a weak reference to it, its parameter groups' lists and lengths, the indices of ours
         #: it holds)
         self._held: dict[int, tuple[weakref.ref, tuple, frozenset[int]]] = {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(self._params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._marker(i))
+                         for i, p in enumerate(self._params) if p.requires_grad]
+        #: the parameters frozen when recording started, not hooked until they are unfrozen (see the module)
+        self._unhooked = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        self._accumulated = self._unmarked()
 
     def _marker(self, index: int):
         def mark(param: torch.Tensor) -> None:
@@ -79,7 +84,24 @@ class StepGradients:
             self._previous = [grad if grad is None else weakref.ref(grad) for grad in grads]
         else:
             self._previous = list(map(weakref.ref, grads))
-        self._accumulated = [False] * len(self._params)
+        if self._unhooked:
+            self._hook_unfrozen()
+        self._accumulated = self._unmarked(grads)
+
+    def _unmarked(self, grads: list[torch.Tensor | None] | None = None) -> list[bool]:
+        """``_accumulated`` as a step begins: False for every hooked parameter; for a parameter without the hook,
+        True while it has no gradient (no hook will mark it, and it has nothing to read, so the usual step's
+        shortcut in :meth:`fresh` stands), False once it has one (then the ``.grad`` object's identity decides)."""
+        accumulated = [False] * len(self._params)
+        for i in self._unhooked:
+            accumulated[i] = grads is None or grads[i] is None
+        return accumulated
+
+    def _hook_unfrozen(self) -> None:
+        """Hook the parameters frozen when recording started that have been unfrozen since (gradual unfreezing)."""
+        for i in [i for i in self._unhooked if self._params[i].requires_grad]:
+            self._handles.append(self._params[i].register_post_accumulate_grad_hook(self._marker(i)))
+            self._unhooked.remove(i)
 
     def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` was asked to step in the open step (whether or not the step then ran)."""

@@ -224,6 +224,9 @@ class Watcher:
         self._closure_scaler = None  # a (disabled) scaler stepping an optimizer with a closure
         self._closures: dict[int, list[int]] = {}  # optimizer -> evaluations of the closure its running step got
         self.closures_never_called = 0  # optimizer steps whose closure never ran: those steps are not recorded
+        #: parameter tensors an optimizer took after recording began (add_param_group, a new optimizer), unrecorded,
+        #: and the step of the first: the Recorder's tensors are those the optimizers held at the first step
+        self.added_later: dict[int, int] = {}
         self._patches = _Patches()
         self.shadow: WatchShadow | None = None  # --shadow-every: replays the coming step in FP32 when armed
         self._shadow_error: str | None = None  # why the shadow stopped, for the run's note
@@ -255,6 +258,17 @@ class Watcher:
                 watcher._optimizers.append(weakref.ref(opt))
 
         p.set(torch.optim.Optimizer, "__init__", optimizer_init)
+        add_param_group = torch.optim.Optimizer.add_param_group
+
+        def add_group(opt, param_group):
+            add_param_group(opt, param_group)
+            if watcher.recorder is not None:
+                recorded = watcher.recorder.recorded_parameter_ids()
+                for param in opt.param_groups[-1]["params"]:
+                    if id(param) not in recorded:
+                        watcher.added_later.setdefault(id(param), watcher.steps)
+
+        p.set(torch.optim.Optimizer, "add_param_group", add_group)
         # a compiled optimizer step traces its hooks: they record (and may run a closure) eagerly, at a graph break
         p.hook(register_optimizer_step_pre_hook(torch.compiler.disable(self._before_optimizer_step)))
         p.hook(register_optimizer_step_post_hook(
@@ -559,6 +573,12 @@ class Watcher:
             notes.append(f"{self.closures_never_called} optimizer step(s) were given a closure they never called: "
                          "watch records a step's gradients once its closure has run the step's forward and backward, "
                          "so those steps are not recorded.")
+        if self.added_later:
+            notes.append(f"{len(self.added_later)} parameter tensor(s) joined an optimizer after recording began "
+                         f"(add_param_group or a new optimizer, first at step {min(self.added_later.values())}): watch "
+                         "records the parameters the optimizers held at the first step, so their gradients are in "
+                         "no tensor statistics and outside the stored gradient norm. Put every parameter in the "
+                         "optimizer from the start (frozen ones included: a layer unfrozen later is recorded).")
         if self.config.shadow_every:
             notes.extend(self._shadow_notes())
         if not self.steps:

@@ -282,3 +282,42 @@ def test_sparse_embedding_gradients_are_read_as_the_dense_gradient_they_stand_fo
     # step 1's FP32 gradients underflow FP16; under autocast FP16's own backward already flushed them to zeros
     assert (stats["fp16_underflow"].sum() > 0) != autocast
     assert rec.optimizer_step_nonfinite is None
+
+
+@pytest.mark.parametrize("held", ["from-the-start", "added-when-unfrozen"])
+def test_a_layer_unfrozen_while_training_is_recorded_from_its_first_gradient(store_path, held, watched=False):
+    """Gradual unfreezing: the first layer is frozen (requires_grad False) when the Recorder starts and unfrozen at
+    step 3, either held by the optimizer from the start or added to it then (``add_param_group``). From step 3 its
+    tensors have rows, and the norm is ``clip_grad_norm_``'s over every gradient (it left them out, silently:
+    0.54 where torch said 0.64); their L2 and FP16 underflow are torch's own on those gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters() if held == "from-the-start" else model[2].parameters(), lr=0.1)
+    recorder = Recorder(model, store=store_path, optimizer=optimizer)
+    norms, grads = [], []
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        if step == 3:
+            model[0].requires_grad_(True)
+            if held == "added-when-unfrozen":
+                optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 0.05})
+        optimizer.zero_grad()
+        x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1e-6 if step == 4 else 1.0)  # step 4: FP16 underflow
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        recorder.record(loss)
+        optimizer.step()
+    recorder.close()
+    store = Store(store_path)
+    assert store.steps(recorder.run_id)["grad_norm"].tolist() == norms
+    stats = store.tensor_stats(recorder.run_id)
+    for step, seen in enumerate(grads):
+        rows = stats[stats["step"] == step].set_index("tensor")
+        assert sorted(rows.index) == sorted(seen)  # the unfrozen layer's tensors from step 3 on, not before
+        for name, grad in seen.items():
+            assert rows.loc[name, "l2"] == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
+            assert rows.loc[name, "fp16_underflow"] == int(((grad != 0) & (grad.half() == 0)).sum())
+    assert stats[(stats["step"] == 4) & (stats["tensor"] == "0.weight")]["fp16_underflow"].item() > 0

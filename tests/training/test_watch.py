@@ -178,6 +178,55 @@ def test_a_compiled_optimizer_step_is_recorded_as_the_loop_computes_it(store_pat
     assert steps["skipped"].tolist() == [0, 0, 0]
 
 
+UNFREEZING = '''
+import json, sys
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model[0].requires_grad_(False)
+held = sys.argv[2] == "held"
+opt = torch.optim.SGD(model.parameters() if held else model[2].parameters(), lr=0.1)
+own = {"grad_norm": [], "tensors": []}
+for step in range(5):
+    if step == 2:  # gradual unfreezing
+        model[0].requires_grad_(True)
+        if not held:
+            opt.add_param_group({"params": list(model[0].parameters())})
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 4))
+    loss.backward()
+    own["tensors"].append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+    own["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+    opt.step()
+json.dump(own, open(sys.argv[1], "w"))
+'''
+
+
+def test_a_layer_unfrozen_while_training_is_recorded_when_its_optimizer_held_it(store_path, write_script, tmp_path):
+    """Gradual unfreezing under watch: a frozen layer the optimizer held from the start is recorded from its
+    first gradient, the norm clip_grad_norm_'s own (it was left out, silently)."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(UNFREEZING, "unfreezing.py"), out, "held")
+    assert code == 0
+    own, steps, stats = json.loads(out.read_text()), store.steps(run_id), store.tensor_stats(run_id)
+    assert steps["grad_norm"].tolist() == own["grad_norm"]
+    assert [sorted(stats[stats["step"] == step]["tensor"]) for step in range(5)] == own["tensors"]
+    assert store.run(run_id)["note"] is None
+
+
+def test_parameters_added_to_an_optimizer_after_recording_began_are_said_in_the_note(store_path, write_script,
+                                                                                     tmp_path):
+    """Watch records the parameters the optimizers held at the first step: a parameter group added later is not
+    recorded, and the run's note says so (the norm left them out, silently)."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(UNFREEZING, "unfreezing.py"), out, "added")
+    assert code == 0
+    assert store.run(run_id)["note"].startswith("2 parameter tensor(s) joined an optimizer after recording began "
+                                                "(add_param_group or a new optimizer, first at step 2)")
+    assert store.tensors(run_id)["name"].tolist() == ["2.weight", "2.bias"]
+
+
 def test_tied_weight_is_one_tensor_named_by_its_first_path():
     class Tied(torch.nn.Module):
         def __init__(self):
