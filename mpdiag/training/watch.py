@@ -2,7 +2,9 @@
 
 This module owns the interception: for the watch's lifetime it hooks torch's global optimizer step hooks and
 patches GradScaler (``__init__``, ``scale``, ``step``; whether ``unscale_`` ran the Recorder reads from its state), autocast's
-``__init__``, ``torch.autograd.backward``, the gradient-clipping functions and ``nn.Module.__reduce_ex__`` (so the
+``__init__``, ``torch.autograd.backward``, the gradient-clipping functions, the optimizers' ``__init__``,
+``add_param_group`` and ``zero_grad`` and modules' ``zero_grad`` (gradients dropped without a step drop their loss),
+and ``nn.Module.__reduce_ex__`` (so the
 replay's two hooks on the script's model stay out of its ``torch.save(model)`` and ``copy.deepcopy(model)``), and
 restores every one of them afterwards. It must not compute statistics itself: every number goes through the
 :class:`mpdiag.recording.recorder.Recorder`, fed at the moment a step's gradients are complete.
@@ -269,6 +271,8 @@ class Watcher:
                         watcher.added_later.setdefault(id(param), watcher.steps)
 
         p.set(torch.optim.Optimizer, "add_param_group", add_group)
+        for owner in (torch.optim.Optimizer, nn.Module):
+            p.set(owner, "zero_grad", self._dropping_the_loss_with_the_gradients(owner.zero_grad))
         # a compiled optimizer step traces its hooks: they record (and may run a closure) eagerly, at a graph break
         p.hook(register_optimizer_step_pre_hook(torch.compiler.disable(self._before_optimizer_step)))
         p.hook(register_optimizer_step_post_hook(
@@ -403,6 +407,24 @@ class Watcher:
         value = unscaled if ref is not None and ref() is tensors else tensors.detach()
         value = value.reshape(()).double()
         self._loss = value if self._loss is None else self._loss + value
+
+    def _dropping_the_loss_with_the_gradients(self, zero_grad):
+        """``zero_grad`` (an optimizer's or a module's), after which a loss back-propagated since the last recorded
+        step is dropped when no parameter of the script's optimizers holds a gradient any more: those backward
+        passes' gradients were discarded without a step (a Lightning batch returning None at the end of an
+        accumulation window under its GradScaler plugin), so their loss is no step's; watch added it to the next
+        step's loss. A zero_grad of another model's gradients alone (a GAN's) leaves it."""
+        watcher = self
+
+        def watched_zero_grad(owner, *args, **kwargs):
+            result = zero_grad(owner, *args, **kwargs)
+            if watcher._loss is not None and not watcher._reevaluating:
+                optimizers = [opt for opt in (ref() for ref in watcher._optimizers) if opt is not None]
+                if all(p.grad is None for opt in optimizers for group in opt.param_groups for p in group["params"]):
+                    watcher._loss, watcher._scaled = None, {}
+            return result
+
+        return watched_zero_grad
 
     def _mark_stepped(self) -> None:
         if self._recorded:

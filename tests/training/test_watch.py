@@ -227,6 +227,39 @@ def test_parameters_added_to_an_optimizer_after_recording_began_are_said_in_the_
     assert store.tensors(run_id)["name"].tolist() == ["2.weight", "2.bias"]
 
 
+DROPPED_WINDOW = '''
+import json, sys
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+other = torch.nn.Linear(4, 2)  # a second model whose gradients the loop zeroes between backward and step
+own = []
+for step in range(3):
+    opt.zero_grad()
+    if step == 1:  # a window's backward whose gradients are then dropped without a step (an aborted window)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.zero_grad()
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    other.zero_grad()  # leaves model's gradients, and this step's loss
+    own.append(loss.item())
+    opt.step()
+json.dump(own, open(sys.argv[1], "w"))
+'''
+
+
+def test_a_loss_whose_gradients_were_dropped_without_a_step_is_no_steps_loss(store_path, write_script, tmp_path):
+    """A backward whose gradients zero_grad drops before any step: its loss was added to the next step's (watch does
+    not otherwise see that the gradients went). Each step's loss is the loop's own; zeroing another model's
+    gradients between backward and step leaves it."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(DROPPED_WINDOW, "dropped_window.py"), out)
+    assert code == 0
+    assert store.steps(run_id)["loss"].tolist() == json.loads(out.read_text())
+
+
 def test_tied_weight_is_one_tensor_named_by_its_first_path():
     class Tied(torch.nn.Module):
         def __init__(self):
