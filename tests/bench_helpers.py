@@ -45,3 +45,10 @@ def run_bench(script: str, args: list[str], out: Path, timeout: int = 240) -> li
     files = sorted(out.glob("*.json")) if out.is_dir() else [out]
     assert files and all(f.stat().st_size for f in files), f"bench/{script}.py wrote no JSON under {out}"
     return [json.loads(f.read_text()) for f in files]
+
+
+def smoke(script: str, args: list[str], tmp_path: Path) -> None:
+    """``bench/{script}.py`` at ``args``, its JSON written to a temporary file and not empty."""
+    out = tmp_path / "out.json"
+    (result,) = run_bench(script, [*args, "--out", str(out)], out)
+    assert result

@@ -3,16 +3,14 @@ their smallest settings and write their JSON. Their numbers are for the docs, ne
 bench/ is run by this file or tests/bench/test_dashboard_benches.py."""
 
 import pytest
-from bench_helpers import DASHBOARD_BENCHES, NOT_BENCHES, OTHER_BENCHES, ROOT, TRAINING_BENCHES, run_bench
+from bench_helpers import DASHBOARD_BENCHES, NOT_BENCHES, OTHER_BENCHES, ROOT, TRAINING_BENCHES, run_bench, smoke
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("script", list(TRAINING_BENCHES))
 def test_bench_runs(script, tmp_path):
-    out = tmp_path / "out.json"
-    (result,) = run_bench(script, [*TRAINING_BENCHES[script], "--out", str(out)], out)
-    assert result
+    smoke(script, TRAINING_BENCHES[script], tmp_path)
 
 
 def test_distributed_bench_runs_both_parallelisms(tmp_path):

@@ -188,6 +188,18 @@ def build(device):
 C = torch.tensor([0.0, 2.0**-30, 0.5, -1.0, 1000.0, 70000.0, -(2.0**20)], dtype=torch.float64)
 
 
+def _assert_rows_are_torchs(stats, step: int, grads: dict):
+    """``step``'s stored tensor rows (Store.tensor_stats) are one per gradient of ``grads`` (name: the gradient the
+    loop saw), each tensor's L2, zeros and FP16 underflow torch's own on it; returns the rows by tensor."""
+    rows = stats[stats["step"] == step].set_index("tensor")
+    assert sorted(rows.index) == sorted(grads)
+    for name, grad in grads.items():
+        assert rows.loc[name, "l2"] == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
+        assert rows.loc[name, "zeros"] == int((grad == 0).sum())
+        assert rows.loc[name, "fp16_underflow"] == int(((grad != 0) & (grad.half() == 0)).sum())
+    return rows
+
+
 @pytest.mark.parametrize("opt_level", ["O0", "O1"])
 def test_mpdiag_run_records_the_schedule_and_the_analytic_norm_before_its_clip(write_script, store_path, opt_level):
     """`mpdiag run`'s runner (its Recorder attached, --every 2, clip_grad_norm 1.0 and a per-step scheduler):
@@ -273,11 +285,7 @@ def test_sparse_embedding_gradients_are_read_as_the_dense_gradient_they_stand_fo
     assert store.steps(rec.run_id)["grad_norm"].tolist() == norms
     stats = store.tensor_stats(rec.run_id)
     for step, grads in enumerate(dense):
-        rows = stats[stats["step"] == step].set_index("tensor")
-        for name, grad in zip(["0.weight", "1.weight", "1.bias"], grads, strict=True):
-            assert rows.loc[name, "l2"] == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
-            assert rows.loc[name, "zeros"] == int((grad == 0).sum())
-            assert rows.loc[name, "fp16_underflow"] == int(((grad != 0) & (grad.half() == 0)).sum())
+        rows = _assert_rows_are_torchs(stats, step, dict(zip(["0.weight", "1.weight", "1.bias"], grads, strict=True)))
     assert rows.loc["0.weight", "zeros"] > 0  # the rows no index touched
     # step 1's FP32 gradients underflow FP16; under autocast FP16's own backward already flushed them to zeros
     assert (stats["fp16_underflow"].sum() > 0) != autocast
@@ -314,10 +322,6 @@ def test_a_layer_unfrozen_while_training_is_recorded_from_its_first_gradient(sto
     store = Store(store_path)
     assert store.steps(recorder.run_id)["grad_norm"].tolist() == norms
     stats = store.tensor_stats(recorder.run_id)
-    for step, seen in enumerate(grads):
-        rows = stats[stats["step"] == step].set_index("tensor")
-        assert sorted(rows.index) == sorted(seen)  # the unfrozen layer's tensors from step 3 on, not before
-        for name, grad in seen.items():
-            assert rows.loc[name, "l2"] == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
-            assert rows.loc[name, "fp16_underflow"] == int(((grad != 0) & (grad.half() == 0)).sum())
+    for step, seen in enumerate(grads):  # the unfrozen layer's tensors from step 3 on, not before
+        _assert_rows_are_torchs(stats, step, seen)
     assert stats[(stats["step"] == 4) & (stats["tensor"] == "0.weight")]["fp16_underflow"].item() > 0
