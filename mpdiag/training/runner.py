@@ -30,7 +30,7 @@ from mpdiag.numerics.shadow import Fp32Shadow, rng_state
 from mpdiag.options import ConfigError, RunConfig
 from mpdiag.recording.background import BackgroundWriter
 from mpdiag.recording.console import OutputKeeper
-from mpdiag.recording.distributed import DiscardingWriter
+from mpdiag.recording.distributed import DiscardingWriter, RankContext
 from mpdiag.recording.nonfinite_step import optimizer_state_dtype
 from mpdiag.recording.recorder import EVERY_STEP, Recorder, gpu_name
 from mpdiag.recording.run import MpdiagConfig, Run
@@ -254,7 +254,8 @@ def _loop(built, model, optimizer, policy, recorder, config, device, progress, r
           shadow: Fp32Shadow | None) -> str | None:
     """Train for config.steps optimizer steps of ``built.accumulate`` micro-batches each; returns a note when
     the batches ran out early."""
-    recorder.events.configure(config.stop_on, announce=True)  # --stop-on, and one stderr line per event
+    # --stop-on, and one stderr line per event: rank 0's (under torchrun every rank saw the same event)
+    recorder.events.configure(config.stop_on, announce=not RankContext.launched_as_other_rank())
     batches = built.batches()
     scheduler = built.make_scheduler(optimizer) if built.make_scheduler is not None else None
     reported = None  # the latest step given to progress

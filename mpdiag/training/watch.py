@@ -478,7 +478,8 @@ class Watcher:
         if self.recorder is None:
             self.recorder = self._start_recorder(scaler)
             if self.recorder is not None:  # --stop-on, and one stderr line per event
-                self.recorder.events.configure(self.config.stop_on, announce=True)
+                # rank 0's lines only: under torchrun every rank saw the same event (a line per rank repeated it)
+                self.recorder.events.configure(self.config.stop_on, announce=not RankContext.launched_as_other_rank())
         return self.recorder is not None
 
     def _capture(self, scaler=None, optimizer=None) -> None:
