@@ -12,7 +12,10 @@ just after, counting per tensor, among the values whose gradient is finite and n
   these updates are kept, without them they would be lost);
 * ``unchanged``: w_after == w_before exactly (the update was lost, or was exactly zero).
 
-Steps the scaler skips never call ``optimizer.step`` and are not counted. Cost per tracked step: one copy
+Steps the scaler skips are not counted: a non-fused optimizer's ``step`` is never called, and a fused one's
+(``fused=True``, which GradScaler steps with its ``found_inf`` and which skips inside the kernel) is given to
+:meth:`UpdateTracker.after` with that ``found_inf``, whose counts are dropped once it reads non-zero (they said
+every value unchanged, as if each update had been lost). Cost per tracked step: one copy
 of the tracked tensors into snapshots allocated once (as many bytes as those tensors), then on the CPU one
 numba pass over snapshot, weights and gradients (:func:`mpdiag.numerics.cpu_kernel.update_counts`), elsewhere a few
 elementwise torch passes whose counts reach the host in a non-blocking copy, taken once it has arrived.
@@ -93,13 +96,16 @@ class UpdateTracker:
                 snap.copy_(t)
         self._armed_step = step
 
-    def after(self) -> None:
-        """Count what the step just done changed; a no-op when :meth:`before` was not called for it."""
+    def after(self, found_inf: torch.Tensor | None = None) -> None:
+        """Count what the step just done changed; a no-op when :meth:`before` was not called for it.
+        ``found_inf``: the one GradScaler handed a fused optimizer for this step: non-zero, the step was skipped
+        inside the optimizer and its counts are dropped at :meth:`take` (read back without a synchronisation)."""
         if self._armed_step is None:
             return
         counts = self._count_on_cpu()
         counts = counts if counts is not None else self._count_with_torch()
-        self._done.append((self._armed_step, DeviceReadback(counts)))
+        skipped = None if found_inf is None else DeviceReadback(found_inf.detach().reshape(1).double())
+        self._done.append((self._armed_step, DeviceReadback(counts), skipped))
         self._armed_step = None
 
     def _count_on_cpu(self) -> torch.Tensor | None:
@@ -143,9 +149,11 @@ class UpdateTracker:
         """The counts of the tracked steps not taken yet whose counts have reached the host, in step order;
         ``wait`` waits for all of them."""
         taken = []
-        while self._done and (wait or self._done[0][1].ready()):
-            step, counts = self._done.pop(0)
-            taken.append((step, counts.numpy().tolist()))
+        while self._done and (wait or (self._done[0][1].ready()
+                                       and (self._done[0][2] is None or self._done[0][2].ready()))):
+            step, counts, skipped = self._done.pop(0)
+            if skipped is None or skipped.numpy()[0] == 0:
+                taken.append((step, counts.numpy().tolist()))
         return taken
 
 

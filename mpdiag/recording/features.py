@@ -14,9 +14,12 @@ The call order, per recorded step (one step: from one ``record`` to the next)::
 
     at_record(step)                 in Recorder.record, after the step's gradients were read and before the
                                     optimizer step: the weights and the .grad are the ones the step used
-    before_optimizer_step(opt)      in each optimizer step pre-hook of that step (none when GradScaler skips it)
+    before_optimizer_step(opt)      in each optimizer step pre-hook of that step (none when GradScaler skips a
+                                    non-fused optimizer's step)
     after_optimizer_step(opt)       in each optimizer step post-hook (not under the Recorder's lock, which a
-                                    timer flush may hold: what it leaves for drain, it only appends)
+                                    timer flush may hold: what it leaves for drain, it only appends); also
+                                    when GradScaler had a fused optimizer skip inside its step
+                                    (:func:`found_inf_of` is then not None)
     drain(wait)                     at every flush (the training thread's, or the writer thread's timer): the
                                     writer jobs for the rows that have reached the host; ``wait``: the run is
                                     ending, wait for all of them
@@ -43,6 +46,17 @@ from mpdiag.numerics.updates import UpdateTracker
 
 #: a write the Recorder submits to its background writer: called there with the store writer
 WriterJob = Callable[[Any], None]
+
+
+def found_inf_of(optimizer) -> torch.Tensor | None:
+    """The ``found_inf`` GradScaler handed ``optimizer`` for the step running now, or None. An optimizer with
+    ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad) is stepped by
+    ``GradScaler.step`` even when the gradients overflowed: the scaler sets ``found_inf`` and ``grad_scale`` on it
+    for the length of its ``step``, and the fused kernel leaves the weights and state unchanged where ``found_inf``
+    is non-zero. So its step hooks fire on a skipped step too: read as applied, a skipped step was stored as run
+    (and its overflowed gradients raised a false ``nonfinite`` event)."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return found_inf if torch.is_tensor(found_inf) else None
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ class UpdateCounts(RecorderFeature):
             self._step = None
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._tracker.after()
+        self._tracker.after(found_inf_of(optimizer))
 
     def _take(self, wait: bool) -> None:
         self._rows += [(step, i, *counts) for step, per_tensor in self._tracker.take(wait)

@@ -49,7 +49,7 @@ from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
 from mpdiag.recording.distributed import DiscardingWriter, RankContext, local_shards
 from mpdiag.recording.events import EventLog
-from mpdiag.recording.features import RecordedStep, RecorderFeature, ShadowComparison, UpdateCounts
+from mpdiag.recording.features import RecordedStep, RecorderFeature, ShadowComparison, UpdateCounts, found_inf_of
 from mpdiag.recording.fp8_capture import Fp8Feature
 from mpdiag.recording.nonfinite_step import EVERY_STEP, OptimizerStepCheck
 from mpdiag.recording.replay import LOSS_SPIKE_TRIGGER, ReplayFeature, ReplayResult
@@ -139,6 +139,28 @@ def _dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 def _arrived(readback: DeviceReadback | None) -> bool:
     """Whether a step row's own gradient norm (None: the readback's) has reached the host."""
     return readback is None or readback.ready()
+
+
+def _decided(skipped) -> bool:
+    """Whether a step row's ``skipped`` (0, 1, None, or a :class:`_SkippedInside`) has reached the host."""
+    return not isinstance(skipped, _SkippedInside) or skipped.ready()
+
+
+class _SkippedInside:
+    """A step row's ``skipped`` while it is decided on the device: the ``found_inf`` of each fused optimizer that
+    ran its step (:func:`found_inf_of`), read back without a synchronisation; the step was skipped when every one
+    of them found an inf (an optimizer that applied its update makes the step applied, as the step hook of a
+    non-fused one does)."""
+
+    def __init__(self, found_infs: list[torch.Tensor]):
+        device = found_infs[0].device  # several optimizers' may live on several devices
+        self._readback = DeviceReadback(torch.cat([f.detach().reshape(1).double().to(device) for f in found_infs]))
+
+    def ready(self) -> bool:
+        return self._readback.ready()
+
+    def value(self) -> int:
+        return int(bool((self._readback.numpy() > 0).all()))
 
 
 def _never_ends_training(method):
@@ -360,6 +382,9 @@ class Recorder:
         self.last_loss = float("nan")  # the unscaled loss of step last_loss_step, as a Python float
         self.last_loss_step: int | None = None  # the latest step whose loss has reached the host
         self._stepped = False
+        #: the ``found_inf`` of each fused optimizer GradScaler stepped in the open step (:func:`found_inf_of`): such
+        #: a step ran its hooks and may still have been skipped inside the kernel
+        self._found_infs: list[torch.Tensor] = []
         #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
         #: step over our parameters was seen
         self._observable = bool(self._optimizers) or self.scaler is not None
@@ -550,7 +575,12 @@ class Recorder:
 
         def after(opt, args, kwargs):
             if ours(opt):
-                self._stepped = self._observable = True
+                self._observable = True
+                found_inf = found_inf_of(opt)
+                if found_inf is None:
+                    self._stepped = True
+                else:  # stepped by GradScaler, which may have had it skip inside the kernel
+                    self._found_infs.append(found_inf)
                 self._after_optimizer_step(opt)
 
         def unscaled(opt):  # asked to step, whether the scaler then steps it or skips it
@@ -654,7 +684,7 @@ class Recorder:
         self.events.stop_at(step)  # --stop-on: the runner and watch do not step a step whose record raised it
         self._last_record = now
         self._step += 1
-        self._stepped = False
+        self._stepped, self._found_infs = False, []
         if time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
 
@@ -844,7 +874,8 @@ class Recorder:
         every step of a loop whose optimizer steps cannot be seen (no optimizer or scaler given and no torch.optim
         step over the model's parameters yet: weights updated by hand)."""
         if self._unread_steps and self._unread_steps[-1][0] is not None:
-            self._unread_steps[-1][0][3] = 0 if self._stepped else (1 if known and self._observable else None)
+            self._unread_steps[-1][0][3] = 0 if self._stepped else _SkippedInside(self._found_infs) \
+                if self._found_infs else (1 if known and self._observable else None)
 
     def _read_arrived(self, wait: bool) -> None:
         """Move what has reached the host into the row buffers, in step order; ``wait`` waits for all of it.
@@ -853,8 +884,10 @@ class Recorder:
         ``update()`` from the next one's; the final sentinel (row None) is the state at close()."""
         steps = self._unread_steps
         while len(steps) >= 2 and (wait or (steps[0][1].ready() and steps[1][1].ready()
-                                            and _arrived(steps[0][0][10]))):
+                                            and _arrived(steps[0][0][10]) and _decided(steps[0][0][3]))):
             (row, state), (_, after) = steps.popleft(), steps[0]
+            if isinstance(row[3], _SkippedInside):
+                row[3] = row[3].value()
             loss, scale, _, norm = state.numpy()
             _, scale_after, tracker, _ = after.numpy()
             row[1], row[2] = float(loss), float(scale)

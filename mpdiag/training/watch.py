@@ -401,12 +401,17 @@ class Watcher:
         if self._recorded and self._stepped:  # the first backward of a new step
             self._recorded = self._stepped = False
         self._read_at_clip = None  # a clip call before this backward clipped an earlier micro-batch
-        if not torch.is_tensor(tensors) or tensors.numel() != 1:
+        # ``torch.autograd.backward([l1, l2])`` back-propagates several losses at once, their sum as one backward
+        # each would (its step's loss was NaN, and a false non-finite event followed)
+        losses = (tensors,) if torch.is_tensor(tensors) else tuple(tensors) if isinstance(tensors, (list, tuple)) \
+            else ()
+        if not losses or not all(torch.is_tensor(t) and t.numel() == 1 for t in losses):
             return
-        ref, unscaled = self._scaled.get(id(tensors), (None, None))
-        value = unscaled if ref is not None and ref() is tensors else tensors.detach()
-        value = value.reshape(()).double()
-        self._loss = value if self._loss is None else self._loss + value
+        for loss in losses:
+            ref, unscaled = self._scaled.get(id(loss), (None, None))
+            value = unscaled if ref is not None and ref() is loss else loss.detach()
+            value = value.reshape(()).double()
+            self._loss = value if self._loss is None else self._loss + value
 
     def _dropping_the_loss_with_the_gradients(self, zero_grad):
         """``zero_grad`` (an optimizer's or a module's), after which a loss back-propagated since the last recorded

@@ -427,3 +427,50 @@ def test_a_recorder_that_cannot_hook_in_ends_its_run_failed_and_leaves_no_hook(s
     assert torch.amp.GradScaler.unscale_ is unscale
     model(torch.randn(2, 4)).sum().backward()
     fine.step()  # as without mpdiag
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Adam", "SGD"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_optimizer_gradscaler_skips_inside_its_step_is_recorded_skipped(store_path, optimizer, fused):
+    """A ``fused=True`` optimizer supports AMP scaling: ``GradScaler.step`` calls its ``step`` even when the
+    gradients overflowed, handing it ``found_inf``, and the kernel leaves the weights unchanged. Its step hooks
+    fire all the same, so such a step was stored as applied (skipped 0), its overflowed gradients raised a
+    ``nonfinite`` event ("the optimizer step ran") and its update counts said every value unchanged. Each step's
+    skipped flag, scale and scale after ``update()`` are GradScaler's own (``_found_inf_per_device``, the weights
+    unchanged), the norm ``clip_grad_norm_``'s, no event fires, and skipped steps have no update counts; the same
+    as with the for-loop implementation."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    kind = {"fused": True} if fused else {"foreach": False}
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-2, **kind)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    truth = []  # per step: (skipped, scale, scale after update, clip_grad_norm_'s norm)
+    with Recorder(model, store=store_path, scaler=scaler, optimizer=opt, update_format="fp16") as rec:
+        for step in range(8):
+            x, y = torch.randn(8, 16), torch.randn(8, 4)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss = loss * 1e30 if step in (3, 6) else loss  # overflows FP16: GradScaler skips these steps
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            rec.record(loss)
+            if step % 2:  # unscaled before the step (as for clipping) every other step
+                scaler.unscale_(opt)
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))) / (scale if step % 2 == 0 else 1.0)
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            skipped = sum(v.item() for v in scaler._found_inf_per_device(opt).values()) > 0
+            assert skipped == all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+            scaler.update()
+            truth.append((int(skipped), scale, scaler.get_scale(), norm))
+    store = Store(store_path)
+    steps = store.steps(rec.run_id)
+    assert [t[0] for t in truth] == [0, 0, 0, 1, 0, 0, 1, 0]
+    assert steps["skipped"].tolist() == [t[0] for t in truth]
+    assert steps["loss_scale"].tolist() == [t[1] for t in truth]
+    assert steps["scale_after"].tolist() == [t[2] for t in truth]
+    for stored, (_, _, _, norm) in zip(steps["grad_norm"].tolist(), truth, strict=True):
+        assert stored == norm or (math.isnan(norm) and math.isnan(stored))
+    assert store.events(rec.run_id).empty
+    assert sorted(set(store.update_stats(rec.run_id)["step"])) == [0, 1, 2, 4, 5, 7]

@@ -486,3 +486,49 @@ def test_a_full_disk_never_ends_the_watched_script(store_path, tmp_path, monkeyp
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpdiag:")]
     assert len(said) == 1 and "database or disk is full" in said[0]
     assert store.run(run_id)["status"] == "failed"
+
+
+SEVERAL_BACKWARDS = '''
+import json, sys
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+own = {"loss": [], "grad_norm": [], "skipped": []}
+for step in range(4):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(8, 8)).float()
+        l1 = torch.nn.functional.mse_loss(out, torch.randn(8, 2))
+        l2 = out.pow(2).mean() * (1e30 if step == 2 else 0.1)  # overflows FP16 at step 2: skipped
+    if sys.argv[2] == "list":
+        torch.autograd.backward([scaler.scale(l1), scaler.scale(l2)])
+    else:
+        scaler.scale(l1).backward(retain_graph=True)
+        scaler.scale(l2).backward()
+    scaler.unscale_(opt)
+    own["loss"].append(l1.item() + l2.item())
+    own["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+    scaler.step(opt)
+    own["skipped"].append(int(sum(v.item() for v in scaler._found_inf_per_device(opt).values()) > 0))
+    scaler.update()
+json.dump(own, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.parametrize("how", ["list", "calls"])
+def test_several_losses_back_propagated_in_one_step_are_its_loss(store_path, write_script, tmp_path, how):
+    """Two losses back-propagated in one step, by one ``torch.autograd.backward([l1, l2])`` (the step's loss was
+    NaN, and a false non-finite event followed) or one ``backward`` each: the loss is their sum, unscaled, the
+    norm ``clip_grad_norm_``'s, and the step GradScaler skipped is stored skipped, with no event."""
+    out = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(SEVERAL_BACKWARDS, "several.py"), out, how)
+    assert code == 0
+    own, steps = json.loads(out.read_text()), store.steps(run_id)
+    assert own["skipped"] == [0, 0, 1, 0] and steps["skipped"].tolist() == own["skipped"]
+    assert steps["loss"].tolist() == own["loss"]
+    stored = steps["grad_norm"].tolist()
+    assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(stored, own["grad_norm"], strict=True))
+    assert store.events(run_id).empty
