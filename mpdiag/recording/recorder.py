@@ -163,6 +163,13 @@ class _SkippedInside:
         return int(bool((self._readback.numpy() > 0).all()))
 
 
+#: the run's note when no recorded step found a gradient on the model's parameters: its norm reads 0 at every step
+NO_GRADIENT_NOTE = ("No parameter of the recorded model had a gradient at any recorded step, so each step's gradient "
+                    "norm is 0 and no tensor statistics were kept: the model given to the Recorder is not the one "
+                    "whose parameters the backward pass reached (e.g. training through torch.func.functional_call "
+                    "over copies of its parameters), or record() was called before backward().")
+
+
 def _never_ends_training(method):
     """A Recorder method the training loop calls: when writing to the store fails (a full disk, a store gone), the
     Recorder stops recording and says so once; the loop goes on (:meth:`Recorder._stop_recording`)."""
@@ -315,7 +322,8 @@ class Recorder:
       ranks, as DTensor's own norm sums them. A sparse gradient (``nn.Embedding(sparse=True)``, which
       ``clip_grad_norm_`` refuses) counts as the dense gradient it stands for, as do its statistics. A
       non-finite norm (an overflowed step) is stored as such: inf, or NULL for NaN; 0.0 when no gradient was
-      this step's (what ``clip_grad_norm_`` returns for none). Where some of those gradients belong to no
+      this step's (what ``clip_grad_norm_`` returns for none; a run in which no step had one says so in its note,
+      :data:`NO_GRADIENT_NOTE`). Where some of those gradients belong to no
       optimizer of the step (a GAN's generator backward writes the discriminator's too), the norm is over the
       stepping optimizers' alone once the step ends (one process; see ``_settle_owners``).
     * ``wall_time_s``: seconds from the Recorder's creation to the step's ``record`` call (the step's end, as
@@ -395,6 +403,8 @@ class Recorder:
         self._unscale_by = 1.0  # what the latest record()'s gradients are divided by to unscale them
         self._computers: dict[tuple[int, ...], GradStatsComputer] = {}
         self._grad_dtype_known: set[int] = set()
+        #: whether any recorded parameter had a gradient at a recorded step (the run's note says when none did)
+        self._saw_gradient = False
         self._step = 0
         self._empty_buffers()
         #: the optimizer whose param_groups[0]["lr"] is recorded: the first given, else the first seen stepping
@@ -767,6 +777,7 @@ class Recorder:
         if not self._dist.computes_stats:
             return GradientRead(step)
         fresh = self._step_grads.fresh(every_grad)
+        self._saw_gradient = self._saw_gradient or bool(fresh)
         grads = _dense(local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh]))
         unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
         unscale_by = 1.0 if unscaled else scale
@@ -1031,6 +1042,8 @@ class Recorder:
         # After the last rows: jobs run in order, so the stored summary counts every step. Waiting for them
         # first makes a write that failed (a full disk) fail here, before the run is ended as if complete.
         self._writer.call(lambda w: None)
+        if self._step and not self._saw_gradient and self._dist.computes_stats:
+            note = " ".join(filter(None, [note, NO_GRADIENT_NOTE]))
         self._run.end(status, error=error, note=note)
         if self._owns_writer:
             self._writer.close()

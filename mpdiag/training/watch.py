@@ -332,7 +332,7 @@ class Watcher:
         watcher, backward = self, torch.autograd.backward
 
         def watched_backward(tensors, *args, **kwargs):
-            watcher._on_backward(tensors)
+            watcher._on_backward(tensors, args[0] if args else kwargs.get("grad_tensors"))
             if watcher.shadow is None:
                 return backward(tensors, *args, **kwargs)
             watcher.shadow.in_backward = True  # a forward now (activation checkpointing) is not a call to replay
@@ -394,7 +394,7 @@ class Watcher:
             self.shadow.remove()
 
     # -- step boundaries -----------------------------------------------------------------------------------
-    def _on_backward(self, tensors) -> None:
+    def _on_backward(self, tensors, grad_tensors=None) -> None:
         if self._reevaluating:
             return
         self.backward_calls += 1
@@ -402,9 +402,10 @@ class Watcher:
             self._recorded = self._stepped = False
         self._read_at_clip = None  # a clip call before this backward clipped an earlier micro-batch
         # ``torch.autograd.backward([l1, l2])`` back-propagates several losses at once, their sum as one backward
-        # each would (its step's loss was NaN, and a false non-finite event followed)
-        losses = (tensors,) if torch.is_tensor(tensors) else tuple(tensors) if isinstance(tensors, (list, tuple)) \
-            else ()
+        # each would (its step's loss was NaN, and a false non-finite event followed); tensors given with their
+        # gradients (the FP32 shadow's replay of the outputs) are no losses: counted, they doubled the loss
+        several = isinstance(tensors, (list, tuple)) and grad_tensors is None
+        losses = (tensors,) if torch.is_tensor(tensors) else tuple(tensors) if several else ()
         if not losses or not all(torch.is_tensor(t) and t.numel() == 1 for t in losses):
             return
         for loss in losses:

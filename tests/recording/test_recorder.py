@@ -474,3 +474,27 @@ def test_a_fused_optimizer_gradscaler_skips_inside_its_step_is_recorded_skipped(
         assert stored == norm or (math.isnan(norm) and math.isnan(stored))
     assert store.events(rec.run_id).empty
     assert sorted(set(store.update_stats(rec.run_id)["step"])) == [0, 1, 2, 4, 5, 7]
+
+
+def test_a_model_whose_parameters_the_backward_never_reached_is_said_in_the_note(tmp_path):
+    """Training through ``torch.func.functional_call`` over copies of a module's parameters leaves the module's own
+    ``.grad`` empty: each step's norm is 0 (clip_grad_norm_ over no gradient) and no statistics are kept, which the
+    run's note now says instead of leaving a plausible flat line (the optimizer's own norm was 1.35, 1.62, ...)."""
+    from mpdiag.recording.recorder import NO_GRADIENT_NOTE
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in base.named_parameters()}
+    optimizer = torch.optim.Adam(params.values(), lr=1e-2)
+    with Recorder(base, store=tmp_path / "s.db", optimizer=optimizer) as recorder:
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(torch.func.functional_call(base, params, (torch.randn(8, 8),)),
+                                                torch.randn(8, 2))
+            loss.backward()
+            recorder.record(loss)
+            optimizer.step()
+    store = Store(tmp_path / "s.db")
+    assert all(p.grad is None for p in base.parameters()) and all(p.grad is not None for p in params.values())
+    assert store.steps(recorder.run_id)["grad_norm"].tolist() == [0.0, 0.0, 0.0]
+    assert store.run(recorder.run_id)["note"] == NO_GRADIENT_NOTE
