@@ -25,6 +25,12 @@ ops elsewhere (CUDA): a fixed number of launches over all gradients gathered int
 allocated once, no host synchronisation, one non-blocking copy to the host (:class:`PendingStats`). The
 torch backend always computes the second view by GradScaler's multiply, since choosing to shift would
 mean reading counts back first.
+
+float64 gradients are read as torch casts them to FP32 (its casts of float64 to FP16, BF16 and FP8 go through
+FP32, so the counts are torch's), except a finite value the cast would make infinite or zero: it is read as
+FP32's largest value or smallest subnormal, with its sign (:class:`_Float64Read`), so it counts as overflowing or
+underflowing every narrower format, not as inf or zero; the histogram counts it in FP32's top or bottom bin. Their
+absmax, min_nonzero and l2 are taken from the float64 values themselves.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -316,6 +323,73 @@ class PendingStats:
             self._result = self._finish(None if self._readback is None else self._readback.numpy())
         return self._result
 
+    def then(self, patch) -> PendingStats:
+        """These statistics as ``patch`` leaves them (called once, on the decoded result)."""
+        return PendingStats(lambda host: patch(self._finish(host)), self._readback)
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT64 = frozenset((torch.float64,))
+_DTYPE = operator.attrgetter("dtype")
+FP32_SMALLEST = 2.0**-149  # FP32's smallest subnormal
+
+
+class _Float64Read:
+    """The float64 tensors among a step's gradients, read for the FP32 pass and for their exact reductions.
+
+    :meth:`values` gives each tensor as the pass reads it (see the module's docstring): a float64 value whose
+    FP32 cast is inf or zero while it is finite or non-zero would otherwise be counted as a non-finite value or
+    a zero that the gradient does not hold (a 1e39 or a 1e-50, beyond FP32's range). :meth:`reductions` takes
+    absmax, min_nonzero and l2 of the unscaled float64 values (the gradient times GradScaler's FP32 reciprocal,
+    multiplied in float64 as GradScaler does), on the tensors' device, read by :meth:`patch` once the step's
+    statistics are decoded (a device's results are ready by then)."""
+
+    def __init__(self, grads: list[torch.Tensor], factor: float | torch.Tensor | None):
+        self.indices = [t for t, g in enumerate(grads) if g.dtype == torch.float64 and g.numel()]
+        self._reductions = self._reduce([grads[t].detach() for t in self.indices], factor) if self.indices else None
+
+    @classmethod
+    def of(cls, grads: list[torch.Tensor], scale: float | torch.Tensor, grads_are_scaled: bool) -> _Float64Read | None:
+        """None when no gradient is float64 (the usual case: one test in C)."""
+        if _FLOAT64.isdisjoint(map(_DTYPE, grads)):
+            return None
+        if not grads_are_scaled or (not torch.is_tensor(scale) and scale == 1.0):
+            return cls(grads, None)
+        return cls(grads, scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale))
+
+    @staticmethod
+    def values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [_within_fp32(g) if g.dtype == torch.float64 else g for g in grads]
+
+    @staticmethod
+    def _reduce(grads: list[torch.Tensor], factor: float | torch.Tensor | None) -> torch.Tensor:
+        unscaled = grads if factor is None else [g * factor for g in grads]
+        magnitudes = [u.abs() for u in unscaled]
+        absmax = torch.stack([m.amax() for m in magnitudes])  # NaN when the tensor holds one, as the pass says
+        l2 = torch.stack(torch._foreach_norm(unscaled, 2))
+        # the smallest magnitude that is neither zero nor NaN; inf if the tensor holds inf and nothing smaller,
+        # NaN if it holds no such value (as the pass: a NaN is never the smallest non-zero value)
+        counted = [torch.where((m == 0) | m.isnan(), math.inf, m).amin() for m in magnitudes]
+        has_inf = torch.stack([m.isinf().any() for m in magnitudes])
+        smallest = torch.stack(counted)
+        min_nonzero = torch.where(smallest.isinf() & ~has_inf, math.nan, smallest)
+        return torch.stack([absmax, min_nonzero, l2])
+
+    def patch(self, stats: StepGradStats) -> StepGradStats:
+        if self._reductions is not None:
+            absmax, min_nonzero, l2 = self._reductions.cpu().numpy()
+            stats.absmax[self.indices], stats.min_nonzero[self.indices], stats.l2[self.indices] = absmax, min_nonzero, l2
+        return stats
+
+
+def _within_fp32(g: torch.Tensor) -> torch.Tensor:
+    """float64 ``g`` cast to FP32, a finite value the cast made infinite read as FP32's largest and a non-zero one
+    it made zero as FP32's smallest subnormal, each with its sign (see :class:`_Float64Read`)."""
+    g = g.detach()
+    cast = g.float()
+    cast = torch.where(cast.isinf() & g.isfinite(), torch.copysign(torch.full_like(cast, FP32_MAX), cast), cast)
+    return torch.where((cast == 0) & (g != 0), torch.copysign(torch.full_like(cast, FP32_SMALLEST), cast), cast)
+
 
 class HeldStep:
     """A step's gradients held aside by :meth:`GradStatsComputer.hold`: ``counts`` holds :data:`SIGNAL_COUNTS`
@@ -547,10 +621,15 @@ class GradStatsComputer:
         result is best read a step later (after GradScaler's own synchronisation); numba computes at once."""
         if [g.numel() for g in grads] != self.numels:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
+        float64 = _Float64Read.of(grads, scale, grads_are_scaled)
+        if float64 is not None:
+            grads = float64.values(grads)
         if self.backend == "numba":
             stats = self._numba_stats(self._numba_sources(grads), self._items, float(scale), grads_are_scaled)
-            return PendingStats(lambda _: stats)
-        return self._torch_start(grads, scale, grads_are_scaled)
+            pending = PendingStats(lambda _: stats)
+        else:
+            pending = self._torch_start(grads, scale, grads_are_scaled)
+        return pending if float64 is None else pending.then(float64.patch)
 
     def hold(self, grads: list[torch.Tensor], scale: float, grads_are_scaled: bool = True) -> PendingStats:
         """numba only: copy ``grads`` aside (one FP32 buffer, reused once no held step needs it) and count only
@@ -562,14 +641,18 @@ class GradStatsComputer:
         if [g.numel() for g in grads] != self.numels:
             raise ValueError("gradient sizes differ from the sizes this computer was built for")
         scale = float(scale)
+        float64 = _Float64Read.of(grads, scale, grads_are_scaled)
+        if float64 is not None:
+            grads = float64.values(grads)
         buffer, gather = self._held_pool.pop() if self._held_pool else self._new_held_buffer()
         gather(grads)
         factor = _unscale_factor(scale) if grads_are_scaled else scale
         item_counts, counts = self._signal_spaces
         self._signal_kernel(buffer.numpy(), self._held_items, np.float32(factor), grads_are_scaled, SIGNAL_EDGES,
                             item_counts, counts)
+        finish = float64.patch if float64 is not None else (lambda stats: stats)
         held = HeldStep(dict(zip(SIGNAL_COUNTS, counts.T.copy(), strict=True)),
-                        lambda: self._numba_stats([buffer], self._held_items, scale, grads_are_scaled))
+                        lambda: finish(self._numba_stats([buffer], self._held_items, scale, grads_are_scaled)))
         weakref.finalize(held, self._held_pool.append, (buffer, gather))
         return PendingStats(lambda _: held)
 

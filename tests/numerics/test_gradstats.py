@@ -515,3 +515,31 @@ def test_the_kernels_leave_torch_on_the_threads_the_script_gave_it():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[[1, 1, 1], [2, 2, 2]] 1 2"
+
+
+def test_float64_values_beyond_fp32s_range_count_as_torchs_casts_of_them(computer):
+    """A float64 gradient holds finite values FP32 cannot (1e39, 1e-50): torch's casts of them to FP16, BF16 and
+    FP8 overflow and underflow (they go through FP32), so they are counted so, not as inf or zero, and absmax,
+    min_nonzero and l2 are the float64 values' own. The casts below are of the float64 tensor itself."""
+    g = torch.cat([torch.tensor([1e39, -1e39, 1e300, 1e-50, -1e-300, 0.0, float("inf"), float("nan")],
+                                dtype=torch.float64), sweep(5_000, seed=5).double()])
+    plain = torch.randn(7, dtype=torch.float64)  # in range: its reductions too are the float64 values' own
+    stats = computer([g.numel(), plain.numel()]).compute([g, plain], 1.0)
+    finite_nonzero = g.isfinite() & (g != 0)
+    for fmt in LOW_PRECISION.values():
+        cast = g.to(fmt.dtype).double()
+        over = cast.isinf() if fmt.overflow_above is None else g.abs() > fmt.overflow_above
+        expected = {"underflow": finite_nonzero & (cast == 0), "overflow": finite_nonzero & over,
+                    "subnormal": finite_nonzero & (cast != 0) & (cast.abs() < fmt.min_normal)}
+        got = {k: int(stats.counts[f"{fmt.name}_{k}"][0]) for k in expected}
+        assert got == {k: int(v.sum()) for k, v in expected.items()}, fmt.name
+    assert [int(stats.counts[k][0]) for k in ("zeros", "posinf", "neginf", "nan")] == [
+        int((g == 0).sum()), int(g.isposinf().sum()), int(g.isneginf().sum()), int(g.isnan().sum())]
+    assert stats.hist[0].sum() == int((finite_nonzero).sum())  # each finite non-zero value in one bin
+    assert math.isnan(stats.absmax[0]) and math.isnan(stats.l2[0])  # it holds a NaN
+    assert stats.min_nonzero[0] == 1e-300
+    assert stats.l2[1] == float(torch.linalg.vector_norm(plain)) and stats.absmax[1] == float(plain.abs().max())
+    assert stats.min_nonzero[1] == float(plain.abs().min())
+    finite = g[g.isfinite()]
+    stats = computer([finite.numel()]).compute([finite], 1.0)
+    assert stats.absmax[0] == 1e300 and stats.l2[0] == float(torch.linalg.vector_norm(finite))

@@ -325,3 +325,49 @@ def test_a_layer_unfrozen_while_training_is_recorded_from_its_first_gradient(sto
     for step, seen in enumerate(grads):  # the unfrozen layer's tensors from step 3 on, not before
         _assert_rows_are_torchs(stats, step, seen)
     assert stats[(stats["step"] == 4) & (stats["tensor"] == "0.weight")]["fp16_underflow"].item() > 0
+
+
+@pytest.mark.parametrize("every", [1, 4])  # 4: steps 1-3 copied aside (held) and their statistics taken later
+def test_complex_and_float64_gradients_are_counted_as_torch_casts_them(store_path, every):
+    """A complex64 parameter's statistics count its real and imaginary parts, as torch casts them (read as one real
+    tensor, the imaginary parts were dropped: its L2 ~40 % low), and its numel in the tensors table is the values
+    counted. A float64 gradient beyond FP32's range (1e39, 1e-50: finite and non-zero) counts as overflowing and
+    underflowing FP16 and BF16, as torch's casts of it say, not as inf or zero (its L2 and absmax read inf); its
+    L2 and absmax are of the float64 values. The norm is ``clip_grad_norm_``'s over the complex gradient."""
+    far = torch.tensor([1.0, 1e39, -1e39, 1e-50, -1e-50, 0.5], dtype=torch.float64)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.wide = torch.nn.Parameter(torch.ones(6, dtype=torch.float64))
+    model.waves = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    recorder = Recorder(model, store=store_path, optimizer=optimizer, every=every)
+    grads, norms = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        x = torch.randn(3, 4, dtype=torch.complex64)
+        loss = (model.wide * far * (step + 1)).sum() + (x @ model.waves).abs().pow(2).mean() * 1e-3
+        loss.backward()
+        recorder.record(loss)
+        grads.append({"wide": model.wide.grad.clone(), "waves": model.waves.grad.clone()})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+        optimizer.step()
+    recorder.close()
+    store = Store(store_path)
+    assert store.steps(recorder.run_id)["grad_norm"].tolist() == norms
+    tensors = store.tensors(recorder.run_id).set_index("name")
+    assert tensors.loc["waves", "numel"] == 32 and tensors.loc["wide", "numel"] == 6
+    stats = store.tensor_stats(recorder.run_id)
+    assert set(stats["step"]) == set(range(4)) if every == 1 else 0 in set(stats["step"])
+    for step in sorted(set(stats["step"])):
+        rows = stats[stats["step"] == step].set_index("tensor")
+        for name, grad in grads[step].items():
+            values = torch.view_as_real(grad) if grad.is_complex() else grad
+            row = rows.loc[name]
+            assert row["l2"] == pytest.approx(float(torch.linalg.vector_norm(values.double())), rel=1e-6)
+            assert row["absmax"] == pytest.approx(float(values.abs().max()), rel=1e-6)
+            assert (row["zeros"], row["posinf"], row["neginf"]) == (0, 0, 0)
+            for fmt, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+                cast = values.to(dtype)
+                assert row[f"{fmt}_underflow"] == int(((values != 0) & (cast == 0)).sum()), (step, name, fmt)
+                assert row[f"{fmt}_overflow"] == int(cast.isinf().sum()), (step, name, fmt)
+        assert rows.loc["wide", "fp16_overflow"] == 2 and rows.loc["wide", "bf16_underflow"] == 2
