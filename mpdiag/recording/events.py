@@ -98,7 +98,11 @@ class NonfiniteRule:
         if not (bad_loss or bad_grads):
             return None
         self.fired = True
-        what = "loss" if bad_loss else "gradients (applied: the optimizer step ran)"
+        # an inf norm with no NaN: the gradients hold an inf, or finite values whose squares pass the norm's range
+        # (a diverging BF16 run's 1e20s; a float64 model's 1e300s), which the row alone cannot tell apart
+        what = ("loss" if bad_loss else "gradient norm (applied: the optimizer step ran; the gradients hold an inf, "
+                "or values too large to square)" if norm is not None and math.isinf(norm) else
+                "gradients (applied: the optimizer step ran)")
         return Event(row[_STEP], self.kind, {
             "summary": f"first non-finite {what}: loss {loss}, gradient norm {norm}",
             "loss": _json(loss), "grad_norm": _json(norm), "skipped": skipped, "scale": _json(row[_SCALE]),

@@ -55,6 +55,28 @@ def test_overflow_the_scaler_skips_is_no_nonfinite_event_but_applied_inf_gradien
     assert kinds(log) == [(2, NONFINITE)]
 
 
+def test_an_inf_norm_of_finite_gradients_is_not_called_non_finite_gradients(store_path):
+    """Gradients of 1e20 are finite, but their squares pass FP32's range: the norm is inf (torch's too). The event
+    fires at that step and says the norm is non-finite and why it may be, not that the gradients are."""
+    w = torch.nn.Parameter(torch.ones(4))
+    model = torch.nn.Module()
+    model.w = w
+    optimizer = torch.optim.SGD([w], lr=0.0)
+    with Recorder(model, store=store_path, optimizer=optimizer) as recorder:
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = (w * (1e20 if step == 1 else 1.0)).sum()
+            loss.backward()
+            recorder.record(loss)
+            assert w.grad.isfinite().all()
+            assert math.isinf(torch.nn.utils.clip_grad_norm_([w], 1e30)) == (step == 1)
+            optimizer.step()
+    events = Store(store_path).events(recorder.run_id)
+    assert events[["step", "kind"]].values.tolist() == [[1, NONFINITE]]
+    summary = events["evidence"][0]["summary"]
+    assert "non-finite gradient norm" in summary and "values too large to square" in summary
+
+
 def test_a_loop_that_gives_no_loss_is_no_nonfinite_event():
     log = EventLog()
     for step in range(5):
