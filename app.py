@@ -56,7 +56,8 @@ def runs_panel(store) -> None:
         for title, columns in runs_model.MORE_TABLES.items():
             st.caption(title)
             ui.table(table, columns)
-    for _, run in runs[runs["status"].isin(["failed", "crashed"])].head(3).iterrows():
+    # why the newest runs that ended early ended (a stopped run's events banner above is folded once it ended)
+    for _, run in runs[runs["status"].isin(["failed", "crashed", "stopped"])].head(3).iterrows():
         ui.explain_run_state(run)
 
 

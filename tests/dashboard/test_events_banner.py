@@ -108,3 +108,6 @@ def test_a_stopped_runs_page_says_why_once_in_its_banner(tmp_path, monkeypatch):
     assert sum("stopped by" in w.value and "nonfinite" in w.value for w in at.warning) == 1  # plain() escapes "-"
     at = app("pages/2_Loss_scale.py", path, monkeypatch, run=str(bare))
     assert not at.exception and "was stopped; why:" in texts(at) and reason in texts(at)
+    # the home page: both runs say why (its banners are folded once the runs ended)
+    at = app("app.py", path, monkeypatch)
+    assert not at.exception and texts(at).count("was stopped; why:") == 2 and reason in texts(at)
