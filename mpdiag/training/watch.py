@@ -29,6 +29,7 @@ since the previous step: with accumulation over k micro-batches of ``loss / k``,
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import os
@@ -702,6 +703,31 @@ class WatchSession:
                 print(f"mpdiag: the run could not be stored in full: {exc}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _run_ended_at_os_exit(session: WatchSession) -> Iterator[None]:
+    """While the script runs, its own ``os._exit(code)`` ends the run before the process: finished for 0, failed
+    otherwise, as returning or ``sys.exit(code)`` would. ``os._exit`` ends a process without unwinding (no
+    ``finally``, no atexit), so the run was left open and read crashed, its last rows uncommitted; it is how
+    torchrun scripts avoid the finalization hangs of docs/distributed.md (a DDP job's run had none of its steps).
+    Only in this process: a forked child (a DataLoader worker, a ``multiprocessing`` process) ends by ``os._exit``
+    too, and its exit is not the script's."""
+    real, watching = os._exit, os.getpid()
+
+    def exit_after_ending_the_run(code: int) -> None:
+        if os.getpid() == watching:
+            os._exit = real
+            session.end("finished" if code == 0 else "failed",
+                        None if code == 0 else f"the script called os._exit({code!r})")
+        real(code)
+
+    os._exit = exit_after_ending_the_run
+    try:
+        yield
+    finally:
+        if os._exit is exit_after_ending_the_run:
+            os._exit = real
+
+
 def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], console=None) -> tuple[int, int]:
     """Run the script under ``config``, record it as one run into ``store`` (a store path, or a callable
     returning a writer-like sink, as a supervised child's forwarder is) and return (run id, the script's exit
@@ -714,7 +740,8 @@ def watch(config: WatchConfig, store: str | os.PathLike | Callable[[], object], 
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if on_main else None
     try:
-        session.watcher.run_script()
+        with _run_ended_at_os_exit(session):
+            session.watcher.run_script()
         status, error, code = "finished", None, 0
     except SystemExit as exc:
         code = _exit_code(exc.code)

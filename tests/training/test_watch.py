@@ -359,6 +359,42 @@ def test_module_mode_runs_as_python_dash_m(tmp_path):
     assert Store(tmp_path / "runs.db").runs()["steps_done"].tolist() == [4]
 
 
+OS_EXIT = '''
+import json, multiprocessing, os, sys, torch
+def child():  # a forked process: multiprocessing ends it by os._exit, which must not end the run
+    pass
+m = torch.nn.Linear(4, 1)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+losses = []
+for step in range(int(sys.argv[2])):
+    if step == 1:
+        worker = multiprocessing.get_context("fork").Process(target=child)
+        worker.start()
+        worker.join()
+    loss = m(torch.full((2, 4), float(step))).pow(2).mean()
+    losses.append(loss.item())
+    loss.backward(); o.step(); o.zero_grad()
+json.dump(losses, open(sys.argv[1], "w"))
+os._exit(int(sys.argv[3]))
+'''
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_script_ending_by_os_exit_ends_its_run_with_every_step(tmp_path, code):
+    """``os._exit`` (torchrun scripts' way around finalization hangs) ends the process without unwinding: the run
+    was left open, read crashed, and its last rows were never committed (a DDP job kept none of its 40 steps). The
+    run ends as a return or ``sys.exit(code)`` would, with every step the script took; the forked child's own
+    ``os._exit`` does not end it."""
+    script, losses, db = tmp_path / "exits.py", tmp_path / "losses.json", tmp_path / "runs.db"
+    script.write_text(OS_EXIT)
+    done = cli("watch", "--store", db, script, losses, 6, code)
+    assert done.returncode == code, done.stderr
+    run = Store(db).runs().iloc[0]
+    assert (run["status"], run["error"]) == (("finished", None) if code == 0 else
+                                             ("failed", "the script called os._exit(3)"))
+    assert Store(db).steps(run["run_id"])["loss"].tolist() == json.loads(losses.read_text())
+
+
 SLOW = '''
 import time, torch
 m = torch.nn.Linear(2, 1)
