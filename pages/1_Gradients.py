@@ -67,18 +67,17 @@ def heatmap(shown: TensorView, logged: list[int]):
 
 
 def step_slider(clicked, logged: list[int]) -> int:
-    """The step slider. Its value lives in the session (no default beside it: Streamlit warns of both); a new click
-    on the heatmap moves it to the clicked column's first logged step, once per click."""
+    """The step slider (:func:`ui.step_slider`: at the last logged step, following the newest while the run goes
+    on); a new click on the heatmap moves it to the clicked column's first logged step, once per click, and an
+    event's evidence link (?step=N) to the logged step nearest N, once per link."""
     picked = None if clicked is None else summaries.picked_step(clicked.selection.get(charts.PICKED_STEP, []), logged)
     if picked is not None and st.session_state.get("step_clicked") != picked:
         st.session_state["step"] = st.session_state["step_clicked"] = picked
-    linked = url_count(st.query_params.get("step"))  # an event's evidence link (?step=N): the logged step nearest N
-    if linked is not None and st.session_state.get("step_linked") != linked:  # once per link
+    linked = url_count(st.query_params.get("step"))
+    if linked is not None and st.session_state.get("step_linked") != linked:
         st.session_state["step_linked"] = linked
         st.session_state["step"] = min(logged, key=lambda s: abs(s - linked))
-    if st.session_state.get("step") not in logged:
-        st.session_state["step"] = logged[-1]
-    return st.select_slider("Step", logged, key="step")
+    return ui.step_slider("Step", logged, "step")
 
 
 def step_tiles(ranking: Ranking, at: StepView) -> None:

@@ -148,14 +148,14 @@ def histograms_overlaid(model: CompareRuns) -> None:
         return
     if st.session_state.get("hist_tensor") not in tensors:
         st.session_state["hist_tensor"] = tensors[0]
-    if st.session_state.get("hist_step") not in offered:
+    if st.session_state.get("hist_step") not in offered:  # at first: the last step all of them logged
         st.session_state["hist_step"] = common
     left, right = st.columns([3, 1])
     tensor = left.selectbox("Tensor (worst FP16 underflow of the first run first; type to search)", tensors,
                             key="hist_tensor")
     summed = right.toggle("All logged steps (summed)", key="hist_summed")
-    step = None if summed else st.select_slider(
-        "Step (steps any of these runs logged)", offered, key="hist_step",
+    step = None if summed else ui.step_slider(
+        "Step (steps any of these runs logged)", offered, "hist_step",
         help=f"The last step all of them logged is {common:,}.") if len(offered) > 1 else offered[0]
     overlay = model.overlay(tensor, step)
     if len(overlay.bins):

@@ -59,3 +59,10 @@ def wait_for_runs(store, n, timeout=120):
             return runs
         time.sleep(0.5)
     raise AssertionError(f"runs did not finish: {Store(store).runs()[['run_id', 'status', 'error']]}")
+
+
+def step_slider(at, key: str):
+    """The step slider a page draws for the choice kept in session state ``key`` (frame.step_slider: its widget's
+    own key changes with the steps and the choice)."""
+    return next(s for s in at.select_slider if str(s.key).startswith(f"{key}_at_"))
+

@@ -234,6 +234,31 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
     return chosen
 
 
+def step_slider(label: str, steps: list[int], key: str, container=st, **kwargs) -> int:
+    """A slider over ``steps`` (logged steps, which grow while a run goes on) that returns the chosen one, kept in
+    ``st.session_state[key]``: a page moves it by setting that key first (a click, a link); a step not offered
+    reads as the last one, and a choice at the last step follows the newest while steps are added.
+
+    The widget is the page's view of that key, not its owner: it is made anew (another widget key) whenever the
+    steps or the choice change, with the choice as its value, and a move of the user's reaches the key by its
+    callback. Keyed once, the browser's slider fell back to its first option (step 0) when a live refresh added
+    steps, and sent that back, while the page said another step."""
+    chosen = st.session_state.get(key)
+    if chosen not in steps or chosen == st.session_state.get(f"{key}_last"):
+        chosen = steps[-1]
+    st.session_state[key], st.session_state[f"{key}_last"] = chosen, steps[-1]
+    widget = f"{key}_at_{len(steps)}_{steps[-1]}_{chosen}"
+    st.session_state[widget] = chosen  # set, not a default: the browser shows a value it is sent as set
+
+    def moved(given: int = chosen) -> None:
+        # the browser reports earlier widgets' values again, as they were given: only another value is a move (and
+        # a move made as a refresh replaced the widget reaches the page through the one the user moved)
+        if st.session_state.get(widget) != given:
+            st.session_state[key] = st.session_state[widget]
+
+    return container.select_slider(label, steps, key=widget, on_change=moved, **kwargs)
+
+
 def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: bool = False) -> None:
     """Say what a failed or crashed run reported (its error as text), why a stalled one reads so (with its last
     line of output, when ``store`` is given and the app started it), why a run was stopped (by a signal, or at an

@@ -11,6 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
+from app_helpers import step_slider
 from chart_check import page_chart_problems
 from conftest import ROOT
 from streamlit.testing.v1 import AppTest
@@ -173,7 +174,7 @@ def test_the_page_draws_the_stored_histograms_and_the_zero_shares(recorded, monk
     assert not page_chart_problems(at)
     tensor = at.selectbox(key="hist_tensor").value
     assert tensor == histogram_tensors([Store(path).tensor_totals(1)])[0]
-    assert at.select_slider(key="hist_step").value == 4  # the last step both logged
+    assert step_slider(at, "hist_step").value == 4  # the last step both logged
     spec = json.loads(histogram_chart(at).proto.spec)
     rules = [layer for layer in spec["layer"] if layer.get("mark", {}).get("type") == "rule"]
     assert len(rules) == 1 and rules[0]["encoding"]["x"]["field"] == "log2"  # vertical: log2 |g| is on x
@@ -207,7 +208,7 @@ def test_the_page_names_the_run_without_the_tensor_and_the_one_without_the_step(
     at = page(path, monkeypatch, [1, 2, 3])
     assert not at.exception, [e.value for e in at.exception]
     at.selectbox(key="hist_tensor").set_value("0.weight").run()
-    at.select_slider(key="hist_step").set_value(5).run()
+    step_slider(at, "hist_step").set_value(5).run()
     assert not at.exception and not page_chart_problems(at)
     text = said(at)
     assert "No line: these runs did not record the tensor 0.weight: #3 · other model · custom." in text

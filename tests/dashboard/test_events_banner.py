@@ -3,7 +3,7 @@ to its evidence; a run's name is shown as text, never as Markdown; the view-mode
 
 import json
 
-from app_helpers import app, texts
+from app_helpers import app, step_slider, texts
 
 from mpdiag.dashboard import events_model
 from mpdiag.dashboard import frame as ui
@@ -78,13 +78,13 @@ def test_an_evidence_link_opens_the_gradients_page_at_the_events_step(tmp_path, 
                                                                                   device="cpu"), tmp_path / "runs.db")
     at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id), step="3")
     assert not at.exception, [e.value for e in at.exception]
-    assert at.select_slider(key="step").value in (2, 4)  # logged every 2: the nearest logged step
+    assert step_slider(at, "step").value in (2, 4)  # logged every 2: the nearest logged step
     at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id))
-    assert at.select_slider(key="step").value == 4  # without a link: the last logged step
+    assert step_slider(at, "step").value == 4  # without a link: the last logged step
     for crafted in ("9" * 5000, "²", "-1", "1e9", "3 "):  # a hand-made URL: ignored, the page as without a link
         at = app("pages/1_Gradients.py", tmp_path / "runs.db", monkeypatch, run=str(run_id), step=crafted)
         assert not at.exception and not at.error, crafted
-        assert at.select_slider(key="step").value == 4, crafted
+        assert step_slider(at, "step").value == 4, crafted
 
 
 def test_a_stopped_runs_page_says_why_once_in_its_banner(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from app_helpers import step_slider
 from chart_check import chart_problems, datasets
 from conftest import EXAMPLES, ROOT
 from streamlit.testing.v1 import AppTest
@@ -163,7 +164,7 @@ def test_every_tensors_histogram_as_small_multiples_matches_the_store(store_path
     store = Store(store_path, create=False)
     at = page(store_path, monkeypatch, run="1")
     step = store.logged_steps(1)[-1]  # the default: the latest logged step
-    assert at.select_slider(key="step").value == step
+    assert step_slider(at, "step").value == step
     element = grid_chart(at)
     assert chart_problems(element.proto) == []  # non-empty, finite, at least 150 px each way
     spec = json.loads(element.proto.spec)

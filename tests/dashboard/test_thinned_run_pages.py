@@ -7,7 +7,7 @@ truth: torch's FP16 casts of the planted gradients."""
 
 import pytest
 import torch
-from app_helpers import app, texts
+from app_helpers import app, step_slider, texts
 from conftest import ROOT
 from streamlit.testing.v1 import AppTest
 
@@ -65,7 +65,7 @@ def test_the_overlay_at_a_dropped_step_says_what_that_run_counted_there(store, m
     at.query_params["runs"] = ["1", "2"]
     at.run()
     at.selectbox(key="hist_tensor").set_value("weight").run()
-    at.select_slider(key="hist_step").set_value(DROPPED).run()
+    step_slider(at, "hist_step").set_value(DROPPED).run()
     assert not at.exception, [e.value for e in at.exception]
     said = "\n".join(c.value for c in at.caption).replace("\\", "")  # plain()'s escapes
     g = planted[DROPPED]["weight"]

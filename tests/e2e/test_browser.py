@@ -163,6 +163,7 @@ def watch_live_progress(browser, store, server):
                 shown.append((now, int(match.group(1).replace(",", ""))))
             time.sleep(0.5)
         assert trainer.poll() is None, "the run ended before the page showed it advance"  # still training
+        follow_the_newest_step(browser, server, Store(store).runs().query("name == 'live'")["run_id"].iloc[0])
         trainer.send_signal(signal.SIGTERM)
         trainer.wait(timeout=60)
         run = Store(store).runs().query("name == 'live'").iloc[0]
@@ -176,6 +177,35 @@ def watch_live_progress(browser, store, server):
         shot(page, "10_live_progress")
     finally:
         trainer.kill()
+
+
+def follow_the_newest_step(browser, server, run_id):
+    """The Gradients page of a run still training: its step slider follows the newest logged step by itself, and
+    the page says the step the slider shows (the browser's slider fell back to step 0 when a refresh added steps,
+    while the page showed another); moved back by the user, it stays there while steps are added."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1400})
+    page.goto(f"{server.url}/Gradients?run={run_id}")
+    settle(page, "At step")
+
+    def shown() -> tuple[int, int]:  # (the slider's value, the step the page's tiles say)
+        slider = page.locator("[data-testid='stSlider'] input[type=range]").first.get_attribute("aria-valuetext")
+        heading = re.search(r"At step ([\d,]+)", page.inner_text("body")).group(1)
+        return int(slider.replace(",", "")), int(heading.replace(",", ""))
+
+    seen = []
+    deadline = time.time() + 60
+    while len({step for step, _ in seen}) < 3 and time.time() < deadline:
+        seen.append(shown())
+        time.sleep(0.5)
+    assert len({step for step, _ in seen}) >= 3 and min(step for step, _ in seen) > 0, seen
+    page.locator("[data-testid='stSlider'] input[type=range]").first.focus()
+    for _ in range(3):
+        page.keyboard.press("ArrowLeft")
+    time.sleep(1.5)
+    moved = shown()
+    time.sleep(3)  # several refreshes, each adding steps
+    assert shown() == moved and moved[0] == moved[1], (moved, shown())
+    page.close()
 
 
 def test_a_foreign_host_name_gets_no_run_data(browser, tmp_path):
