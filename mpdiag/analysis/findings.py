@@ -22,6 +22,7 @@ from mpdiag.analysis.summaries import (
     flushed_text,
     flushed_to_zero,
     fp32_twin,
+    judged_level,
     nonzero_finite,
     overall_flushed,
     shadow_ranking,
@@ -109,7 +110,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     lacks the flushed values, and a scale chosen from it can leave the rerun with the same finding. The shares
     are of the steps whose statistics were kept (the values' total is known there only); where the run counted
     more steps (``signals``: Store.step_signal_sums), the evidence says so and adds the underflow over every step."""
-    if run["opt_level"] not in FP16_LEVELS or totals.empty:
+    if judged_level(run) not in FP16_LEVELS or totals.empty:
         return None
     values = nonzero_finite(totals)
     low = totals["fp16_underflow_at_scale"] + totals["fp16_subnormal_at_scale"]
@@ -324,7 +325,7 @@ def _dead_steps_said(totals: pd.DataFrame, signals: pd.Series | None) -> str:
 def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray) -> Finding | None:
     """FP16 levels: tensors whose gradient range is wider than FP16 holds, so no single scale fits.
     ``tensors``/``per_tensor``: each tensor's histogram over all logged steps (Store.histogram_totals)."""
-    if run["opt_level"] not in FP16_LEVELS:
+    if judged_level(run) not in FP16_LEVELS:
         return None
     wide = []
     for tensor, hist in zip(tensors, per_tensor, strict=True):

@@ -21,7 +21,7 @@ import pandas as pd
 from mpdiag.analysis.compare import DIVERGENCE_RTOL
 from mpdiag.analysis.findings import LOW_RANGE_SHARE, LOW_RANGE_TARGET, recommended_scale
 from mpdiag.analysis.fp8_summaries import LOST_SHARE, past_threshold
-from mpdiag.analysis.summaries import FP16_LEVELS
+from mpdiag.analysis.summaries import FP16_LEVELS, judged_level
 from mpdiag.numerics.formats import BF16, EXP_MIN, FP8_E4M3, FP16, resolution_log2
 from mpdiag.numerics.fp8_recipes import BLOCK_RECIPES, RECIPES, ROLES
 from mpdiag.options import MOMENT_FORMATS, command_flags
@@ -299,7 +299,7 @@ def build_plan(run: pd.Series, records: pd.DataFrame, tensors: pd.DataFrame, tot
         notes.append("no block-scaled recipe was recorded: --fp8-blocks mxfp8,nvfp4 records them")
     outputs = module_stats["fwd_absmax"] if len(module_stats) else None
     activation_max = float(np.nanmax(outputs.to_numpy())) if outputs is not None and outputs.notna().any() else None
-    precision, k, run_said = run_precision(str(run["opt_level"]), hist.sum(axis=0) if hist.size else np.zeros(0),
+    precision, k, run_said = run_precision(judged_level(run), hist.sum(axis=0) if hist.size else np.zeros(0),
                                            activation_max)
     moments, moment, moment_said = _moments(run, hist)
     if moments is None:

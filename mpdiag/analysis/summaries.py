@@ -100,8 +100,22 @@ def whatif_exponents(steps: pd.DataFrame) -> list[int]:
 
 #: the opt levels whose gradients are computed in FP16, so values too small for it are already exact zeros when
 #: recorded (shared with the gradient-underflow finding)
-FP16_LEVELS = ("O1", "O2", "O3", "fp8-sim-fp16")
+FP16_LEVELS = ("O1", "O2", "O3", "fp8-sim-fp16", "custom-fp16")
+#: the scaling modes that mean a loss scale is in use (Store.runs' ``scaling``)
+LOSS_SCALED = ("dynamic", "static")
 FLUSHED_LABEL = "flushed to zero before recording (underflow)"
+
+
+def judged_level(run: pd.Series) -> str:
+    """The opt level a run's gradients are judged at: its own, except that the script's own settings ("custom":
+    ``watch``, the framework callbacks, an upload) with a loss scale in use read as "custom-fp16", one of
+    FP16_LEVELS: a loss scale serves FP16's narrow range alone, so its backward ran in FP16 and flushed what FP16
+    cannot hold. (Judged as "custom", a watched FP16 script read healthy where the same loop at --opt-level O1
+    had 99.8 % of its gradients subnormal and the gradient-underflow warning.) A custom run in FP16 without a
+    loss scale is not told apart from an FP32 or BF16 one by its run row."""
+    if run["opt_level"] == "custom" and run.get("scaling") in LOSS_SCALED:
+        return "custom-fp16"
+    return str(run["opt_level"])
 
 
 def run_label(run: pd.Series) -> str:
@@ -112,7 +126,7 @@ def run_label(run: pd.Series) -> str:
 def fp32_twin(run: pd.Series) -> int | None:
     """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
     twin = run.get("pair_run_id")
-    return None if run["opt_level"] not in FP16_LEVELS or pd.isna(twin) else int(twin)
+    return None if judged_level(run) not in FP16_LEVELS or pd.isna(twin) else int(twin)
 
 
 def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:

@@ -233,9 +233,9 @@ class CompareRuns:
                 no_stats.append(lab)
                 continue
             twin = reads.twin_totals(self.store, summaries.fp32_twin_row(self.all_runs, r))
-            if twin is None and r["opt_level"] in summaries.FP16_LEVELS:
+            if twin is None and summaries.judged_level(r) in summaries.FP16_LEVELS:
                 no_twin.append(lab)
-            parts.append(fp16_underflow_parts(totals, twin, r["opt_level"], lab))
+            parts.append(fp16_underflow_parts(totals, twin, summaries.judged_level(r), lab))
             overflow.append(pd.DataFrame({"tensor": totals["tensor"], "run": lab,
                                           "share": totals["fp16_overflow_at_scale"] / totals["numel"]}))
         if not parts:

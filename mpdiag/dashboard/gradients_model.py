@@ -163,7 +163,7 @@ class GradientsRun:
     def default_format(self) -> str:
         """The format the page opens on: the one the run computes in (BF16 for a BF16 run: it opened on FP16's
         limits and shares), else the first recorded (FP16)."""
-        own = (summaries.LEVEL_FORMAT.get(self.run["opt_level"]) or "").lower()
+        own = (summaries.LEVEL_FORMAT.get(summaries.judged_level(self.run)) or "").lower()
         return own if own in self.formats else self.formats[0]
 
     @property
@@ -176,7 +176,7 @@ class GradientsRun:
     def ranking(self, fmt: str, at_scale: bool) -> Ranking:
         """The tensors worst first. FP16 leaves the values it flushed as exact zeros, invisible to the exact
         counts: such a run is ranked by that share (against its FP32 twin) or, without a twin, by its zeros."""
-        states_flushed = fmt == "fp16" and self.run["opt_level"] in summaries.FP16_LEVELS
+        states_flushed = fmt == "fp16" and summaries.judged_level(self.run) in summaries.FP16_LEVELS
         rows, ranked_by = summaries.gradient_ranking(self.totals, fmt, at_scale, states_flushed, self.twin_totals)
         what = "S·g" if at_scale else "g"
         return Ranking(fmt, at_scale, states_flushed, rows, ranked_by,

@@ -69,10 +69,11 @@ def _loss_scale(store: Store, run: pd.Series, final: bool) -> LossScaleRun:
     if recorded.empty:
         return LossScaleRun(recorded, {}, 0, [], None)
     steps = recorded.assign(growth_tracker=float("nan")) if run["scaling"] == "static" else recorded
-    notes = summaries.loss_scale_notes(steps, run["scaling"], run["opt_level"]) + summaries.lr_norm_notes(steps)
+    level = summaries.judged_level(run)
+    notes = summaries.loss_scale_notes(steps, run["scaling"], level) + summaries.lr_norm_notes(steps)
     signals = reads.step_signal_totals(store, int(run["run_id"]), final)
     return LossScaleRun(steps, summaries.scale_events(recorded), summaries.nonfinite_losses(recorded), notes,
                         ranks(store, run, steps, final) if int(run["world_size"]) > 1 else None,
-                        summaries.signal_lines(signals, run["opt_level"]),
+                        summaries.signal_lines(signals, level),
                         summaries.signal_note(signals, len(reads.logged_steps(store, int(run["run_id"]), final)),
-                                              run["opt_level"]))
+                                              level))

@@ -232,3 +232,45 @@ def test_masters_keeping_small_updates_is_a_note_not_a_warning(store_path):
                    RunConfig(opt_level="O2", steps=10, device="cpu"), store_path)
     notes = {f.rule: f for f in diagnose(Store(store_path), run_id)}
     assert notes["masters-needed"].severity == "info" and "update-swamping" not in notes
+
+
+UNDERFLOWING_LOOP = """
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if sys.argv[1] == "scaler" else None
+for step in range(6):
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+        loss = torch.nn.functional.mse_loss(model(x).float(), x[:, :1] * 1e-4) * 1e-3
+    optimizer.zero_grad()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+"""
+
+
+def test_a_watched_fp16_loop_with_a_loss_scaler_is_judged_in_fp16(tmp_path, write_script):
+    """The script's own settings ("custom", as under watch or an upload) with FP16 autocast and a GradScaler whose
+    scale (1) leaves the gradients subnormal or flushed in FP16: the gradient-underflow warning, as the same loop
+    gets at --opt-level O1 (it read healthy: only the named FP16 levels were judged), its share that of the stored
+    counts (each torch's FP16 cast, tests/numerics). The same loop in FP32 without a scaler is not judged in FP16."""
+    from mpdiag.training.watch import WatchConfig, watch
+
+    script, store = write_script(UNDERFLOWING_LOOP, "loop.py"), tmp_path / "runs.db"
+    scaled, _ = watch(WatchConfig(target=str(script), args=("scaler",)), store)
+    plain, _ = watch(WatchConfig(target=str(script), args=("fp32",)), store)
+    runs = Store(store).runs().set_index("run_id")
+    assert runs.loc[scaled, ["opt_level", "scaling"]].tolist() == ["custom", "dynamic"]
+    findings = {f.rule: f for f in diagnose(Store(store), scaled)}
+    assert "gradient-underflow" in findings, [f.as_dict() for f in findings.values()]
+    totals = Store(store).tensor_totals(scaled)
+    share = (totals["fp16_underflow_at_scale"] + totals["fp16_subnormal_at_scale"]).sum() / (
+        totals["numel"] - totals["zeros"] - totals["nan"] - totals["posinf"] - totals["neginf"]).sum()
+    assert f"{share:.2%} of the finite non-zero gradient values" in findings["gradient-underflow"].evidence
+    assert "gradient-underflow" not in {f.rule for f in diagnose(Store(store), plain)}
