@@ -1,7 +1,8 @@
 """Comparing a mixed-precision run with its FP32 reference: pure functions over Store DataFrames.
 
 The reference of a run is its ``--pair`` twin when it has one, else the most recent finished O0 run of the
-same script source (hash) and seed, which had identical initial weights and batches.
+same training: the same script source (hash) and seed, which had identical initial weights and batches; for a
+watched script (``mpdiag watch``, an upload), which seeds itself, the same command (script, arguments and folder).
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ DIVERGENCE_RTOL = 0.05
 def reference_run(runs: pd.DataFrame, run_id: int, prefer: list[int] | None = None) -> int | None:
     """The FP32 (O0) run that ``run_id`` should be compared with, or None (see module docstring).
 
-    Only finished O0 runs of the same script source and seed qualify; among them the ``--pair`` twin wins,
+    Only finished O0 runs of the same training (:func:`training_of`) qualify; among them the ``--pair`` twin wins,
     then the newest of ``prefer`` (e.g. the runs a user selected), then the newest overall.
     """
     by_id = runs.set_index("run_id")
     if run_id not in by_id.index or by_id.loc[run_id, "opt_level"] == "O0":
         return None
     run = by_id.loc[run_id]
+    trained = training_of(run)
+    if trained is None:
+        return None
     candidates = runs[
         (runs["opt_level"] == "O0")
-        & (runs["script_sha256"] == run["script_sha256"])
-        & (runs["seed"] == run["seed"])
         & (runs["status"] == "finished")
+        & runs.apply(lambda other: training_of(other) == trained, axis=1).astype(bool)
     ]["run_id"].astype(int)
     if candidates.empty:
         return None
@@ -43,6 +46,31 @@ def reference_run(runs: pd.DataFrame, run_id: int, prefer: list[int] | None = No
         return int(run["pair_run_id"])
     preferred = [c for c in candidates if c in set(prefer or [])]
     return max(preferred) if preferred else int(candidates.max())
+
+
+def training_of(run: pd.Series) -> tuple | None:
+    """What makes two runs the same training, so an O0 one is the other's FP32 reference: a watched script's
+    command (its target, arguments and folder, or the uploaded code's bundle: the script seeds itself, and its hash and seed are not stored, so
+    no O0 rerun of a watched run was ever found and its fix could not be checked against FP32); else the script's
+    source hash and seed. None: nothing to match on."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    watched = config.get("watch")
+    if isinstance(watched, dict):
+        return ("watch", tuple(watched.get("argv") or ()), watched.get("module"), watched.get("cwd"),
+                watched.get("bundle"))
+    if pd.isna(run["script_sha256"]) or pd.isna(run["seed"]):
+        return None
+    return ("script", run["script_sha256"], int(run["seed"]))
+
+
+def reference_hint(run: pd.Series) -> str:
+    """How to record the FP32 reference a run lacks: a watched script has no twin (watch runs the script once), an
+    O0 rerun of its command is one."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    if "watch" in config:
+        return (f"rerun it at O0: the Runs page's rerun form, or python -m mpdiag rerun {int(run['run_id'])} "
+                "--opt-level O0")
+    return "start runs with 'Also run an FP32 twin', or --pair"
 
 
 def loss_comparison(reference_steps: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:

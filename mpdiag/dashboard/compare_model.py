@@ -26,6 +26,7 @@ from mpdiag.analysis.compare import (
     histogram_tensors,
     loss_comparison,
     overlaid_histograms,
+    reference_hint,
     reference_run,
     setting_label,
     smoothed,
@@ -186,8 +187,8 @@ class CompareRuns:
             ref_id = reference_run(self.all_runs, int(r["run_id"]), prefer=selected)
             if ref_id is None:
                 if r["opt_level"] != "O0":
-                    notes.append(f"**{plain(lab)}**: no finished FP32 (O0) run of the same script and seed to "
-                                 "compare with (start runs with 'Also run an FP32 twin').")
+                    notes.append(f"**{plain(lab)}**: no finished FP32 (O0) run of the same training to compare "
+                                 f"with ({reference_hint(r)}).")
                 continue
             ref = self.all_runs[self.all_runs["run_id"] == ref_id].iloc[0]
             comparison = loss_comparison(reads.steps(self.store, ref_id, True),

@@ -82,7 +82,7 @@ RERUN_COLUMNS = {
     "gone": Column(width=70, help="How many of this run's findings the rerun no longer raises."),
     "opt level": Column("level", width=58),
     "FP32 final loss": Column("FP32 loss", width=100, help="The final loss of the FP32 run the rerun is compared "
-                                                           "with (same script and seed)."),
+                                                           "with (same script and seed; a watched script: the same command)."),
 }
 
 

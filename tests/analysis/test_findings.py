@@ -274,3 +274,23 @@ def test_a_watched_fp16_loop_with_a_loss_scaler_is_judged_in_fp16(tmp_path, writ
         totals["numel"] - totals["zeros"] - totals["nan"] - totals["posinf"] - totals["neginf"]).sum()
     assert f"{share:.2%} of the finite non-zero gradient values" in findings["gradient-underflow"].evidence
     assert "gradient-underflow" not in {f.rule for f in diagnose(Store(store), plain)}
+
+
+def test_a_watched_runs_fp32_reference_is_an_o0_run_of_the_same_command(tmp_path, write_script):
+    """A watched script has no stored hash or seed, so no O0 run was ever its reference: its fix could not be
+    judged against FP32 ("vs FP32: None"). An O0 watch of the same command (script, arguments, folder) is its
+    reference; one with other arguments is not; and Compare's note says how to record one (watch runs no twin)."""
+    from mpdiag.analysis.compare import reference_hint, reference_run
+    from mpdiag.training.watch import WatchConfig, watch
+
+    script, store = write_script(UNDERFLOWING_LOOP, "loop.py"), tmp_path / "runs.db"
+    mixed, _ = watch(WatchConfig(target=str(script), args=("scaler",)), store)
+    runs = Store(store).runs()
+    assert reference_run(runs, mixed) is None
+    assert f"rerun {mixed} --opt-level O0" in reference_hint(runs[runs["run_id"] == mixed].iloc[0])
+    other, _ = watch(WatchConfig(target=str(script), args=("fp32",), opt_level="O0"), store)
+    reference, _ = watch(WatchConfig(target=str(script), args=("scaler",), opt_level="O0"), store)
+    runs = Store(store).runs()
+    assert runs.set_index("run_id").loc[[other, reference], "opt_level"].tolist() == ["O0", "O0"]
+    assert reference_run(runs, mixed) == reference
+
