@@ -521,29 +521,69 @@ def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store, shadow: pd
     )
 
 
+def lone_rank_steps(rank_steps: pd.DataFrame) -> pd.DataFrame:
+    """Per step where some rank's local gradients held inf/NaN before the all-reduce: ``bad``, how many ranks did,
+    and ``ranks``, how many reported (``rank_steps``: Store.rank_steps); ``lone`` where not every rank did, and
+    ``batch`` where such a rank's own loss was non-finite too while another's was finite: its batch, surely (a lone
+    overflow with finite losses is also what a dynamic loss scale's probing does on a batch a little larger)."""
+    held = rank_steps.assign(bad=rank_steps["nonfinite"].fillna(0) > 0,
+                             finite_loss=np.isfinite(rank_steps["loss"].astype(float)))
+    held = held.assign(broke=held["bad"] & ~held["finite_loss"])
+    per_step = held.groupby("step").agg(bad=("bad", "sum"), ranks=("rank", "nunique"), broke=("broke", "sum"),
+                                        finite=("finite_loss", "sum"))
+    per_step = per_step[per_step["bad"] > 0]
+    lone = per_step["bad"] < per_step["ranks"]
+    # a rank whose own loss was non-finite where another's was finite: its batch broke its forward pass
+    return per_step.assign(lone=lone, batch=lone & (per_step["broke"] > 0) & (per_step["finite"] > 0))
+
+
+def named_rank_step(per_step: pd.DataFrame) -> int | None:
+    """The step :func:`rank_nonfinite` names (``per_step``: :func:`lone_rank_steps`): the first whose broken batch
+    is sure, else the first where only some ranks held inf/NaN; None when every rank held them at every such step."""
+    batch, lone = per_step.index[per_step["batch"]], per_step.index[per_step["lone"]]
+    return int(batch.min()) if len(batch) else int(lone.min()) if len(lone) else None
+
+
 def rank_nonfinite(rank_steps: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
-    """A finding when some rank's local gradients held inf/NaN before the all-reduce at any step (one is
-    enough: after the all-reduce every rank holds them and the scaler skips the step everywhere). Evidence
-    names the first such step as the store numbers it, each rank that held them there, and how the step
-    ended; the other steps with such ranks are counted."""
-    bad = rank_steps[rank_steps["nonfinite"].fillna(0) > 0]
-    if bad.empty:
+    """A finding when, at some step, some ranks' local gradients held inf/NaN before the all-reduce and others'
+    did not: that rank's batch (one is enough: after the all-reduce every rank holds them and the scaler skips
+    the step everywhere). Steps where every rank held them are the model overflowing at its loss scale, not a
+    batch (the loss-scale findings): they are counted, never named as a rank's (a step where both ranks of a job
+    overflowed at 2^16 was titled "rank 0's batch", and the one step a single rank's batch broke went unnamed).
+    The step named is the first where such a rank's own loss was non-finite too (:func:`lone_rank_steps`), else the
+    first where only some ranks held them; evidence names each rank that held them there and how the step ended."""
+    per_step = lone_rank_steps(rank_steps)
+    first_step = named_rank_step(per_step)
+    if first_step is None:
         return None
-    first_step = int(bad["step"].min())
-    at_first = bad[bad["step"] == first_step]
+    lone, sure = per_step[per_step["lone"]], bool(per_step.loc[first_step, "batch"])
+    at_first = rank_steps[(rank_steps["step"] == first_step) & (rank_steps["nonfinite"].fillna(0) > 0)]
     held = ", ".join(f"rank {int(r.rank)}'s local gradients held {int(r.nonfinite)} inf/NaN"
                      for r in at_first.itertuples())
     skipped = steps.loc[steps["step"] == first_step, "skipped"]
     outcome = {1.0: "every rank skipped the step", 0.0: "the optimizer step ran on every rank"}.get(
         float(skipped.iloc[0]) if len(skipped) else float("nan"), "whether the step ran is not recorded")
-    others = bad["step"].nunique() - 1
-    culprits = sorted({int(r) for r in bad["rank"]})
-    more = f" {others} later step(s) had such ranks too (ranks {', '.join(map(str, culprits))} in all)." if others else ""
+    culprits = sorted({int(r) for r in rank_steps.loc[rank_steps["step"].isin(lone.index)
+                                                       & (rank_steps["nonfinite"].fillna(0) > 0), "rank"]})
+    others = len(lone) - 1
+    more = (f" {others} other step(s) had them on some ranks only (ranks {', '.join(map(str, culprits))} in all)."
+            if others else "")
+    everywhere = int((~per_step["lone"]).sum())
+    if everywhere:
+        more += (f" At {everywhere} step(s) every rank held them: the model overflowing at its loss scale, not one "
+                 "batch (see the loss-scale findings).")
+    who = " and ".join(f"rank {int(r)}" for r in at_first["rank"])
+    if sure:
+        title, why = f"{who}'s batch produced inf/NaN gradients and loss the other ranks' did not", ""
+    else:
+        title = f"{who}'s gradients held inf/NaN the other ranks' did not"
+        why = (" Its loss was finite: at a dynamic loss scale that is often the scale's probing meeting a slightly "
+               "larger batch, not a broken one.")
     return Finding(
         rule="rank-nonfinite",
         severity="warning",
-        title=f"rank {int(at_first['rank'].iloc[0])}'s batch produced inf/NaN gradients first",
-        evidence=f"step {first_step}: {held} before the all-reduce; {outcome}.{more}",
+        title=title,
+        evidence=f"step {first_step}: {held} before the all-reduce; {outcome}.{more}{why}",
         recommendation="Inspect what that rank's data loader gave it at that step (its shard of the data): an "
                        "outlier batch overflows on one rank and costs every rank the step. If it recurs on "
                        "varying ranks, the model itself overflows; see the loss-scale findings.",

@@ -15,7 +15,7 @@ import pandas as pd
 
 from mpdiag.analysis import summaries
 from mpdiag.analysis.finding import Finding
-from mpdiag.analysis.findings import rank_nonfinite
+from mpdiag.analysis.findings import lone_rank_steps, named_rank_step, rank_nonfinite
 from mpdiag.dashboard import reads
 from mpdiag.store import Store
 
@@ -51,7 +51,7 @@ class LossScaleRun:
 def ranks(store: Store, run: pd.Series, steps: pd.DataFrame, final: bool) -> Ranks:
     rows = reads.rank_steps(store, int(run["run_id"]), final)
     finding = None if rows.empty else rank_nonfinite(rows, steps)
-    first = int(rows.loc[rows["nonfinite"].fillna(0) > 0, "step"].min()) if finding is not None else None
+    first = None if finding is None else named_rank_step(lone_rank_steps(rows))  # the step the finding names
     return Ranks(rows, finding, first)
 
 

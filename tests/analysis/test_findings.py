@@ -294,3 +294,25 @@ def test_a_watched_runs_fp32_reference_is_an_o0_run_of_the_same_command(tmp_path
     assert runs.set_index("run_id").loc[[other, reference], "opt_level"].tolist() == ["O0", "O0"]
     assert reference_run(runs, mixed) == reference
 
+
+
+def test_rank_nonfinite_names_the_rank_whose_batch_broke_not_a_step_every_rank_overflowed():
+    """A 2-rank job (the shape of a real DDP run's rows): at step 2 both ranks overflowed at the scale (1 and 4
+    values, finite losses), at step 7 rank 1 alone (4 values, finite loss: the scale probing), at step 20 rank 1's
+    batch broke (5,121 values, its loss NaN, rank 0's finite). The finding named "rank 0's batch" at step 2; it names
+    rank 1 at step 20 and counts the others. With only the finite-loss steps it names step 7, saying the loss was
+    finite; with only step 2, nothing."""
+    from mpdiag.analysis.findings import rank_nonfinite
+
+    nan = float("nan")
+    rows = pd.DataFrame([(2, 0, 29.2, 1), (2, 1, 28.5, 4), (7, 0, 22.0, 0), (7, 1, 26.5, 4), (20, 0, 9.1, 0),
+                         (20, 1, nan, 5121)], columns=["step", "rank", "loss", "nonfinite"])
+    steps = pd.DataFrame({"step": [2, 7, 20], "skipped": [1.0, 1.0, 1.0]})
+    found = rank_nonfinite(rows, steps)
+    assert found.title == "rank 1's batch produced inf/NaN gradients and loss the other ranks' did not"
+    assert found.evidence.startswith("step 20: rank 1's local gradients held 5121 inf/NaN before the all-reduce; "
+                                     "every rank skipped the step. 1 other step(s)")
+    assert "At 1 step(s) every rank held them" in found.evidence
+    found = rank_nonfinite(rows[rows["step"] < 20], steps)
+    assert found.evidence.startswith("step 7: rank 1's") and "Its loss was finite" in found.evidence
+    assert rank_nonfinite(rows[rows["step"] == 2], steps) is None
