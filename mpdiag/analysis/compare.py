@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
+from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, is_watched, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
 from mpdiag.options import applies
 from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
@@ -66,8 +66,7 @@ def training_of(run: pd.Series) -> tuple | None:
 def reference_hint(run: pd.Series) -> str:
     """How to record the FP32 reference a run lacks: a watched script has no twin (watch runs the script once), an
     O0 rerun of its command is one."""
-    config = run["config"] if isinstance(run["config"], dict) else {}
-    if "watch" in config:
+    if is_watched(run):
         return (f"rerun it at O0: the Runs page's rerun form, or python -m mpdiag rerun {int(run['run_id'])} "
                 "--opt-level O0")
     return "start runs with 'Also run an FP32 twin', or --pair"

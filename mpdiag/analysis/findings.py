@@ -22,6 +22,7 @@ from mpdiag.analysis.summaries import (
     flushed_text,
     flushed_to_zero,
     fp32_twin,
+    is_watched,
     judged_level,
     nonzero_finite,
     overall_flushed,
@@ -91,13 +92,14 @@ def recommended_scale(hist: np.ndarray, complete: bool = True, ceiling: int = MA
     return best if low(best) <= LOW_RANGE_SHARE else None
 
 
-def scale_basis(twin_hist: np.ndarray | None) -> str:
+def scale_basis(twin_hist: np.ndarray | None, watched: bool = False) -> str:
     """What a recommended scale was computed from, said in the advice, so two runs of one script that get
-    different advice say why."""
+    different advice say why (``watched``: a watched script, which records no twin)."""
     if twin_hist is not None:
         return "by the FP32 twin's gradient histograms (nothing flushed)"
+    twin = "" if watched else "; a --pair run's FP32 twin measures them"
     return ("by this run's recorded histograms, the most headroom that cannot overflow (the values FP16 flushed "
-            "to zero are missing from them; a --pair run's FP32 twin measures them)")
+            f"to zero are missing from them{twin})")
 
 
 def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
@@ -120,10 +122,10 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     worst = totals.loc[(per_tensor > LOW_RANGE_SHARE) & big, "tensor"].tolist()
     if overall <= LOW_RANGE_SHARE and not worst:
         return None
-    advice, fix = _scale_advice(hist, twin_hist)
+    advice, fix = _scale_advice(hist, twin_hist, run)
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
-        flushed = flushed_text(None, shadow_steps)
+        flushed = flushed_text(None, shadow_steps, is_watched(run))
     else:
         per = flushed_to_zero(totals, twin_totals)
         # a tensor whose values all vanished has none left to count above: the twin shows it lost the most
@@ -135,8 +137,9 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         rule="gradient-underflow", severity="warning",
         title="Gradients vanish or lose precision in FP16 at the loss scale in use",
         evidence=(f"At the scale used, {overall:.2%} of the finite non-zero gradient values recorded "
-                  f"{_kept_words(totals, signals)}{_low_range_parts(totals)}; values FP16 already flushed are exact "
-                  f"zeros in the record, {_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all values. "
+                  f"{_kept_words(totals, signals)}{_low_range_parts(totals)}; values FP16 already flushed are among "
+                  f"the exact zeros in the record ({_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all "
+                  "values are zeros, true zeros included). "
                   f"{flushed}{_underflow_every_step(totals, signals)}"),
         recommendation=advice,
         tensors=tensors,
@@ -144,18 +147,25 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     )
 
 
-def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None) -> tuple[str, dict]:
+def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series) -> tuple[str, dict]:
     """:func:`low_range`'s advice and fix: dynamic scaling from the scale the histogram recommends (the FP32
-    twin's when there is one), or BF16 when no single scale fits."""
-    basis = scale_basis(twin_hist)
+    twin's when there is one), or BF16 when no single scale fits, or when the run already trained with dynamic
+    scaling from that scale (a rerun at the fix's scale was offered the same fix again)."""
+    basis = scale_basis(twin_hist, is_watched(run))
     k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is None:
         return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
                 f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
                 "(FP32's range).", {"opt_level": "bf16"})
+    if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k):
+        return (f"This run already used dynamic loss scaling from 2^{k}, the largest scale its gradients allow "
+                f"without overflow ({basis}), and they still underflow or are subnormal in FP16: use --opt-level "
+                "bf16 (FP32's range).", {"opt_level": "bf16"})
     kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
+    # from the run's own histograms the share is of the values recorded: those FP16 flushed are not among them
+    of = "the values" if twin_hist is not None else "the values recorded (not those FP16 flushed)"
     return (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
-            f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of the values underflowing or subnormal, "
+            f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of {of} underflowing or subnormal, "
             "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)})
 
 

@@ -156,17 +156,26 @@ def overall_flushed(totals: pd.DataFrame, flushed: pd.Series) -> float:
     return float((flushed[known] * numel[known]).sum() / numel[known].sum()) if len(known) else math.nan
 
 
-def flushed_text(share: float | None, shadow_steps: int = 0) -> str:
+def is_watched(run: pd.Series) -> bool:
+    """Whether ``run`` (a Store.runs row) ran a script under ``watch`` (from the command line, an upload or a
+    rerun of one)."""
+    return isinstance(run.get("config"), dict) and "watch" in run["config"]
+
+
+def flushed_text(share: float | None, shadow_steps: int = 0, watched: bool = False) -> str:
     """The flushed share (:func:`flushed_to_zero`) as it is stated wherever an FP16 underflow share is, or, with
-    no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can."""
+    no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can (``watched``: a
+    script run by ``watch`` or uploaded, which records no twin: --pair is ``mpdiag run``'s)."""
     if share is not None and not math.isnan(share):
         return f"{share:.2%} of all values {FLUSHED_LABEL}, estimated against the FP32 twin."
     if share is not None:
         return f"Share {FLUSHED_LABEL}: unknown (the FP32 twin did not record this tensor)."
     shadow = (" The FP32 shadow of this run stores only norms and errors per tensor, so it cannot count them."
               if shadow_steps else "")
+    how = ("watch records no FP32 twin; an O0 rerun of the same command shows the loss FP32 reaches" if watched else
+           "record it with --pair (an FP32 twin on the same weights and batches)")
     return (f"Share {FLUSHED_LABEL}: cannot be known from this run (those values are recorded as exact zeros); "
-            f"record it with --pair (an FP32 twin on the same weights and batches).{shadow}")
+            f"{how}.{shadow}")
 
 
 def gradient_ranking(totals: pd.DataFrame, fmt: str, at_scale: bool, flushed_by_fp16: bool,

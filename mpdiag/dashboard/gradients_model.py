@@ -191,7 +191,7 @@ class GradientsRun:
         if ranking.states_flushed:
             flushed = None if self.twin_totals is None else float(
                 summaries.flushed_to_zero(self.totals, self.twin_totals).get(tensor, np.nan))
-            line += " " + summaries.flushed_text(flushed, self.shadow_steps)
+            line += " " + summaries.flushed_text(flushed, self.shadow_steps, summaries.is_watched(self.run))
         index, counts = self._columns(tensor, at_scale)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
@@ -238,7 +238,8 @@ class GradientsRun:
         return StepView(step, scale, at_step, hist, bars, summaries.cast_shares(at_step, hist, fmt, own, scale),
                         summaries.cast_shares(at_step, hist, fmt, 0, scale),
                         int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0]), flushed,
-                        f"At step {step}: " + summaries.flushed_text(flushed, self.shadow_steps)
+                        f"At step {step}: " + summaries.flushed_text(flushed, self.shadow_steps,
+                                                                     summaries.is_watched(self.run))
                         if ranking.states_flushed else "",
                         reads.tensors_at_step(self.store, self.run_id, step, self.final).set_index("tensor"),
                         h_index, h_counts)

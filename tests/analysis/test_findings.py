@@ -316,3 +316,22 @@ def test_rank_nonfinite_names_the_rank_whose_batch_broke_not_a_step_every_rank_o
     found = rank_nonfinite(rows[rows["step"] < 20], steps)
     assert found.evidence.startswith("step 7: rank 1's") and "Its loss was finite" in found.evidence
     assert rank_nonfinite(rows[rows["step"] == 2], steps) is None
+
+
+def test_a_run_already_at_the_recommended_scale_is_not_offered_it_again():
+    """Read from the run's own histograms (no twin), the recommended scale is the largest that cannot overflow: a
+    rerun at it still had a tensor over the threshold and was offered the same scale again. Such a run is offered
+    BF16; the first run is offered the scale, its promise said to be of the values recorded (FP16's flushed ones
+    are not among them)."""
+    from mpdiag.analysis.findings import _scale_advice
+
+    hist = np.zeros(N_EXP_BINS)
+    hist[[-30 - EXP_MIN, -24 - EXP_MIN, -2 - EXP_MIN]] = [10, 1000, 5]  # largest |g| ~2^-2: 2^16 room above
+    k = recommended_scale(hist, complete=False)
+    first = pd.Series({"scaling": "dynamic", "init_scale": 1.0, "config": {"watch": {}}})
+    advice, fix = _scale_advice(hist, None, first)
+    assert fix == {"loss_scale": "dynamic", "init_scale": float(2**k)}
+    assert "of the values recorded (not those FP16 flushed)" in advice and "--pair" not in advice  # watch: no twin
+    rerun = pd.Series({**first.to_dict(), "init_scale": float(2**k)})
+    advice, fix = _scale_advice(hist, None, rerun)
+    assert fix == {"opt_level": "bf16"} and f"already used dynamic loss scaling from 2^{k}" in advice
