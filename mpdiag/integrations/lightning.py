@@ -5,7 +5,9 @@ LightningModule's parameters, Lightning's optimizers and its precision plugin's 
 step is the sum of the values Lightning hands ``on_before_backward`` since the previous step (divided by the loss
 scale under ``16-mixed``, where Lightning hands the scaled loss; with ``accumulate_grad_batches`` k, each is the
 micro-batch loss / k, so the sum is their mean); the gradients are read at ``on_before_optimizer_step``, which
-Lightning calls once they are final for the step, unscaled and before it clips them. Optimizer steps after the same
+Lightning calls once they are final for the step, unscaled and before it clips them; in manual optimization, which
+clips (``self.clip_gradients``) inside ``training_step`` before the step calls that hook, at the first clip after a
+backward instead (as ``mpdiag watch`` reads them; a later backward reads them again). Optimizer steps after the same
 backward passes are one step, as in ``mpdiag watch``. The run ends at ``on_train_end`` (finished) or
 ``on_exception`` (failed, with the traceback).
 
@@ -45,6 +47,8 @@ class MpdiagCallback(pl.Callback):
         self._loss: torch.Tensor | None = None  # the unscaled loss back-propagated since the previous step
         self._backward_in_batch = False  # False at the optimizer step: this batch's training_step returned None
         self._steps_without_backward = 0  # Lightning's optimizer steps (in global_step) that record no step here
+        self._read = None  # manual optimization: the step's gradients as read before its clip (GradientRead)
+        self._clipping = None  # manual optimization: the precision plugin whose clip_gradients reads them first
 
     @property
     def run_id(self) -> int | None:
@@ -59,6 +63,26 @@ class MpdiagCallback(pl.Callback):
         self.recorder = Recorder(pl_module, store=self.store, name=self.name or type(pl_module).__name__,
                                  scaler=scaler, optimizer=list(trainer.optimizers), every=self.every,
                                  config={"lightning": settings}, trace_modules=self.trace_modules, fp8=self.fp8)
+        if not pl_module.automatic_optimization:
+            self._read_before_clips(trainer.precision_plugin)
+
+    def _read_before_clips(self, plugin) -> None:
+        """Wrap ``plugin.clip_gradients`` (``LightningModule.clip_gradients`` calls it) on the instance, until the
+        fit ends, to read the step's gradients before the first clip after a backward: read at the step's
+        ``on_before_optimizer_step``, they were the clipped ones."""
+        clip = plugin.clip_gradients
+
+        def clip_gradients(*args, **kwargs):
+            if self._loss is not None and self._read is None:
+                self._read = self.recorder.read_gradients()
+            return clip(*args, **kwargs)
+
+        plugin.clip_gradients, self._clipping = clip_gradients, plugin
+
+    def _restore_clips(self) -> None:
+        if self._clipping is not None:
+            del self._clipping.clip_gradients  # the instance's: the class's own method is the plugin's again
+            self._clipping = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         self._backward_in_batch = False
@@ -67,6 +91,7 @@ class MpdiagCallback(pl.Callback):
         if self.recorder is None:
             return
         self._backward_in_batch = True
+        self._read = None  # gradients read before a clip are not the step's once another backward adds to them
         value = loss.detach().reshape(()).double()
         scaler = self.recorder.scaler
         if scaler is not None:  # Lightning scaled it before the hook; the scale is a power of 2: exact
@@ -85,13 +110,15 @@ class MpdiagCallback(pl.Callback):
                 self._steps_without_backward += 1
                 return
         if self._loss is not None:  # else no backward since the step recorded last: another optimizer of that step
-            self.recorder.record(self._loss)
-            self._loss = None
+            self.recorder.record(self._loss, gradients=self._read)
+            self._loss = self._read = None
         # Lightning calls this hook from inside ``optimizer.step(closure)``, after the optimizer's own step
-        # pre-hook (and GradScaler's unscale_) counted it for the step recorded before: it steps in this one
+        # pre-hook (and GradScaler's unscale_): in automatic optimization, whose closure runs the backward after
+        # that hook, they counted it for the step recorded before; it steps in this one
         self.recorder.asked_to_step(torch_optimizer(optimizer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_clips()
         if self.recorder is None:
             return
         note = None
@@ -102,5 +129,6 @@ class MpdiagCallback(pl.Callback):
         self.recorder.close(note=note)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_clips()
         if self.recorder is not None:
             self.recorder.fail("".join(traceback.format_exception(exception)))

@@ -356,6 +356,8 @@ class OptimizerStepCheck(RecorderFeature):
         self._checked: tuple[int, torch.Tensor | float] | None = None  # (step, loss) of the step checked next
         self._unsettled: deque[tuple[NonfiniteStepCheck, _CheckedStep]] = deque()  # in step order
         self.found: dict | None = None  # the first step whose update broke finite values
+        #: the optimizers inside their step (its pre-hook ran, its post-hook not yet)
+        self._stepping: weakref.WeakSet = weakref.WeakSet()
 
     def at_record(self, step: RecordedStep) -> None:
         self._settle(wait=False)
@@ -364,12 +366,20 @@ class OptimizerStepCheck(RecorderFeature):
         # (freed there, ~1 ms a step at 500 tensors, and held after the training loop let go of it)
         loss = step.loss.detach() if torch.is_tensor(step.loss) else step.loss
         self._checked = (step.step, loss) if checked else None
+        if checked:
+            # a step given a closure (Lightning's automatic optimization, LBFGS) is recorded inside it, after its
+            # pre-hook flagged the previous step's loss and gradients (at step 0 nothing: the step was unchecked)
+            # and before its update: its check starts again here, with this step's
+            for optimizer in list(self._stepping):
+                self._check_of(optimizer).before(loss)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stepping.add(optimizer)
         if self._checked is not None:
             self._check_of(optimizer).before(self._checked[1])
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stepping.discard(optimizer)
         check = self._checks.get(optimizer)
         checked = check.after(self._checked[0]) if check is not None and self._checked is not None else None
         if checked is not None:

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,10 +90,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _grads_already_unscaled(scaler) -> bool:
-    """True when ``scaler.unscale_(optimizer)`` already ran this step (e.g. for gradient clipping)."""
+def _unscaled_optimizer_ids(scaler) -> set[int]:
+    """The ``id`` of each optimizer whose gradients ``scaler.unscale_(optimizer)`` already divided by the scale this
+    step (e.g. to clip them). Where several optimizers share one scaler, that may be only some of them: a loop that
+    unscales the encoder's alone to clip it; Lightning's manual optimization, which unscales each optimizer inside
+    its own step."""
     states = getattr(scaler, "_per_optimizer_states", {})  # GradScaler's own per-optimizer bookkeeping
-    return any(state.get("stage") is OptState.UNSCALED for state in states.values())
+    return {key for key, state in states.items() if state.get("stage") is OptState.UNSCALED}
 
 
 def scaler_run_fields(scaler) -> dict[str, Any]:
@@ -410,6 +414,8 @@ class Recorder:
         #: the ``found_inf`` of each fused optimizer GradScaler stepped in the open step (:func:`found_inf_of`): such
         #: a step ran its hooks and may still have been skipped inside the kernel
         self._found_infs: list[torch.Tensor] = []
+        #: every optimizer the scaler unscaled since recording started, by id: which gradients it already unscaled
+        self._unscaled_seen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         #: whether an optimizer step can be seen at all: one was given, a GradScaler steps it (it needs one), or a
         #: step over our parameters was seen
         self._observable = bool(self._optimizers) or self.scaler is not None
@@ -611,6 +617,7 @@ class Recorder:
                 self._after_optimizer_step(opt)
 
         def unscaled(opt):  # asked to step, whether the scaler then steps it or skips it
+            self._unscaled_seen[id(opt)] = opt  # GradScaler's state names it by id alone
             if ours(opt):
                 self._step_grads.asked_to_step(torch_optimizer(opt))
 
@@ -796,7 +803,10 @@ class Recorder:
         fresh = self._step_grads.fresh(every_grad)
         self._saw_gradient = self._saw_gradient or bool(fresh)
         grads = _dense(local_shards(every_grad if len(fresh) == len(every_grad) else [every_grad[i] for i in fresh]))
-        unscaled = self.scaler is not None and _grads_already_unscaled(self.scaler)
+        unscaled_ids = _unscaled_optimizer_ids(self.scaler) if self.scaler is not None else ()
+        if unscaled_ids:
+            grads = self._unscale_the_rest(grads, fresh, unscaled_ids, scale)
+        unscaled = bool(unscaled_ids)
         unscale_by = 1.0 if unscaled else scale
         total, tensor_norms = self._grad_norm(grads)
         norm = self._dist.global_norm(total, tensor_norms) / unscale_by
@@ -822,6 +832,22 @@ class Recorder:
             if unseen:
                 self._note_grad_dtypes(unseen)
         return GradientRead(step, present, pending, norm=norm, **owned)
+
+    def _unscale_the_rest(self, grads: list[torch.Tensor], fresh: tuple[int, ...], unscaled_ids: set[int],
+                          scale: float | torch.Tensor) -> list[torch.Tensor]:
+        """``grads`` (the ``.grad`` of the parameters ``fresh``) all unscaled, the GradScaler having unscaled some
+        optimizers' already: a gradient no such optimizer holds still holds S*g and is divided here as ``unscale_``
+        divides it (by the scale's float32 reciprocal), in a copy; the script's ``.grad`` is left alone. Read as
+        all unscaled, those were stored S times too large. An unscaled optimizer the Recorder cannot name (not
+        given to it, and unscaled before it started) leaves every gradient taken as unscaled."""
+        known = {id(opt): opt for opt in (*self._optimizers, *self._unscaled_seen.values())}
+        if not unscaled_ids <= known.keys():
+            return grads
+        done = frozenset().union(*(self._step_grads.held_by(torch_optimizer(known[key])) for key in unscaled_ids))
+        if done.issuperset(fresh):  # the usual case: every optimizer of the step was unscaled
+            return grads
+        inv = torch.as_tensor(scale, dtype=torch.float64).reciprocal().float()
+        return [g if i in done else g * inv.to(g.device) for g, i in zip(grads, fresh, strict=True)]
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The L2 norm over ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms by one

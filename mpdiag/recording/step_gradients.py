@@ -16,10 +16,12 @@ Two rules, each exact where it applies:
   first gradient, once it is unfrozen, is fresh by the second rule, and the hook is added at that step's end.
 * **Fed.** Of the fresh gradients, those of the parameters held by the optimizers asked to step in that step
   (between its ``record`` and the next one, so a second optimizer stepping after the same backward passes
-  counts too; an optimizer the Recorder's GradScaler unscaled was asked, also when the scaler then skipped its
-  step, which fires no optimizer hook: :class:`UnscaleWatch`). A step in which no optimizer holding a recorded parameter was seen keeps every fresh gradient
-  (weights updated by hand, FP32 master weights held by the optimizer instead, a run stopped inside the step),
-  so a step's evidence is never dropped for lack of an owner.
+  counts too, unless a backward ran in between: then the optimizer steps on that backward's gradients, which
+  the next ``record`` reads - Lightning asks an optimizer to step before it records the step; an optimizer the
+  Recorder's GradScaler unscaled was asked, also when the scaler then skipped its step, which fires no optimizer
+  hook: :class:`UnscaleWatch`). A step in which no optimizer holding a recorded parameter was seen keeps every
+  fresh gradient (weights updated by hand, FP32 master weights held by the optimizer instead, a run stopped inside
+  the step), so a step's evidence is never dropped for lack of an owner.
 
 The hooks never copy or change a gradient; they only mark a parameter.
 """
@@ -45,6 +47,9 @@ class StepGradients:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._previous: list[weakref.ref | None] = [None] * len(self._params)  # each .grad when the step began
         self._asked: dict[int, torch.optim.Optimizer] = {}  # optimizers asked to step in the open step
+        #: optimizers asked after a backward that no record has read yet: they step in the step that record opens
+        self._asked_next: dict[int, torch.optim.Optimizer] = {}
+        self._backward_since_read = False  # autograd wrote a recorded parameter's .grad since the last record
         #: per optimizer seen: (a weak reference to it, its parameter groups' lists and lengths, the indices of ours
         #: it holds)
         self._held: dict[int, tuple[weakref.ref, tuple, frozenset[int]]] = {}
@@ -57,6 +62,7 @@ class StepGradients:
     def _marker(self, index: int):
         def mark(param: torch.Tensor) -> None:
             self._accumulated[index] = True
+            self._backward_since_read = True
 
         return mark
 
@@ -87,6 +93,7 @@ class StepGradients:
         if self._unhooked:
             self._hook_unfrozen()
         self._accumulated = self._unmarked(grads)
+        self._backward_since_read = False
 
     def _unmarked(self, grads: list[torch.Tensor | None] | None = None) -> list[bool]:
         """``_accumulated`` as a step begins: False for every hooked parameter; for a parameter without the hook,
@@ -104,18 +111,23 @@ class StepGradients:
             self._unhooked.remove(i)
 
     def asked_to_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` was asked to step in the open step (whether or not the step then ran)."""
-        self._asked[id(optimizer)] = optimizer
+        """``optimizer`` was asked to step (whether or not the step then ran): in the open step; or, when a backward
+        ran since that step was recorded, in the step the next record opens. Lightning asks before it records:
+        an optimizer's step pre-hook fires before the closure that runs ``on_before_optimizer_step``, and its
+        GradScaler plugin unscales before that hook. Counted in the open step, each of two optimizers stepping in
+        turn after its own backward (manual optimization) was taken as stepping in the other's step too, which
+        then kept both models' gradients."""
+        (self._asked_next if self._backward_since_read else self._asked)[id(optimizer)] = optimizer
 
     def fed(self) -> frozenset[int] | None:
         """Close the open step: the indices of the recorded parameters the optimizers asked to step in it hold;
         None when none holds any (the step's owner is unknown: keep every fresh gradient)."""
-        asked, self._asked = self._asked, {}
-        helds = [self._held_by(opt) for opt in asked.values()]
+        asked, self._asked, self._asked_next = self._asked, self._asked_next, {}
+        helds = [self.held_by(opt) for opt in asked.values()]
         held = helds[0] if len(helds) == 1 else frozenset().union(*helds)  # one optimizer: its set, not a copy
         return held or None
 
-    def _held_by(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    def held_by(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """The indices of the recorded parameters ``optimizer`` holds, looked up again only when its parameter
         groups changed (a group added, or a group's list of parameters replaced or resized)."""
         groups = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)

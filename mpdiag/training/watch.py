@@ -76,10 +76,13 @@ def _wrapped_attributes() -> dict[type, str]:
     from torch._dynamo.eval_frame import OptimizedModule
 
     wrappers = {OptimizedModule: "_orig_mod", nn.DataParallel: "module", nn.parallel.DistributedDataParallel: "module"}
-    for name in ("pytorch_lightning.overrides.base", "lightning.pytorch.overrides.base"):
-        module = sys.modules.get(name)  # only when the script imported Lightning
+    for name, wrapper in (("pytorch_lightning.overrides.base", "_LightningModuleWrapperBase"),
+                          ("lightning.pytorch.overrides.base", "_LightningModuleWrapperBase"),
+                          ("lightning_fabric.wrappers", "_FabricModule"),  # fabric.setup(model)'s
+                          ("lightning.fabric.wrappers", "_FabricModule")):
+        module = sys.modules.get(name)  # only when the script imported Lightning (or Fabric)
         if module is not None:
-            wrappers[module._LightningModuleWrapperBase] = "_forward_module"
+            wrappers[getattr(module, wrapper)] = "_forward_module"
     return wrappers
 
 

@@ -195,6 +195,33 @@ json.dump(norms, open({str(norms_path)!r}, "w"))
     assert recorded == pytest.approx(norms, rel=1e-5) and min(norms) > 1  # far above the clip: before it
 
 
+def test_lightning_fabric_keeps_the_models_own_names(store_path, write_script, tmp_path):
+    """``fabric.setup(model)`` wraps the model (its parameters under ``_forward_module.``): the tensors are named as
+    the script's model names them. Truth: the model's own names and gradient norms before each step."""
+    script = write_script("""
+import json, sys
+import torch
+from lightning_fabric import Fabric
+torch.manual_seed(0)
+fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+truth = {"names": [n for n, _ in model.named_parameters()], "loss": [], "norms": []}
+model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(3):
+    opt.zero_grad()
+    loss = model(torch.randn(8, 4)).square().mean()
+    fabric.backward(loss)
+    truth["loss"].append(float(loss))
+    truth["norms"].append([float(p.grad.double().norm()) for p in model.parameters()])
+    opt.step()
+json.dump(truth, open(sys.argv[1], "w"))
+""", name="fabric_loop.py")
+    truth_path = tmp_path / "truth.json"
+    run_id, code = watch(WatchConfig(target=str(script), args=(str(truth_path),)), store_path)
+    assert code == 0
+    assert_steps_are_the_frameworks(Store(store_path), run_id, json.loads(truth_path.read_text()))
+
+
 def test_a_closure_the_optimizer_never_calls_is_named_not_guessed(store_path, write_script):
     """An optimizer whose step ignores its closure: watch cannot see that step's gradients, so it stores no step
     for it and the run's note says so."""

@@ -43,9 +43,11 @@ def assert_same_run(store, callback_run, watched_run):
 @pytest.mark.parametrize("args", [("--precision", "32-true", "--clip", "0.5"),
                                   ("--precision", "bf16-mixed", "--accumulate", "2"),
                                   ("--precision", "cpu-fp16", "--accumulate", "2", "--clip", "0.1"),
-                                  ("--manual",), ("--two-optimizers",), ("--precision", "cpu-fp16", "--two-optimizers")],
+                                  ("--manual",), ("--two-optimizers",), ("--precision", "cpu-fp16", "--two-optimizers"),
+                                  ("--two-optimizers", "--shared"),
+                                  ("--precision", "cpu-fp16", "--two-optimizers", "--shared")],
                          ids=["32-clip", "bf16-accumulate", "16-mixed-scaled", "manual", "two-optimizers",
-                              "two-optimizers-scaled"])
+                              "two-optimizers-scaled", "two-optimizers-shared", "two-optimizers-shared-scaled"])
 def test_lightning_callback_records_what_watch_records(store_path, tmp_path, monkeypatch, args):
     script = os.path.join(SCRIPTS, "frameworks", "lightning_trainer.py")
     truth_path = tmp_path / "truth.json"
@@ -205,3 +207,58 @@ def test_lightning_callback_when_training_step_returns_none(store_path, precisio
     assert steps["skipped"].tolist() == [0.0] * len(applied)
     assert store.run(run_id)["note"].startswith(f"{max_steps - len(applied)} of Lightning's optimizer steps "
                                                 f"(global_step {max_steps}) back-propagated nothing")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "cpu-fp16"], ids=["32", "16-mixed-scaled"])
+def test_lightning_callback_reads_manual_optimization_gradients_before_its_clip(store_path, precision):
+    """Manual optimization clips with ``self.clip_gradients`` inside ``training_step``, before ``opt.step()`` calls
+    ``on_before_optimizer_step``: the step's gradients are stored as they were before the clip (the callback stored
+    the clipped ones), unscaled (under 16-mixed Lightning clips them still scaled: unscale_ runs in the step). Truth:
+    torch's norms of the gradients the module saw before its clip, divided by GradScaler's scale then."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.plugins import MixedPrecision
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mpdiag.integrations.lightning import MpdiagCallback
+
+    class ClipsByHand(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.automatic_optimization = False
+            self.truth = []  # per step: each parameter's gradient as it was before the clip, unscaled
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.body(x).float(), y))
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            inv = torch.tensor(1.0 if scaler is None else scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+            self.truth.append({n: p.grad * inv for n, p in self.named_parameters()})
+            self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+            optimizer.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    pl.seed_everything(0, verbose=False)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    settings = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))]} \
+        if precision == "cpu-fp16" else {"precision": precision}
+    module, callback = ClipsByHand(), MpdiagCallback(store=store_path, name="clips")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **settings)
+    trainer.fit(module, DataLoader(TensorDataset(x, 3 * x[:, :1]), batch_size=8))
+
+    store = Store(store_path)
+    norms = [float(torch.nn.utils.get_total_norm(list(grads.values()))) for grads in module.truth]
+    assert min(norms) > 0.1  # far above the clip: a clipped gradient's norm would be 0.01
+    assert store.steps(callback.run_id)["grad_norm"].tolist() == pytest.approx(norms, rel=1e-6)
+    stats = store.tensor_stats(callback.run_id)
+    for step, grads in enumerate(module.truth):
+        l2 = stats[stats["step"] == step].set_index("tensor")["l2"].to_dict()
+        assert l2 == pytest.approx({n: float(g.double().norm()) for n, g in grads.items()}, rel=1e-6)
+    assert "clip_gradients" not in vars(trainer.precision_plugin)  # Lightning's own method again after the fit

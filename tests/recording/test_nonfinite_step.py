@@ -202,6 +202,33 @@ def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, devi
     assert (found["step"], found["tensors"], found["values"]) == (0, ["weight", "bias"], ["weight", "bias"])
 
 
+def test_a_step_given_a_closure_that_records_is_checked(tmp_path):
+    """``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs its pre-hook before the
+    closure's backward and ``record``: the check's flags before the step were the previous step's (at step 0 none:
+    the step that broke the weights went unchecked). Truth: torch's isfinite around each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=3e38)  # the update overflows: inf weights after step 0
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(8, 4)).sum()
+        loss.backward()
+        rec.record(loss)
+        return loss
+
+    finite = []
+    for _ in range(3):
+        before = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        opt.step(closure)
+        finite.append((before, all(bool(torch.isfinite(p).all()) for p in model.parameters())))
+    rec.close()
+    assert finite == [(True, False), (False, False), (False, False)]
+    found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
+    assert (found["step"], found["tensors"]) == (0, ["weight", "bias"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_low_bit_optimizer_states_are_read_through_their_parts(tmp_path, name):

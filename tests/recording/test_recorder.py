@@ -145,6 +145,40 @@ def test_grads_unscaled_before_record_are_recognised(store_path, arrival):
         assert row[f"fp16_{cat}_at_scale"] == n
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["optimizers-given", "optimizers-seen-unscaled"])
+def test_grads_unscaled_for_some_optimizers_of_a_shared_scaler(store_path, given):
+    """Two optimizers share a GradScaler and only the encoder's gradients were unscaled (to clip them alone) when
+    the step is recorded: the decoder's, still S*g, were stored as if unscaled (a norm S times too large, at-scale
+    counts of S*g*S). Truth: GradScaler's own unscale_ of the decoder after the record, and torch's FP16 cast of
+    the gradients as they were held."""
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    model = torch.nn.Sequential(enc, dec)
+    opts = [torch.optim.SGD(enc.parameters(), lr=1e-2), torch.optim.SGD(dec.parameters(), lr=1e-2)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with Recorder(model, store=store_path, scaler=scaler, optimizer=opts if given else None) as rec:
+        loss = torch.nn.functional.mse_loss(model(torch.randn(16, 8)), 4 * torch.randn(16, 2))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opts[0])
+        at_scale = {name: p.grad * (scaler.get_scale() if name.startswith("0.") else 1.0)
+                    for name, p in model.named_parameters()}
+        rec.record(loss)
+        scaler.unscale_(opts[1])
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        l2 = {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+    store = Store(store_path)
+    assert store.steps(rec.run_id)["grad_norm"].tolist() == pytest.approx([norm], rel=1e-6)
+    stats = store.tensor_stats(rec.run_id).set_index("tensor")
+    assert stats["l2"].to_dict() == pytest.approx(l2, rel=1e-6)
+    overflow = {name: int((g.half().isinf() & g.isfinite()).sum()) for name, g in at_scale.items()}
+    assert stats["fp16_overflow_at_scale"].to_dict() == overflow
+    assert overflow["1.weight"] > 0  # the decoder's S*g overflows FP16: a count told from the scaled values
+
+
 def test_nan_loss_round_trips_as_nan(store_path):
     model = torch.nn.Linear(2, 1)
     with Recorder(model, store=store_path) as rec:
