@@ -41,7 +41,11 @@ def gradients_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> No
 def controls(model: gradients_model.GradientsRun) -> tuple[str, bool, bool]:
     """The format, whether the view is S·g (else g), and whether BF16's limits are drawn too."""
     c1, c2, c3 = st.columns([2, 1, 1])
-    view = c1.radio("Gradient", ["unscaled g", "at the loss scale (S·g)"], horizontal=True, key="view", bind="query-params",
+    # a loss-scaled run opens on S·g, what its FP16 backward held: its g's FP16 underflow (76 % where S·g had none)
+    # made the fixed run of a pair look worse than the broken one
+    scaled = model.run["scaling"] in summaries.LOSS_SCALED
+    view = c1.radio("Gradient", ["unscaled g", "at the loss scale (S·g)"], index=int(scaled), horizontal=True,
+                    key="view", bind="query-params",
                     help="S·g is the gradient as it existed in the backward pass, which is what FP16 had to hold.")
     fmt = c2.radio("Format", model.formats, index=model.formats.index(model.default_format), horizontal=True,
                    key="fmt", bind="query-params", help=model.format_help)

@@ -467,12 +467,13 @@ def test_clicking_a_heatmap_column_shows_that_step_below_in_chromium(kinds, chro
     server, page, _ = chromium
     page.goto(f"{server.url}/Gradients?run={runs['mlp_digits O1']}")
     settle(page, "click a column")
-    assert page.get_by_text("step 5: g, unscaled, coloured").count() == 1  # the histogram's title
+    # the histogram's title: a loss-scaled run opens on S·g, what its FP16 backward held
+    assert page.get_by_text(re.compile("step 5: S·g at this step's loss scale .*, coloured")).count() == 1
     box = page.locator("[data-testid='stVegaLiteChart']").first.bounding_box()
     for y in range(int(box["y"] + 30), int(box["y"] + box["height"] - 60), 12):
         page.mouse.click(box["x"] + 75, y)  # just right of the y axis: inside step 0's column
         page.wait_for_timeout(700)
-        if page.get_by_text("step 0: g, unscaled, coloured").count():
+        if page.get_by_text(re.compile("step 0: S·g at this step's loss scale .*, coloured")).count():
             break
     else:
         raise AssertionError("no click on the heatmap's first column showed step 0")
