@@ -57,8 +57,11 @@ def runs_panel(store) -> None:
             st.caption(title)
             ui.table(table, columns)
     # why the newest runs that ended early ended (a stopped run's events banner above is folded once it ended)
-    for _, run in runs[runs["status"].isin(["failed", "crashed", "stopped"])].head(3).iterrows():
+    explained, more = runs_model.ended_early(runs)
+    for _, run in explained.iterrows():
         ui.explain_run_state(run)
+    if more is not None:
+        st.caption(more)  # run numbers and fixed words only
 
 
 def first_run_offer(store) -> None:
@@ -202,8 +205,7 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
         options = ui.run_options_form("rerun", parent)
         st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
         level = options.get("opt_level")
-    action = actions.pending(f"Rerun #{parent_id}", parent["script_path"] or parent["name"],
-                             parent["script_sha256"] or (watched or {}).get("bundle") or "none: the file as it is now", options)
+    action = actions.rerun_pending(f"Rerun #{parent_id}", parent, options)
     if actions.confirmed("Rerun", "rerun_start", action, type="primary", disabled=not options):
         actions.start_rerun(store, parent_id, options, f"rerun of #{parent_id} at {level}")
         st.success(f"Started a rerun of #{parent_id}: its progress and links to its pages are at the top of this "

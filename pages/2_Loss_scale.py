@@ -28,7 +28,7 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     m[2].metric("backoffs", f"{events['backoffs']:,}")
     m[3].metric("growths", f"{events['growths']:,}")
     m[4].metric("lowest scale", summaries.scale_text(events["min_scale"]))
-    m[5].metric("loss NaN/inf", f"{model.nonfinite_losses:,} steps")
+    m[5].metric("loss NaN/inf", f"{model.nonfinite_losses:,} step{'' if model.nonfinite_losses == 1 else 's'}")
     if run["scaling"] == "none":
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")
     elif run["scaling"] == "static":

@@ -99,8 +99,7 @@ def finding_card(store, run: pd.Series, i: int, card: Card) -> None:
         if card.blocked:
             st.caption(plain(card.blocked))
         elif card.options is not None:
-            action = actions.pending(f"Rerun #{run_id} with the fix for {finding.rule}",
-                                     run["script_path"] or run["name"], run["script_sha256"], card.options)
+            action = actions.rerun_pending(f"Rerun #{run_id} with the fix for {finding.rule}", run, card.options)
             # the settings as a caption, which wraps: inside the button's label they were cut to "current scali…"
             st.caption(plain(f"The rerun's settings: {card.described}."))
             if actions.confirmed("Rerun with this fix", f"fix_{run_id}_{i}", action):
@@ -115,10 +114,9 @@ def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> Non
     model = findings_model.findings(store, run, final, runs)
     if not final:
         st.info("The run is still going: these findings cover the steps recorded so far.")
-    if not model.cards:
-        st.success(f"No findings for {plain(ui.run_label(run))}: none of mpdiag's checks (gradient underflow and "
-                   "overflow, loss-scale collapse and skipped steps, divergence from FP32, optimizer-step and FP8 "
-                   "checks) found a problem.")
+    if not model.cards:  # a run that ended early: no success, just no findings in what it recorded
+        good, said = model.none_said(ui.run_label(run))
+        (st.success if good else st.info)(plain(said))
     for i, card in enumerate(model.cards):
         finding_card(store, run, i, card)
     reruns_table(model)

@@ -40,6 +40,8 @@ def replay_view(replay: modules_model.ReplayStrip | None) -> None:
         st.caption(plain(replay.said()))
         if replay.spike:  # all finite: the strip would be one colour; how much each call's output rose is the news
             ui.show_chart(charts.spike_rises(replay.rises, replay.step, modules_model.SPIKE_FACTOR), width="stretch")
+            if replay.undrawn_said():
+                st.caption(plain(replay.undrawn_said()))
         else:
             ui.show_chart(charts.replay_strip(replay.rows, replay.step), width="stretch")
 

@@ -54,8 +54,7 @@ def next_round(store, run: pd.Series, view) -> None:
         return
     st.caption(plain(f"{view.next_what}: in the background, each round a normal rerun of run #{run_id}, listed on "
                      "Compare and judged on its own Findings page; nothing starts before you confirm."))
-    action = actions.pending(f"{view.next_what} of run #{run_id}", run["script_path"] or run["name"],
-                             run["script_sha256"], view.next_options)
+    action = actions.rerun_pending(f"{view.next_what} of run #{run_id}", run, view.next_options)
     if actions.confirmed("Verify the plan", f"plan_verify_{run_id}", action, type="primary"):
         actions.start_verify(store, run_id, view.next_round, view.next_modules,
                              f"the verification of run #{run_id}'s plan")
@@ -75,8 +74,7 @@ def record_section(store, run: pd.Series, view: plan_model.PlanView) -> None:
     st.caption(plain(f"The same from a shell: python -m mpdiag rerun {run_id} "
                      f"{command_flags(view.record_options)}. Why: {view.missing}."))
     what = "Rerun with FP8 statistics"
-    action = actions.pending(f"{what} of run #{run_id}", run["script_path"] or run["name"], run["script_sha256"],
-                             view.record_options)
+    action = actions.rerun_pending(f"{what} of run #{run_id}", run, view.record_options)
     if actions.confirmed(what, f"plan_record_{run_id}", action, type="primary"):
         actions.start_rerun(store, run_id, view.record_options, f"{what} (run #{run_id})")
         st.rerun()

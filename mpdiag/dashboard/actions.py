@@ -48,15 +48,37 @@ class Pending:
     script_name: str
     script_sha256: str
     options: tuple[tuple[str, object], ...] = ()
+    #: what runs, in lines, where it is not one stored script named by its hash (a watched run's command)
+    source: tuple[str, ...] = ()
 
     def text(self) -> str:
-        lines = [self.what, f"script: {self.script_name}", f"sha256: {self.script_sha256}"]
+        lines = [self.what, *(self.source or (f"script: {self.script_name}", f"sha256: {self.script_sha256}"))]
         lines += [f"{k.replace('_', '-')}: {v}" for k, v in self.options if v is not None and v is not False and v != ""]
         return "\n".join(lines)
 
 
 def pending(what: str, script_name: str, script_sha256: str, options: dict | None = None) -> Pending:
     return Pending(what, script_name, script_sha256, tuple(sorted((options or {}).items())))
+
+
+def rerun_pending(what: str, run, options: dict | None = None) -> Pending:
+    """The pending rerun of ``run`` (a Store.runs row) with ``options``: its stored script by name and hash; a
+    watched run has none (its hash is empty), so the panel says what runs instead: the command as it was, from its
+    folder, on the script file as it is now, or on the training code uploaded with it (that bundle's hash)."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    watched = config.get("watch")
+    sha = run["script_sha256"] if isinstance(run["script_sha256"], str) and run["script_sha256"] else None
+    name = run["script_path"] if isinstance(run["script_path"], str) and run["script_path"] else str(run["name"])
+    if not isinstance(watched, dict) or sha is not None:
+        return Pending(what, name, sha or "none stored", tuple(sorted((options or {}).items())))
+    command = "python " + " ".join(str(a) for a in watched.get("argv") or [])
+    if watched.get("bundle"):
+        source = (f"command: {command} (as it was watched)", "on: the training code uploaded with it",
+                  f"sha256: {watched['bundle']}")
+    else:
+        source = (f"command: {command} (as it was watched)", f"from: {watched.get('cwd')}",
+                  "script: the file as it is now (a watched run keeps no copy, so there is no hash to show)")
+    return Pending(what, name, watched.get("bundle") or "", tuple(sorted((options or {}).items())), source)
 
 
 def confirmed(label: str, key: str, action: Pending, **button_args) -> bool:

@@ -6,6 +6,7 @@ Data is expected already aggregated (:mod:`mpdiag.analysis.summaries`), so no ch
 from __future__ import annotations
 
 import functools
+import json
 import math
 import threading
 import warnings
@@ -495,8 +496,21 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
         x=STEP_X, y=alt.Y("loss:Q", title="local loss"), color=colour,
         tooltip=["step:Q", "rank:N", alt.Tooltip("loss:Q", format=".6g")])
     counted = df[df["nonfinite"].notna()]
-    nonfinite = alt.Chart(counted).mark_circle(size=50).encode(
-        x=STEP_X, y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce"),
+    # a symmetric-log axis with a labelled tick at 0 and each power of ten (as the over/underflow panel's): on a
+    # linear one to 5,000 counts of 1 and 4 sat on 0 (a constant under 1 keeps 1 clear of 0's label)
+    most = float(counted["nonfinite"].max()) if len(counted) else 0.0
+    ticks = [0] + [10**k for k in range(0, max(1, math.ceil(math.log10(most)) if most > 1 else 1) + 1)]
+    # each rank drawn a few pixels either side of its step (at a 1,280 px window), so two ranks with the same count
+    # at a step are both seen (Vega-Lite's xOffset does nothing on a quantitative x); the tooltip gives the step
+    ranks = sorted(df["rank"].unique(), key=lambda r: int(r.split()[-1]))
+    px = min(5.0, 16.0 / max(len(ranks) - 1, 1))
+    per_px = max(float(df["step"].max() - df["step"].min()), 1.0) / _PLOT_PX
+    side = counted["rank"].map({r: (i - (len(ranks) - 1) / 2) * px * per_px for i, r in enumerate(ranks)})
+    nonfinite = alt.Chart(counted.assign(drawn_at=counted["step"] + side)).mark_circle(size=50, opacity=0.9).encode(
+        x=alt.X("drawn_at:Q", title="step", scale=_STEP_SCALE, axis=alt.Axis(format="d", tickMinStep=1)),
+        y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce",
+                scale=alt.Scale(type="symlog", constant=0.2, domain=[0, ticks[-1]]),
+                axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
         color=colour, tooltip=["step:Q", "rank:N", alt.Tooltip("nonfinite:Q", format="d", title="inf/NaN values")])
     top, bottom = loss, nonfinite
     if marked_step is not None:
@@ -845,42 +859,99 @@ def replay_strip(rows: pd.DataFrame, step: int) -> alt.LayerChart:
 
 
 def spike_rises(rises: pd.DataFrame, step: int, threshold: float) -> alt.LayerChart:
-    """A loss spike's replay (``modules_model.ReplayStrip.rises``): per forward call in execution order, how many
-    times its output's absmax (dot) and its inputs' (grey tick) were the same call's on step ``step`` - 1's batch,
-    on a log axis with 1x (no change) and the spike rule's ``threshold`` as rules; a call meeting the rule (its
-    output rose that much, its inputs less) in red. Calls not comparable (no previous call, no float tensor) are
-    left out of the drawing (their tooltips are in the strip)."""
+    """A loss spike's replay (``modules_model.ReplayStrip.rises``): per forward call in execution order (one x
+    position per call: a shared module's calls each have their own), how many times its output's absmax (dot) and
+    its inputs' (grey tick) were the same call's on step ``step`` - 1's batch, on a log axis with 1x (no change) and
+    the spike rule's ``threshold`` as rules labelled at the right; a call meeting the rule (its output rose that
+    much, its inputs less) in red: the first offender the replay names a large outlined diamond, the calls that
+    meet it after it (the modules holding it) pale red. Each call is named on the x axis up to REPLAY_NAMED_CALLS
+    calls; past that the red ones are named beside their points. Calls not comparable (no previous call, no float
+    tensor) are left out of the drawing (the page names them: ``ReplayStrip.undrawn_said``)."""
     drawn = rises[np.isfinite(rises["out_rise"]) & (rises["out_rise"] > 0)]
     finite = [*drawn["out_rise"], *rises["in_rise"][np.isfinite(rises["in_rise"]) & (rises["in_rise"] > 0)]]
     low, high = min([1.0, *finite]) / 2, max([threshold, *finite]) * 2
     y_scale = alt.Scale(type="log", domain=[low, high], nice=False)
-    order = list(drawn.sort_values("pos")["call"])
-    x = alt.X("call:N", sort=order, title="forward calls in execution order",
-              axis=alt.Axis(labels=len(order) <= REPLAY_NAMED_CALLS, labelAngle=-40, labelLimit=160, ticks=False))
-    colour = alt.Color("meets:N", title=None, scale=alt.Scale(domain=[f"output rose {threshold:g}x or more, inputs less",
-                                                                      "below the rule"],
-                                                              range=[REPLAY_COLOURS["first offender"], RUN_COLOURS[0]]),
-                       legend=alt.Legend(orient="top", labelLimit=400))
-    meets = np.where(drawn["offender"], f"output rose {threshold:g}x or more, inputs less", "below the rule")
+    named = len(drawn) <= REPLAY_NAMED_CALLS
+    names = [""] * (int(rises["pos"].max()) + 1 if len(rises) else 0)
+    for pos, call in zip(rises["pos"], rises["call"], strict=True):
+        names[int(pos)] = str(call)
+    # the names as a JSON array the label looks its position up in (escaped: a name is the user's text)
+    x = alt.X("pos:O", title="forward calls in execution order",
+              axis=alt.Axis(labels=named, labelAngle=-40, labelLimit=160, ticks=False,
+                            **({"labelExpr": f"{json.dumps(names)}[datum.value]"} if named else {})))
+    rule_met = f"output rose {threshold:g}x or more, inputs less"
+    first_said = f"the first offender: {rule_met}"
+    also_said = "met the rule too, after it" if drawn["first"].any() else rule_met
+    kinds = [first_said, also_said, "below the rule"]
+    meets = np.where(drawn["first"], first_said, np.where(drawn["offender"], also_said, "below the rule"))
+    legend = alt.Legend(orient="top", labelLimit=400)
+    colour = alt.Color("meets:N", title=None, legend=legend, scale=alt.Scale(
+        domain=kinds, range=[REPLAY_COLOURS["first offender"], "#f19c9c", RUN_COLOURS[0]]))
+    shape = alt.Shape("meets:N", title=None, legend=legend,
+                      scale=alt.Scale(domain=kinds, range=["diamond", "circle", "circle"]))
+    size = alt.Size("meets:N", legend=None, scale=alt.Scale(domain=kinds, range=[220, 90, 80]))
     base = alt.Chart(drawn.assign(meets=meets)).encode(x=x, tooltip=[
         "call:N", alt.Tooltip("out_rise:Q", format=".4g", title="output rise (x)"),
         alt.Tooltip("in_rise:Q", format=".4g", title="inputs' rise (x)"),
         alt.Tooltip("absmax:Q", format=".6g", title=f"output absmax, step {step}"),
-        alt.Tooltip("absmax_before:Q", format=".6g", title=f"output absmax, step {step - 1}'s batch")])
+        alt.Tooltip("absmax_before:Q", format=".6g", title=f"output absmax, step {step - 1}'s batch"), "meets:N"])
     axis = alt.Axis(title=f"absmax on step {step}'s batch ÷ on step {step - 1}'s",
                     labelExpr="format(datum.value, '~g') + 'x'", values=_decades(low, high))
-    dots = base.mark_point(filled=True, size=80, opacity=1).encode(y=alt.Y("out_rise:Q", scale=y_scale, axis=axis),
-                                                                   color=colour)
+    y = alt.Y("out_rise:Q", scale=y_scale, axis=axis)
+    dots = base.mark_point(filled=True, opacity=1).encode(y=y, color=colour, shape=shape, size=size)
     ticks = base.transform_filter("isFinite(datum.in_rise) && datum.in_rise > 0").mark_tick(
         color="#7f7f7f", thickness=2, size=18).encode(y=alt.Y("in_rise:Q", scale=y_scale))
     rules = pd.DataFrame({"y": [1.0, threshold], "label": ["1x: no change", f"{threshold:g}x: the spike rule"]})
     rule = alt.Chart(rules).mark_rule(strokeDash=[6, 3]).encode(
         y=alt.Y("y:Q", scale=y_scale), color=alt.value("#555"))
-    text = alt.Chart(rules).mark_text(align="left", baseline="bottom", dx=4, dy=-2, color="#555").encode(
-        y=alt.Y("y:Q", scale=y_scale), x=alt.value(0), text="label:N")
-    return alt.layer(rule, text, ticks, dots).properties(
+    # right of the plot's end: inside it they sat over the dots (most calls are at 1x, on the left and the right)
+    text = alt.Chart(rules).mark_text(align="left", baseline="middle", dx=6, color="#555").encode(
+        y=alt.Y("y:Q", scale=y_scale), x=alt.value("width"), text="label:N")
+    layers = [rule, text, ticks, dots]
+    if drawn["first"].any():  # outlined, apart from the calls that merely meet the rule after it
+        layers.append(base.transform_filter("datum.first").mark_point(
+            shape="diamond", size=300, filled=False, color="black", strokeWidth=1.5).encode(y=y))
+    if not named:  # no names on the axis: the red points named beside them, where no other point is
+        sides = _label_sides(drawn, low, high, 260)
+        for side, (align, dx, dy) in _LABEL_PLACES.items():
+            for first in (True, False):  # the first offender's name in bold
+                if not ((sides == side) & (drawn["first"] == first)).any():
+                    continue
+                layers.append(alt.Chart(drawn[(sides == side) & (drawn["first"] == first)]).mark_text(
+                    align=align, dx=dx, dy=dy, baseline="middle", fontSize=11,
+                    fontWeight="bold" if first else "normal").encode(x=x, y=y, text="call:N"))
+    return alt.layer(*layers).properties(
         title=f"step {step}'s loss spike replayed: each forward call's output (dot) and inputs (grey tick) against "
               f"step {step - 1}'s batch", width="container", height=260).properties(autosize=_FIT_WIDTH)
+
+
+#: where a red point's name goes on the spike replay (text align, dx, dy): right of it, left of it, or above it
+#: ending at it
+_LABEL_PLACES = {"right": ("left", 11, 0), "left": ("right", -11, 0), "above": ("right", 6, -13)}
+#: the spike replay's plot width at a 1,280 px window (its labels are placed for it), and a name's pixels a character
+_PLOT_PX, _CHAR_PX = 740, 6.2
+
+
+def _label_sides(drawn: pd.DataFrame, low: float, high: float, height: int) -> pd.Series:
+    """For each red (rule-meeting) point of the spike replay, the side of :data:`_LABEL_PLACES` whose text box
+    covers no other point or tick at a 1,280 px window: right, else left, else above (a red point's neighbours
+    are often at its height: the module holding it, the next block); "" for the other points."""
+    order = {p: i for i, p in enumerate(sorted(drawn["pos"]))}
+    step_px = _PLOT_PX / max(len(order), 1)
+    px_decade = height / (math.log10(high) - math.log10(low))
+    marks = [(order[p], math.log10(v) * px_decade) for p, out, inp in drawn[["pos", "out_rise", "in_rise"]].itertuples(
+        index=False) for v in (out, inp) if np.isfinite(v) and v > 0]
+    sides = pd.Series("", index=drawn.index)
+    for i, row in drawn[drawn["offender"]].iterrows():
+        at, y = order[row["pos"]], math.log10(row["out_rise"]) * px_decade
+        width = (len(str(row["call"])) * _CHAR_PX + 12) / step_px  # in positions
+        boxes = {"right": (at + 0.4, at + width, y - 7, y + 7), "left": (at - width, at - 0.4, y - 7, y + 7),
+                 "above": (at - width, at + 0.4, y + 6, y + 20)}
+        free = [side for side, (x0, x1, y0, y1) in boxes.items()
+                if x0 >= -0.5 and x1 <= len(order) - 0.5
+                and not any(x0 <= mx <= x1 and y0 - 5 <= my <= y1 + 5 for mx, my in marks if (mx, my) != (at, y))]
+        sides[i] = free[0] if free else "above"
+    return sides
 
 
 def _decades(low: float, high: float) -> list[float]:

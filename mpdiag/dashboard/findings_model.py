@@ -67,6 +67,19 @@ class FindingsRun:
     def findings(self) -> list[Finding]:
         return [card.finding for card in self.cards]
 
+    def none_said(self, label: str) -> tuple[bool, str]:
+        """Where the run (``label``: its name as the pages write it) has no findings, what the page says: (whether
+        it is good news, the words). A run that ended early (failed, crashed, stopped) is no success: its checks
+        covered only the steps it recorded, and its box above says why it ended."""
+        ended = {"crashed": "it crashed", "failed": "it failed", "stopped": "it was stopped"}.get(self.run["status"])
+        if ended is not None:
+            steps = int(self.run["steps_done"]) if pd.notna(self.run["steps_done"]) else 0
+            return False, (f"No findings for {label} in the {steps:,} step{'' if steps == 1 else 's'} recorded "
+                           f"before {ended}: mpdiag's checks found no problem there, and say nothing of the steps "
+                           "it did not reach.")
+        return True, (f"No findings for {label}: none of mpdiag's checks (gradient underflow and overflow, loss-scale "
+                      "collapse and skipped steps, divergence from FP32, optimizer-step and FP8 checks) found a problem.")
+
 
 #: the reruns table's columns at 1,280 px: what it is for first (the loss against FP32, the findings still there),
 #: every column on screen (each finding a column of its own, with its long name, pushed them off)

@@ -266,10 +266,10 @@ def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: 
     tags and note a person gave it (as text)."""
     if run["status"] in ("failed", "crashed") and isinstance(run["error"], str):
         st.error(f"Run #{int(run['run_id'])} {run['status']}; what it reported:")
-        st.code(run["error"].strip()[-3000:], language=None)
+        st.code(run["error"].strip()[-3000:], language=None, wrap_lines=True)  # unwrapped: cut at 1,280 px
     if run["status"] == "stopped" and isinstance(run["error"], str) and not events_shown:  # else the banner says it
         st.warning(f"Run #{int(run['run_id'])} was stopped; why:")
-        st.code(run["error"].strip()[-3000:], language=None)
+        st.code(run["error"].strip()[-3000:], language=None, wrap_lines=True)  # unwrapped: cut at 1,280 px
     if run["status"] == "stalled":
         st.warning(stall_text(run))
         line = None if store is None else actions.last_output_line(store.path, int(run["run_id"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from mpdiag.analysis import module_trace
@@ -36,7 +37,8 @@ class ReplayStrip:
     spike: bool = False
     note: str | None = None
     #: a loss spike's replay: per forward call (``pos`` as in ``rows``), how many times its output's and its inputs'
-    #: absmax were the same call's on the previous step's batch (``out_rise``, ``in_rise``; NaN: not comparable)
+    #: absmax were the same call's on the previous step's batch (``out_rise``, ``in_rise``; NaN: not comparable);
+    #: ``offender``: it meets the spike rule, ``first``: it is the first offender the replay names
     rises: pd.DataFrame | None = None
 
     def said(self) -> str:
@@ -51,6 +53,44 @@ class ReplayStrip:
                   "the forward only: it went bad there, so the backward was not replayed")
         return f"Step {self.step} replayed module by module ({len(self.rows):,} calls, {phases}): {where}; the replay {verdict}."
 
+    def undrawn_said(self) -> str:
+        """A spike replay's forward calls its chart leaves out, and why ("" when it draws every one): calls only
+        the spike step's batch made (data-dependent control flow: nothing to compare them with), and calls whose
+        rise is not a finite positive number (an output of 0, or no floating-point output)."""
+        if self.rises is None:
+            return ""
+        only = self.rises[self.rises["absmax_before"].isna()]
+        rise = self.rises["out_rise"].astype(float)
+        other = self.rises[self.rises["absmax_before"].notna() & ~(np.isfinite(rise) & (rise > 0))]
+        said = []
+        if len(only):
+            said.append(f"{_calls(len(only))} ran only on step {self.step}'s batch, not on step {self.step - 1}'s, "
+                        f"so {'it has' if len(only) == 1 else 'they have'} no rise to draw: {_names(only['call'])}")
+        if len(other):
+            said.append(f"{_calls(len(other))} with no finite rise (an output of 0, or none in floating point) "
+                        f"{'is' if len(other) == 1 else 'are'} not drawn: {_names(other['call'])}")
+        return "; ".join(said) + "." if said else ""
+
+
+def _calls(n: int) -> str:
+    return f"{n:,} call" + ("" if n == 1 else "s")
+
+
+def _names(calls: pd.Series, most: int = 8) -> str:
+    """At most ``most`` call names, and how many more."""
+    names = list(calls)
+    return ", ".join(names[:most]) + (f" and {len(names) - most:,} more" if len(names) > most else "")
+
+
+def call_names(rows: pd.DataFrame) -> pd.Series:
+    """Each module call's name as the replay shows it: "module (Type)", and where the module ran more than once in
+    its phase (a shared activation), which of its calls: "act (GELU), call 7 of 12"."""
+    named = rows["module"] + " (" + rows["type"] + ")"
+    by = [rows["phase"], rows["module"]]
+    nth = rows.groupby(by, sort=False).cumcount() + 1
+    calls = rows.groupby(by, sort=False)["module"].transform("size")
+    return named.where(calls <= 1, named + ", call " + nth.astype(str) + " of " + calls.astype(str))
+
 
 def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None = None) -> ReplayStrip | None:
     """The strip of the run's replayed step ``step`` (a link's ``?replay=``), else of its first replayed step;
@@ -62,7 +102,7 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None 
     step = int(replay["step"])
     limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     rows = modules[modules["step"] == step].reset_index(drop=True)
-    rows = rows.assign(pos=range(len(rows)), call=rows["module"] + " (" + rows["type"] + ")")
+    rows = rows.assign(pos=range(len(rows)), call=call_names(rows))
     above = rows["absmax"].gt(limit) if limit is not None else pd.Series(False, index=rows.index)
     state = pd.Series("finite", index=rows.index)
     state[above.fillna(False)] = REPLAY_STATES[1]
@@ -75,12 +115,14 @@ def replay_strip(replays: pd.DataFrame, modules: pd.DataFrame, step: int | None 
     spike = replay["trigger"] == SPIKE_TRIGGER
     return ReplayStrip(step, rows.assign(state=state), first, phase, bool(replay["reproduced"]), spike,
                        replay["note"] if isinstance(replay["note"], str) else None,
-                       _rises(rows, modules[modules["step"] == step - 1]) if spike else None)
+                       _rises(rows, modules[modules["step"] == step - 1], first) if spike else None)
 
 
-def _rises(rows: pd.DataFrame, previous: pd.DataFrame) -> pd.DataFrame:
+def _rises(rows: pd.DataFrame, previous: pd.DataFrame, first: str | None) -> pd.DataFrame:
     """A spike replay's forward calls (``rows``) against the previous batch's (``previous``), matched as the spike
-    rule matched them (:func:`mpdiag.recording.spike_rule.call_rises`); ``offender``: the rule's threshold is met."""
+    rule matched them (:func:`mpdiag.recording.spike_rule.call_rises`); ``offender``: the rule's threshold is met;
+    ``first``: the first call of module ``first`` (the replay's first offender) that meets it, the one the rule
+    named (the modules holding it, or after it, that also meet it are not)."""
     forward, before = rows[rows["phase"] == "forward"], previous[previous["phase"] == "forward"].sort_values("ord")
     rises = call_rises(list(before[["module", "absmax", "in_absmax"]].itertuples(index=False)),
                        list(forward[["module", "absmax", "in_absmax"]].itertuples(index=False)))
@@ -88,7 +130,9 @@ def _rises(rows: pd.DataFrame, previous: pd.DataFrame) -> pd.DataFrame:
                                          "out_rise", "in_rise"]).astype({"out_rise": float, "in_rise": float})
     table.insert(0, "pos", forward["pos"].to_numpy())
     table.insert(1, "call", forward["call"].to_numpy())
-    return table.assign(offender=(table["out_rise"] >= SPIKE_FACTOR) & ~(table["in_rise"] >= SPIKE_FACTOR))
+    offender = (table["out_rise"] >= SPIKE_FACTOR) & ~(table["in_rise"] >= SPIKE_FACTOR)
+    named = offender & (table["module"] == first)
+    return table.assign(offender=offender, first=named & (named.cumsum() == 1))
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,17 @@ def table(store: Store, runs: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame
     version = reads.findings_version(store, runs)
     table = runs_table(shown, [reads.finding_severities(store, run, version, runs) for _, run in shown.iterrows()])
     table["final loss"] = loss_texts(shown["final_loss"], loss_digits(runs))
+    table["opt level"] = [level_text(level, ranks) for level, ranks in zip(shown["opt_level"], shown["world_size"],
+                                                                          strict=True)]
     table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())
     table["note"] = shown["user_note"].map(note_preview).to_numpy()
     return table
+
+
+def level_text(level, ranks) -> str:
+    """A run's level as the runs table shows it, with its ranks when it is distributed: "O1 ×2"."""
+    level = level if isinstance(level, str) else ""
+    return f"{level} ×{int(ranks)}" if pd.notna(ranks) and int(ranks) > 1 else level
 
 
 _RUN = Column(width=RUN_PX, kind="number", pinned=True)
@@ -74,12 +82,12 @@ _RUN = Column(width=RUN_PX, kind="number", pinned=True)
 #: widths leave room for what grows while a run goes (the browser sizes a column once, to what it first showed)
 TABLE_COLUMNS = {
     "run": _RUN,
-    "name": Column(width=180, pinned=True, help="Rename it below; hover a cell for a long name."),
+    "name": Column(width=164, pinned=True, help="Rename it below; hover a cell for a long name."),
     "status": Column(width=70),
     "health": Column(width=96, help="The run's findings, counted by severity (each explained on its Findings "
                                      "page); hover a cell for the whole count."),
-    "opt level": Column("level", width=58, help="The opt level the run trained at (O0: FP32; O1-O3: FP16 "
-                                                "mixed precision; bf16...)."),
+    "opt level": Column("level", width=74, help="The opt level the run trained at (O0: FP32; O1-O3: FP16 "
+                                                "mixed precision; bf16...); ×2: a distributed run of 2 ranks."),
     "final loss": Column(width=80, help="The last step's loss, to as many significant digits as tell this store's "
                                         "runs apart (the same on every page)."),
     "steps": Column(width=68, help="Steps recorded of the steps asked for."),
@@ -110,6 +118,24 @@ MORE_TABLES = {
                                        "note or delete a run."),
     },
 }
+
+
+#: how many of the newest runs that ended early (failed, crashed, stopped) the Runs page explains below its table
+ENDED_EXPLAINED = 3
+
+
+def ended_early(runs: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """The newest runs of ``runs`` (Store.runs, newest first) that failed, crashed or were stopped, that the Runs
+    page explains below its table (at most :data:`ENDED_EXPLAINED`), and what it says of the others (None: none)."""
+    ended = runs[runs["status"].isin(["failed", "crashed", "stopped"])]
+    rest = ended.iloc[ENDED_EXPLAINED:]
+    if rest.empty:
+        return ended, None
+    ids = ", ".join(f"#{int(r)}" for r in rest["run_id"].head(12)) + (" …" if len(rest) > 12 else "")
+    return ended.head(ENDED_EXPLAINED), (
+        f"{len(rest):,} more run{'' if len(rest) == 1 else 's'} ended early ({ids}): why each ended is at the top of "
+        "its own pages (its findings link in the table above), and what it printed under Console output of a run "
+        "below.")
 
 
 def note_preview(note) -> str:

@@ -2,6 +2,7 @@
 named module at a known step (no module trace), the view-model lays every module call out forward then backward
 in execution order with the first offender marked, and the page draws it with that module in the chart's data; Findings' link to it (``?replay=STEP``) opens the page on that replay, above the trace."""
 
+import json
 from urllib.parse import parse_qsl, urlsplit
 
 import pandas as pd
@@ -147,5 +148,77 @@ def test_a_loss_spikes_replay_is_drawn_as_each_calls_rise_against_the_rule(tmp_p
     assert not chart_problems(chart.proto)
     drawn = next(f for f in (pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets)
                  if "out_rise" in f)
-    met = drawn[drawn["meets"].str.startswith("output rose 10x")]
+    met = drawn[drawn["offender"]]
     assert list(met["call"]) == ["boost (Boost)"]
+    assert list(met["meets"]) == ["the first offender: output rose 10x or more, inputs less"]
+
+
+def _deep_spike(blocks=12):
+    """A spike replay of a deep model: ``blocks`` blocks each calling one shared ``act`` (GELU), block 7's gate the
+    first offender (x400, its inputs not), the blocks holding it and the model meeting the rule after it, and a
+    ``detour`` only the spike step's batch ran (more than REPLAY_NAMED_CALLS calls in all)."""
+    def calls(spike):
+        out = [("inp", "Linear", 1.0, 1.0)]
+        for b in range(blocks):
+            hot = spike and b >= 7
+            out += [(f"blocks.{b}.ln", "LayerNorm", 1.0, 1.0), (f"blocks.{b}.fc", "Linear", 1.0, 1.0),
+                    ("act", "GELU", 1.0 + 0.01 * b, 1.0)]
+            if b == 7:
+                out.append((f"blocks.{b}.gate", "Gate", 400.0 if spike else 1.0, 1.0))
+            out.append((f"blocks.{b}", "Block", 400.0 if hot else 1.0, 400.0 if hot and b > 7 else 1.0))
+        out += [("detour", "Linear", 50.0, 400.0)] if spike else []
+        return out + [("Deep", "Deep", 300.0 if spike else 1.0, 1.0)]
+    modules = pd.DataFrame([dict(step=s, phase="forward", ord=i, module=m, type=t, absmax=a, nonfinite=0,
+                                 in_absmax=inp, in_nonfinite=0)
+                            for s in (44, 45) for i, (m, t, a, inp) in enumerate(calls(s == 45))])
+    replays = pd.DataFrame([dict(step=45, trigger="loss spike", reproduced=True, first_module="blocks.7.gate",
+                                 first_phase="forward", low_format="bf16", format_max=None, note="gate rose 400x")])
+    return modules_model.replay_strip(replays, modules)
+
+
+def test_a_deep_spike_replay_gives_each_call_its_own_place_and_names_the_red_ones():
+    """Past 40 calls: a shared module's 12 calls each have an x position of their own (they sat on one), named
+    "act (GELU), call 7 of 12"; the red points are named beside them, the first offender drawn apart from the
+    modules that merely meet the rule after it; a call only the spike's batch made is said in words; the rules'
+    labels sit right of the plot, off the dots."""
+    strip = _deep_spike()
+    rises = strip.rises
+    assert len(rises) > charts.REPLAY_NAMED_CALLS
+    acts = rises[rises["module"] == "act"]["call"].tolist()
+    assert acts[6] == "act (GELU), call 7 of 12" and len(set(acts)) == 12
+    assert rises.loc[rises["first"], "call"].tolist() == ["blocks.7.gate (Gate)"]
+    assert {"blocks.7 (Block)", "Deep (Deep)"} <= set(rises.loc[rises["offender"] & ~rises["first"], "call"])
+    assert strip.undrawn_said() == ("1 call ran only on step 45's batch, not on step 44's, so it has no rise to "
+                                    "draw: detour (Linear).")
+
+    spec = charts.spike_rises(rises, strip.step, modules_model.SPIKE_FACTOR).to_dict()
+    data = spec["datasets"]
+    layers = spec["layer"]
+    dots = next(la for la in layers if la["mark"]["type"] == "point" and "color" in la["encoding"])
+    assert dots["encoding"]["x"]["field"] == "pos" and dots["encoding"]["x"]["type"] == "ordinal"
+    drawn = pd.DataFrame(data[dots["data"]["name"]])
+    assert drawn["pos"].is_unique and len(drawn) == len(rises) - 1  # every call but the detour, each its own place
+    kinds = dots["encoding"]["color"]["scale"]["domain"]
+    assert kinds[0].startswith("the first offender") and dots["encoding"]["shape"]["scale"]["range"][:2] == [
+        "diamond", "circle"]
+    assert drawn.loc[drawn["first"], "meets"].tolist() == [kinds[0]]
+    assert set(drawn.loc[drawn["offender"] & ~drawn["first"], "meets"]) == {kinds[1]}
+    named = [la for la in layers if la["mark"]["type"] == "text" and la["encoding"]["text"]["field"] == "call"]
+    labelled = {c for la in named for c in pd.DataFrame(data[la["data"]["name"]])["call"]}
+    assert labelled == set(drawn.loc[drawn["offender"], "call"])
+    assert [la["mark"]["fontWeight"] for la in named if "blocks.7.gate (Gate)" in
+            set(pd.DataFrame(data[la["data"]["name"]])["call"])] == ["bold"]
+    (rule_text,) = [la for la in layers if la["mark"]["type"] == "text" and la["encoding"]["text"]["field"] == "label"]
+    assert rule_text["encoding"]["x"] == {"value": "width"} and rule_text["mark"]["align"] == "left"
+
+
+def test_a_short_spike_replay_names_each_call_on_its_axis_in_execution_order():
+    strip = _deep_spike(blocks=3)
+    assert len(strip.rises) <= charts.REPLAY_NAMED_CALLS
+    spec = charts.spike_rises(strip.rises, strip.step, modules_model.SPIKE_FACTOR).to_dict()
+    dots = next(la for la in spec["layer"] if la["mark"]["type"] == "point" and "color" in la["encoding"])
+    axis = dots["encoding"]["x"]["axis"]
+    names = json.loads(axis["labelExpr"].removesuffix("[datum.value]"))
+    assert names[:5] == ["inp (Linear)", "blocks.0.ln (LayerNorm)", "blocks.0.fc (Linear)", "act (GELU), call 1 of 3",
+                         "blocks.0 (Block)"]
+    assert not [la for la in spec["layer"] if la["mark"]["type"] == "text" and la["encoding"]["text"]["field"] == "call"]
