@@ -15,7 +15,7 @@ from mpdiag.dashboard import actions, charts, events_model, runs_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
-from mpdiag.options import UNSET
+from mpdiag.options import UNSET, torchrun_rerun
 from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunTextRefused, StoreError
 from mpdiag.store.console import OUTPUT_REFRESH_S
 
@@ -205,8 +205,11 @@ def rerun_form(store, runs: pd.DataFrame) -> None:
         options = ui.run_options_form("rerun", parent)
         st.caption(f"Reruns the script source stored with run #{parent_id} (not the file as it is now).")
         level = options.get("opt_level")
+    refused = torchrun_rerun(parent["config"], parent["world_size"])  # one process cannot repeat a torchrun job
+    if refused is not None:
+        st.caption(plain(f"{refused[0].upper()}{refused[1:]} (with these options as flags)."))
     action = actions.rerun_pending(f"Rerun #{parent_id}", parent, options)
-    if actions.confirmed("Rerun", "rerun_start", action, type="primary", disabled=not options):
+    if actions.confirmed("Rerun", "rerun_start", action, type="primary", disabled=not options or refused is not None):
         actions.start_rerun(store, parent_id, options, f"rerun of #{parent_id} at {level}")
         st.success(f"Started a rerun of #{parent_id}: its progress and links to its pages are at the top of this "
                    "page.")

@@ -45,6 +45,7 @@ from mpdiag.options import (
     command_flags,
     flag,
     rerunnable_by_watch,
+    torchrun_rerun,
     watch_fix,
 )
 from mpdiag.recording.console import tee_console
@@ -307,6 +308,9 @@ def cmd_rerun(args: argparse.Namespace) -> int:
                               "page's rerun form, or a fix on the Findings page), where uploaded code runs in a "
                               "supervised child process and never in this one.")
         typed = watch_fix({k: v for k, v in options.items() if v is not None})
+        refused = torchrun_rerun(parent["config"], parent["world_size"], command_flags(typed))
+        if refused is not None:
+            raise ConfigError(f"run {args.run_id}: {refused}")
         if args.pair:
             raise ConfigError(f"run {args.run_id} was recorded by mpdiag watch, which runs no FP32 twin (--pair).")
         config = rerun_config(args.run_id, parent["name"], parent["config"]["watch"], **typed)
@@ -343,6 +347,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and run["config"]["watch"].get("bundle"):
             print(f"  check it: rerun it with {command_flags(watch_fix(f.fix))} from the app's Findings page (the run's "
                   "code was uploaded there)")
+        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and torchrun_rerun(
+                run["config"], run["world_size"]) is not None:
+            print(f"  check it: {torchrun_rerun(run['config'], run['world_size'], command_flags(watch_fix(f.fix)))}")
         elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
             print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(watch_fix(f.fix))}  (repeats the "
                   "watched command)")

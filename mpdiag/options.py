@@ -81,6 +81,23 @@ def watch_fix(fix: Mapping[str, Any]) -> dict:
     return {k: v for k, v in fix.items() if not (k == "loss_scale" and v == "dynamic")}
 
 
+def torchrun_rerun(run_config: Mapping[str, Any], world_size: Any, flags: str = "") -> str | None:
+    """Why a watched torchrun job (``world_size`` ranks) cannot be rerun by mpdiag, with the command that repeats
+    it, or None for any other run: a rerun starts one process, whose ``init_process_group`` then waits for ranks
+    that never come (it failed, with 0 steps). ``flags``: the rerun's own options, as command-line flags."""
+    watched = run_config.get("watch")
+    try:
+        ranks = int(world_size)  # a Store row's number (numpy's), or NaN / None: not known
+    except (TypeError, ValueError):
+        ranks = 1
+    if not isinstance(watched, Mapping) or ranks <= 1:
+        return None
+    argv = " ".join(shlex.quote(str(a)) for a in watched.get("argv") or ())
+    where = f"from {watched['cwd']}: " if watched.get("cwd") else ""
+    return (f"this run was a torchrun job of {ranks} ranks, and a rerun starts one process; repeat it with torchrun "
+            f"{where}torchrun --nproc_per_node {ranks} -m mpdiag watch {flags + ' ' if flags else ''}{argv}")
+
+
 def rerunnable_by_watch(run_config: Mapping[str, Any], fix: Mapping[str, Any]) -> bool:
     """Whether a finding's ``fix`` can be checked by repeating a watched run's command (a run recorded by
     watch, a fix that changes only what watch can: the level among WATCH_LEVEL_NAMES, the initial scale)."""

@@ -16,6 +16,7 @@ import streamlit as st
 from mpdiag.dashboard import charts, modules_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain, url_count
+from mpdiag.options import torchrun_rerun
 
 
 def not_traced(run: pd.Series, run_id: int) -> None:
@@ -27,6 +28,10 @@ def not_traced(run: pd.Series, run_id: int) -> None:
     elif asked:
         st.warning(f"Run #{run_id} was started with --trace-modules but recorded no trace: it ended "
                    f"({plain(run['status'])}) before its first logged step. Its error, if any, is on the home page.")
+    elif torchrun_rerun(config, run["world_size"]) is not None:  # a rerun starts one process: torchrun repeats it
+        st.info(f"Run #{run_id} was recorded without a module trace. Record one: "
+                f"{plain(torchrun_rerun(config, run['world_size'], '--trace-modules'))}; then open this page on that "
+                "run: it shows which module's output or gradient first went inf/NaN.")
     else:
         st.info(f"Run #{run_id} was recorded without a module trace. Record one with "
                 f"`python -m mpdiag rerun {run_id} --trace-modules` (or tick \"Trace modules\" in the rerun form), "

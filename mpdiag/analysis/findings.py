@@ -31,7 +31,7 @@ from mpdiag.analysis.summaries import (
     whatif_shares,
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
-from mpdiag.options import rerunnable_by_watch, watch_fix
+from mpdiag.options import command_flags, rerunnable_by_watch, torchrun_rerun, watch_fix
 from mpdiag.store import Store
 
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
@@ -772,12 +772,16 @@ def fix_options(runs: pd.DataFrame, run_id: int, finding: Finding) -> dict:
     return dict(finding.fix, pair=twin)
 
 
-def fix_not_rerunnable(run_config: dict, fix: dict) -> str | None:
-    """Why a rerun with ``fix`` cannot be started for a run with this stored config, or None when it can: a
-    run recorded by a Recorder in the user's own loop has nothing mpdiag can rerun; a watched run can be given
-    only what watch imposes on an unmodified script."""
+def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1) -> str | None:
+    """Why a rerun with ``fix`` cannot be started for a run with this stored config (and ``world_size`` ranks), or
+    None when it can: a run recorded by a Recorder in the user's own loop has nothing mpdiag can rerun; a watched
+    run can be given only what watch imposes on an unmodified script, and a watched torchrun job is repeated with
+    torchrun (:func:`~mpdiag.options.torchrun_rerun`)."""
     wanted = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fix.items())
-    if "run" in run_config or rerunnable_by_watch(run_config, fix):
+    if rerunnable_by_watch(run_config, fix):
+        refused = torchrun_rerun(run_config, world_size, command_flags(watch_fix(fix)))
+        return None if refused is None else f"{refused[0].upper()}{refused[1:]}."
+    if "run" in run_config:
         return None
     if "watch" in run_config:
         return (f"mpdiag watch cannot apply {wanted} to an unmodified script (watch sets the script's autocast "

@@ -505,8 +505,9 @@ def rank_panel(rank_steps: pd.DataFrame, marked_step: int | None) -> alt.VConcat
     ranks = sorted(df["rank"].unique(), key=lambda r: int(r.split()[-1]))
     px = min(5.0, 16.0 / max(len(ranks) - 1, 1))
     per_px = max(float(df["step"].max() - df["step"].min()), 1.0) / _PLOT_PX
-    side = counted["rank"].map({r: (i - (len(ranks) - 1) / 2) * px * per_px for i, r in enumerate(ranks)})
-    nonfinite = alt.Chart(counted.assign(drawn_at=counted["step"] + side)).mark_circle(size=50, opacity=0.9).encode(
+    # as float: no count recorded (FSDP2) leaves the offsets an empty column of strings
+    side = counted["rank"].map({r: (i - (len(ranks) - 1) / 2) * px * per_px for i, r in enumerate(ranks)}).astype(float)
+    nonfinite = alt.Chart(counted.assign(drawn_at=counted["step"].astype(float) + side)).mark_circle(size=50, opacity=0.9).encode(
         x=alt.X("drawn_at:Q", title="step", scale=_STEP_SCALE, axis=alt.Axis(format="d", tickMinStep=1)),
         y=alt.Y("nonfinite:Q", title="local inf/NaN before all-reduce",
                 scale=alt.Scale(type="symlog", constant=0.2, domain=[0, ticks[-1]]),

@@ -91,6 +91,11 @@ def test_a_distributed_runs_inf_nan_per_rank_shows_small_counts_and_every_rank()
     assert (drawn.groupby("step")["drawn_at"].nunique() == 2).all()
     assert lower["encoding"]["x"]["title"] == "step"  # the tooltip gives the step itself
     assert {"field": "step", "type": "quantitative"} in lower["encoding"]["tooltip"]
+    # FSDP2 records no count: the losses are drawn, the counts' chart is empty (its first version raised, the
+    # offsets of no rows being strings, as the store's arrow-typed columns hold them)
+    fsdp = rows.assign(step=rows["step"].astype("int64[pyarrow]"), nonfinite=pd.Series(
+        [None] * len(rows), dtype="double[pyarrow]"))
+    assert charts.rank_panel(fsdp, None).to_dict()["vconcat"][0]
 
 
 def test_the_runs_table_shows_a_distributed_runs_ranks_beside_its_level(tmp_path, monkeypatch):
@@ -105,3 +110,27 @@ def test_the_runs_table_shows_a_distributed_runs_ranks_beside_its_level(tmp_path
     level = runs_table(at).set_index("run")["opt level"]
     assert (level[two], level[one]) == ("O1 ×2", "custom")
     assert "opt level" in runs_model.TABLE_COLUMNS  # on screen, not only in the folded settings table
+
+
+def test_a_watched_torchrun_job_is_not_rerun_as_one_process_but_told_how_to_repeat_it(tmp_path, monkeypatch):
+    """A rerun starts one process: a watched torchrun job's rerun waited in init_process_group for ranks that never
+    came and failed with 0 steps, yet Modules, Findings and `mpdiag rerun` offered it. Each says the torchrun command
+    instead (with the rerun's flags), and the Runs page's rerun button is disabled for it."""
+    from conftest import run_cli
+
+    from mpdiag.analysis.findings import fix_not_rerunnable
+
+    store = tmp_path / "t.db"
+    watched = {"watch": {"argv": ["train.py", "--epochs", "1"], "cwd": "/work/x", "opt_level": None}}
+    with StoreWriter(store) as writer:
+        job = _ended(writer, "finished", None, name="ddp job", world_size=2, config=watched)
+    said = fix_not_rerunnable(watched, {"loss_scale": "dynamic", "init_scale": 1024.0}, 2)
+    assert said.endswith("torchrun --nproc_per_node 2 -m mpdiag watch --init-scale 1024.0 train.py --epochs 1.")
+    assert fix_not_rerunnable(watched, {"init_scale": 1024.0}, 1) is None  # one process: watch repeats it
+    refused = run_cli("rerun", str(job), "--init-scale", "1024", "--store", str(store))
+    assert refused.returncode == 2 and "torchrun --nproc_per_node 2 -m mpdiag watch --init-scale 1024" in refused.stderr
+    at = app("pages/7_Modules.py", store, monkeypatch, run=str(job))
+    assert not at.exception and "mpdiag watch --trace-modules train.py --epochs 1" in texts(at)
+    at = app("app.py", store, monkeypatch)
+    assert "a torchrun job of 2 ranks" in texts(at)
+    assert at.button(key="rerun_start").disabled
