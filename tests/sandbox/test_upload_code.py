@@ -231,3 +231,17 @@ def test_uploaded_code_that_breaks_in_its_optimizer_step_gets_the_finding_from_i
     page = app("pages/5_Findings.py", store, monkeypatch, run=str(int(run["run_id"])))
     assert not page.exception and "The optimizer step made weights or optimizer state non-finite" in texts(page)
     assert not [b for b in page.button if b.label.startswith("Rerun with this fix") and not b.disabled]
+
+
+def test_the_check_warns_of_a_small_initial_loss_scale_and_says_what_a_half_cast_changes():
+    """A first-time user's FP16 script with GradScaler(init_scale=1.0) had 99.8 % of its gradients subnormal: the
+    check said nothing of it, and told them to 'let the opt level decide (O2/O3)' of a .half() used only to count
+    values (watch refuses O2/O3). The scale is named; the .half() warning says when it matters."""
+    from mpdiag.sandbox.check import static_warnings
+
+    source = ("import torch\nscaler = torch.amp.GradScaler('cpu', init_scale=1.0)\n"
+              "big = torch.amp.GradScaler('cpu', init_scale=2.0**16)\nlost = (torch.ones(2).half() == 0).sum()\n")
+    said = {w.line: w.message for w in static_warnings(source, cuda_available=False)}
+    assert said[2].startswith("GradScaler(init_scale=1.0): gradient values below 2^-24 / 1.0 flush to zero")
+    assert 3 not in said  # the default scale is no warning
+    assert "a cast to measure something changes nothing" in said[4] and "O2/O3" in said[4]
