@@ -154,8 +154,11 @@ class ModulesRun:
         page's top) already says it."""
         located = module_trace.first_nonfinite(self.modules).strip()
         where = "" if located and located in shown else (located or "Every forward output and gradient stayed finite.")
-        return (f"{self.modules['module'].nunique():,} modules traced over {self.modules['step'].nunique():,} steps. "
-                + where)
+        first = int(self.modules["step"].min())
+        # under watch the Recorder starts at the first optimizer step, after step 0's forward ran untraced
+        began = f" from step {first:,} (the steps before it ran before the trace began)" if first > 0 else ""
+        return (f"{self.modules['module'].nunique():,} modules traced over {self.modules['step'].nunique():,} "
+                f"steps{began}. " + where)
 
     def drawable(self, module: str) -> bool:
         return module_trace.drawable_magnitudes(self.magnitudes, module)

@@ -131,3 +131,15 @@ def test_the_modules_view_model_offers_the_first_nonfinite_module_and_leaves_sai
     located = module_trace.first_nonfinite(stats).strip()
     assert located in model.said("") and located not in model.said(located)
     assert modules_model.modules(Store(store_path), runs.loc[plain_run], True).modules.empty
+
+
+def test_a_trace_that_began_after_step_0_says_so():
+    """Under watch the Recorder starts at the first optimizer step, so step 0's forward is never traced: the caption
+    said "traced over 59 steps" of a 60-step run without saying which; it names the step the trace began at."""
+    from mpdiag.dashboard import modules_model
+
+    trace = planted_trace()
+    model = modules_model.ModulesRun(trace, ["a", "b", "c"], None, None, "a", {}, None)
+    assert "traced over 4 steps. " in model.said("")
+    later = modules_model.ModulesRun(trace[trace["step"] > 0], ["a", "b", "c"], None, None, "a", {}, None)
+    assert "traced over 3 steps from step 1 (the steps before it ran before the trace began)" in later.said("")
