@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison
-from mpdiag.analysis.findings import diagnose
+from mpdiag.analysis.findings import diagnose, fix_not_rerunnable
 from mpdiag.analysis.plan import LABELS, MAX_ROUNDS, Plan, plan_run
 from mpdiag.analysis.run_choice import select_runs
 from mpdiag.options import (
@@ -344,12 +344,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"run {args.run_id} ({run['name']}, {run['opt_level']}): no findings")
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
-        if f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and run["config"]["watch"].get("bundle"):
+        blocked = fix_not_rerunnable(run["config"], f.fix, run["world_size"], run["scaling"]) if f.fix else None
+        if blocked is not None and "watch" in run["config"]:
+            print(f"  check it: {blocked}")
+        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and run["config"]["watch"].get("bundle"):
             print(f"  check it: rerun it with {command_flags(watch_fix(f.fix))} from the app's Findings page (the run's "
                   "code was uploaded there)")
-        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and torchrun_rerun(
-                run["config"], run["world_size"]) is not None:
-            print(f"  check it: {torchrun_rerun(run['config'], run['world_size'], command_flags(watch_fix(f.fix)))}")
         elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
             print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(watch_fix(f.fix))}  (repeats the "
                   "watched command)")

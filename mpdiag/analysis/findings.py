@@ -772,12 +772,17 @@ def fix_options(runs: pd.DataFrame, run_id: int, finding: Finding) -> dict:
     return dict(finding.fix, pair=twin)
 
 
-def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1) -> str | None:
-    """Why a rerun with ``fix`` cannot be started for a run with this stored config (and ``world_size`` ranks), or
-    None when it can: a run recorded by a Recorder in the user's own loop has nothing mpdiag can rerun; a watched
-    run can be given only what watch imposes on an unmodified script, and a watched torchrun job is repeated with
-    torchrun (:func:`~mpdiag.options.torchrun_rerun`)."""
+def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1, scaling: str | None = None) -> str | None:
+    """Why a rerun with ``fix`` cannot be started for a run with this stored config (``world_size`` ranks, its
+    ``scaling``), or None when it can: a run recorded by a Recorder in the user's own loop has nothing mpdiag can
+    rerun; a watched run can be given only what watch imposes on an unmodified script (an initial scale only to the
+    script's own GradScalers: a half model trained without one got a rerun that changed nothing), and a watched
+    torchrun job is repeated with torchrun (:func:`~mpdiag.options.torchrun_rerun`)."""
     wanted = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fix.items())
+    if "watch" in run_config and "init_scale" in watch_fix(fix) and scaling == "none":
+        return (f"The script has no GradScaler for mpdiag watch to start at {wanted}: add one to it "
+                "(torch.amp.GradScaler, its scaler.scale(loss).backward(), scaler.step and scaler.update), or train in "
+                "BF16, then record it again.")
     if rerunnable_by_watch(run_config, fix):
         refused = torchrun_rerun(run_config, world_size, command_flags(watch_fix(fix)))
         return None if refused is None else f"{refused[0].upper()}{refused[1:]}."

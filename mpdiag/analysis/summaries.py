@@ -108,12 +108,13 @@ FLUSHED_LABEL = "flushed to zero before recording (underflow)"
 
 def judged_level(run: pd.Series) -> str:
     """The opt level a run's gradients are judged at: its own, except that the script's own settings ("custom":
-    ``watch``, the framework callbacks, an upload) with a loss scale in use read as "custom-fp16", one of
-    FP16_LEVELS: a loss scale serves FP16's narrow range alone, so its backward ran in FP16 and flushed what FP16
-    cannot hold. (Judged as "custom", a watched FP16 script read healthy where the same loop at --opt-level O1
-    had 99.8 % of its gradients subnormal and the gradient-underflow warning.) A custom run in FP16 without a
-    loss scale is not told apart from an FP32 or BF16 one by its run row."""
-    if run["opt_level"] == "custom" and run.get("scaling") in LOSS_SCALED:
+    ``watch``, the framework callbacks, an upload) with a loss scale in use, or with FP16 gradients (a model the
+    script cast to half: ``fp16_gradients``, Store.runs), read as "custom-fp16", one of FP16_LEVELS: a loss scale
+    serves FP16's narrow range alone, so its backward ran in FP16 and flushed what FP16 cannot hold. (Judged as
+    "custom", a watched FP16 script read healthy where the same loop at --opt-level O1 had 99.8 % of its
+    gradients subnormal and the gradient-underflow warning; a half model's 25 % subnormal gradients, the same.)
+    A custom run under FP16 autocast without a loss scaler (FP32 gradients) is not told apart from an FP32 one."""
+    if run["opt_level"] == "custom" and (run.get("scaling") in LOSS_SCALED or run.get("fp16_gradients") in (True,)):
         return "custom-fp16"
     return str(run["opt_level"])
 

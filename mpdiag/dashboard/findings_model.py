@@ -130,7 +130,8 @@ def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> C
     """A finding's card; a fix is offered only once the run is final (a rerun reruns the stored script)."""
     run_id = int(run["run_id"])
     where = "below" if finding.page == "Findings" else f"on the {finding.page.replace('_', ' ')} page"
-    blocked = fix_not_rerunnable(run["config"], finding.fix, run["world_size"]) if finding.fix and final else None
+    blocked = fix_not_rerunnable(run["config"], finding.fix, run["world_size"], run["scaling"]) \
+        if finding.fix and final else None
     offered = finding.fix and final and not blocked
     return Card(finding, evidence_link(finding, run_id), where, blocked,
                 fix_options(runs, run_id, finding) if offered else None, fix_text(finding.fix) if offered else None)

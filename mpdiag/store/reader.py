@@ -213,11 +213,15 @@ class Store:
     # -- runs -----------------------------------------------------------------------------------------------
     def runs(self) -> pd.DataFrame:
         """One row per run, newest first, with steps_done, final_loss and skipped_steps summarised, ``tags`` (a
-        sorted list) and ``user_note`` (a person's note; ``note`` is mpdiag's own). Status ``running`` is reported
-        as ``crashed`` when the owning process no longer exists; a parent or twin that was deleted reads <NA>."""
+        sorted list), ``user_note`` (a person's note; ``note`` is mpdiag's own) and ``fp16_gradients`` (whether a
+        recorded tensor's gradient was FP16: a model cast to half by the script itself). Status ``running`` is
+        reported as ``crashed`` when the owning process no longer exists; a parent or twin that was deleted reads
+        <NA>."""
         df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
+        halves = self._query("SELECT DISTINCT run_id FROM tensors WHERE grad_dtype = 'float16'")
+        df["fp16_gradients"] = df["run_id"].isin(set(halves["run_id"].astype(int)))
         self._add_summaries(df)
         _judge_liveness(df)
         _decode_run_columns(df)

@@ -335,3 +335,36 @@ def test_a_run_already_at_the_recommended_scale_is_not_offered_it_again():
     rerun = pd.Series({**first.to_dict(), "init_scale": float(2**k)})
     advice, fix = _scale_advice(hist, None, rerun)
     assert fix == {"opt_level": "bf16"} and f"already used dynamic loss scaling from 2^{k}" in advice
+
+
+HALF_LOOP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).half()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(8, 16).half()
+    loss = model(x).float().pow(2).mean() * 1e-4
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_a_watched_half_model_without_a_scaler_is_judged_in_fp16_and_its_fix_says_what_watch_cannot_do(
+        tmp_path, write_script):
+    """A script that casts its model to half and has no GradScaler: FP16 gradients (torch's dtype, in the tensors
+    table), most of them subnormal, and diagnose said "no findings". It is judged in FP16; the fix (a loss scale) is
+    not offered as a watch rerun, which would change nothing without a GradScaler in the script: it says so."""
+    from mpdiag.analysis.findings import fix_not_rerunnable
+    from mpdiag.training.watch import WatchConfig, watch
+
+    store = tmp_path / "runs.db"
+    run_id, _ = watch(WatchConfig(target=str(write_script(HALF_LOOP, "half.py"))), store)
+    run = Store(store).runs().set_index("run_id").loc[run_id]
+    assert (run["opt_level"], run["scaling"], bool(run["fp16_gradients"])) == ("custom", "none", True)
+    assert set(Store(store).tensors(run_id)["grad_dtype"]) == {"float16"}
+    found = {f.rule: f for f in diagnose(Store(store), run_id)}
+    assert "gradient-underflow" in found, [f.as_dict() for f in found.values()]
+    blocked = fix_not_rerunnable(run["config"], found["gradient-underflow"].fix, run["world_size"], run["scaling"])
+    assert blocked.startswith("The script has no GradScaler for mpdiag watch to start at")
