@@ -35,11 +35,10 @@ def reference_run(runs: pd.DataFrame, run_id: int, prefer: list[int] | None = No
     trained = training_of(run)
     if trained is None:
         return None
-    candidates = runs[
-        (runs["opt_level"] == "O0")
-        & (runs["status"] == "finished")
-        & runs.apply(lambda other: training_of(other) == trained, axis=1).astype(bool)
-    ]["run_id"].astype(int)
+    finished_fp32 = runs[(runs["opt_level"] == "O0") & (runs["status"] == "finished")]  # then the few left, by row
+    same = pd.Series([training_of(other) == trained for _, other in finished_fp32.iterrows()],
+                     index=finished_fp32.index, dtype=bool)
+    candidates = finished_fp32.loc[same, "run_id"].astype(int)
     if candidates.empty:
         return None
     if pd.notna(run["pair_run_id"]) and int(run["pair_run_id"]) in set(candidates):
