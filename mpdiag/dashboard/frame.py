@@ -234,7 +234,7 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
     return chosen
 
 
-def step_slider(label: str, steps: list[int], key: str, container=st, **kwargs) -> int:
+def step_slider(label: str, steps: list[int], key: str, **kwargs) -> int:
     """A slider over ``steps`` (logged steps, which grow while a run goes on) that returns the chosen one, kept in
     ``st.session_state[key]``: a page moves it by setting that key first (a click, a link); a step not offered
     reads as the last one, and a choice at the last step follows the newest while steps are added.
@@ -256,7 +256,7 @@ def step_slider(label: str, steps: list[int], key: str, container=st, **kwargs) 
         if st.session_state.get(widget) != given:
             st.session_state[key] = st.session_state[widget]
 
-    return container.select_slider(label, steps, key=widget, on_change=moved, **kwargs)
+    return st.select_slider(label, steps, key=widget, on_change=moved, **kwargs)
 
 
 def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: bool = False) -> None:

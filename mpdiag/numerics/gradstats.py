@@ -339,7 +339,7 @@ class _Float64Read:
 
     :meth:`values` gives each tensor as the pass reads it (see the module's docstring): a float64 value whose
     FP32 cast is inf or zero while it is finite or non-zero would otherwise be counted as a non-finite value or
-    a zero that the gradient does not hold (a 1e39 or a 1e-50, beyond FP32's range). :meth:`reductions` takes
+    a zero that the gradient does not hold (a 1e39 or a 1e-50, beyond FP32's range). :meth:`_reduce` takes
     absmax, min_nonzero and l2 of the unscaled float64 values (the gradient times GradScaler's FP32 reciprocal,
     multiplied in float64 as GradScaler does), on the tensors' device, read by :meth:`patch` once the step's
     statistics are decoded (a device's results are ready by then)."""
@@ -355,7 +355,7 @@ class _Float64Read:
             return None
         if not grads_are_scaled or (not torch.is_tensor(scale) and scale == 1.0):
             return cls(grads, None)
-        return cls(grads, scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale))
+        return cls(grads, unscale_factor(scale))
 
     @staticmethod
     def values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -646,7 +646,7 @@ class GradStatsComputer:
             grads = float64.values(grads)
         buffer, gather = self._held_pool.pop() if self._held_pool else self._new_held_buffer()
         gather(grads)
-        factor = _unscale_factor(scale) if grads_are_scaled else scale
+        factor = unscale_factor(scale) if grads_are_scaled else scale
         item_counts, counts = self._signal_spaces
         self._signal_kernel(buffer.numpy(), self._held_items, np.float32(factor), grads_are_scaled, SIGNAL_EDGES,
                             item_counts, counts)
@@ -673,7 +673,7 @@ class GradStatsComputer:
             return _stats(raw, raw.categories[:, 0], raw.categories[:, 0], 0, "same")
         if shifts is not None and _shift_is_exact(raw.below_smallest, shifts[0] + shifts[1]):
             return _stats(raw, raw.categories[:, 0], raw.categories[:, 1], shifts[0], "shifted")
-        factor = _unscale_factor(scale) if grads_are_scaled else scale
+        factor = unscale_factor(scale) if grads_are_scaled else scale
         workspace = self._unscaled_workspace()
         starts = np.cumsum([0, *(x.numel() for x in sources)]).tolist()
         derived = self._numba_pass([torch.mul(x, factor, out=workspace[start:end])
@@ -711,7 +711,7 @@ class GradStatsComputer:
         if same:
             factor = None
         elif grads_are_scaled:
-            factor = scale.double().reciprocal().float() if torch.is_tensor(scale) else _unscale_factor(scale)
+            factor = unscale_factor(scale)
         else:
             factor = scale.float() if torch.is_tensor(scale) else scale
         views = 1 if same else 2
@@ -788,8 +788,11 @@ class GradStatsComputer:
         return _stats(g, g.categories[:, 0], at_scale.categories[:, 0], 0, "recomputed")
 
 
-def _unscale_factor(scale: float) -> float:
-    """What GradScaler multiplies by to unscale: the fp32 reciprocal of the scale, computed in fp64."""
+def unscale_factor(scale: float | torch.Tensor) -> float | torch.Tensor:
+    """What GradScaler multiplies by to unscale: the fp32 reciprocal of the scale, computed in fp64; of a scale
+    held as a tensor (GradScaler's own), a one-element tensor on its device, not read back."""
+    if torch.is_tensor(scale):
+        return scale.reshape(()).double().reciprocal().float()
     return float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
 
 

@@ -44,7 +44,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from mpdiag.numerics.formats import LOW_PRECISION, SIGNAL_COUNTS, resolution_log2
 from mpdiag.numerics.fp8_recipes import Fp8Settings
-from mpdiag.numerics.gradstats import SPECIAL_COUNTS, DeviceReadback, GradStatsComputer, HeldStep, PendingStats
+from mpdiag.numerics.gradstats import (
+    SPECIAL_COUNTS,
+    DeviceReadback,
+    GradStatsComputer,
+    HeldStep,
+    PendingStats,
+    unscale_factor,
+)
 from mpdiag.numerics.updates import UpdateTracker
 from mpdiag.options import OPTIONS
 from mpdiag.recording.background import BackgroundWriter, StoreWriteFailed
@@ -846,8 +853,9 @@ class Recorder:
         done = frozenset().union(*(self._step_grads.held_by(torch_optimizer(known[key])) for key in unscaled_ids))
         if done.issuperset(fresh):  # the usual case: every optimizer of the step was unscaled
             return grads
-        inv = torch.as_tensor(scale, dtype=torch.float64).reciprocal().float()
-        return [g if i in done else g * inv.to(g.device) for g, i in zip(grads, fresh, strict=True)]
+        inv = unscale_factor(scale)
+        return [g if i in done else g * (inv.to(g.device) if torch.is_tensor(inv) else inv)
+                for g, i in zip(grads, fresh, strict=True)]
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The L2 norm over ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms by one

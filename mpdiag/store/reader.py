@@ -220,7 +220,10 @@ class Store:
         df = self._query("SELECT * FROM runs ORDER BY run_id DESC")
         if df.empty:
             return df
-        halves = self._query("SELECT DISTINCT run_id FROM tensors WHERE grad_dtype = 'float16'")
+        # custom runs only (the rest are judged by their level), each an index probe on its own tensors: every page
+        # and live refresh reads runs(), and a scan of every run's tensors grew with the store
+        halves = self._query("SELECT run_id FROM runs r WHERE r.opt_level = 'custom' AND EXISTS (SELECT 1 FROM "
+                             "tensors t WHERE t.run_id = r.run_id AND t.grad_dtype = 'float16')")
         df["fp16_gradients"] = df["run_id"].isin(set(halves["run_id"].astype(int)))
         self._add_summaries(df)
         _judge_liveness(df)
