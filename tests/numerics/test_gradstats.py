@@ -83,6 +83,12 @@ def sweep(n=100_000, seed=0):
     return torch.cat([edges, -edges, mags * signs]).float()
 
 
+def clip_grad_norms_reading(g):
+    """``g``'s L2 norm as ``clip_grad_norm_`` reads it (torch's ``get_total_norm``): the recorded per-tensor L2's
+    definition. On CUDA a float64 ``linalg.vector_norm`` can differ from it in the last place."""
+    return torch.nn.utils.get_total_norm([g])
+
+
 def reference_hist(x):
     a = x.abs()
     a = a[torch.isfinite(a) & (a > 0)]
@@ -538,8 +544,8 @@ def test_float64_values_beyond_fp32s_range_count_as_torchs_casts_of_them(compute
     assert stats.hist[0].sum() == int((finite_nonzero).sum())  # each finite non-zero value in one bin
     assert math.isnan(stats.absmax[0]) and math.isnan(stats.l2[0])  # it holds a NaN
     assert stats.min_nonzero[0] == 1e-300
-    assert stats.l2[1] == float(torch.linalg.vector_norm(plain)) and stats.absmax[1] == float(plain.abs().max())
+    assert stats.l2[1] == float(clip_grad_norms_reading(plain)) and stats.absmax[1] == float(plain.abs().max())
     assert stats.min_nonzero[1] == float(plain.abs().min())
     finite = g[g.isfinite()]
     stats = computer([finite.numel()]).compute([finite], 1.0)
-    assert stats.absmax[0] == 1e300 and stats.l2[0] == float(torch.linalg.vector_norm(finite))
+    assert stats.absmax[0] == 1e300 and stats.l2[0] == float(clip_grad_norms_reading(finite))

@@ -190,6 +190,34 @@ def test_flags_still_on_their_way_at_the_end_are_waited_for(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_what_broke_is_named_as_the_step_left_it_when_its_flags_arrive_later(tmp_path, monkeypatch, device):
+    """The flags after a step are one bit; the values a broken step left non-finite are named from the tensors,
+    which the next step changes: step 0 overflows the weight alone (its learning rate), step 1 then the bias too
+    (the loss is inf). With step 0's flags arriving only at the end, the finding still names the weight alone.
+    Truth: torch's isfinite after each step."""
+    arrived = {"now": False}
+    monkeypatch.setattr(NonfiniteFlags, "ready", lambda self: arrived["now"])
+    monkeypatch.setattr(AnyNonfinite, "ready", lambda self: arrived["now"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).to(device)
+    opt = torch.optim.SGD([{"params": [model.weight], "lr": 3e38}, {"params": [model.bias], "lr": 1e-3}])
+    rec = Recorder(model, store=tmp_path / "runs.db", optimizer=opt, check_optimizer_step=EVERY_STEP)
+    finite_after = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.ones(8, 4, device=device)).square().sum()
+        loss.backward()
+        rec.record(loss)
+        opt.step()
+        finite_after.append([bool(torch.isfinite(p).all()) for p in (model.weight, model.bias)])
+    assert finite_after == [[False, True], [False, False], [False, False]] and rec.optimizer_step_nonfinite is None
+    arrived["now"] = True
+    rec.close()
+    found = Store(tmp_path / "runs.db").run(rec.run_id)["config"]["optimizer_step_nonfinite"]
+    assert (found["step"], found["tensors"]) == (0, ["weight"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_step_that_broke_is_found_on_each_device(tmp_path, monkeypatch, device, any_by):
     """As the flags really arrive: at once on the CPU, by the device's own copies on a GPU; the flag before the
     step by either way."""
