@@ -651,17 +651,30 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
         recommendation=advice, page="Modules", focus=focus)
 
 
-def loss_spike_origin(replays: pd.DataFrame) -> Finding | None:
+#: a loss spike's rise over the mean of the values before it (the spike rule's window) from which a spike the
+#: replay could not localise is a warning: below it (a 6-sigma rise of a flat loss can be 15 %: the Quick start's
+#: failing run drifts up so) nothing in it tells the user what to change, and the finding is information
+SPIKE_WARNING_RISE = 0.5
+#: the spike rule's window (mpdiag.recording.events.SPIKE_WINDOW: the finite values a spike is measured against)
+SPIKE_WINDOW = 128
+
+
+def loss_spike_origin(replays: pd.DataFrame, steps: pd.DataFrame) -> Finding | None:
     """The replay of the run's first loss spike (:mod:`mpdiag.recording.replay`): its step's and the previous
     step's batches run forward on one copy of the model, and what first grew by the replay's factor - the batch
     itself, or a module whose output did while its inputs did not - in the replay's own words and numbers (its
-    note). A warning: a spike is a symptom the training may recover from."""
+    note), with the spike's rise over the mean of the finite losses before it (``steps``: the run's). A warning
+    (a spike is a symptom the training may recover from); information when nothing was localised and the loss
+    rose less than :data:`SPIKE_WARNING_RISE`."""
     spikes = replays[replays["trigger"] == SPIKE_TRIGGER]
     if spikes.empty:
         return None
     replay = spikes.iloc[0]
     step, name = int(replay["step"]), replay["first_module"]
     found = replay["note"] if isinstance(replay["note"], str) else "nothing was found"
+    rise = _rise_at(steps, step)
+    rose = "" if rise is None else f": {rise:.0%} above the mean of up to {SPIKE_WINDOW} finite losses before it"
+    severity = "warning"
     if name == "(inputs)":
         title = f"step {step}'s loss spike came in with its batch"
         advice = ("Check what the data loader gave at that step: a corrupted, unnormalised or mislabelled batch. "
@@ -670,15 +683,34 @@ def loss_spike_origin(replays: pd.DataFrame) -> Finding | None:
         title = f"step {step}'s loss spike began in {module_said(name)}"
         advice = (f"Look at what '{name}' computes for that batch: a product or an exponential that grows with "
                   "its inputs' scale (normalise before it, clip its output), or weights an earlier step made large.")
+    elif rise is not None and rise < SPIKE_WARNING_RISE:
+        severity = "info"
+        title = f"step {step}'s loss rose {rise:.0%}: no module or batch behind it"
+        advice = ("Nothing to change for this rise alone: no module and no batch grew with it. If larger spikes "
+                  "follow, check the loss function, the targets and the learning rate at their steps; the other "
+                  "findings say what else is wrong with the run.")
     else:
         title = f"step {step}'s loss spike was not localised in the model"
+        found += (": the spike came from outside the model (the loss function, the targets) or from a rise spread "
+                  "over many modules")
         advice = ("Check the loss function and the targets at that step; a rise spread over many modules points "
                   "at the weights (the learning rate, the previous updates) rather than one module.")
     return Finding(
-        rule="loss-spike-origin", severity="warning", title=title,
-        evidence=(f"mpdiag replayed the forwards of step {step} (a loss spike) and of step {step - 1} on one copy of "
-                  f"the model with step {step}'s weights: {found}."),
+        rule="loss-spike-origin", severity=severity, title=title,
+        evidence=(f"mpdiag replayed the forwards of step {step} (a loss spike{rose}) and of step {step - 1} on one "
+                  f"copy of the model with step {step}'s weights: {found}."),
         recommendation=advice, page="Modules", focus={"replay": step})
+
+
+def _rise_at(steps: pd.DataFrame, step: int) -> float | None:
+    """The loss at ``step`` over the mean of the last SPIKE_WINDOW finite losses before it, minus 1 (what the
+    spike rule measured); None when the run's steps do not hold them."""
+    before = steps.loc[steps["step"] < step, "loss"]
+    before = before[np.isfinite(before)].tail(SPIKE_WINDOW)
+    at = steps.loc[steps["step"] == step, "loss"]
+    if before.empty or at.empty or not np.isfinite(at.iloc[0]) or before.mean() <= 0:
+        return None
+    return float(at.iloc[0] / before.mean() - 1)
 
 
 def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[str, str]:
@@ -743,7 +775,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         scale_collapse(run, steps, hist, store.module_stats(run_id)),
         # after it: where the first inf/NaN was born, once scale-collapse has said what to change
         nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
-        loss_spike_origin(store.replays(run_id)),
+        loss_spike_origin(store.replays(run_id), steps),
         dead_gradients(run, totals, signals),
         needs_bf16_range(run, tensors, per_tensor),
         fp16_overflow(run, store),

@@ -73,5 +73,4 @@ def spike_offender(step: int, previous: list[tuple], current: list[tuple], batch
     seen_said = "; ".join(([f"largest rise: module '{largest[0]}', {largest[1]:.3g}x"] if largest[0] is not None else [])
                           + ([batch_said] if batch_said else []))
     return None, (f"no module's output was {SPIKE_FACTOR:g}x its output on step {step - 1}'s batch while its inputs "
-                  f"rose less{f' ({seen_said})' if seen_said else ''}: the spike came from outside the model (the loss "
-                  "function, the targets) or from a rise spread over many modules")
+                  f"rose less{f' ({seen_said})' if seen_said else ''}")

@@ -89,13 +89,45 @@ def test_a_loss_spikes_replay_is_its_own_finding_and_never_nonfinite_origin():
     spike = replay(None, None, reproduced=False, note="no module's output was 10x its output on step 3's batch")
     spike["trigger"] = "loss spike"
     assert nonfinite_origin(spike, MODULES) is None
-    found = loss_spike_origin(spike)
+    found = loss_spike_origin(spike, losses(3.0))
     assert (found.rule, found.severity, found.page, found.focus) == ("loss-spike-origin", "warning", "Modules",
                                                                      {"replay": 4})
     assert found.title == "step 4's loss spike was not localised in the model"
-    assert found.evidence.endswith(": no module's output was 10x its output on step 3's batch.")
-    assert loss_spike_origin(replay("act", "backward")) is None  # a non-finite step's replay is not a spike's
+    assert "(a loss spike: 100% above the mean of up to 128 finite losses before it)" in found.evidence
+    assert found.evidence.endswith(": no module's output was 10x its output on step 3's batch: the spike came from "
+                                   "outside the model (the loss function, the targets) or from a rise spread over "
+                                   "many modules.")
+    assert loss_spike_origin(replay("act", "backward"), losses(3.0)) is None  # a non-finite step's replay is not a spike's
     named = replay("0", "forward", reproduced=False, note="0's output at step 4 was 12x")
     named["trigger"] = "loss spike"
     # a Sequential's child '0' is quoted as every finding quotes a module: bare, "began in 0" read as a number
-    assert loss_spike_origin(named).title == "step 4's loss spike began in module '0'"
+    assert loss_spike_origin(named, losses(3.0)).title == "step 4's loss spike began in module '0'"
+
+
+def losses(at_spike: float) -> pd.DataFrame:
+    """A run's steps: losses 1.0, 2.0, 1.5 (mean 1.5; a NaN among them is no value of the mean), then ``at_spike``
+    at step 4, the replayed spike's step."""
+    return pd.DataFrame({"step": range(5), "loss": [1.0, float("nan"), 2.0, 1.5, at_spike]})
+
+
+def test_a_small_rise_nothing_in_the_model_explains_is_information_not_a_warning():
+    """The Quick start's failing run: a flat loss rising 15 % (6 sigma of its window) was a warning to check the
+    loss function and the targets, where nothing was wrong with them. Below a 50 % rise an unlocalised spike is
+    information; a module or a batch behind it stays a warning whatever the rise."""
+    spike = replay(None, None, reproduced=False, note="no module's output was 10x its output on step 3's batch")
+    spike["trigger"] = "loss spike"
+    small = loss_spike_origin(spike, losses(1.725))  # 15 % above the mean 1.5
+    assert (small.severity, small.title) == ("info", "step 4's loss rose 15%: no module or batch behind it")
+    assert "15% above the mean" in small.evidence and small.recommendation.startswith("Nothing to change")
+    assert small.evidence.endswith("on step 3's batch.")  # no word of the loss function or the targets
+    assert loss_spike_origin(spike, losses(2.25)).severity == "warning"  # 50 %
+    named = replay("0", "forward", reproduced=False, note="0's output at step 4 was 12x")
+    named["trigger"] = "loss spike"
+    assert loss_spike_origin(named, losses(1.725)).severity == "warning"
+
+
+def test_the_spike_window_is_the_spike_rules():
+    from mpdiag.analysis import findings
+    from mpdiag.recording import events
+
+    assert findings.SPIKE_WINDOW == events.SPIKE_WINDOW

@@ -6,6 +6,7 @@ The replay must not change the training: the same seeded run with and without it
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from fixtures.scripts.replay_planted import D, GradGain, Net, at  # the planted faults, shared with the watched tests
@@ -252,8 +253,9 @@ def test_a_loss_spike_from_one_corrupted_batch_names_the_inputs(tmp_path):
     assert root.loc[40, "absmax"] == pytest.approx(losses[40], rel=1e-6)
     origin = next(f for f in diagnose(Store(tmp_path / "s.db"), rec.run_id) if f.rule == "loss-spike-origin")
     assert origin.title == "step 40's loss spike came in with its batch"
-    assert f"forwards of step 40 (a loss spike) and of step 39 on one copy of the model with step 40's weights: " \
-           f"{found.note}." in origin.evidence
+    rise = losses[40] / np.mean([v for v in losses[:40] if np.isfinite(v)]) - 1  # the training's own losses
+    assert f"forwards of step 40 (a loss spike: {rise:.0%} above the mean of up to 128 finite losses before it) and " \
+           f"of step 39 on one copy of the model with step 40's weights: {found.note}." in origin.evidence
     assert evidence_link(origin, rec.run_id) == f"/Modules?run={rec.run_id}&replay=40"
     assert not any(f.rule == "nonfinite-origin" for f in diagnose(Store(tmp_path / "s.db"), rec.run_id))
 
