@@ -30,7 +30,7 @@ def show_report(report) -> None:
         st.error(f"{plain(report.filename)}: not ready. The check found:")
         st.code("\n\n".join(report.problems), language=None)
     for warning in report.warnings:
-        st.warning(plain(f"{report.filename}, {warning}"))
+        st.warning(plain(str(warning)))
 
 
 def take_upload(store_it, seen_key: str, select_key: str) -> None:

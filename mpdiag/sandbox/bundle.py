@@ -213,7 +213,8 @@ def check_bundle(bundle: Bundle, entry: str, args: list[str], module: bool = Fal
                  limits: Limits | None = None) -> CheckReport:
     """Compile every Python file of ``bundle`` and read its entry point, in a supervised child; a report the
     Upload page shows. Nothing of the bundle is executed."""
-    label = f"{bundle.name}: {'-m ' + module_name(entry) if module else entry}"
+    run = "-m " + module_name(entry) if module else entry
+    label = run if run == bundle.name else f"{bundle.name}: {run}"  # one uploaded file is named once
     if entry not in bundle.python_files():
         return CheckReport(label, False, problems=[f"{entry} is not a Python file of the bundle."])
     result = run_task("check-bundle", {"entry": entry, "module": module, "args": list(args)},
@@ -257,10 +258,10 @@ def check_bundle_in_child(payload: dict, channel) -> dict:
                 continue
             if importlib.util.find_spec(name) is None:  # a top-level name: found on sys.path, nothing is run
                 missing.add(name)
-                warnings.append((line, f"{path} imports {name}, which neither the bundle nor this Python provides "
-                                       "(fine if the script guards that import)"))
+                warnings.append((line, f"imports {name}, which neither the bundle nor this Python provides (fine "
+                                       "if the script guards that import)", path))
         if path == entry:
-            warnings += [(w.line, f"{path}: {w.message}") for w in static_warnings(source, cuda_present())]
+            warnings += [(w.line, w.message, path) for w in static_warnings(source, cuda_present())]
     command = ["python", *(["-m", module_name(entry)] if payload["module"] else [entry]), *payload["args"]]
     summary = {"files": len(list(p for p in here.rglob("*") if p.is_file())), "Python files": len(python_files),
                "command": " ".join(command), "working directory": "the bundle's root"}

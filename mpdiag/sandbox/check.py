@@ -22,11 +22,14 @@ from mpdiag.sandbox.supervisor import Limits
 
 @dataclass
 class ScriptWarning:
+    """A likely mistake at ``line`` of the file ``path`` (empty: the one file checked, named by its report)."""
+
     line: int
     message: str
+    path: str = ""
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.message}"
+        return f"{self.path + ', ' if self.path else ''}line {self.line}: {self.message}"
 
 
 @dataclass
@@ -132,7 +135,7 @@ def report_of(filename: str, result: TaskResult) -> CheckReport:
             raise ValueError(result.failure(f"{filename}: the check"))
         report.ready = verdict["ready"] is True
         report.problems = [str(p) for p in verdict["problems"]]
-        report.warnings = [ScriptWarning(int(line), str(message)) for line, message in verdict["warnings"]]
+        report.warnings = [ScriptWarning(int(line), str(message), str(path)) for line, message, path in verdict["warnings"]]
         report.summary = {str(k): v for k, v in dict(verdict["summary"]).items()}
     except (KeyError, TypeError, ValueError) as exc:
         report.ready, report.summary = False, {}
@@ -174,7 +177,7 @@ def check_in_child(payload: dict, channel) -> dict:
     try:
         source = _read_source(filename)
         warnings = static_warnings(source, cuda_present())
-        verdict["warnings"] = [(w.line, w.message) for w in warnings]
+        verdict["warnings"] = [(w.line, w.message, filename) for w in warnings]
     except ScriptError as exc:
         verdict["problems"].append(str(exc))
         return verdict

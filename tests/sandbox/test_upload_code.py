@@ -99,9 +99,23 @@ def test_the_check_names_a_syntax_error_in_an_imported_file_and_a_missing_module
     assert report.problems == ["helper.py, line 1: SyntaxError: invalid syntax"] or \
         report.problems[0].startswith("helper.py, line 1: SyntaxError")
     assert [str(w) for w in report.warnings] == [
-        "line 2: train.py imports not_installed_anywhere, which neither the bundle nor this Python provides "
+        "train.py, line 2: imports not_installed_anywhere, which neither the bundle nor this Python provides "
         "(fine if the script guards that import)"]
     assert not marker.exists()  # the check compiled the entry point; it did not run it
+
+
+def test_one_uploaded_file_is_named_once_in_its_report_and_each_warning():
+    """A first-time user's one-file upload read 'train.py: train.py, line 48: train.py: .half() ...' (its name three
+    times on each warning); a .zip's report names the bundle and the entry point, each warning its own file."""
+    source = b"import torch\nm = torch.nn.Linear(2, 2).half()\nscaler = torch.amp.GradScaler(init_scale=1.0)\n"
+    report = check_bundle(bundle_from_uploads([("train.py", source)]), "train.py", [])
+    assert report.ready and report.filename == "train.py"
+    assert [str(w).split(": ")[0] for w in report.warnings] == ["train.py, line 2", "train.py, line 3"]
+    assert [str(w).count("train.py") for w in report.warnings] == [1, 1]
+    project = {"train.py": b"import helper\n", "lib/helper.py": source}
+    zipped_report = check_bundle(bundle_from_uploads([("proj.zip", zipped(project))]), "lib/helper.py", [])
+    assert zipped_report.filename == "proj.zip: lib/helper.py"
+    assert [str(w).split(": ")[0] for w in zipped_report.warnings] == ["lib/helper.py, line 2", "lib/helper.py, line 3"]
 
 
 def test_the_check_of_good_code_says_what_will_run():
