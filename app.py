@@ -15,7 +15,7 @@ from mpdiag.dashboard import actions, charts, events_model, runs_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.examples import bundled_scripts
-from mpdiag.options import UNSET, torchrun_rerun
+from mpdiag.options import UNSET, torchrun_rerun, watch_settings
 from mpdiag.store import MAX_NAME_CHARS, MAX_NOTE_CHARS, MAX_TAG_CHARS, MAX_TAGS, RunTextRefused, StoreError
 from mpdiag.store.console import OUTPUT_REFRESH_S
 
@@ -186,15 +186,15 @@ def new_run_form(store) -> None:
 
 def rerun_form(store, runs: pd.DataFrame) -> None:
     # what mpdiag ran (a stored script's options) or watched (the command to repeat); a user's own loop neither
-    rerunnable = runs[runs["config"].map(lambda c: "run" in c or "argv" in c.get("watch", {}))
-                      & (runs["script_sha256"].notna() | runs["config"].map(lambda c: "watch" in c))]
+    rerunnable = runs[runs["config"].map(lambda c: "run" in c or "argv" in (watch_settings(c) or {}))
+                      & (runs["script_sha256"].notna() | runs["config"].map(lambda c: watch_settings(c) is not None))]
     if rerunnable.empty:
         st.caption("Runs recorded by a Recorder in your own loop cannot be rerun from here.")
         return
     parent_id = ui.pick_run(rerunnable, key="rerun_of", label="Rerun",
                             default=lambda: ui.default_run(store, runs, among=rerunnable))
     parent = rerunnable.set_index("run_id").loc[parent_id]
-    watched = parent["config"].get("watch")
+    watched = watch_settings(parent["config"])
     if watched:
         options = ui.watch_options_form("rerun", parent)
         where = ("the training code uploaded with it" if watched.get("bundle") else

@@ -47,6 +47,7 @@ from mpdiag.options import (
     rerunnable_by_watch,
     torchrun_rerun,
     watch_fix,
+    watch_settings,
 )
 from mpdiag.recording.console import tee_console
 from mpdiag.sandbox.check import check_script
@@ -302,8 +303,9 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     options = _options(args)
     store = Store(args.store, create=False)
     parent = store.run(args.run_id)
-    if "watch" in parent["config"]:  # recorded by mpdiag watch: repeat its command
-        if parent["config"]["watch"].get("bundle"):
+    watched = watch_settings(parent["config"])
+    if watched is not None:  # recorded by mpdiag watch: repeat its command
+        if watched.get("bundle"):
             raise ConfigError(f"run {args.run_id} ran training code uploaded in the app; rerun it there (the Runs "
                               "page's rerun form, or a fix on the Findings page), where uploaded code runs in a "
                               "supervised child process and never in this one.")
@@ -313,7 +315,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
             raise ConfigError(f"run {args.run_id}: {refused}")
         if args.pair:
             raise ConfigError(f"run {args.run_id} was recorded by mpdiag watch, which runs no FP32 twin (--pair).")
-        config = rerun_config(args.run_id, parent["name"], parent["config"]["watch"], **typed)
+        config = rerun_config(args.run_id, parent["name"], watched, **typed)
         return _watch_and_report(config, store)
     script, config = rerun_plan(store, args.run_id, **options)
     return _execute(script, config, store, args.pair)
@@ -333,6 +335,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     store = Store(args.store, create=False)
     run = store.run(args.run_id)
     own_loop = not isinstance(run["script_sha256"], str)  # recorded by a Recorder or watch: nothing to rerun or probe
+    watched = watch_settings(run["config"])
     if not args.no_probe and not own_loop and run["scaling"] != "none" and store.probe(args.run_id, PROBE_KIND) is None:
         print(f"probing run {args.run_id}: recomputing one batch at two loss scales in a child process…", file=sys.stderr)
         run_probe(store.path, args.run_id)
@@ -345,9 +348,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
         blocked = fix_not_rerunnable(run["config"], f.fix, run["world_size"], run["scaling"]) if f.fix else None
-        if blocked is not None and "watch" in run["config"]:
+        if blocked is not None and watched is not None:
             print(f"  check it: {blocked}")
-        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and run["config"]["watch"].get("bundle"):
+        elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and watched.get("bundle"):
             print(f"  check it: rerun it with {command_flags(watch_fix(f.fix))} from the app's Findings page (the run's "
                   "code was uploaded there)")
         elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):

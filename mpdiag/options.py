@@ -81,16 +81,25 @@ def watch_fix(fix: Mapping[str, Any]) -> dict:
     return {k: v for k, v in fix.items() if not (k == "loss_scale" and v == "dynamic")}
 
 
+def watch_settings(run_config: Any) -> Mapping[str, Any] | None:
+    """What ``mpdiag watch`` stored of a run it recorded (the run config's ``watch``: its command and folder or
+    uploaded bundle, its options), from the command line, an upload or a rerun of one; None for any other run (a
+    stored script's, a Recorder's in the user's own loop, a config that is not a mapping). The one test of whether
+    a run was watched."""
+    watched = run_config.get("watch") if isinstance(run_config, Mapping) else None
+    return watched if isinstance(watched, Mapping) else None
+
+
 def torchrun_rerun(run_config: Mapping[str, Any], world_size: Any, flags: str = "") -> str | None:
     """Why a watched torchrun job (``world_size`` ranks) cannot be rerun by mpdiag, with the command that repeats
     it, or None for any other run: a rerun starts one process, whose ``init_process_group`` then waits for ranks
     that never come (it failed, with 0 steps). ``flags``: the rerun's own options, as command-line flags."""
-    watched = run_config.get("watch")
+    watched = watch_settings(run_config)
     try:
         ranks = int(world_size)  # a Store row's number (numpy's), or NaN / None: not known
     except (TypeError, ValueError):
         ranks = 1
-    if not isinstance(watched, Mapping) or ranks <= 1:
+    if watched is None or ranks <= 1:
         return None
     argv = " ".join(shlex.quote(str(a)) for a in watched.get("argv") or ())
     where = f"from {watched['cwd']}: " if watched.get("cwd") else ""
@@ -102,7 +111,7 @@ def rerunnable_by_watch(run_config: Mapping[str, Any], fix: Mapping[str, Any]) -
     """Whether a finding's ``fix`` can be checked by repeating a watched run's command (a run recorded by
     watch, a fix that changes only what watch can: the level among WATCH_LEVEL_NAMES, the initial scale)."""
     options = watch_fix(fix)
-    return "watch" in run_config and set(options) <= {"opt_level", "init_scale"} and \
+    return watch_settings(run_config) is not None and set(options) <= {"opt_level", "init_scale"} and \
         options.get("opt_level", "O1") in WATCH_LEVEL_NAMES
 
 

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, is_watched, tensor_ranking
+from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
-from mpdiag.options import applies
+from mpdiag.options import applies, watch_settings
 from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
@@ -52,9 +52,8 @@ def training_of(run: pd.Series) -> tuple | None:
     command (its target, arguments and folder, or the uploaded code's bundle: the script seeds itself, and its hash and seed are not stored, so
     no O0 rerun of a watched run was ever found and its fix could not be checked against FP32); else the script's
     source hash and seed. None: nothing to match on."""
-    config = run["config"] if isinstance(run["config"], dict) else {}
-    watched = config.get("watch")
-    if isinstance(watched, dict):
+    watched = watch_settings(run["config"])
+    if watched is not None:
         return ("watch", tuple(watched.get("argv") or ()), watched.get("module"), watched.get("cwd"),
                 watched.get("bundle"))
     if pd.isna(run["script_sha256"]) or pd.isna(run["seed"]):
@@ -65,7 +64,7 @@ def training_of(run: pd.Series) -> tuple | None:
 def reference_hint(run: pd.Series) -> str:
     """How to record the FP32 reference a run lacks: a watched script has no twin (watch runs the script once), an
     O0 rerun of its command is one."""
-    if is_watched(run):
+    if watch_settings(run["config"]) is not None:
         return (f"rerun it at O0: the Runs page's rerun form, or python -m mpdiag rerun {int(run['run_id'])} "
                 "--opt-level O0")
     return "start runs with 'Also run an FP32 twin', or --pair"

@@ -22,7 +22,6 @@ from mpdiag.analysis.summaries import (
     flushed_text,
     flushed_to_zero,
     fp32_twin,
-    is_watched,
     judged_level,
     nonzero_finite,
     overall_flushed,
@@ -31,7 +30,7 @@ from mpdiag.analysis.summaries import (
     whatif_shares,
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
-from mpdiag.options import command_flags, rerunnable_by_watch, torchrun_rerun, watch_fix
+from mpdiag.options import command_flags, rerunnable_by_watch, torchrun_rerun, watch_fix, watch_settings
 from mpdiag.store import Store
 
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
@@ -125,7 +124,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     advice, fix = _scale_advice(hist, twin_hist, run)
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
-        flushed = flushed_text(None, shadow_steps, is_watched(run))
+        flushed = flushed_text(None, shadow_steps, watch_settings(run["config"]) is not None)
     else:
         per = flushed_to_zero(totals, twin_totals)
         # a tensor whose values all vanished has none left to count above: the twin shows it lost the most
@@ -151,7 +150,7 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series
     """:func:`low_range`'s advice and fix: dynamic scaling from the scale the histogram recommends (the FP32
     twin's when there is one), or BF16 when no single scale fits, or when the run already trained with dynamic
     scaling from that scale (a rerun at the fix's scale was offered the same fix again)."""
-    basis = scale_basis(twin_hist, is_watched(run))
+    basis = scale_basis(twin_hist, watch_settings(run["config"]) is not None)
     k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is None:
         return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
@@ -798,7 +797,7 @@ def finding_resolved(before: Finding, after: list[Finding]) -> bool:
 def fix_options(runs: pd.DataFrame, run_id: int, finding: Finding) -> dict:
     """Rerun options that apply ``finding``'s fix; with an FP32 twin when no FP32 reference exists to judge the
     rerun's loss against (and the fix is not itself FP32), except for a watched run: watch runs no twin."""
-    if "watch" in runs.set_index("run_id").loc[int(run_id), "config"]:
+    if watch_settings(runs.set_index("run_id").loc[int(run_id), "config"]) is not None:
         return watch_fix(finding.fix)
     twin = reference_run(runs, int(run_id)) is None and finding.fix.get("opt_level") != "O0"
     return dict(finding.fix, pair=twin)
@@ -811,7 +810,8 @@ def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1, scaling: str |
     script's own GradScalers: a half model trained without one got a rerun that changed nothing), and a watched
     torchrun job is repeated with torchrun (:func:`~mpdiag.options.torchrun_rerun`)."""
     wanted = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fix.items())
-    if "watch" in run_config and "init_scale" in watch_fix(fix) and scaling == "none":
+    watched = watch_settings(run_config) is not None
+    if watched and "init_scale" in watch_fix(fix) and scaling == "none":
         return (f"The script has no GradScaler for mpdiag watch to start at {wanted}: add one to it "
                 "(torch.amp.GradScaler, its scaler.scale(loss).backward(), scaler.step and scaler.update), or train in "
                 "BF16, then record it again.")
@@ -820,7 +820,7 @@ def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1, scaling: str |
         return None if refused is None else f"{refused[0].upper()}{refused[1:]}."
     if "run" in run_config:
         return None
-    if "watch" in run_config:
+    if watched:
         return (f"mpdiag watch cannot apply {wanted} to an unmodified script (watch sets the script's autocast "
                 "dtype, its GradScalers and their initial scale; O2, O3 and the pure levels change how it builds "
                 "its model): make the change in the script, or give it the model-script contract and use mpdiag run.")

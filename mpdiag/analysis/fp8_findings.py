@@ -22,7 +22,7 @@ from mpdiag.numerics.fp8_recipes import (
     delayed_reference,
     scale_from_reference,
 )
-from mpdiag.options import ConfigError, RunConfig
+from mpdiag.options import ConfigError, RunConfig, watch_settings
 
 #: the largest --fp8-margin the amax-jump finding recommends (past it, only current scaling is advised)
 MAX_MARGIN = 64
@@ -45,8 +45,8 @@ def recorded_settings(config: dict | None) -> Fp8Settings | None:
             return RunConfig.from_dict(run).fp8_settings()
         except ConfigError:  # options this mpdiag does not know: no FP8 reading, rather than no diagnosis
             return None
-    watched = config.get("watch")
-    recorded = config.get("fp8") or (watched.get("fp8") if isinstance(watched, dict) else None)
+    watched = watch_settings(config)
+    recorded = config.get("fp8") or (watched.get("fp8") if watched is not None else None)
     return Fp8Settings.from_dict(recorded) if isinstance(recorded, dict) else None
 
 

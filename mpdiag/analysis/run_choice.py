@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from mpdiag.options import watch_settings
+
 #: how many of the newest candidate runs are asked whether they have findings before settling on the newest
 FINDINGS_LOOKBACK = 20
 LIVE_STATUSES = ("running", "queued", "stalled")
@@ -52,9 +54,8 @@ def script_name(run: pd.Series) -> str:
     path = run.get("script_path")
     if isinstance(path, str) and path:
         return Path(path).name
-    config = run.get("config")
-    watched = config.get("watch") if isinstance(config, dict) else None
-    argv = watched.get("argv") if isinstance(watched, dict) else None
+    watched = watch_settings(run.get("config"))
+    argv = watched.get("argv") if watched is not None else None
     if not argv:
         return ""
     entry = f"-m {argv[1]}" if argv[0] == "-m" and len(argv) > 1 else Path(str(argv[0])).name

@@ -157,12 +157,6 @@ def overall_flushed(totals: pd.DataFrame, flushed: pd.Series) -> float:
     return float((flushed[known] * numel[known]).sum() / numel[known].sum()) if len(known) else math.nan
 
 
-def is_watched(run: pd.Series) -> bool:
-    """Whether ``run`` (a Store.runs row) ran a script under ``watch`` (from the command line, an upload or a
-    rerun of one)."""
-    return isinstance(run.get("config"), dict) and "watch" in run["config"]
-
-
 def flushed_text(share: float | None, shadow_steps: int = 0, watched: bool = False) -> str:
     """The flushed share (:func:`flushed_to_zero`) as it is stated wherever an FP16 underflow share is, or, with
     no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can (``watched``: a

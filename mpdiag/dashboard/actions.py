@@ -22,6 +22,7 @@ from pathlib import Path
 import streamlit as st
 
 from mpdiag.dashboard import verify_job
+from mpdiag.options import watch_settings
 from mpdiag.sandbox.bundle import Bundle, bundle_from_uploads, bundle_from_zip, check_bundle
 from mpdiag.sandbox.bundle import BundleRefused as BundleRefused  # the Upload page shows its message
 from mpdiag.sandbox.check import CheckReport, check_script
@@ -65,11 +66,10 @@ def rerun_pending(what: str, run, options: dict | None = None) -> Pending:
     """The pending rerun of ``run`` (a Store.runs row) with ``options``: its stored script by name and hash; a
     watched run has none (its hash is empty), so the panel says what runs instead: the command as it was, from its
     folder, on the script file as it is now, or on the training code uploaded with it (that bundle's hash)."""
-    config = run["config"] if isinstance(run["config"], dict) else {}
-    watched = config.get("watch")
+    watched = watch_settings(run["config"])
     sha = run["script_sha256"] if isinstance(run["script_sha256"], str) and run["script_sha256"] else None
     name = run["script_path"] if isinstance(run["script_path"], str) and run["script_path"] else str(run["name"])
-    if not isinstance(watched, dict) or sha is not None:
+    if watched is None or sha is not None:
         return Pending(what, name, sha or "none stored", tuple(sorted((options or {}).items())))
     command = "python " + " ".join(str(a) for a in watched.get("argv") or [])
     if watched.get("bundle"):

@@ -48,6 +48,7 @@ from mpdiag.options import (
     RunConfig,
     StopOn,
     rerun_name,
+    watch_settings,
 )
 from mpdiag.recording.events import SKIP_STREAK
 from mpdiag.store import DEFAULT_STORE, SCHEMA_VERSION, RunTextRefused, Store, StoreError, clean_name
@@ -287,7 +288,7 @@ def explain_run_state(run: pd.Series, store: Store | None = None, events_shown: 
 def no_output_reason(run: pd.Series) -> str:
     """Why a run has no console output kept with it, in one sentence."""
     config = run["config"] if isinstance(run["config"], dict) else {}
-    if not config.get("run") and not config.get("watch"):
+    if not config.get("run") and watch_settings(config) is None:
         return ("Recorded by your own Recorder loop: mpdiag did not start this process, so it has no console "
                 "output.")
     if run["status"] == "queued":
@@ -484,7 +485,7 @@ def watch_options_form(prefix: str, parent: pd.Series | None = None) -> dict:
     :func:`mpdiag.sandbox.launch.watch_job` / ``rerun_job``: ``opt_level`` (None or "default": the script's own
     autocast and GradScaler), ``init_scale`` (None or "default": the script's), ``every``, ``shadow_every``,
     ``trace_modules``."""
-    base = parent["config"]["watch"] if parent is not None else {}
+    base = watch_settings(parent["config"]) if parent is not None else {}
     shown = {name: spec for name, spec in WATCH_OPTIONS.items() if spec.no_widget is None}
     # two a row: the form also stands in the Runs page's half-width rerun panel, where six in a row broke their
     # labels into syllables

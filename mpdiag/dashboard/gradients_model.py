@@ -17,6 +17,7 @@ from mpdiag.analysis import summaries
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import Column
 from mpdiag.numerics.formats import LOW_PRECISION
+from mpdiag.options import watch_settings
 from mpdiag.store import Store
 
 SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
@@ -191,7 +192,7 @@ class GradientsRun:
         if ranking.states_flushed:
             flushed = None if self.twin_totals is None else float(
                 summaries.flushed_to_zero(self.totals, self.twin_totals).get(tensor, np.nan))
-            line += " " + summaries.flushed_text(flushed, self.shadow_steps, summaries.is_watched(self.run))
+            line += " " + summaries.flushed_text(flushed, self.shadow_steps, watch_settings(self.run["config"]) is not None)
         index, counts = self._columns(tensor, at_scale)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
@@ -239,7 +240,7 @@ class GradientsRun:
                         summaries.cast_shares(at_step, hist, fmt, 0, scale),
                         int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0]), flushed,
                         f"At step {step}: " + summaries.flushed_text(flushed, self.shadow_steps,
-                                                                     summaries.is_watched(self.run))
+                                                                     watch_settings(self.run["config"]) is not None)
                         if ranking.states_flushed else "",
                         reads.tensors_at_step(self.store, self.run_id, step, self.final).set_index("tensor"),
                         h_index, h_counts)

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mpdiag.options import watch_settings
+
 #: the top-level keys of a run's configuration that mpdiag reads as its own: a user's ``Recorder(config=...)``
 #: key of one of these names is kept under "user" (mpdiag.recording.recorder), never taken for mpdiag's
 RESERVED_CONFIG_KEYS = ("run", "watch", "fp8", "optimizer", "optimizer_step_nonfinite", "user")
@@ -53,8 +55,8 @@ def columns_from(config: MpdiagConfig | Mapping[str, Any] | None) -> dict[str, A
     stated = config.data
     if isinstance(stated.get("run"), Mapping):
         return _run_option_columns(stated["run"])
-    if isinstance(stated.get("watch"), Mapping):
-        settings = stated["watch"]
+    settings = watch_settings(stated)
+    if settings is not None:
         # no level: watch leaves the script's own autocast and GradScalers alone, which the column calls custom
         columns = {"opt_level": settings["opt_level"] or "custom"} if "opt_level" in settings else {}
         return {**columns, **({"every": settings["every"]} if "every" in settings else {})}

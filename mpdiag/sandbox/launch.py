@@ -210,7 +210,7 @@ class Plan:
 
 def plan(job: dict, store_path: str) -> Plan:
     """The Plan of a job; raises ConfigError, ScriptError or StoreError saying what is wrong."""
-    from mpdiag.options import UNSET, RunConfig
+    from mpdiag.options import UNSET, RunConfig, watch_settings
     from mpdiag.store import Store
     from mpdiag.training.planning import fp32_twin_of, rerun_plan
     from mpdiag.training.script_source import ModelScript
@@ -224,7 +224,7 @@ def plan(job: dict, store_path: str) -> Plan:
     if job["kind"] == "rerun":
         store = Store(store_path, create=False)
         parent = store.run(job["run_id"])
-        if "watch" in parent["config"]:
+        if watch_settings(parent["config"]) is not None:
             return _watch_plan(_watch_rerun(job["run_id"], parent, options, pair), store)
         script, config = rerun_plan(store, job["run_id"], **options)
     elif job["script"].startswith(STORED_PREFIX):  # a script kept in the store (uploaded in the app)
@@ -254,12 +254,12 @@ def _uploaded_watch(job: dict, options: dict):
 
 
 def _watch_rerun(run_id: int, parent, options: dict, pair: bool):
-    from mpdiag.options import ConfigError
+    from mpdiag.options import ConfigError, watch_settings
     from mpdiag.training.watch_config import rerun_config
 
     if pair:
         raise ConfigError(f"run {run_id} was recorded by mpdiag watch, which runs no FP32 twin.")
-    return rerun_config(run_id, parent["name"], parent["config"]["watch"], **options)
+    return rerun_config(run_id, parent["name"], watch_settings(parent["config"]), **options)
 
 
 def _watch_plan(config, store) -> Plan:
