@@ -452,14 +452,20 @@ def update_swamping(run: pd.Series, updates: pd.DataFrame) -> Finding | None:
     tracked = f"over {updates['step'].nunique()} optimizer steps, counting {updated} value updates with a finite non-zero gradient"
     if lost > SWAMPED_SHARE:
         worst = per_tensor[per_tensor["unchanged_share"] > SWAMPED_SHARE]["tensor"].tolist()
-        fix = {"fp16": {"opt_level": "O2"}, "bf16": {"opt_level": "bf16"}}[fmt] if run["opt_level"] != "custom" else None
+        if run["opt_level"] == "custom":  # the script's own loop (watch): no level to rerun it at
+            fix, masters = None, ("keep the model in FP32 and cast per op under torch.autocast (BF16, or FP16 with a "
+                                  "GradScaler), or give the optimizer FP32 copies of the weights and copy them back "
+                                  "after each step.")
+        else:
+            fix = {"fp16": {"opt_level": "O2"}, "bf16": {"opt_level": "bf16"}}[fmt]
+            masters = ("--opt-level O2 (FP16 model, FP32 masters in the optimizer)." if fmt == "fp16" else
+                       "--opt-level bf16 (FP32 weights, BF16 autocast).")
         return Finding(
             rule="update-swamping", severity="warning",
             title=f"Weight updates are lost: too small for {fmt.upper()} weights",
             evidence=(f"{lost:.1%} of updates left the weight unchanged although its gradient was non-zero, and "
                       f"{below:.1%} were below {fmt.upper()}'s resolution ({rule_text}), {tracked}."),
-            recommendation=("Keep FP32 master weights: " + ("--opt-level O2 (FP16 model, FP32 masters in the optimizer)."
-                                                             if fmt == "fp16" else "--opt-level bf16 (FP32 weights, BF16 autocast).")),
+            recommendation="Keep FP32 master weights: " + masters,
             tensors=worst, fix=fix, page="Findings",
         )
     if below > SWAMPED_SHARE:

@@ -139,6 +139,22 @@ class OptimizedParameters(nn.Module):
             yield from root.named_modules(prefix=root_prefix)
 
 
+#: the weight formats whose updates an optimizer writing them directly rounds away (the update tracker's names)
+_LOW_PRECISION_WEIGHTS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def weight_update_format(params: list[torch.Tensor]) -> str | None:
+    """The format every trainable parameter is kept in when it is FP16 or BF16 throughout (a model cast by
+    ``.half()`` or ``.bfloat16()`` and updated with no FP32 copy): watch then counts the updates that format cannot
+    hold, as ``mpdiag run`` does at O3 and bf16-pure (finding ``update-swamping``). None for FP32 or mixed
+    weights, and for tensor subclasses (FSDP2's DTensors, which the tracker does not read, as under mpdiag run)."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable or not {type(p) for p in trainable} <= {torch.Tensor, nn.Parameter}:
+        return None
+    formats = {_LOW_PRECISION_WEIGHTS.get(p.dtype) for p in trainable}
+    return formats.pop() if len(formats) == 1 and None not in formats else None
+
+
 def optimized_parameters(optimizers) -> OptimizedParameters:
     """Name every distinct parameter of ``optimizers`` (in the order they were created) by its path in the
     outermost module holding it (found among the live modules, wrappers excepted); modules in the order their
@@ -562,6 +578,7 @@ class Watcher:
         # nn.Module.__reduce_ex__ (word_language_model's torch.load(weights_only=True) refused them once)
         return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
                         every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
+                        update_format=weight_update_format([p for _, p in params.named_parameters()]),
                         check_optimizer_step=True, replay=None if called is not None else False, replay_model=called)
 
     # -- the script ----------------------------------------------------------------------------------------

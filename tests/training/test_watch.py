@@ -14,6 +14,7 @@ import torch
 from conftest import DEVICES, disk_fills_after
 from conftest import ROOT as REPOSITORY
 
+from mpdiag.analysis.findings import diagnose
 from mpdiag.options import ConfigError
 from mpdiag.store import Store
 from mpdiag.training.watch import WatchConfig, optimized_parameters, watch
@@ -90,6 +91,49 @@ def test_fp32_loop_without_scaler_has_no_scaling_and_no_skips(store_path, tmp_pa
     stats = store.tensor_stats(run_id)
     for step, norm in enumerate(log["grad_norm"]):
         assert math.sqrt((stats[stats["step"] == step]["l2"] ** 2).sum()) == pytest.approx(norm, rel=2e-6)
+
+
+HALF_MODEL = '''
+import json, sys
+import torch
+
+torch.manual_seed(0)
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[sys.argv[2]]
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(dtype)
+opt = torch.optim.SGD(model.parameters(), lr=1e-4)  # updates far below BF16's and FP16's resolution at |w| ~ 0.1
+own = {"updated": 0, "unchanged": 0}
+for step in range(4):
+    opt.zero_grad()
+    loss = model(torch.randn(8, 16).to(dtype)).float().pow(2).mean()
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        counted = p.grad.isfinite() & (p.grad != 0)
+        own["updated"] += int(counted.sum())
+        own["unchanged"] += int((counted & (p.detach() == b)).sum())
+json.dump(own, open(sys.argv[1], "w"))
+'''
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "fp32"])
+def test_a_model_trained_in_half_precision_has_its_lost_updates_counted(store_path, write_script, tmp_path, weights):
+    """A script that casts its model to BF16 or FP16 and steps it directly (no FP32 copy) loses the updates its
+    format cannot hold; watch counted none of them (only mpdiag run's O3 and bf16-pure did). Truth: the script's
+    own comparison of each weight before and after each step, over the values with a finite non-zero gradient."""
+    log_path = tmp_path / "own.json"
+    store, run_id, code = watched(store_path, write_script(HALF_MODEL, "half.py"), log_path, weights)
+    assert code == 0
+    own, run, updates = json.loads(log_path.read_text()), store.run(run_id), store.update_stats(run_id)
+    if weights == "fp32":  # FP32 weights hold these updates: nothing is tracked
+        assert run["update_format"] is None and updates.empty
+        return
+    assert run["update_format"] == weights and updates["step"].nunique() == 4
+    assert (int(updates["updated"].sum()), int(updates["unchanged"].sum())) == (own["updated"], own["unchanged"])
+    assert own["unchanged"] > 0.5 * own["updated"]  # planted: most updates lost
+    found = {f.rule: f for f in diagnose(store, run_id)}["update-swamping"]
+    assert f"{own['unchanged'] / own['updated']:.1%} of updates left the weight unchanged" in found.evidence
+    assert found.fix is None and "torch.autocast" in found.recommendation  # no level to rerun a script's loop at
 
 
 def test_bf16_autocast_loop(store_path, tmp_path):
