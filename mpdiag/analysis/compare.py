@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, tensor_ranking
+from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, judged_level, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
 from mpdiag.options import applies, watch_settings
 from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
@@ -45,6 +45,24 @@ def reference_run(runs: pd.DataFrame, run_id: int, prefer: list[int] | None = No
         return int(run["pair_run_id"])
     preferred = [c for c in candidates if c in set(prefer or [])]
     return max(preferred) if preferred else int(candidates.max())
+
+
+def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
+    """The FP32 run an FP16 run's flushed values are estimated against (its "FP32 twin"): the ``--pair`` twin
+    recorded with it, else its finished FP32 reference (:func:`reference_run`: for a watched script, an O0 run of
+    the same command, what watch records in place of a twin: the Compare page's underflow bars showed the O0 run's
+    hypothetical FP16 underflow beside no bar at all for the watched FP16 run it was the reference of), when it
+    took as many steps (the estimate compares the two runs' zero shares over all their steps, as a twin's are over
+    the same steps). None for a run not judged in FP16 or without either. ``runs``: Store.runs, already read
+    (looked up, not read again)."""
+    if judged_level(run) not in FP16_LEVELS:
+        return None
+    if pd.notna(run.get("pair_run_id")):
+        match = runs[runs["run_id"] == int(run["pair_run_id"])]
+        return None if match.empty else match.iloc[0]
+    reference = reference_run(runs, int(run["run_id"]))
+    match = runs[(runs["run_id"] == reference) & (runs["steps_done"] == run["steps_done"])]
+    return None if reference is None or match.empty else match.iloc[0]
 
 
 def training_of(run: pd.Series) -> tuple | None:

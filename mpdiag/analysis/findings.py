@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, loss_comparison, reference_run
+from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, fp32_twin_row, loss_comparison, reference_run
 from mpdiag.analysis.finding import SEVERITY_ORDER, Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
 from mpdiag.analysis.module_trace import first_nonfinite, first_nonfinite_modules, module_said
@@ -21,7 +21,6 @@ from mpdiag.analysis.summaries import (
     FP16_LEVELS,
     flushed_text,
     flushed_to_zero,
-    fp32_twin,
     judged_level,
     nonzero_finite,
     overall_flushed,
@@ -103,14 +102,17 @@ def scale_basis(twin_hist: np.ndarray | None, watched: bool = False) -> str:
 
 def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
               shadow_steps: int = 0, twin_hist: np.ndarray | None = None,
-              signals: pd.Series | None = None) -> Finding | None:
+              signals: pd.Series | None = None, tracks_fp32: bool = False) -> Finding | None:
     """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use. The values
     FP16 flushed to zero are exact zeros in the record; their share is estimated against the FP32 twin
     (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it. The
     recommended scale is read from the twin's summed histogram (``twin_hist``) when there is one: the run's own
     lacks the flushed values, and a scale chosen from it can leave the rerun with the same finding. The shares
     are of the steps whose statistics were kept (the values' total is known there only); where the run counted
-    more steps (``signals``: Store.step_signal_sums), the evidence says so and adds the underflow over every step."""
+    more steps (``signals``: Store.step_signal_sums), the evidence says so and adds the underflow over every step.
+    Information, not a warning, when the run already trained at the scale this finding would recommend and its
+    loss stays within DIVERGENCE_RTOL of its FP32 reference (``tracks_fp32``): the fix rerun of a run that
+    underflowed read as failed, and was sent to BF16, while its loss matched FP32's."""
     if judged_level(run) not in FP16_LEVELS or totals.empty:
         return None
     values = nonzero_finite(totals)
@@ -121,7 +123,10 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     worst = totals.loc[(per_tensor > LOW_RANGE_SHARE) & big, "tensor"].tolist()
     if overall <= LOW_RANGE_SHARE and not worst:
         return None
-    advice, fix = _scale_advice(hist, twin_hist, run)
+    advice, fix, settled = _scale_advice(hist, twin_hist, run, tracks_fp32)
+    severity, title = "warning", "Gradients vanish or lose precision in FP16 at the loss scale in use"
+    if settled:
+        severity, title = "info", "Some gradients stay subnormal in FP16 at the largest safe loss scale; the loss tracks FP32"
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
         flushed = flushed_text(None, shadow_steps, watch_settings(run["config"]) is not None)
@@ -133,8 +138,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         flushed = (f"{overall_flushed(totals, per):.2%} of all gradient values {FLUSHED_LABEL}, estimated against "
                    "the FP32 twin (" + ", ".join(f"{t}: {per.get(t, np.nan):.2%}" for t in tensors) + ").")
     return Finding(
-        rule="gradient-underflow", severity="warning",
-        title="Gradients vanish or lose precision in FP16 at the loss scale in use",
+        rule="gradient-underflow", severity=severity, title=title,
         evidence=(f"At the scale used, {overall:.2%} of the finite non-zero gradient values recorded "
                   f"{_kept_words(totals, signals)}{_low_range_parts(totals)}; values FP16 already flushed are among "
                   f"the exact zeros in the record ({_share(totals['zeros'].sum(), totals['numel'].sum()):.1%} of all "
@@ -146,26 +150,33 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
     )
 
 
-def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series) -> tuple[str, dict]:
+def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series,
+                  tracks_fp32: bool = False) -> tuple[str, dict, bool]:
     """:func:`low_range`'s advice and fix: dynamic scaling from the scale the histogram recommends (the FP32
     twin's when there is one), or BF16 when no single scale fits, or when the run already trained with dynamic
-    scaling from that scale (a rerun at the fix's scale was offered the same fix again)."""
+    scaling from that scale (a rerun at the fix's scale was offered the same fix again); and whether that run's
+    loss tracks FP32's all the same (``tracks_fp32``): then nothing needs changing (True)."""
     basis = scale_basis(twin_hist, watch_settings(run["config"]) is not None)
     k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is None:
         return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
                 f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
-                "(FP32's range).", {"opt_level": "bf16"})
+                "(FP32's range).", {"opt_level": "bf16"}, False)
+    if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k) and tracks_fp32:
+        return (f"Nothing to change for the training: its loss stays within {DIVERGENCE_RTOL:.0%} of its FP32 "
+                f"reference's at dynamic loss scaling from 2^{k}, the largest scale its gradients allow without "
+                f"overflow ({basis}). The values that stay subnormal in FP16 would be kept by --opt-level bf16 (FP32's "
+                "range), if they come to matter.", {"opt_level": "bf16"}, True)
     if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k):
         return (f"This run already used dynamic loss scaling from 2^{k}, the largest scale its gradients allow "
                 f"without overflow ({basis}), and they still underflow or are subnormal in FP16: use --opt-level "
-                "bf16 (FP32's range).", {"opt_level": "bf16"})
+                "bf16 (FP32's range).", {"opt_level": "bf16"}, False)
     kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
     # from the run's own histograms the share is of the values recorded: those FP16 flushed are not among them
     of = "the values" if twin_hist is not None else "the values recorded (not those FP16 flushed)"
     return (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
             f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of {of} underflowing or subnormal, "
-            "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)})
+            "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)}, False)
 
 
 def _counted_beyond_kept(totals: pd.DataFrame, signals: pd.Series | None) -> int:
@@ -767,10 +778,13 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
     ignored = scale_ignored(run, probe)
     # gradients that ignore the scale look like underflow too; the cause is reported instead
     shadow = store.shadow_stats(run_id)
-    twin = fp32_twin(run)
+    twin_row = fp32_twin_row(runs, run)
+    twin = None if twin_row is None else int(twin_row["run_id"])
+    divergence = fp32_divergence(run, runs, store, shadow)
     underflow = None if ignored else low_range(
         run, totals, hist, None if twin is None else store.tensor_totals(twin), int(shadow["step"].nunique()),
-        None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals)
+        None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals,
+        tracks_fp32=divergence is None and reference_run(runs, int(run_id)) is not None)
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
@@ -784,7 +798,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         dead_gradients(run, totals, signals),
         needs_bf16_range(run, tensors, per_tensor),
         fp16_overflow(run, store),
-        fp32_divergence(run, runs, store, shadow),
+        divergence,
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]
     findings = [f for f in found if f is not None]
@@ -795,8 +809,9 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
 
 
 def finding_resolved(before: Finding, after: list[Finding]) -> bool:
-    """Whether a rerun no longer shows the rule a finding came from."""
-    return all(f.rule != before.rule for f in after)
+    """Whether a rerun no longer shows the rule a finding came from, other than as information (a rerun whose
+    gradients stay partly subnormal while its loss tracks FP32 has fixed what the finding warned of)."""
+    return all(f.rule != before.rule or f.severity == "info" for f in after)
 
 
 

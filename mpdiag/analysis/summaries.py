@@ -124,20 +124,6 @@ def run_label(run: pd.Series) -> str:
     return f"#{run['run_id']} · {run['name']} · {run['opt_level']}"
 
 
-def fp32_twin(run: pd.Series) -> int | None:
-    """The id of the FP32 twin recorded with an FP16 run (``--pair``), else None (a Store.runs row)."""
-    twin = run.get("pair_run_id")
-    return None if judged_level(run) not in FP16_LEVELS or pd.isna(twin) else int(twin)
-
-
-def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
-    """The FP32 twin's row of ``runs`` (Store.runs, already read: the twin is looked up, not read again), else
-    None: no twin (:func:`fp32_twin`), or one no longer in the store."""
-    twin = fp32_twin(run)
-    match = None if twin is None else runs[runs["run_id"] == twin]
-    return None if match is None or match.empty else match.iloc[0]
-
-
 def flushed_to_zero(totals: pd.DataFrame, twin_totals: pd.DataFrame) -> pd.Series:
     """Per tensor (index), the share of all its values that FP16 flushed to zero before they were recorded,
     estimated as max(0, its zero share - the zero share of the same tensor in the FP32 twin) over the logged
@@ -553,11 +539,13 @@ def signal_note(totals: pd.DataFrame, kept_steps: int, opt_level: str) -> str:
     if not (totals[list(SIGNAL_LINES.values())].to_numpy() > 0).any():
         # said with what it cannot see: under autocast a gradient that underflowed in the backward reaches mpdiag as
         # a zero, so "no underflow" here stood beside a finding that half the values were flushed (the gallery's #1)
-        said = f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
+        # (its first words were "no underflow" on a run whose FP16 backward had flushed 88 % of its values: said first)
         if opt_level in FP16_LEVELS:  # an FP32 or BF16 backward flushed nothing FP16 could have held
-            said += (" A value the FP16 backward already flushed to zero is read as a zero, not as an underflow: the "
-                     "Gradients and Findings pages measure those against an FP32 twin or shadow.")
-        return said
+            return (f"No inf/NaN or overflow at any step, and no recorded value that would underflow FP16 at the loss "
+                    f"scale ({counted}); but this run's backward computed in FP16, so a value it flushed to zero was "
+                    "recorded as a zero, which these counts cannot tell from a true zero: the Gradients and Findings "
+                    "pages measure the flushed share against an FP32 twin or shadow.")
+        return f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
     computes = LEVEL_FORMAT.get(opt_level, "unknown")
     cast_lines = any(_line_name(line, opt_level).endswith(IF_CAST) and (totals[column] > 0).any()
                      for line, column in SIGNAL_LINES.items())

@@ -22,6 +22,7 @@ from mpdiag.analysis.compare import (
     counted_text,
     first_divergence,
     fp16_underflow_parts,
+    fp32_twin_row,
     histogram_steps,
     histogram_tensors,
     loss_comparison,
@@ -233,7 +234,7 @@ class CompareRuns:
             if totals.empty:
                 no_stats.append(lab)
                 continue
-            twin = reads.twin_totals(self.store, summaries.fp32_twin_row(self.all_runs, r))
+            twin = reads.twin_totals(self.store, fp32_twin_row(self.all_runs, r))
             if twin is None and summaries.judged_level(r) in summaries.FP16_LEVELS:
                 no_twin.append(lab)
             parts.append(fp16_underflow_parts(totals, twin, summaries.judged_level(r), lab))

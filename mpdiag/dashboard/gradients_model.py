@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from mpdiag.analysis import summaries
+from mpdiag.analysis.compare import fp32_twin_row
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import Column
 from mpdiag.numerics.formats import LOW_PRECISION
@@ -362,7 +363,7 @@ def gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> 
 
 def _gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> GradientsRun:
     run_id = int(run["run_id"])
-    twin = summaries.fp32_twin_row(runs, run)
+    twin = fp32_twin_row(runs, run)
     return GradientsRun(store, run, final, reads.logged_steps(store, run_id, final),
                         reads.tensor_totals(store, run_id, final), reads.steps(store, run_id, final), twin,
                         reads.twin_totals(store, twin),

@@ -306,7 +306,7 @@ def module_stats(store: Store, run_id: int) -> pd.DataFrame:
 
 def twin_totals(store: Store, twin: pd.Series | None) -> pd.DataFrame | None:
     """The FP32 twin's per-tensor totals (:func:`tensor_totals`), cached once the twin is final; None without a
-    twin. ``twin``: its row of the runs table the page read (summaries.fp32_twin_row), not read again here."""
+    twin. ``twin``: its row of the runs table the page read (compare.fp32_twin_row), not read again here."""
     return None if twin is None else tensor_totals(store, int(twin["run_id"]), is_final(twin))
 
 

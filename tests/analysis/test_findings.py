@@ -104,7 +104,9 @@ def test_underflow_advice_is_consistent_across_runs_of_one_script(tmp_path):
     script = ModelScript.from_path(EXAMPLES / "gallery_underflow.py")
     failing, _twin = train_pair(script, RunConfig(opt_level="O1", steps=30, device="cpu").with_options(loss_scale=1.0),
                                 store_path)
-    low_start = train(script, RunConfig(opt_level="O1", steps=30, device="cpu").with_options(init_scale=2.0**8),
+    # another seed: no FP32 run of the same training (the twin above, same script and seed, would be its reference
+    # and its histograms the basis), so the advice is read from the run's own histograms
+    low_start = train(script, RunConfig(opt_level="O1", steps=30, device="cpu", seed=1).with_options(init_scale=2.0**8),
                       store_path)
     for run_id, basis in ((failing, "by the FP32 twin's gradient histograms"),
                           (low_start, "by this run's recorded histograms")):
@@ -280,7 +282,8 @@ def test_a_watched_runs_fp32_reference_is_an_o0_run_of_the_same_command(tmp_path
     """A watched script has no stored hash or seed, so no O0 run was ever its reference: its fix could not be
     judged against FP32 ("vs FP32: None"). An O0 watch of the same command (script, arguments, folder) is its
     reference; one with other arguments is not; and Compare's note says how to record one (watch runs no twin)."""
-    from mpdiag.analysis.compare import reference_hint, reference_run
+    from mpdiag.analysis.compare import fp32_twin_row, reference_hint, reference_run
+    from mpdiag.analysis.summaries import flushed_to_zero, overall_flushed
     from mpdiag.training.watch import WatchConfig, watch
 
     script, store = write_script(UNDERFLOWING_LOOP, "loop.py"), tmp_path / "runs.db"
@@ -293,6 +296,14 @@ def test_a_watched_runs_fp32_reference_is_an_o0_run_of_the_same_command(tmp_path
     runs = Store(store).runs()
     assert runs.set_index("run_id").loc[[other, reference], "opt_level"].tolist() == ["O0", "O0"]
     assert reference_run(runs, mixed) == reference
+    # and the FP32 twin the watched FP16 run's flushed values are estimated against (watch records no --pair twin:
+    # Compare drew the O0 run's would-underflow bars beside none for the FP16 run)
+    assert int(fp32_twin_row(runs, runs[runs["run_id"] == mixed].iloc[0])["run_id"]) == reference
+    flushed = overall_flushed(Store(store).tensor_totals(mixed),
+                              flushed_to_zero(Store(store).tensor_totals(mixed), Store(store).tensor_totals(reference)))
+    found = {f.rule: f for f in diagnose(Store(store), mixed)}["gradient-underflow"]
+    assert f"{flushed:.2%} of all gradient values flushed to zero before recording (underflow), estimated against " \
+           "the FP32 twin" in found.evidence
 
 
 
@@ -329,12 +340,15 @@ def test_a_run_already_at_the_recommended_scale_is_not_offered_it_again():
     hist[[-30 - EXP_MIN, -24 - EXP_MIN, -2 - EXP_MIN]] = [10, 1000, 5]  # largest |g| ~2^-2: 2^16 room above
     k = recommended_scale(hist, complete=False)
     first = pd.Series({"scaling": "dynamic", "init_scale": 1.0, "config": {"watch": {}}})
-    advice, fix = _scale_advice(hist, None, first)
-    assert fix == {"loss_scale": "dynamic", "init_scale": float(2**k)}
+    advice, fix, settled = _scale_advice(hist, None, first)
+    assert fix == {"loss_scale": "dynamic", "init_scale": float(2**k)} and not settled
     assert "of the values recorded (not those FP16 flushed)" in advice and "--pair" not in advice  # watch: no twin
     rerun = pd.Series({**first.to_dict(), "init_scale": float(2**k)})
-    advice, fix = _scale_advice(hist, None, rerun)
-    assert fix == {"opt_level": "bf16"} and f"already used dynamic loss scaling from 2^{k}" in advice
+    advice, fix, settled = _scale_advice(hist, None, rerun)
+    assert fix == {"opt_level": "bf16"} and f"already used dynamic loss scaling from 2^{k}" in advice and not settled
+    # the same rerun whose loss stays within 5 % of its FP32 reference: nothing to change (the fix worked)
+    advice, fix, settled = _scale_advice(hist, None, rerun, tracks_fp32=True)
+    assert settled and advice.startswith("Nothing to change for the training") and fix == {"opt_level": "bf16"}
 
 
 HALF_LOOP = """
@@ -368,3 +382,17 @@ def test_a_watched_half_model_without_a_scaler_is_judged_in_fp16_and_its_fix_say
     assert "gradient-underflow" in found, [f.as_dict() for f in found.values()]
     blocked = fix_not_rerunnable(run["config"], found["gradient-underflow"].fix, run["world_size"], run["scaling"])
     assert blocked.startswith("The script has no GradScaler for mpdiag watch to start at")
+
+
+def test_a_rerun_left_with_only_information_of_a_rule_has_resolved_it():
+    """The fix rerun whose gradients stay partly subnormal at the largest safe scale while its loss tracks FP32 gets
+    gradient-underflow as information; the Reruns table said the finding was 'still there' and the fix failed."""
+    from mpdiag.analysis.finding import Finding
+    from mpdiag.analysis.findings import finding_resolved
+
+    def said(severity):
+        return Finding(rule="gradient-underflow", severity=severity, title="", evidence="", recommendation="")
+
+    assert finding_resolved(said("warning"), [said("info")])
+    assert not finding_resolved(said("warning"), [said("warning")])
+    assert finding_resolved(said("warning"), [])
