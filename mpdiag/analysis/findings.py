@@ -165,11 +165,11 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series
     if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k) and tracks_fp32:
         return (f"Nothing to change for the training: its loss stays within {DIVERGENCE_RTOL:.0%} of its FP32 "
                 f"reference's at dynamic loss scaling from 2^{k}, the largest scale its gradients allow without "
-                f"overflow ({basis}). The values that stay subnormal in FP16 would be kept by --opt-level bf16 (FP32's "
+                f"overflow, {basis}. The values that stay subnormal in FP16 would be kept by --opt-level bf16 (FP32's "
                 "range), if they come to matter.", {"opt_level": "bf16"}, True)
     if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k):
         return (f"This run already used dynamic loss scaling from 2^{k}, the largest scale its gradients allow "
-                f"without overflow ({basis}), and they still underflow or are subnormal in FP16: use --opt-level "
+                f"without overflow, {basis}, and they still underflow or are subnormal in FP16: use --opt-level "
                 "bf16 (FP32's range).", {"opt_level": "bf16"}, False)
     kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
     # from the run's own histograms the share is of the values recorded: those FP16 flushed are not among them
