@@ -27,26 +27,30 @@ from mpdiag.dashboard.untrusted import plain
 #: cell for the whole label, kept in view when scrolled
 WIDE_RUN_COLUMN = st.column_config.TextColumn("run", width="large", pinned=True, help="Hover a cell for the whole label.")
 
+#: the histogram's views: the unscaled gradient, or S·g at each run's loss scale
+HIST_VIEWS = ["unscaled g", "at the loss scale (S·g)"]
 
-def curve_controls(chosen: pd.DataFrame) -> tuple[float, bool, str]:
-    """TensorBoard's controls over the curves: smoothing weight, log y for the loss (on at first where the chosen
-    runs' losses are far apart: compare_model.losses_far_apart), the x axis."""
+
+def curve_controls(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> tuple[CompareRuns, Curves, bool, float]:
+    """TensorBoard's controls over the curves: smoothing weight, log y for the loss (on at first where the runs'
+    drawn losses span more than charts.LOG_LOSS_SPAN: charts.losses_far_apart), the x axis; the runs' view and
+    its curves for them, and the smoothing weight."""
     left, middle, right = st.columns([2, 1, 2])
     weight = left.slider("Smoothing", min_value=0.0, max_value=0.99, value=0.0, step=0.01, key="smoothing",
                          help="TensorBoard's debiased exponential moving average of the loss and the gradient norm "
                               "(0: none). The raw curve stays drawn, faint, behind the smoothed one.")
-    log_loss = middle.toggle("Log loss axis", value=compare_model.losses_far_apart(chosen), key="loss_log",
-                             help="On at first when the runs' final losses are more than "
-                                  f"{compare_model.LOG_LOSS_SPAN}x apart.")
     x_label = right.radio("x axis", list(X_AXES), horizontal=True, key="x_axis",
                           help="Wall time: seconds since each run's recording started, at the end of each step.")
-    return weight, log_loss, X_AXES[x_label]
+    model = compare_model.compare(store, chosen, all_runs, weight)
+    # from every loss drawn, not the final ones: runs ending 3.3x apart after falling 3 decades sat on "0"
+    log_loss = middle.toggle("Log loss axis", value=charts.losses_far_apart(model.everything["loss"]),
+                             key="loss_log", help="On at first when the losses drawn (all runs, all steps) span "
+                                                  f"more than {charts.LOG_LOSS_SPAN}x.")
+    return model, model.curves(X_AXES[x_label], smooth=weight > 0), log_loss, weight
 
 
 def compare_view(store, chosen: pd.DataFrame, all_runs: pd.DataFrame) -> None:
-    weight, log_loss, x = curve_controls(chosen)
-    model = compare_model.compare(store, chosen, all_runs, weight)
-    curves = model.curves(x, smooth=weight > 0)
+    model, curves, log_loss, weight = curve_controls(store, chosen, all_runs)
     if curves.curves.empty:
         st.info("None of these runs recorded a wall time per step: choose the step axis.")
         return
@@ -139,8 +143,10 @@ def fp16_shares(model: CompareRuns) -> None:
 
 
 def histograms_overlaid(model: CompareRuns) -> None:
-    """One tensor's exponent histogram of the unscaled gradient in each run, at one step or summed, overlaid in
-    the runs' colours with FP16's limits; each run's zero share beside it, and the runs without a line named."""
+    """One tensor's exponent histogram in each run, of the unscaled gradient g or of S·g at each run's own loss
+    scale (what its FP16 backward held; the view opens there when a run shown ran at a scale other than 1), at one
+    step or summed, overlaid in the runs' colours with FP16's limits; each run's zero share beside it, and the
+    runs without a line named."""
     st.subheader("Gradient histograms, overlaid")
     tensors, offered, common = model.histogram_choices()
     if not tensors or not offered:
@@ -154,13 +160,21 @@ def histograms_overlaid(model: CompareRuns) -> None:
     tensor = left.selectbox("Tensor (worst FP16 underflow of the first run first; type to search)", tensors,
                             key="hist_tensor")
     summed = right.toggle("All logged steps (summed)", key="hist_summed")
+    # on g alone, the fix of a pair (scaled by 2^20) sat left of FP16's 2^-24 line, read as flushing everything,
+    # above a table saying 0 % zeros
+    view = st.radio("Gradient", HIST_VIEWS, index=int(model.scaled()), horizontal=True, key="hist_view",
+                    help="S·g is each run's gradient at the loss scale it ran at, as its backward pass held it: what "
+                         "FP16 had to hold, so FP16's limits drawn mean what they say. g is the unscaled gradient.")
     step = None if summed else ui.step_slider(
         "Step (steps any of these runs logged)", offered, "hist_step",
         help=f"The last step all of them logged is {common:,}.") if len(offered) > 1 else offered[0]
-    overlay = model.overlay(tensor, step)
+    overlay = model.overlay(tensor, step, view != HIST_VIEWS[0])
     if len(overlay.bins):
         ui.show_chart(charts.runs_histograms(overlay.bins, overlay.lines, model.labels,
-                                             f"{tensor}: unscaled gradient, {overlay.when}"), width="stretch")
+                                             f"{tensor}: {overlay.what}, {overlay.when}",
+                                             "S·g" if view != HIST_VIEWS[0] else "g"), width="stretch")
+    if overlay.scale_said is not None:
+        st.caption(overlay.scale_said)
     overlay_table(overlay, tensor, step)
 
 

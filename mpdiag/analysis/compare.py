@@ -429,25 +429,33 @@ def counted_text(signals: pd.Series) -> str:
 
 
 def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame, np.ndarray]],
-                        tensor: str, step: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """One tensor's exponent histogram of its unscaled gradient g in each run, at one logged ``step`` or summed
-    over every logged step (``step`` None), as shares of that run's finite non-zero values of the tensor, so runs
-    with different numbers of logged steps compare.
+                        tensor: str, step: int | None,
+                        scales: dict[str, np.ndarray] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One tensor's exponent histogram in each run, of its unscaled gradient g or (``scales``) of S·g, the gradient
+    at the run's own loss scale as the backward pass held it, at one logged ``step`` or summed over every logged
+    step (``step`` None), as shares of that run's finite non-zero values of the tensor, so runs with different
+    numbers of logged steps compare.
 
     ``records``: per run label, (Store.tensor_totals, Store.tensor_stats of every tensor at ``step`` (None when
     summing), and the tensor's histogram rows as index and counts: Store.histogram_matrix's rows of the tensor,
-    over every logged step or, enough, its row at ``step`` or its Store.histogram_totals row when summing).
+    over every logged step or, enough, its row at ``step`` or its Store.histogram_totals row when summing; for S·g
+    summed, Store.histogram_columns split where the scale changes, each column of one scale). ``scales``: per run
+    label, the loss scale of each of those rows (at its first step): each row is moved by log2 of its scale before
+    it is taken (:func:`scaled_histogram`); None: g.
 
-    Returns (bins, runs). ``bins``, tidy, one row per drawn run and exponent e: run, log2 (e: the bin holds
-    2^e <= |g| < 2^(e+1)), count (exact), share (count / the run's finite non-zero values); every run spans the
-    same bins, one empty bin below the lowest occupied bin of any run to one above the highest, empty ones at 0,
-    so its step-line starts and ends at 0. ``runs``, one row per run in ``records``' order: run, numel (values of
-    the tensor over the steps taken), finite_nonzero, zeros, zero_share (of numel: an FP16 run's values flushed to
-    zero in its backward pass are exact zeros in its record, in no bin), nonfinite (NaN and inf), missing (why the
-    run has no line: NO_TENSOR, NO_STEP, NO_VALUES; None when drawn)."""
+    Returns (bins, runs). ``bins``, tidy, one row per drawn run and bin: run, log2 (the bin holds
+    2^log2 <= |x| < 2^(log2+1); a whole e for g and for S·g at a power-of-two scale, e + log2 S at another scale,
+    where S·g's bin edges are S·2^e), count (exact), share (count / the run's finite non-zero values), rounded
+    (True where a sum over steps whose scales were not all one power of two apart was placed on the bins of the
+    nearest power of two of each: approximate); every run spans the same bins, one empty bin below the lowest
+    occupied bin of any run to one above the highest, empty ones at 0, so its step-line starts and ends at 0.
+    ``runs``, one row per run in ``records``' order: run, numel (values of the tensor over the steps taken),
+    finite_nonzero, zeros, zero_share (of numel: an FP16 run's values flushed to zero in its backward pass are
+    exact zeros in its record, in no bin), nonfinite (NaN and inf), missing (why the run has no line: NO_TENSOR,
+    NO_STEP, NO_VALUES; None when drawn)."""
     rows, per_bin = [], {}
     for label, record in records.items():
-        row, hist = _run_of_tensor(label, record, tensor, step)
+        row, hist = _run_of_tensor(label, record, tensor, step, None if scales is None else scales.get(label))
         rows.append(row)
         if row["missing"] is None:
             per_bin[label] = hist
@@ -457,7 +465,44 @@ def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | No
     return _shared_bins(per_bin), runs
 
 
-def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None) -> tuple[dict, np.ndarray | None]:
+#: one run's histogram as :func:`overlaid_histograms` draws it: counts of the bins from exponent ``low`` on, each
+#: moved by ``fraction`` (log2 of a scale that is no power of two), and whether a sum was rounded to whole powers
+Shifted = tuple[np.ndarray, int, float, bool]
+
+
+def scaled_histogram(counts: np.ndarray, scales: np.ndarray | None) -> Shifted:
+    """Rows of exponent histograms of g (bin b: 2^(EXP_MIN + b) <= |g| < 2^(EXP_MIN + b + 1)) summed as the
+    histogram of S·g, each row at its own loss scale ``scales`` (None: each 1, g itself). Multiplying by 2^k moves
+    every value exactly k bins; by a scale S that is not a power of two, the bin [2^e, 2^(e+1)) becomes [S·2^e,
+    S·2^(e+1)), exactly: the bins move by log2 S, a fraction of a bin too. Rows whose fractions differ (a sum over
+    steps at scales not a power of two apart) cannot share bins: each is moved by the nearest whole power of two
+    instead, and the result says it was rounded. A row at a scale of 0 (or not finite) holds no finite non-zero
+    S·g and is left out."""
+    counts = np.atleast_2d(np.asarray(counts, dtype=np.int64))
+    log2 = np.zeros(len(counts)) if scales is None else np.log2(np.where(
+        np.asarray(scales, dtype=float) > 0, np.asarray(scales, dtype=float), np.nan))
+    kept = np.isfinite(log2)
+    counts, log2 = counts[kept], log2[kept]
+    n_bins = counts.shape[1]
+    if not len(counts):
+        return np.zeros(n_bins, dtype=np.int64), EXP_MIN, 0.0, False
+    whole = np.floor(log2)
+    fractions = log2 - whole
+    rounded = bool(np.ptp(fractions) > 1e-9)  # log2 3 - 1 and log2 6 - 2 differ in the last bit
+    if rounded:
+        whole, fraction = np.round(log2), 0.0
+    else:
+        fraction = float(fractions[0])
+    shift = whole.astype(np.int64)
+    low = int(shift.min())
+    out = np.zeros(n_bins + int(shift.max()) - low, dtype=np.int64)
+    for row, k in zip(counts, shift, strict=True):
+        out[k - low:k - low + n_bins] += row
+    return out, EXP_MIN + low, fraction, rounded
+
+
+def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None,
+                   scales: np.ndarray | None) -> tuple[dict, Shifted | None]:
     """One run's row of :func:`overlaid_histograms`' ``runs`` and the tensor's histogram (None where missing)."""
     totals, at_step, index, counts = record
     row = {"run": label, "numel": 0, "finite_nonzero": 0, "zeros": 0, "zero_share": np.nan, "nonfinite": 0,
@@ -467,16 +512,17 @@ def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None) -> 
         return row, None
     if step is None:
         stats = totals[totals["tensor"] == tensor]
-        hist = counts.sum(axis=0) if len(counts) else None
+        hist = scaled_histogram(counts, scales) if len(counts) else None
     else:
         stats = at_step[at_step["tensor"] == tensor] if at_step is not None else at_step
         picked = np.flatnonzero(index["step"].to_numpy() == step)
-        hist = counts[picked[0]] if len(picked) else None
+        hist = scaled_histogram(counts[picked[:1]], None if scales is None else np.asarray(scales)[picked[:1]]) \
+            if len(picked) else None
     if stats is None or stats.empty or hist is None:
         row["missing"] = NO_STEP
         return row, None
     s = stats.iloc[0]
-    nonzero = int(hist.sum())
+    nonzero = int(hist[0].sum())
     row.update(numel=int(s["numel"]), finite_nonzero=nonzero, zeros=int(s["zeros"]),
                zero_share=int(s["zeros"]) / int(s["numel"]) if int(s["numel"]) else np.nan,
                nonfinite=int(s["nan"] + s["posinf"] + s["neginf"]))
@@ -485,19 +531,20 @@ def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None) -> 
     return row, hist
 
 
-def _shared_bins(per_bin: dict[str, np.ndarray]) -> pd.DataFrame:
+def _shared_bins(per_bin: dict[str, Shifted]) -> pd.DataFrame:
     """The drawn runs' histograms over one span of bins (an empty bin each side of every run's occupied ones)."""
     if not per_bin:
         return pd.DataFrame({"run": pd.Series(dtype=str), "log2": pd.Series(dtype=int),
-                             "count": pd.Series(dtype="int64"), "share": pd.Series(dtype=float)})
-    occupied = np.flatnonzero(np.any(np.stack(list(per_bin.values())) > 0, axis=0))
-    n_bins = next(iter(per_bin.values())).shape[0]
-    span = np.arange(occupied[0] - 1, occupied[-1] + 2)  # an empty bin each side (may lie past the stored bins)
-    inside = (span >= 0) & (span < n_bins)
+                             "count": pd.Series(dtype="int64"), "share": pd.Series(dtype=float),
+                             "rounded": pd.Series(dtype=bool)})
+    occupied = [low + np.flatnonzero(hist > 0) for hist, low, _, _ in per_bin.values()]
+    span = np.arange(min(o[0] for o in occupied) - 1, max(o[-1] for o in occupied) + 2)  # whole exponents
     frames = []
-    for label, hist in per_bin.items():
+    for label, (hist, low, fraction, rounded) in per_bin.items():
+        at = span - low
+        inside = (at >= 0) & (at < len(hist))
         count = np.zeros(len(span), dtype=np.int64)
-        count[inside] = hist[span[inside]]
-        frames.append(pd.DataFrame({"run": label, "log2": span + EXP_MIN, "count": count,
-                                    "share": count / int(hist.sum())}))
+        count[inside] = hist[at[inside]]
+        frames.append(pd.DataFrame({"run": label, "log2": span + fraction if fraction else span, "count": count,
+                                    "share": count / int(hist.sum()), "rounded": rounded}))
     return pd.concat(frames, ignore_index=True)

@@ -153,6 +153,19 @@ def linear_axis(title: str, values) -> alt.Axis:
     if v.size and 0 < v.max() < SMALL_BELOW:
         return alt.Axis(title=title, labelExpr=_SMALL_TICKS)
     return alt.Axis(title=title, format=PLAIN_FORMAT)
+#: how many times apart the smallest and largest drawn (positive) losses may lie before a loss axis is a log one:
+#: a loss that fell three decades (1.7e-4 to 1.6e-7) sat on "0" of a linear axis after its first 30 steps
+LOG_LOSS_SPAN = 100
+
+
+def losses_far_apart(losses) -> bool:
+    """Whether the finite positive ``losses`` (every one a chart draws, all runs and steps) span more than
+    :data:`LOG_LOSS_SPAN`: then a log axis shows them, a linear one puts most of them on 0."""
+    v = np.asarray(losses, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return v.size > 1 and float(v.max() / v.min()) > LOG_LOSS_SPAN
+
+
 #: a log10 axis's labels: plain (0.01 ... 1,000) when every tick is, else all as 1e-5, 1e0, 1e3 (d3's ".0e")
 _PLAIN_POWERS = "format(datum.value, ',~g')"
 _EXPONENT_POWERS = "replace(format(datum.value, '.0e'), 'e+', 'e')"
@@ -326,14 +339,16 @@ def histogram_grid(bars: pd.DataFrame, drawn: list[str], lines: pd.DataFrame, lo
 
 
 @_reused
-def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], title: str = "") -> alt.LayerChart:
-    """Exponent histograms of several runs overlaid (``compare.overlaid_histograms``' bins): x log2 |g| (bin e
-    holds 2^e to 2^(e+1)), y the share of the run's finite non-zero values, one step-line per run in its fixed
+def runs_histograms(bins: pd.DataFrame, lines: pd.DataFrame, domain: list[str], title: str = "",
+                    what: str = "g") -> alt.LayerChart:
+    """Exponent histograms of several runs overlaid (``compare.overlaid_histograms``' bins): x log2 |``what``|
+    (g, unscaled, or S·g at the run's loss scale; bin e holds 2^e to 2^(e+1)), y the share of the run's finite non-zero values, one step-line per run in its fixed
     colour over a faint area; the format limits (``summaries.format_lines``) as dashed rules named in a legend.
     The x axis spans the bins and the limits, a binade of room each side."""
     lo = min([*bins["log2"], *lines["log2"]]) - 1
     hi = max([*(bins["log2"] + 1), *lines["log2"]]) + 1
-    x = alt.X("log2:Q", title="log2 |g|, unscaled (bin e: 2^e <= |g| < 2^(e+1))",
+    x = alt.X("log2:Q", title=f"log2 |{what}|{', unscaled' if what == 'g' else ''} (bin e: 2^e <= |{what}| < "
+                              "2^(e+1))",
               scale=alt.Scale(domain=[math.floor(lo), math.ceil(hi)], nice=False, zero=False),
               axis=alt.Axis(format="d", tickMinStep=1))
     colour = _run_colour(domain, orient="top")
@@ -377,7 +392,8 @@ def drawable_on_log(values: pd.Series) -> pd.Series:
 @_reused
 def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VConcatChart:
     """Loss scale per step on a log2 axis with skipped steps marked, the growth tracker, and the loss curve
-    beneath, sharing the step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
+    beneath (on a log10 axis where its losses span more than LOG_LOSS_SPAN: :func:`losses_far_apart`), sharing the
+    step axis. Only what has something to draw is a panel: steps whose scale is 0 (a
     collapsed dynamic scale) are red rules on the scale panel (a log axis has no 0), the scale panel is left out
     when no step had a scale above 0, the growth tracker when none was recorded (no dynamic GradScaler): the
     page says why (:func:`mpdiag.analysis.summaries.loss_scale_notes`). ``marked``: a step (an event's link
@@ -410,11 +426,18 @@ def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VCon
             x=STEP_X, y=alt.Y("growth_tracker:Q", title="growth tracker", axis=alt.Axis(format="d", tickMinStep=1)),
             tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")],
         ).properties(height=150, title="growth tracker (good steps since the scale last changed)"))
-    loss = alt.Chart(_blanked(steps, "loss")).mark_line(color="#1f77b4", **_lone_points(steps, "loss")).encode(
-        x=STEP_X, y=alt.Y("loss:Q", title="loss"), tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
-    loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"))
-    bad = (~np.isfinite(steps["loss"].astype(float))).any()
-    panels.append(loss.properties(height=200, title="loss" + (" (red rules: NaN/inf loss)" if bad else "")))
+    # a log axis where the losses span decades (Vega's linear one read 0.00000, 0.00005 and put 120 of 150 steps on
+    # 0), else a linear one whose ticks never write a small loss as 0.00000 (linear_axis)
+    log = losses_far_apart(steps["loss"])
+    on_axis = steps["loss"].astype(float)[drawable_on_log(steps["loss"])] if log else steps["loss"]
+    y = (alt.Y("loss:Q", title="loss", scale=log10_scale(on_axis), axis=_power_of_ten_axis("loss", on_axis)) if log
+         else alt.Y("loss:Q", title="loss", axis=linear_axis("loss", steps["loss"])))
+    loss = alt.Chart(_blanked(steps, "loss", log)).mark_line(color="#1f77b4", **_lone_points(steps, "loss")).encode(
+        x=STEP_X, y=y, tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
+    loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"), log)
+    bad = _undrawable(steps["loss"], log).any()
+    panels.append(loss.properties(height=200, title="loss" + (" (log axis)" if log else "") + (
+        f" (red rules: NaN/inf{' or 0' if log else ''} loss)" if bad else "")))
     panels += [p for p in (learning_rate_panel(steps), grad_norm_panel(steps)) if p is not None]
     if marked is not None:
         rule = alt.Chart(pd.DataFrame({"step": [marked]})).mark_rule(color="black", strokeDash=[4, 4]).encode(

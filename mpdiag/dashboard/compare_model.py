@@ -39,17 +39,6 @@ from mpdiag.dashboard.tables import TABLE_PX, Column, loss_digits
 from mpdiag.dashboard.untrusted import plain
 from mpdiag.store import Store
 
-#: how far apart (a ratio) the chosen runs' final losses are before the loss axis starts as a log one
-LOG_LOSS_SPAN = 100
-
-
-def losses_far_apart(chosen: pd.DataFrame) -> bool:
-    """Whether the chosen runs' (Store.runs rows) final losses lie more than LOG_LOSS_SPAN apart: on a linear
-    axis a run ending at 3e-5 beside one at 2 was a flat line at 0."""
-    final = pd.to_numeric(chosen["final_loss"], errors="coerce").astype(float)
-    final = final[np.isfinite(final) & (final > 0)]
-    return len(final) > 1 and float(final.max() / final.min()) > LOG_LOSS_SPAN
-
 
 @dataclass(frozen=True)
 class Curves:
@@ -103,8 +92,14 @@ class Overlay:
     #: the runs without the step's histogram (its full statistics not kept) that counted it all the same (their
     #: per-step signals): what each counted of the tensor, label first (Markdown, the label through ``plain``)
     counted: list[str]
+    #: what the histograms are of (g, or S·g at each run's loss scale), and how S·g was placed on the bins
+    what: str = "unscaled gradient g"
+    scale_said: str | None = None
 
 
+#: how many columns the S·g sum over all logged steps reads of a tensor at most, besides one per change of the loss
+#: scale (Store.histogram_columns: the writer's bucket sums, never split across a scale change)
+SCALED_SUM_COLUMNS = 64
 #: how many widget choices' results a CompareRuns holds (each one tensor's overlay at one step, or smaller)
 HELD_CHOICES = 64
 
@@ -269,18 +264,33 @@ class CompareRuns:
         tensors = histogram_tensors([reads.tensor_totals(self.store, run_id, final) for _, run_id, final in rows])
         return tensors, *histogram_steps([reads.logged_steps(self.store, run_id, final) for _, run_id, final in rows])
 
+    def scaled(self) -> bool:
+        """Whether a run shown ran at a loss scale other than 1 at some step: its histogram then opens on S·g, what
+        its FP16 backward held (the fix of a pair, at 2^20, read as flushing everything against FP16's limits)."""
+        scale = self.everything["loss_scale"].astype(float)
+        return bool((np.isfinite(scale) & (scale != 1)).any())
+
     @_held_per_choice
-    def overlay(self, tensor: str, step: int | None) -> Overlay:
-        """The tensor's histogram of the unscaled gradient in each run at ``step`` (None: summed over the logged
-        steps), and per run its values, zero share, and why it has no line where it has none."""
-        records = {lab: (reads.tensor_totals(self.store, run_id, final),
-                         None if step is None else reads.tensors_at_step(self.store, run_id, step, final),
-                         *self._tensor_histogram(run_id, final, tensor, step))
-                   for lab, run_id, final in self._reads()}
-        bins, per_run = overlaid_histograms(records, tensor, step)
+    def overlay(self, tensor: str, step: int | None, at_scale: bool = False) -> Overlay:
+        """The tensor's histogram in each run at ``step`` (None: summed over the logged steps), of the unscaled
+        gradient g or (``at_scale``) of S·g at each run's own loss scale of each step, and per run its values, zero
+        share, and why it has no line where it has none."""
+        records, scales = {}, {} if at_scale else None
+        for lab, run_id, final in self._reads():
+            index, counts = self._tensor_histogram(run_id, final, tensor, step, at_scale)
+            records[lab] = (reads.tensor_totals(self.store, run_id, final),
+                            None if step is None else reads.tensors_at_step(self.store, run_id, step, final),
+                            index, counts)
+            if at_scale:  # each row's scale at its first step (a summed column holds one scale: split where it changes)
+                steps = reads.steps(self.store, run_id, final)
+                scales[lab] = (steps.set_index("step")["loss_scale"].reindex(index["step"]).astype(float)
+                               .fillna(1.0).to_numpy() if len(steps) else np.ones(len(index)))
+        bins, per_run = overlaid_histograms(records, tensor, step, scales)
         return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}",
                        summaries.format_lines(("fp16",)),
-                       [] if step is None else self._counted_at(per_run, tensor, step))
+                       [] if step is None else self._counted_at(per_run, tensor, step),
+                       "S·g at each run's loss scale" if at_scale else "unscaled gradient g",
+                       scale_said(bins, step) if at_scale else None)
 
     def _counted_at(self, per_run: pd.DataFrame, tensor: str, step: int) -> list[str]:
         """What the runs that kept no histogram at ``step`` counted of ``tensor`` there (their per-step signals)."""
@@ -295,10 +305,15 @@ class CompareRuns:
                 said.append(f"{plain(lab)}: {counted_text(counted.iloc[0])}")
         return said
 
-    def _tensor_histogram(self, run_id: int, final: bool, tensor: str,
-                          step: int | None) -> tuple[pd.DataFrame, np.ndarray]:
+    def _tensor_histogram(self, run_id: int, final: bool, tensor: str, step: int | None,
+                          at_scale: bool = False) -> tuple[pd.DataFrame, np.ndarray]:
         """The tensor's histogram as (index, counts) of one row, none where it has none: summed over every logged
-        step from the writer's totals (``step`` None), else the exact one at ``step``; never all its steps."""
+        step from the writer's totals (``step`` None), else the exact one at ``step``; never all its steps. Summed
+        at the scale (``at_scale``): its columns, each of one loss scale (split where the scale changes), for each
+        to be moved by its own."""
+        if step is None and at_scale:
+            return reads.tensor_columns(self.store, run_id, tensor, SCALED_SUM_COLUMNS,
+                                        summaries.scale_changes(reads.steps(self.store, run_id, final)), final)
         if step is None:
             names, totals = reads.histogram_totals(self.store, run_id, final)
             picked = [k for k, name in enumerate(names) if name == tensor]
@@ -306,6 +321,21 @@ class CompareRuns:
         index, counts = reads.histograms_at_step(self.store, run_id, step, final)
         picked = (index["tensor"] == tensor).to_numpy()
         return index[picked].reset_index(drop=True), counts[picked]
+
+
+def scale_said(bins: pd.DataFrame, step: int | None) -> str:
+    """How the S·g histograms were placed on the bins (overlaid_histograms' ``bins``), in words."""
+    said = (f"S·g: each run's recorded g at step {step:,} multiplied by the loss scale it ran at there"
+            if step is not None else
+            "S·g: summed over each run's logged steps, each step's g multiplied by the loss scale that step ran at")
+    said += (": a power-of-two scale 2^k moves every value exactly k bins; a scale S that is not a power of two "
+             "moves the bins' edges to S·2^e (a line off the whole exponents). A run without loss scaling (O0, "
+             "bf16) is g itself. FP16's limits then mean what they say for every run.")
+    rounded = sorted(set(bins.loc[bins["rounded"], "run"])) if "rounded" in bins else []
+    if rounded:
+        said += (" Approximate for " + "; ".join(plain(r) for r in rounded) + ": its steps' scales are not a power "
+                 "of two apart, so each step was moved by the power of two nearest its scale.")
+    return said
 
 
 def with_smoothing(df: pd.DataFrame, weight: float) -> pd.DataFrame:

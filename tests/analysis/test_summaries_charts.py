@@ -132,6 +132,34 @@ def test_loss_scale_panel_uses_log2_axis_and_marks_skips():
     assert scale_layer[0]["encoding"]["x"]["scale"] == {"padding": 6, "nice": False, "zero": False}
 
 
+def _loss_panel(losses) -> dict:
+    """The loss panel of the Loss scale page's chart over ``losses`` (one a step), as Vega-Lite."""
+    n = len(losses)
+    steps = pd.DataFrame({"step": range(n), "loss": losses, "loss_scale": [1.0] * n, "scale_after": [1.0] * n,
+                          "skipped": [0.0] * n, "growth_tracker": [np.nan] * n, "lr": [np.nan] * n,
+                          "grad_norm": [np.nan] * n})
+    spec = charts.loss_scale_panel(steps).to_dict()
+    panel = next(p for p in spec["vconcat"] if p.get("title") == "loss" or str(p.get("title")).startswith("loss ("))
+    return {**(panel["layer"][0] if "layer" in panel else panel), "title": panel["title"]}
+
+
+def test_the_loss_panel_is_on_a_log_axis_where_the_losses_span_decades_and_never_writes_a_small_one_as_0():
+    """The review's run: its loss fell from 1.7e-4 to 1.6e-7 (three decades); on Vega's linear axis, labelled
+    0.00000, 0.00005 ..., 120 of its 150 steps read as 0. Over a span of more than LOG_LOSS_SPAN the panel is a log10
+    one whose domain holds every loss; within it, a linear one whose ticks are short exponents."""
+    falling = [1.6e-6, 1.7e-4, 3e-5, *np.geomspace(2e-6, 1.6e-7, 147)]
+    assert max(falling) / min(falling) > charts.LOG_LOSS_SPAN
+    view = _loss_panel(falling)
+    scale = view["encoding"]["y"]["scale"]
+    assert scale["type"] == "log" and scale["domain"][0] <= min(falling) and scale["domain"][1] >= max(falling)
+    assert view["title"] == "loss (log axis)"
+    near = [8e-5, 5e-5, 2e-5]  # 4x: linear, each tick a short exponent (8e-5), 0 as "0", never 0.00000
+    view = _loss_panel(near)
+    assert "scale" not in view["encoding"]["y"] or view["encoding"]["y"]["scale"].get("type") != "log"
+    assert view["encoding"]["y"]["axis"]["labelExpr"] == "datum.value == 0 ? '0' : format(datum.value, '.2~e')"
+    assert not charts.losses_far_apart([0.0, 2.0, -1.0, float("nan")]) and not charts.losses_far_apart([3e-5])
+
+
 def test_log10_axes_end_a_decade_beyond_the_data_and_tick_only_inside():
     """A loss or gradient-norm axis on log10: its largest and smallest values lie inside the plot, not on its
     border (Vega's default domain ends exactly at them), and a value that is itself a power of ten gets a

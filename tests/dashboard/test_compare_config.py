@@ -220,16 +220,17 @@ def test_a_plan_rounds_moments_format_and_fp16_level_are_settings():
 
 
 def test_the_loss_axis_starts_as_a_log_one_where_the_runs_losses_are_far_apart(store, monkeypatch, tmp_path):
-    """A run ending at 3e-5 beside one ending at 2 was a flat line at 0 on the linear loss axis: the toggle starts on
-    where the chosen runs' final losses are more than LOG_LOSS_SPAN apart, off where they are near (this store's
-    three, 0.41-0.82), and the loss panel's axis follows it."""
-    from mpdiag.dashboard import compare_model
+    """A run ending at 3e-5 beside one ending at 2 was a flat line at 0 on the linear loss axis, and so were runs
+    whose losses fell three decades to final losses 3.3x apart: the toggle starts on where the losses drawn (every
+    run's, every step's) span more than LOG_LOSS_SPAN, off where they do not (this store's three), and the loss
+    panel's axis follows it."""
+    from mpdiag.dashboard import charts
 
-    runs = chosen(store)
-    assert not compare_model.losses_far_apart(runs)
-    far = runs.assign(final_loss=[3.5e-5, 2.0, float("nan")])
-    assert compare_model.losses_far_apart(far) and not compare_model.losses_far_apart(far.iloc[[0]])
-    assert not compare_model.losses_far_apart(runs.assign(final_loss=[0.0, 2.0, -1.0]))  # no log of 0 or below
+    losses = pd.concat([Store(store).steps(int(r))["loss"] for r in chosen(store)["run_id"]])
+    assert not charts.losses_far_apart(losses)
+    assert losses.max() / losses.min() <= charts.LOG_LOSS_SPAN
+    assert charts.losses_far_apart([1.7e-4, 3e-6, 1.6e-7, 5.3e-7])  # runs 5-7 of the review: final 3.3x apart
+    assert not charts.losses_far_apart([3.5e-5]) and not charts.losses_far_apart([0.0, 2.0, -1.0, float("nan")])
     at = _page(store, monkeypatch)
     assert at.toggle(key="loss_log").value is False
     store = shutil.copy(store, tmp_path / "runs.db")  # the module's store stays as the other tests read it

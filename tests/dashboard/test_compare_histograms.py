@@ -153,7 +153,9 @@ def page(path, monkeypatch, runs):
 
 
 def histogram_chart(at):
-    charts = [c for c in at.get("vega_lite_chart") if "unscaled gradient" in json.dumps(json.loads(c.proto.spec).get("title"))]
+    charts = [c for c in at.get("vega_lite_chart") if any(
+        what in json.dumps(json.loads(c.proto.spec).get("title"), ensure_ascii=False)
+        for what in ("unscaled gradient g", "S·g at each run's loss scale"))]
     assert len(charts) == 1
     return charts[0]
 
@@ -175,6 +177,19 @@ def test_the_page_draws_the_stored_histograms_and_the_zero_shares(recorded, monk
     tensor = at.selectbox(key="hist_tensor").value
     assert tensor == histogram_tensors([Store(path).tensor_totals(1)])[0]
     assert step_slider(at, "hist_step").value == 4  # the last step both logged
+    # run 1 ran at 2^4: the page opens on S·g, what its FP16 backward held (its .grad), the FP32 run's g beside it
+    assert at.radio(key="hist_view").value == "at the loss scale (S·g)"
+    bins = chart_bins(histogram_chart(at))
+    pd.testing.assert_frame_equal(drawn_bins(bins, "#1 "), expected_bins([grads[1][4][tensor] * 2.0**SCALE_LOG2]))
+    pd.testing.assert_frame_equal(drawn_bins(bins, "#2 "), expected_bins([grads[2][4][tensor]]))
+    assert "S·g: each run's recorded g at step 4 multiplied by the loss scale it ran at there" in said(at)
+    at.toggle(key="hist_summed").set_value(True).run()  # each logged step at its own scale (2^4 at every one)
+    bins = chart_bins(histogram_chart(at))
+    pd.testing.assert_frame_equal(drawn_bins(bins, "#1 "), expected_bins([g[tensor] * 2.0**SCALE_LOG2
+                                                                         for g in grads[1].values()]))
+    pd.testing.assert_frame_equal(drawn_bins(bins, "#2 "), expected_bins([g[tensor] for g in grads[2].values()]))
+    at.toggle(key="hist_summed").set_value(False).run()
+    at.radio(key="hist_view").set_value("unscaled g").run()
     spec = json.loads(histogram_chart(at).proto.spec)
     rules = [layer for layer in spec["layer"] if layer.get("mark", {}).get("type") == "rule"]
     assert len(rules) == 1 and rules[0]["encoding"]["x"]["field"] == "log2"  # vertical: log2 |g| is on x
@@ -214,3 +229,33 @@ def test_the_page_names_the_run_without_the_tensor_and_the_one_without_the_step(
     assert "No line: these runs did not record the tensor 0.weight: #3 · other model · custom." in text
     assert "No line: these runs did not log step 5: #1 · fp16 *loop* · custom." in text
     assert set(chart_bins(histogram_chart(at))["run"]) == {"#2 · fp32 loop · custom"}
+
+
+def test_s_g_at_a_scale_not_a_power_of_two_has_its_bins_edges_at_s_times_2_to_the_e(recorded):
+    """S·g's histogram from the stored rows of g: at 2^4 every value moves exactly 4 bins; at 3 the bins' edges are
+    3·2^e (the line at e + log2 3), each bin holding exactly the values of 3·g between its edges; a step at scale 0
+    holds no finite non-zero S·g; steps at scales not a power of two apart are summed on the nearest powers, said."""
+    path, grads = recorded
+    store = Store(path)
+    index, counts = store.histogram_matrix(1, "1.weight")
+    steps = index["step"].tolist()  # 0, 2, 4
+    assert steps == [0, 2, 4]
+    records = {"fp16": (store.tensor_totals(1), None, index, counts)}
+    bins, per_run = overlaid_histograms(records, "1.weight", None, {"fp16": [2.0**SCALE_LOG2] * 3})
+    pd.testing.assert_frame_equal(drawn_bins(bins, "fp16"), expected_bins([grads[1][s]["1.weight"] * 2.0**SCALE_LOG2
+                                                                           for s in steps]))
+    assert not bins["rounded"].any()
+
+    bins, per_run = overlaid_histograms(records, "1.weight", None, {"fp16": [3.0, 3.0, 0.0]})
+    g = torch.cat([grads[1][s]["1.weight"].flatten() for s in (0, 2)]) * 3.0  # step 4, at scale 0, left out
+    g = g[g != 0].abs()
+    drawn = bins[bins["count"] > 0]
+    assert not drawn["rounded"].any() and int(drawn["count"].sum()) == g.numel() == per_run["finite_nonzero"].iloc[0]
+    for log2, count in zip(drawn["log2"], drawn["count"], strict=True):
+        assert log2 % 1 == pytest.approx(math.log2(3) - 1)
+        assert count == int(((g >= 2.0**log2) & (g < 2.0 ** (log2 + 1))).sum())
+
+    bins, _ = overlaid_histograms(records, "1.weight", None, {"fp16": [3.0, 4.0, 4.0]})
+    assert bins["rounded"].all()  # 3 and 4: no shared bins; step 0 moved by 2^2, the power of two nearest 3
+    pd.testing.assert_frame_equal(drawn_bins(bins, "fp16"), expected_bins([grads[1][s]["1.weight"] * 4.0
+                                                                           for s in steps]))
