@@ -55,6 +55,48 @@ def pytest_unconfigure(config):
     gc.freeze()
 
 
+#: the test files that keep one worker longest (seconds on CI's two cores, from `--durations`; a rough guide, only
+#: their order matters). xdist's ``--dist loadfile`` hands out the files with the most tests first, which put these
+#: long files of few tests (Chromium, an installed package, the dashboard benches) among the last, where one worker
+#: could still be running one of them after the other had run out of files. Handed out first, longest first, the
+#: many short files fill in behind them on whichever worker is free (longest-processing-time-first scheduling).
+LONG_FILES = {
+    "tests/dashboard/test_every_run_kind.py": 300,
+    "tests/e2e/test_distributed.py": 210,
+    "tests/e2e/test_browser.py": 125,
+    "tests/sandbox/test_hostile.py": 90,
+    "tests/analysis/test_findings.py": 80,
+    "tests/bench/test_training_benches.py": 75,
+    "tests/e2e/test_install.py": 70,
+    "tests/bench/test_dashboard_benches.py": 60,
+    "tests/recording/test_events.py": 50,
+    "tests/dashboard/test_app.py": 45,
+    "tests/sandbox/test_upload_code.py": 40,
+    "tests/training/test_watch.py": 40,
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (it is registered after this file, and would be called first)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` handing out :data:`LONG_FILES` first (the longest first), then the other files in
+    xdist's own order; every other mode is xdist's (None: the next implementation of this hook, xdist's own)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_long_first", False):  # the first hand-out: the queue is complete
+                self._long_first = True
+                order = sorted(self.workqueue, key=lambda scope: -LONG_FILES.get(scope, 0))  # stable for the rest
+                self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in order)
+            super()._assign_work_unit(node)
+
+    return LongFilesFirst(config, log)
+
+
 @pytest.fixture
 def store_path(tmp_path, monkeypatch):
     path = tmp_path / "runs.db"

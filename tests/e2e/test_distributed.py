@@ -110,6 +110,7 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
     run = store.runs().iloc[0]
     assert (run["status"], run["world_size"]) == ("finished", 2), run["error"]
     assert run["config"]["run"]["nproc"] == 2 and run["config"]["run"]["parallel"] == "ddp"  # a rerun keeps them
+    _assert_a_finished_job(store_path, run["run_id"], "ddp", "O1", 4, done)  # its level's test (see below)
     ranks = store.rank_steps(run["run_id"]).set_index(["step", "rank"])["nonfinite"]
     assert ranks[(2, 1)] > 0 and ranks[(2, 0)] == 0  # rank 1's batch, counted before the all-reduce
     assert (ranks.drop([(2, 1)]) == 0).all()
@@ -130,7 +131,9 @@ def test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere(tmp_p
     assert settings.set_index("run").loc[run["run_id"], "ranks"] == "2"  # folded beneath the table, its settings
     for other in ("pages/1_Gradients.py", "pages/5_Findings.py"):  # every page renders a distributed run
         _page(other, store_path, run["run_id"])
-    assert _mpdiag_run(store_path, "--steps", "2", "--opt-level", "O0").returncode == 0  # a second job to compare
+    second = _mpdiag_run(store_path, "--steps", "2", "--opt-level", "O0")  # a second job to compare
+    assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+    _assert_a_finished_job(store_path, run["run_id"] + 1, "ddp", "O0", 2, second)  # its level's test (see below)
     compare = _page("pages/3_Compare.py", store_path, runs=[str(run["run_id"]), str(run["run_id"] + 1)])
     assert not compare.error, [e.value for e in compare.error]
     assert compare.query_params["runs"] == [str(run["run_id"]), str(run["run_id"] + 1)]
@@ -224,18 +227,24 @@ def test_a_script_error_on_rank_1_is_named_as_the_cause(tmp_path):
     assert "rank 1 failed first" in done.stderr or "rank 1 failed first" in done.stdout
 
 
-@pytest.mark.parametrize(("parallel", "level"), [*(("ddp", level) for level in ("O0", "O1", "O2", "O3", "bf16",
-                                                                                   "bf16-pure")),
+def _assert_a_finished_job(store_path, run_id: int, parallel: str, level: str, steps: int, done) -> None:
+    """The job ran at ``level`` with ``parallel`` on 2 ranks to its end, and its run row says its config."""
+    run = Store(store_path).run(run_id)
+    assert (done.returncode, run["status"], run["steps_done"], run["world_size"]) == (0, "finished", steps, 2), \
+        (run["error"], done.stderr[-2000:])
+    assert run["opt_level"] == level and run["config"]["run"]["parallel"] == parallel
+    assert_columns_say_the_config(stored_row(store_path, run_id))  # the launcher's run row, as rank 0 left it
+
+
+#: DDP at O0 and at O1 are the two jobs of test_planted_overflow_is_attributed_to_its_rank_and_skipped_everywhere,
+#: which checks them as this test does (each job a torchrun launch: ~10 s of CI's two cores)
+@pytest.mark.parametrize(("parallel", "level"), [*(("ddp", level) for level in ("O2", "O3", "bf16", "bf16-pure")),
                                                   *(("fsdp", level) for level in ("O0", "O1", "bf16", "bf16-pure"))])
 def test_every_level_the_readme_promises_runs_distributed(tmp_path, parallel, level):
     # planted.py's loss_fn fails the run if the ranks' weights ever differ; 2 steps stay before its planted overflow
     store_path = tmp_path / "runs.db"
     done = _mpdiag_run(store_path, "--steps", "2", "--opt-level", level, "--parallel", parallel)
-    run = Store(store_path).runs().iloc[0]
-    assert (done.returncode, run["status"], run["steps_done"], run["world_size"]) == (0, "finished", 2, 2), \
-        (run["error"], done.stderr[-2000:])
-    assert run["opt_level"] == level and run["config"]["run"]["parallel"] == parallel
-    assert_columns_say_the_config(stored_row(store_path, run["run_id"]))  # the launcher's run row, as rank 0 left it
+    _assert_a_finished_job(store_path, int(Store(store_path).runs().iloc[0]["run_id"]), parallel, level, 2, done)
 
 
 @pytest.mark.parametrize("watched", [False, True], ids=["recorder", "watched"])

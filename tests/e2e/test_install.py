@@ -27,6 +27,18 @@ def copy_checkout(destination: Path, *also_not: str) -> Path:
     return destination
 
 
+def copy_jit_cache(checkout: Path) -> None:
+    """numba's cache of mpdiag's compiled CPU kernels (``*.nbi``/``*.nbc`` in ``__pycache__``, which
+    :func:`copy_checkout` leaves out), copied from this checkout where a test has filled it: without it the copy's
+    first run compiles them again, ~7 s of CPU. Valid in the copy: numba checks the source file's modification time
+    and size, which the copy keeps. A cold cache's first run in an installed package is
+    test_installed_package_command_and_run's (pip writes new files: no cache of this checkout's is valid there)."""
+    for cached in [*ROOT.glob("mpdiag/**/__pycache__/*.nbi"), *ROOT.glob("mpdiag/**/__pycache__/*.nbc")]:
+        target = checkout / cached.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(cached, target)
+
+
 def fresh_venv(folder: Path) -> Path:
     """A new venv without mpdiag whose interpreter also imports from this one's site-packages folders (the
     dependencies, torch included, without a second copy); returns its python."""
@@ -183,6 +195,7 @@ def test_readme_install_then_mpdiag_in_another_directory(tmp_path):
     assert watch_line in docs_section and diagnose_line in docs_section, docs_section
 
     source = copy_checkout(tmp_path / "checkout")
+    copy_jit_cache(source)
     venv = tmp_path / "venv"
     python = fresh_venv(venv)
     # `pip install ...` as written, run by this environment's pip for the new venv (which has no pip of its own)
