@@ -42,6 +42,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 
+import psutil
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -155,6 +156,28 @@ def weight_update_format(params: list[torch.Tensor]) -> str | None:
     return formats.pop() if len(formats) == 1 and None not in formats else None
 
 
+#: the share of the memory free on the weights' device that the update tracker's snapshot of them may take
+SNAPSHOT_SHARE = 0.5
+
+
+def snapshot_refused(params: list[torch.Tensor]) -> str | None:
+    """Why the update tracker's copy of the trainable weights (as many bytes as they hold, allocated once) is not
+    taken, or None when it fits in SNAPSHOT_SHARE of the memory free where they are: a script whose half model
+    fills its GPU must not run out of memory because watch looks at it."""
+    trainable = [p for p in params if p.requires_grad]
+    needed = sum(p.numel() * p.element_size() for p in trainable)
+    device = trainable[0].device
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        free = psutil.virtual_memory().available
+    else:  # no way to read what is free there: not taken
+        return f"the memory free on {device.type} cannot be read"
+    if needed <= SNAPSHOT_SHARE * free:
+        return None
+    return f"a copy of the weights would take {needed / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free"
+
+
 def optimized_parameters(optimizers) -> OptimizedParameters:
     """Name every distinct parameter of ``optimizers`` (in the order they were created) by its path in the
     outermost module holding it (found among the live modules, wrappers excepted); modules in the order their
@@ -252,6 +275,7 @@ class Watcher:
         self._patches = _Patches()
         self.shadow: WatchShadow | None = None  # --shadow-every: replays the coming step in FP32 when armed
         self._shadow_error: str | None = None  # why the shadow stopped, for the run's note
+        self._snapshot_refused: str | None = None  # why a half model's lost updates were not counted, for the note
 
     # -- interception --------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -576,9 +600,12 @@ class Watcher:
         # the replay as under mpdiag run (on a GPU only with a GradScaler), on the model the script calls; its
         # hooks on that model are kept out of the script's torch.save(model) and deepcopy(model) by install's
         # nn.Module.__reduce_ex__ (word_language_model's torch.load(weights_only=True) refused them once)
+        weights = [p for _, p in params.named_parameters()]
+        update_format = weight_update_format(weights)
+        self._snapshot_refused = None if update_format is None else snapshot_refused(weights)
         return Recorder(params, run=self.run, scaler=scaler if enabled else None, optimizer=optimizers,
                         every=self.config.every, trace_modules=self.config.trace_modules, fp8=self.config.fp8,
-                        update_format=weight_update_format([p for _, p in params.named_parameters()]),
+                        update_format=None if self._snapshot_refused else update_format,
                         check_optimizer_step=True, replay=None if called is not None else False, replay_model=called)
 
     # -- the script ----------------------------------------------------------------------------------------
@@ -631,6 +658,9 @@ class Watcher:
                          "optimizer from the start (frozen ones included: a layer unfrozen later is recorded).")
         if self.config.shadow_every:
             notes.extend(self._shadow_notes())
+        if self._snapshot_refused:
+            notes.append(f"The weights are FP16/BF16 throughout, but the updates they lose were not counted: "
+                         f"{self._snapshot_refused} (the count compares each weight before and after its step).")
         if not self.steps:
             why = (f" {self.backward_calls} backward pass(es) ran, so the script likely updates its parameters without "
                    "a torch.optim optimizer (e.g. p.data.add_): use one, or call Recorder.record in the loop."

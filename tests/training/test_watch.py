@@ -136,6 +136,21 @@ def test_a_model_trained_in_half_precision_has_its_lost_updates_counted(store_pa
     assert found.fix is None and "torch.autocast" in found.recommendation  # no level to rerun a script's loop at
 
 
+def test_a_half_model_too_large_to_copy_has_its_updates_left_uncounted_and_said(store_path, write_script, tmp_path,
+                                                                                monkeypatch):
+    """The count needs a copy of the weights: where it would take more than half the memory free (a half model that
+    fills its GPU), watch takes none, counts nothing, and the run's note says why (the script must not run out of
+    memory because watch looks at it)."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 1000})())
+    store, run_id, code = watched(store_path, write_script(HALF_MODEL, "half.py"), tmp_path / "own.json", "bf16")
+    run = store.run(run_id)
+    assert code == 0 and run["update_format"] is None and store.update_stats(run_id).empty
+    weights = (16 * 32 + 32 + 32 + 1) * 2  # the script's Linear(16, 32) and Linear(32, 1) in BF16
+    assert f"a copy of the weights would take {weights / 2**30:.1f} GiB of the 0.0 GiB free" in run["note"]
+
+
 def test_bf16_autocast_loop(store_path, tmp_path):
     log_path = tmp_path / "log.json"
     store, run_id, _ = watched(store_path, AMP_LOOP, log_path, "--steps", 3, "--dtype", "bfloat16")
