@@ -191,7 +191,8 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
     so), its error naming each rank that died and the step it had not finished recording (one past its last row
     that reached rank_steps; rank 0 writes those rows, so if rank 0 was killed too, rows it had not flushed make
     this step earlier). The launcher stops the surviving ranks with
-    SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did."""
+    SIGTERM once one fails, so ranks that ended by SIGTERM are named as the cause only when all did; a rank killed by
+    another signal is named before those that exited with an error code."""
     from mpdiag.store import Store  # (here: the ranks, which import this module, never read the store)
 
     rank_steps = Store(store_path).rank_steps(run_id)
@@ -204,7 +205,9 @@ def _mark_crashed(store_path, run_id: int, failures: dict) -> None:
         return failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
 
     stopped = {rank for rank, failure in failures.items() if failure.signal_name() == "SIGTERM"}
-    causes = sorted(set(failures) - stopped) or sorted(stopped)
+    # a rank killed by a signal first: it did not end on an error of its own, and a peer that then exits with an
+    # error code usually saw its collective break (rank 0 "exit code 1" was named before rank 1's SIGKILL)
+    causes = sorted(set(failures) - stopped, key=lambda rank: (failures[rank].exitcode >= 0, rank)) or sorted(stopped)
     parts = [f"rank {rank} died ({how(failures[rank])}) at step {at_step(rank)}" for rank in causes]
     parts += [f"rank {rank} was then stopped by the launcher (SIGTERM)" for rank in sorted(set(failures) - set(causes))]
     status = Store(store_path).run(run_id)["status"]

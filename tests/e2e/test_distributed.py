@@ -216,6 +216,20 @@ def test_a_rank_failing_after_the_run_ended_leaves_it_finished(tmp_path, status)
         assert run["status"] == "crashed" and run["error"].startswith("rank 1 died (SIGABRT) at step 0")
 
 
+def test_a_rank_killed_by_a_signal_is_named_before_a_peer_that_then_exited_with_an_error(tmp_path):
+    """Rank 1 SIGKILLed, rank 0 then exiting with code 1 on its broken collective (as a loaded CI machine saw it, the
+    launcher reporting both): the run named rank 0 first, sorted by rank; the killed rank is the cause."""
+    from mpdiag.store import StoreWriter
+    from mpdiag.training.distributed import _mark_crashed
+
+    store_path = tmp_path / "runs.db"
+    with StoreWriter(store_path) as writer:
+        run_id = writer.create_run(name="job", opt_level="O0", scaling="none", every=1, device="cpu")
+    _mark_crashed(store_path, run_id, {0: _Failure(1, "<N/A>"), 1: _Failure(-9, "SIGKILL")})
+    assert Store(store_path).run(run_id)["error"] == ("rank 1 died (SIGKILL) at step 0; rank 0 died (exit code 1) at "
+                                                      "step 0")
+
+
 def test_a_script_error_on_rank_1_is_named_as_the_cause(tmp_path):
     store_path = tmp_path / "runs.db"
     done = _mpdiag_run(store_path, "--steps", "5", "--opt-level", "O0", MPDIAG_TEST_RAISE_STEP="2")
