@@ -238,24 +238,37 @@ def pick_runs(runs: pd.DataFrame, key: str = "runs", label: str = "Runs", defaul
 def step_slider(label: str, steps: list[int], key: str, **kwargs) -> int:
     """A slider over ``steps`` (logged steps, which grow while a run goes on) that returns the chosen one, kept in
     ``st.session_state[key]``: a page moves it by setting that key first (a click, a link); a step not offered
-    reads as the last one, and a choice at the last step follows the newest while steps are added.
+    reads as the nearest offered one before it (the last one, past the end), and a choice at the last step follows
+    the newest while steps are added.
 
     The widget is the page's view of that key, not its owner: it is made anew (another widget key) whenever the
     steps or the choice change, with the choice as its value, and a move of the user's reaches the key by its
     callback. Keyed once, the browser's slider fell back to its first option (step 0) when a live refresh added
-    steps, and sent that back, while the page said another step."""
-    chosen = st.session_state.get(key)
-    if chosen not in steps or chosen == st.session_state.get(f"{key}_last"):
+    steps, and sent that back, while the page said another step. Whether the choice follows the newest step is
+    kept beside it (``{key}_follow``), set by a move to the end of the slider the user moved: read as "the choice
+    equals the last step of the previous render", a move back followed the newest again when a render had read
+    an older list of steps (a cached read), whose end the moved-back step then was (CI, 2 of 3 local runs)."""
+    asked, follow = st.session_state.get(key), st.session_state.get(f"{key}_follow", True)
+    if asked is not None and asked != st.session_state.get(f"{key}_shown"):  # set by the page since the last render
+        follow = asked >= steps[-1]
+    if follow or asked is None:
         chosen = steps[-1]
-    st.session_state[key], st.session_state[f"{key}_last"] = chosen, steps[-1]
+    else:  # a step not offered (past the end of an older read, or thinned away): the nearest offered before it
+        chosen = asked if asked in steps else max((s for s in steps if s <= asked), default=steps[0])
+    kept = chosen if follow or asked is None else asked  # the user's choice outlives a read that lacks it
+    st.session_state[key] = st.session_state[f"{key}_shown"] = kept
+    st.session_state[f"{key}_follow"] = follow
     widget = f"{key}_at_{len(steps)}_{steps[-1]}_{chosen}"
     st.session_state[widget] = chosen  # set, not a default: the browser shows a value it is sent as set
 
-    def moved(given: int = chosen) -> None:
+    def moved(given: int = chosen, end: int = steps[-1]) -> None:
         # the browser reports earlier widgets' values again, as they were given: only another value is a move (and
-        # a move made as a refresh replaced the widget reaches the page through the one the user moved)
-        if st.session_state.get(widget) != given:
-            st.session_state[key] = st.session_state[widget]
+        # a move made as a refresh replaced the widget reaches the page through the one the user moved, whose end
+        # is the end the user saw)
+        value = st.session_state.get(widget)
+        if value != given:
+            st.session_state[key] = st.session_state[f"{key}_shown"] = value
+            st.session_state[f"{key}_follow"] = value == end
 
     return st.select_slider(label, steps, key=widget, on_change=moved, **kwargs)
 
