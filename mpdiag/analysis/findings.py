@@ -520,13 +520,13 @@ def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | No
     )
 
 
-def fp32_divergence(run: pd.Series, runs: pd.DataFrame, store: Store, shadow: pd.DataFrame) -> Finding | None:
-    """The loss departs from the FP32 reference run (same script, seed, weights and batches). ``shadow``:
-    the run's Store.shadow_stats, to name the tensors whose gradients lose most."""
-    ref_id = reference_run(runs, int(run["run_id"]))
+def fp32_divergence(ref_id: int | None, store: Store, steps: pd.DataFrame, shadow: pd.DataFrame) -> Finding | None:
+    """The loss departs from the FP32 reference run ``ref_id`` (:func:`reference_run`: same script, seed, weights
+    and batches). ``steps``: the run's Store.steps, already read; ``shadow``: its Store.shadow_stats, to name the
+    tensors whose gradients lose most."""
     if ref_id is None:
         return None
-    comparison = loss_comparison(store.steps(ref_id), store.steps(int(run["run_id"])))
+    comparison = loss_comparison(store.steps(ref_id), steps)
     step = first_divergence(comparison)
     if step is None:
         return None
@@ -780,11 +780,12 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
     shadow = store.shadow_stats(run_id)
     twin_row = fp32_twin_row(runs, run)
     twin = None if twin_row is None else int(twin_row["run_id"])
-    divergence = fp32_divergence(run, runs, store, shadow)
+    reference = reference_run(runs, int(run_id))  # read once: the divergence and the underflow's severity use it
+    divergence = fp32_divergence(reference, store, steps, shadow)
     underflow = None if ignored else low_range(
         run, totals, hist, None if twin is None else store.tensor_totals(twin), int(shadow["step"].nunique()),
         None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals,
-        tracks_fp32=divergence is None and reference_run(runs, int(run_id)) is not None)
+        tracks_fp32=divergence is None and reference is not None)
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
