@@ -434,6 +434,91 @@ def test_torch_backend_makes_no_per_tensor_objects(device):
     assert seen[0] == seen[1]
 
 
+class DispatchedOps(TorchDispatchMode):
+    """Counts the aten operators dispatched while active (a CUDA graph's replay dispatches none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+#: (scale, grads_are_scaled) step after step: numbers and GradScaler's tensor, S*g and unscaled, scale 1 between
+CUDA_GRAPH_STEPS = [(2.0**16, True), (1000.0, True), ("tensor", 2.0**15, True), (1.0, True), (2.0**16, True),
+                    (3.0, False), ("tensor", 2.0**-3, False), (1.0, True), (2.0**20, True)]
+
+
+def as_scale(step):
+    return torch.tensor([step[1]], device="cuda") if step[0] == "tensor" else step[0]
+
+
+def assert_same_stats(got, expected):
+    """Every field of two StepGradStats the same, bit for bit."""
+    assert got.other_view == expected.other_view
+    assert got.counts.keys() == expected.counts.keys()
+    for name in expected.counts:
+        np.testing.assert_array_equal(got.counts[name], expected.counts[name], err_msg=name)
+    for field in ("hist", "absmax", "min_nonzero", "l2"):
+        assert getattr(got, field).tobytes() == getattr(expected, field).tobytes(), field
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_equal_a_first_pass_step_after_step_and_launch_almost_nothing():
+    """On CUDA a computer runs its first step op by op and captures it in a CUDA graph; later steps replay it.
+    Over steps whose values and scales change (a number and GradScaler's tensor, S*g and unscaled gradients,
+    scale 1 between), every step equals a fresh computer's op-by-op first step bit for bit and its counts equal
+    casting; a replayed step dispatches a handful of operators (the gather, the factor, the copy to the host),
+    where the same pass op by op (the CPU twin) dispatches dozens."""
+    base = small_and_large_tensors(150)
+    numels = [g.numel() for g in base]
+    generator = torch.Generator().manual_seed(3)
+    computer = GradStatsComputer(numels, device="cuda")
+    for k, step in enumerate(CUDA_GRAPH_STEPS):
+        grads = [(g * (1 + torch.rand(g.shape, generator=generator)) * 2.0 ** (k - 4)).cuda() for g in base]
+        scale, grads_are_scaled = as_scale(step), step[-1]
+        got = computer.compute(grads, scale, grads_are_scaled)
+        assert_same_stats(got, GradStatsComputer(numels, device="cuda").compute(grads, scale, grads_are_scaled))
+        for t in (0, 3, 150, len(base) - 2):
+            held = grads[t].cpu()
+            value = step[1] if step[0] == "tensor" else step[0]
+            g, scaled = ((gradscaler_unscale(held, value), held) if grads_are_scaled
+                         else (held, held * torch.tensor(value, dtype=torch.float32)))
+            assert_counts_equal_casting(got, g, g if value == 1.0 else scaled, t)
+    assert computer._graphs is not None and sorted(computer._graphs) == [1, 2]  # both captured, none failed
+    with DispatchedOps() as replayed:
+        computer.start(grads, 2.0**16)
+    twin = GradStatsComputer(numels, backend="torch")
+    twin.compute([g.cpu() for g in grads], 2.0**16)
+    with DispatchedOps() as op_by_op:
+        twin.start([g.cpu() for g in grads], 2.0**16)
+    assert replayed.count <= 10 < 30 <= op_by_op.count, (replayed.count, op_by_op.count)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_that_cannot_be_captured_is_said_once_and_the_steps_are_computed_op_by_op(monkeypatch):
+    """A capture that fails (an operator that synchronises, in some torch version) is said in one warning; that
+    step and the later ones are computed op by op, equal to a computer that captured."""
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    base = small_and_large_tensors(40)
+    numels = [g.numel() for g in base]
+    captured = GradStatsComputer(numels, device="cuda")
+    steps = [[(g * (k + 1)).cuda() for g in base] for k in range(3)]
+    expected = [captured.compute(grads, 2.0**16) for grads in steps]
+    monkeypatch.setattr(torch.cuda, "graph", refused)
+    failing = GradStatsComputer(numels, device="cuda")
+    with pytest.warns(UserWarning, match="could not be captured") as said:
+        results = [failing.compute(grads, 2.0**16) for grads in steps]
+    assert len(said) == 1 and failing._graphs is None
+    for got, want in zip(results, expected, strict=True):
+        assert_same_stats(got, want)
+
+
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="hold() is the numba backend's")
 @pytest.mark.parametrize("scale", [1.0, 2.0**16, 2.0**-3, 1000.0, 3.0e9])
 @pytest.mark.parametrize("already_unscaled", [False, True])
