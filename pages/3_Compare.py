@@ -12,6 +12,7 @@ from mpdiag.analysis.compare import (
     COUNTED_PART,
     DIVERGENCE_RTOL,
     FLUSHED_PART,
+    NO_SCALE,
     NO_STEP,
     NO_TENSOR,
     NO_VALUES,
@@ -184,7 +185,9 @@ def overlay_table(overlay: compare_model.Overlay, tensor: str, step: int | None)
     for why, sentence in ((NO_TENSOR, f"No line: these runs did not record the tensor {tensor}"),
                           (NO_STEP, "No line: these runs did not log " + ("any step of it" if step is None else
                                                                            f"step {step:,}")),
-                          (NO_VALUES, f"No line: every value of {tensor} at {when} was zero, NaN or inf in")):
+                          (NO_VALUES, f"No line: every value of {tensor} at {when} was zero, NaN or inf in"),
+                          (NO_SCALE, f"No S·g line: no loss scale was written for {when} (the run ended before its "
+                                     "step was), so its g cannot be placed at the scale it ran at, in")):
         missing = per_run.loc[per_run["missing"] == why, "run"].tolist()
         if missing:
             st.caption(plain(f"{sentence}: " + "; ".join(missing) + "."))

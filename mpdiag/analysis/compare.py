@@ -418,6 +418,7 @@ def histogram_steps(logged: list[list[int]]) -> tuple[list[int], int | None]:
 NO_TENSOR = "did not record this tensor"
 NO_STEP = "did not log this step"
 NO_VALUES = "held no finite non-zero value of it"
+NO_SCALE = "kept no loss scale for this step"  # S·g only: a run killed before its last step's row was written
 
 
 def counted_text(signals: pd.Series) -> str:
@@ -452,7 +453,7 @@ def overlaid_histograms(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | No
     ``runs``, one row per run in ``records``' order: run, numel (values of the tensor over the steps taken),
     finite_nonzero, zeros, zero_share (of numel: an FP16 run's values flushed to zero in its backward pass are
     exact zeros in its record, in no bin), nonfinite (NaN and inf), missing (why the run has no line: NO_TENSOR,
-    NO_STEP, NO_VALUES; None when drawn)."""
+    NO_STEP, NO_VALUES, NO_SCALE; None when drawn)."""
     rows, per_bin = [], {}
     for label, record in records.items():
         row, hist = _run_of_tensor(label, record, tensor, step, None if scales is None else scales.get(label))
@@ -512,12 +513,12 @@ def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None,
         return row, None
     if step is None:
         stats = totals[totals["tensor"] == tensor]
-        hist = scaled_histogram(counts, scales) if len(counts) else None
+        rows = np.arange(len(counts))
     else:
         stats = at_step[at_step["tensor"] == tensor] if at_step is not None else at_step
-        picked = np.flatnonzero(index["step"].to_numpy() == step)
-        hist = scaled_histogram(counts[picked[:1]], None if scales is None else np.asarray(scales)[picked[:1]]) \
-            if len(picked) else None
+        rows = np.flatnonzero(index["step"].to_numpy() == step)[:1]
+    rows_scales = None if scales is None else np.asarray(scales, dtype=float)[rows]
+    hist = scaled_histogram(counts[rows], rows_scales) if len(rows) else None
     if stats is None or stats.empty or hist is None:
         row["missing"] = NO_STEP
         return row, None
@@ -526,7 +527,9 @@ def _run_of_tensor(label: str, record: tuple, tensor: str, step: int | None,
     row.update(numel=int(s["numel"]), finite_nonzero=nonzero, zeros=int(s["zeros"]),
                zero_share=int(s["zeros"]) / int(s["numel"]) if int(s["numel"]) else np.nan,
                nonfinite=int(s["nan"] + s["posinf"] + s["neginf"]))
-    if nonzero == 0:
+    if rows_scales is not None and np.isnan(rows_scales).all():  # S·g of unknown scale: no line, not g's
+        row["missing"] = NO_SCALE
+    elif nonzero == 0:
         row["missing"] = NO_VALUES
     return row, hist
 

@@ -282,9 +282,9 @@ class CompareRuns:
                             None if step is None else reads.tensors_at_step(self.store, run_id, step, final),
                             index, counts)
             if at_scale:  # each row's scale at its first step (a summed column holds one scale: split where it changes)
+                # NaN where the step has no row (a run killed before writing it): that S·g is left out, not taken as g
                 steps = reads.steps(self.store, run_id, final)
-                scales[lab] = (steps.set_index("step")["loss_scale"].reindex(index["step"]).astype(float)
-                               .fillna(1.0).to_numpy() if len(steps) else np.ones(len(index)))
+                scales[lab] = steps.set_index("step")["loss_scale"].reindex(index["step"]).astype(float).to_numpy()
         bins, per_run = overlaid_histograms(records, tensor, step, scales)
         return Overlay(bins, per_run, "all logged steps, summed" if step is None else f"step {step:,}",
                        summaries.format_lines(("fp16",)),

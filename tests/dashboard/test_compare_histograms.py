@@ -17,7 +17,7 @@ from conftest import ROOT
 from streamlit.testing.v1 import AppTest
 
 from mpdiag import Recorder, Store
-from mpdiag.analysis.compare import NO_STEP, NO_TENSOR, histogram_steps, histogram_tensors, overlaid_histograms
+from mpdiag.analysis.compare import NO_SCALE, NO_STEP, NO_TENSOR, histogram_steps, histogram_tensors, overlaid_histograms
 
 TIMEOUT = 60
 STEPS = 6
@@ -229,6 +229,21 @@ def test_the_page_names_the_run_without_the_tensor_and_the_one_without_the_step(
     assert "No line: these runs did not record the tensor 0.weight: #3 · other model · custom." in text
     assert "No line: these runs did not log step 5: #1 · fp16 *loop* · custom." in text
     assert set(chart_bins(histogram_chart(at))["run"]) == {"#2 · fp32 loop · custom"}
+
+
+def test_s_g_of_a_step_whose_scale_was_never_written_has_no_line_and_says_why(recorded):
+    """A run killed before its last step's row was written keeps that step's gradient rows but no loss scale for
+    it: its S·g there has no line (it was drawn as g, at scale 1), said so, while its values are still counted; summed
+    over steps, the step of unknown scale is left out and the others are each at their own."""
+    path, grads = recorded
+    at_step = records(path, {"fp16": 1}, "1.weight", 4)
+    bins, per_run = overlaid_histograms(at_step, "1.weight", 4, {"fp16": [2.0**SCALE_LOG2] * 2 + [math.nan]})
+    assert bins.empty and per_run["missing"].tolist() == [NO_SCALE]
+    assert per_run["numel"].iloc[0] == grads[1][4]["1.weight"].numel()
+    summed = records(path, {"fp16": 1}, "1.weight", None)
+    bins, per_run = overlaid_histograms(summed, "1.weight", None, {"fp16": [2.0**SCALE_LOG2] * 2 + [math.nan]})
+    pd.testing.assert_frame_equal(drawn_bins(bins, "fp16"), expected_bins([grads[1][s]["1.weight"] * 2.0**SCALE_LOG2
+                                                                           for s in (0, 2)]))
 
 
 def test_s_g_at_a_scale_not_a_power_of_two_has_its_bins_edges_at_s_times_2_to_the_e(recorded):
