@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import unicodedata
 from collections.abc import Mapping
@@ -598,16 +597,16 @@ def app_directory() -> Path:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """streamlit run app.py in the app's folder (so its .streamlit/config.toml applies: this machine only, the
-    upload limit, no error details), on the store named here resolved against the caller's directory."""
+    upload limit, no error details), on the store named here resolved against the caller's directory. This process
+    becomes the server (exec), so a signal that stops it stops the server: as a child, it outlived a SIGTERM sent
+    to the command and kept serving."""
     folder = app_directory()
     store = Path(args.store or os.environ.get("MPDIAG_STORE") or DEFAULT_STORE).absolute()
     print(f"mpdiag dashboard on http://127.0.0.1:{args.port} (store {store}, app {folder}); Ctrl+C stops it",
           flush=True)
-    command = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(args.port)]
-    try:
-        return subprocess.call(command, cwd=folder, env={**os.environ, "MPDIAG_STORE": str(store)})
-    except KeyboardInterrupt:
-        return 0
+    os.chdir(folder)
+    os.execve(sys.executable, [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(args.port)],
+              {**os.environ, "MPDIAG_STORE": str(store)})
 
 
 COMMANDS = {"run": cmd_run, "check": cmd_check, "diagnose": cmd_diagnose, "plan": cmd_plan, "rerun": cmd_rerun, "runs": cmd_runs,

@@ -4,9 +4,11 @@ their own project's directory (the watch example the README and docs/watch.md gi
 this environment through a .pth file (CI has no second copy of torch to install, and what is checked here is
 mpdiag's own packaging)."""
 
+import contextlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -105,7 +107,9 @@ def test_installed_package_command_and_run(installed, tmp_path):
 
 
 def dashboard_output(mpdiag: Path, cwd: Path, env: dict, *args: str) -> str:
-    """Start ``mpdiag dashboard`` on a free port in ``cwd``, wait for it to answer over HTTP, stop it; its output."""
+    """Start ``mpdiag dashboard`` on a free port in ``cwd``, wait for it to answer over HTTP, stop it with a SIGTERM
+    to the command alone (as a service manager or ``kill PID`` does): the server must stop with it (it outlived the
+    command, serving on). Its output."""
     port = free_port()
     server = subprocess.Popen([str(mpdiag), "dashboard", "--port", str(port), *args], cwd=cwd, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -114,13 +118,14 @@ def dashboard_output(mpdiag: Path, cwd: Path, env: dict, *args: str) -> str:
             pytest.fail("mpdiag dashboard did not start")
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).status == 200
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/host-config", timeout=5).status == 200
+        server.send_signal(signal.SIGTERM)
+        output = server.communicate(timeout=30)[0]
+        with pytest.raises(OSError):  # nothing answers on the port once the command has stopped
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
     finally:
-        os.killpg(server.pid, 15)
-        try:
-            output = server.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            output = server.communicate()[0]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # whatever is left of its session
+        server.wait()
     return output
 
 
