@@ -626,7 +626,7 @@ class Watcher:
             sys.argv, sys.path[:] = saved_argv, saved_path
 
     def end(self, status: str, error: str | None) -> None:
-        note = " ".join(self._notes()) or None
+        note = " ".join(self._notes(status)) or None
         if self.recorder is not None:
             if status == "finished":
                 self.recorder.close(note=note)
@@ -635,9 +635,9 @@ class Watcher:
             return
         self.run.end(status, error=error, note=note)
 
-    def _notes(self) -> list[str]:
-        """What the user must know to read this run right: a level that changed nothing, steps that could not
-        be seen."""
+    def _notes(self, status: str) -> list[str]:
+        """What the user must know to read this run ending with ``status``: a level that changed nothing, steps that
+        could not be seen."""
         notes = []
         level = self.config.opt_level
         if level in ("O1", "bf16") and self.autocast_regions == 0:
@@ -661,7 +661,9 @@ class Watcher:
         if self._snapshot_refused:
             notes.append(f"The weights are FP16/BF16 throughout, but the updates they lose were not counted: "
                          f"{self._snapshot_refused} (the count compares each weight before and after its step).")
-        if not self.steps:
+        if not self.steps and status != "finished":  # its error says why: a guess at the loop would mislead
+            notes.append("The script stopped before its first optimizer step: nothing was recorded.")
+        elif not self.steps:
             why = (f" {self.backward_calls} backward pass(es) ran, so the script likely updates its parameters without "
                    "a torch.optim optimizer (e.g. p.data.add_): use one, or call Recorder.record in the loop."
                    if self.backward_calls else "")

@@ -350,6 +350,25 @@ def test_loop_without_optimizer_records_no_steps(store_path, write_script):
     assert "No optimizer step was observed" in run["note"] and "backward pass(es) ran" in run["note"]
 
 
+FAILS_BEFORE_ITS_FIRST_STEP = '''
+import torch
+w = torch.nn.Parameter(torch.ones(3))
+opt = torch.optim.SGD([w], lr=0.1)
+(w * 2).sum().backward()
+raise AttributeError("callback bug")
+opt.step()
+'''
+
+
+def test_a_script_that_fails_before_its_first_step_is_not_said_to_train_without_an_optimizer(store_path, write_script):
+    """A script whose backward ran but which raised before its optimizer's first step (a callback's bug): its error
+    says why, and the note does not guess that it updates its weights by hand (it said so, under the traceback)."""
+    store, run_id, code = watched(store_path, write_script(FAILS_BEFORE_ITS_FIRST_STEP, "crashes.py"))
+    run = store.run(run_id)
+    assert code != 0 and run["status"] == "failed" and "callback bug" in run["error"]
+    assert run["note"] == "The script stopped before its first optimizer step: nothing was recorded."
+
+
 def test_levels_override_the_scripts_settings(store_path, tmp_path):
     log = tmp_path / "log.json"
     store, o0, _ = watched(store_path, AMP_LOOP, log, "--steps", 3, opt_level="O0")
