@@ -283,7 +283,7 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     located = first_nonfinite_modules(modules) if modules is not None and len(modules) else {}
     where = located.get("fwd" if forward else "bwd", located.get("fwd"))
     page, focus = ("Modules", {"module": where["module"]}) if where is not None else ("Loss_scale", {})
-    evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.0%}), longest run {longest}; "
+    evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.1%}), longest run {longest}; "
                 f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps."
                 + (first_nonfinite(modules) if modules is not None else "")
                 + ("" if modules is not None and len(modules) else " Rerun with --trace-modules to locate the module."))

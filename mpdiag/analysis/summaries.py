@@ -741,13 +741,9 @@ def health(severities: list[str], status: str = "finished") -> str:
 
 
 def _scale_text(scale) -> str:
-    """A loss scale as the runs table shows it: blank when the run has none (not "None"), else its exact value like
-    65,536 or 8,388,608 (never 8.38861e+06), or 2^-20 for the tiny ones."""
-    if scale is None or pd.isna(scale):
-        return ""
-    exponent = np.log2(float(scale)) if scale > 0 else np.nan
-    return f"2^{int(exponent)}" if np.isfinite(exponent) and exponent == int(exponent) and exponent < -4 \
-        else f"{float(scale):,.10g}"
+    """A loss scale as the runs table shows it: blank when the run has none (not "None"), else as
+    :func:`scale_text` says it: 65,536 exactly, 2^35 (its 34,359,738,368 was cut in the column to "3.435973837e+1")."""
+    return "" if scale is None or pd.isna(scale) else scale_text(scale)
 
 
 def scale_text(scale: float) -> str:

@@ -37,10 +37,11 @@ def test_the_runs_table_shows_each_of_its_columns_once_on_screen_or_folded_benea
                          "loss_scale": [None], "median_step_time_s": [0.01], "device": ["cpu"], "world_size": [1],
                          "pair_run_id": [None], "parent_run_id": [None], "config": [{}],
                          "started_at": [pd.Timestamp("2026-01-01", tz="UTC")]})
-    table = runs_table(runs, [[]])
+    table = runs_table(pd.concat([runs, runs.assign(run_id=2, init_scale=2.0**35, loss_scale=1000.0)]), [[], []])
     shown = [*runs_model.TABLE_COLUMNS, *(c for cols in runs_model.MORE_TABLES.values() for c in cols if c != "run")]
     assert sorted(shown) == sorted([*table.columns, "tags", "note"])
-    assert table.loc[0, "init scale"] == "65,536"  # exact, with separators (8388608 read 8.38861e+06)
+    assert table["init scale"].tolist() == ["65,536", "2^35"]  # 8388608 read 8.38861e+06; 2^35 "3.435973837e+1", cut
+    assert table["static scale"].tolist() == ["", "1,000"]
 
 
 def test_a_final_loss_gets_the_digits_that_tell_the_stores_runs_apart():
