@@ -16,6 +16,8 @@ from mpdiag.analysis.compare import (
     NO_STEP,
     NO_TENSOR,
     NO_VALUES,
+    NONFINITE_PART,
+    OVERFLOW_PART,
     X_AXES,
     default_selection,
 )
@@ -136,11 +138,16 @@ def fp16_shares(model: CompareRuns) -> None:
     for lab in shares.no_twin:
         st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
     if len(shares.over):
+        drawn = [p for p in (NONFINITE_PART, OVERFLOW_PART) if p in set(shares.over["part"])]
         ui.show_chart(charts.runs_bars(shares.over, "tensor", "share", "FP16 overflow at the loss scale, share of all "
-                                       "values", labels), width="stretch")
+                                       "values", labels, parts=drawn), width="stretch")
+        st.caption(f"Solid bars, “{NONFINITE_PART}”: an FP16 backward pass makes a value that overflows inf "
+                   f"before it is recorded. Light bars, “{OVERFLOW_PART}”: the recorded finite gradient at its run's "
+                   "loss scale above FP16's largest value, 65,504; for a run computed in FP32 or BF16 (O0, bf16) that "
+                   "is what FP16 would do, not an overflow the run had.")
     else:
-        st.caption("FP16 overflow: no recorded gradient value of these runs, at its run's loss scale, is above "
-                   "FP16's largest value 65,504, so there is nothing to chart.")
+        st.caption("FP16 overflow: no recorded gradient value of these runs was inf or NaN, or at its run's loss "
+                   "scale above FP16's largest value 65,504, so there is nothing to chart.")
 
 
 def histograms_overlaid(model: CompareRuns) -> None:

@@ -248,6 +248,25 @@ def fp16_underflow_parts(totals: pd.DataFrame, twin_totals: pd.DataFrame | None,
     return pd.concat(parts, ignore_index=True).assign(run=label).dropna(subset=["share"])
 
 
+NONFINITE_PART = "inf or NaN when recorded (in an FP16 run: its backward pass overflowed, or its loss was not finite)"
+OVERFLOW_PART = "would overflow if cast to FP16 (counted)"
+
+
+def fp16_overflow_parts(totals: pd.DataFrame, label: str) -> pd.DataFrame:
+    """Per tensor of one run, its FP16 overflow as shares of all its values (tensor, run, part, share): the values
+    already inf or NaN when recorded, and the finite ones at its loss scale above FP16's largest value (the exact
+    counts, what a cast to FP16 would make inf). An FP16 run's backward made its overflowing values inf before they
+    were recorded, so no finite value of it is above 65,504: the count alone read 0 for the run that overflowed,
+    beside an FP32 run's bars."""
+    numel = totals["numel"].where(totals["numel"] > 0)
+    nonfinite = (totals["nan"] + totals["posinf"] + totals["neginf"]) / numel
+    return pd.concat([
+        pd.DataFrame({"tensor": totals["tensor"], "part": NONFINITE_PART, "share": nonfinite.to_numpy()}),
+        pd.DataFrame({"tensor": totals["tensor"], "part": OVERFLOW_PART,
+                      "share": (totals["fp16_overflow_at_scale"] / numel).to_numpy()}),
+    ], ignore_index=True).assign(run=label).dropna(subset=["share"])
+
+
 def worst_by_total(shares: pd.DataFrame, value: str = "share", n: int = 12) -> pd.DataFrame:
     """Rows of ``shares`` (tensor, run, ``value``[, part]) for the ``n`` tensors whose largest per-run total is
     highest, leaving out tensors at 0 in every run."""

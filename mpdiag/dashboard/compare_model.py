@@ -21,6 +21,7 @@ from mpdiag.analysis.compare import (
     cost_table,
     counted_text,
     first_divergence,
+    fp16_overflow_parts,
     fp16_underflow_parts,
     fp32_twin_row,
     histogram_steps,
@@ -73,8 +74,8 @@ class Costs:
 
 @dataclass(frozen=True)
 class Fp16Shares:
-    """FP16 underflow (flushed and counted parts) and overflow per tensor and run, worst first; None where no
-    run recorded statistics, empty where nothing would underflow or overflow."""
+    """FP16 underflow (flushed and counted parts) and overflow (inf/NaN when recorded and counted parts) per tensor
+    and run, worst first; None where no run recorded statistics, empty where nothing would underflow or overflow."""
     under: pd.DataFrame | None
     over: pd.DataFrame | None
     no_stats: list[str]
@@ -233,8 +234,7 @@ class CompareRuns:
             if twin is None and summaries.judged_level(r) in summaries.FP16_LEVELS:
                 no_twin.append(lab)
             parts.append(fp16_underflow_parts(totals, twin, summaries.judged_level(r), lab))
-            overflow.append(pd.DataFrame({"tensor": totals["tensor"], "run": lab,
-                                          "share": totals["fp16_overflow_at_scale"] / totals["numel"]}))
+            overflow.append(fp16_overflow_parts(totals, lab))
         if not parts:
             return Fp16Shares(None, None, no_stats, no_twin)
         return Fp16Shares(worst_by_total(pd.concat(parts, ignore_index=True)),

@@ -274,3 +274,39 @@ def test_s_g_at_a_scale_not_a_power_of_two_has_its_bins_edges_at_s_times_2_to_th
     assert bins["rounded"].all()  # 3 and 4: no shared bins; step 0 moved by 2^2, the power of two nearest 3
     pd.testing.assert_frame_equal(drawn_bins(bins, "fp16"), expected_bins([grads[1][s]["1.weight"] * 4.0
                                                                            for s in steps]))
+
+
+def test_an_fp16_run_whose_backward_overflowed_has_overflow_bars_its_inf_values(tmp_path):
+    """At 2^40 an FP16 backward overflows: the values are inf when recorded, and no finite one is above 65,504, so
+    a count of finite values that would overflow read 0 for the run that overflowed. The overflow bars hold its
+    inf/NaN share (what the .grad held, counted here with torch) and the counted part apart."""
+    from mpdiag.analysis.compare import NONFINITE_PART, OVERFLOW_PART
+    from mpdiag.dashboard import compare_model
+
+    path = tmp_path / "runs.db"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    recorder = Recorder(model, store=path, name="overflows", scaler=scaler, optimizer=optimizer)
+    nonfinite, numel = {}, {}
+    for _ in range(3):
+        x, y = torch.randn(64, 8), torch.randn(64, 4)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        for name, p in model.named_parameters():
+            nonfinite[name] = nonfinite.get(name, 0) + int((~torch.isfinite(p.grad)).sum())
+            numel[name] = numel.get(name, 0) + p.grad.numel()
+        recorder.record(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    recorder.close()
+    assert sum(nonfinite.values()) > 0
+    store = Store(path)
+    runs = store.runs()
+    over = compare_model.compare(store, runs, runs, weight=0.0).fp16_shares().over
+    counted = over[over["part"] == NONFINITE_PART].set_index("tensor")["share"]
+    assert {t: counted.get(t, 0.0) for t in nonfinite} == pytest.approx({t: nonfinite[t] / numel[t] for t in nonfinite})
+    assert (over.loc[over["part"] == OVERFLOW_PART, "share"] == 0).all()  # inf already: nothing finite above 65,504
