@@ -329,7 +329,8 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
         ("zero_share", "zeros (%)",
          "Share of all values that are exact zeros in the record, over all logged steps (in an FP16 run: genuine "
          "zeros and the values FP16 flushed)."),
-        ("numel", "values per step", "Number of elements of the gradient tensor."),
+        ("numel", "values per step", "The tensor's size: its values at one step (the other columns are over all "
+         "logged steps, so its NaN / inf count can be larger)."),
         ("nonfinite", "NaN / inf", "NaN, +inf and -inf values (a count, not a share), summed over steps."),
     ]
 
@@ -338,7 +339,7 @@ def table_columns(fmt: str, what: str, show_flushed: bool) -> list[tuple[str, st
 #: off screen (the long names, 'fp16 underflow at 2^0, step 99', took 1,030 px); the format is in the section's title
 TABLE_HEADERS = {"tensor": ("tensor", 155), "flushed_share": ("flushed", 80), "underflow_share": ("underflow", 85),
                  "whatif": (None, 120), "subnormal_share": ("subnormal", 85), "overflow_share": ("overflow", 80),
-                 "zero_share": ("zeros", 65), "numel": ("values", 75), "nonfinite": ("NaN / inf", 70)}
+                 "zero_share": ("zeros", 65), "numel": ("size", 75), "nonfinite": ("NaN / inf", 70)}
 
 
 def table_column(column: str, label: str, help_: str, k: int) -> Column:

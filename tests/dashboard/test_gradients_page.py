@@ -106,6 +106,8 @@ def test_the_table_names_its_columns_with_units_and_separates_thousands(store_pa
     assert 8192 in table["values per step"].tolist()
     config = json.loads(element.proto.columns)
     assert config["values per step"]["type_config"]["format"] == "%,d"  # 8192 reads 8,192
+    # headed "size" (it read "values", beside a NaN / inf count over all steps that was larger than it)
+    assert config["values per step"]["label"] == "size" and "one step" in config["values per step"]["help"]
     assert all(config[c].get("help") for c in table.columns)
     for c in ("fp16 underflow (%)", "fp16 subnormal (%)", "zeros (%)"):
         assert all(re.fullmatch(r"\d+\.\d\d%|n/a", v) for v in table[c]), table[c]
