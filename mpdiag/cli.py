@@ -42,6 +42,7 @@ from mpdiag.options import (
     ScriptError,
     check_values,
     command_flags,
+    fix_in_code,
     flag,
     rerunnable_by_watch,
     torchrun_rerun,
@@ -347,7 +348,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"[{f.severity}] {f.title}\n  evidence: {f.evidence}\n  do: {f.recommendation}")
         blocked = fix_not_rerunnable(run["config"], f.fix, run["world_size"], run["scaling"]) if f.fix else None
-        if blocked is not None and watched is not None:
+        if blocked is not None:  # a Recorder's run (the change in its loop, in code), or what watch cannot change
             print(f"  check it: {blocked}")
         elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix) and watched.get("bundle"):
             print(f"  check it: rerun it with {command_flags(watch_fix(f.fix))} from the app's Findings page (the run's "
@@ -355,11 +356,11 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         elif f.fix and own_loop and rerunnable_by_watch(run["config"], f.fix):
             print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(watch_fix(f.fix))}  (repeats the "
                   "watched command)")
-        elif f.fix and own_loop:
-            print("  check it: change these settings in your own loop (the run was recorded from it, "
-                  f"so mpdiag cannot rerun it): {f.fix}")
         elif f.fix:
             print(f"  check it: python -m mpdiag rerun {args.run_id} {command_flags(f.fix)}")
+        in_code = fix_in_code(f.fix) if f.fix and watched is not None else None
+        if in_code is not None:
+            print(f"  in the script itself: {in_code}")
     return 0
 
 

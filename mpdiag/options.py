@@ -90,6 +90,15 @@ def watch_settings(run_config: Any) -> Mapping[str, Any] | None:
     return watched if isinstance(watched, Mapping) else None
 
 
+def recorded_by(run_config: Any) -> str:
+    """How a run was recorded, for advice on recording it again: "watch" (``mpdiag watch`` or an upload), "run"
+    (``mpdiag run``, the model-script contract: its options are command-line flags) or "recorder" (a Recorder in
+    the user's own loop, or a framework callback: none of mpdiag's flags reach it)."""
+    if watch_settings(run_config) is not None:
+        return "watch"
+    return "run" if isinstance(run_config, Mapping) and "run" in run_config else "recorder"
+
+
 def torchrun_rerun(run_config: Mapping[str, Any], world_size: Any, flags: str = "") -> str | None:
     """Why a watched torchrun job (``world_size`` ranks) cannot be rerun by mpdiag, with the command that repeats
     it, or None for any other run: a rerun starts one process, whose ``init_process_group`` then waits for ranks
@@ -609,6 +618,32 @@ def fix_text(fix: Mapping[str, Any]) -> str:
         words = _CHANGE_WORDS.get(name)
         parts.append(words(value) if words else f"{name.replace('_', ' ')} {value}")
     return ", ".join(parts)
+
+
+def fix_in_code(fix: Mapping[str, Any]) -> str | None:
+    """A finding's fix as the change to make in the training code itself (a Recorder's loop, or a watched script's
+    own lines, where ``--opt-level`` and ``--init-scale`` are mpdiag's words, not the script's), with its spelling in
+    PyTorch and in the frameworks mpdiag is tested with; None for a fix that is no such change (O2's FP16 model
+    with FP32 normalization and masters, FP8 options)."""
+    level = fix.get("opt_level")
+    if level == "bf16":
+        return ("compute in BF16 with no loss scaling: torch.autocast(device_type, dtype=torch.bfloat16) and no "
+                'GradScaler (Lightning: Trainer(precision="bf16-mixed"); Accelerate: '
+                'Accelerator(mixed_precision="bf16"); Hugging Face Trainer: TrainingArguments(bf16=True))')
+    if level == "O0":
+        return ('train in FP32: no autocast and no GradScaler (Lightning: Trainer(precision="32-true"); Accelerate: '
+                'Accelerator(mixed_precision="no"))')
+    if level == "O1":
+        return ("compute in FP16 under autocast with FP32 weights: torch.autocast(device_type, dtype=torch.float16) "
+                'and a GradScaler (Lightning: Trainer(precision="16-mixed"); Accelerate: '
+                'Accelerator(mixed_precision="fp16"))')
+    if level is None and fix.get("loss_scale") == "dynamic" and fix.get("init_scale") is not None:
+        start = f"{float(fix['init_scale']):.0f}"
+        return (f"start the GradScaler at {_power_text(fix['init_scale'])} and let it grow and back off: "
+                f"torch.amp.GradScaler(init_scale={start}) with growth_interval at its default, 2000 (Lightning: "
+                f'plugins=[MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(init_scale={start}))]; '
+                f"Accelerate: kwargs_handlers=[GradScalerKwargs(init_scale={start})])")
+    return None
 
 
 def _power_text(value: Any) -> str:

@@ -106,6 +106,8 @@ def finding_card(store, run: pd.Series, i: int, card: Card) -> None:
                 actions.start_rerun(store, run_id, card.options,
                                     f"the fix of {finding.rule} on #{run_id} ({card.described})")
                 st.rerun()  # the whole page: its top says what started, with its progress and links
+        if card.in_code:
+            st.caption(plain(f"In the script itself: {card.in_code}."))
 
 
 def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:

@@ -1,6 +1,7 @@
 """CLI commands, store robustness, and durability when the training process is killed."""
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -235,3 +236,37 @@ def test_summary_stored_at_the_end_equals_the_steps(store_path):
     with sqlite3.connect(store_path) as conn:  # it was stored, not recomputed
         assert conn.execute("SELECT COUNT(*) FROM runs WHERE summary IS NOT NULL").fetchone()[0] == 2
     assert math.isnan(runs.loc[ids[1], "final_loss"])
+
+
+def test_diagnose_of_a_recorder_run_says_the_fix_in_code_and_why_its_scale_never_grew(tmp_path):
+    """A user's own loop: FP16 autocast, a GradScaler from 1 with growth_interval 10**9 (the scale can never grow),
+    a loss small enough that FP16 flushes its gradients. diagnose names the disabled growth (told only "use dynamic
+    loss scaling", its user read that it already did) and says the fix as the GradScaler call to make, not as
+    mpdiag's options ("set loss-scale dynamic" is no GradScaler argument) or a Python dict."""
+    from mpdiag import Recorder
+
+    store = tmp_path / "runs.db"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    recorder = Recorder(model, store=store, name="tiny loss", scaler=scaler, optimizer=optimizer)
+    for _ in range(20):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(torch.randn(32, 16)).float(), torch.randn(32, 1)) * 1e-6
+        scaler.scale(loss).backward()
+        recorder.record(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    recorder.close()
+    assert scaler.get_scale() == 1.0  # the ground truth: GradScaler's own scale never moved
+    done = run_cli("diagnose", recorder.run_id, "--no-probe", "--store", store)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "The scale could not grow: its GradScaler's growth_interval, 1,000,000,000 steps, is longer than the " \
+           "run's 20, so it never rose above its initial 1" in out, out
+    k = int(re.search(r"Use dynamic loss scaling from 2\^(\d+)", out).group(1))
+    assert (f"cannot rerun it: start the GradScaler at 2^{k} and let it grow and back off: "
+            f"torch.amp.GradScaler(init_scale={2**k})") in out and "record it again" in out
+    assert "{'" not in out and "set loss-scale" not in out

@@ -24,12 +24,21 @@ from mpdiag.analysis.summaries import (
     judged_level,
     nonzero_finite,
     overall_flushed,
+    scale_text,
     shadow_ranking,
     update_shares,
     whatif_shares,
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
-from mpdiag.options import command_flags, rerunnable_by_watch, torchrun_rerun, watch_fix, watch_settings
+from mpdiag.options import (
+    command_flags,
+    fix_in_code,
+    recorded_by,
+    rerunnable_by_watch,
+    torchrun_rerun,
+    watch_fix,
+    watch_settings,
+)
 from mpdiag.store import Store
 
 #: gradient values FP16 loses or keeps only as subnormals, at the scale in use, as a share of finite non-zero
@@ -90,12 +99,22 @@ def recommended_scale(hist: np.ndarray, complete: bool = True, ceiling: int = MA
     return best if low(best) <= LOW_RANGE_SHARE else None
 
 
-def scale_basis(twin_hist: np.ndarray | None, watched: bool = False) -> str:
+def record_again_with(how: str, option: str) -> str:
+    """How to record a run again with ``option`` ("trace_modules" or "shadow_every"), as it was recorded (``how``,
+    options.recorded_by): a Recorder in the user's own loop takes no command-line flag."""
+    if how == "recorder":
+        return {"trace_modules": "Record it again with Recorder(..., trace_modules=True)",
+                "shadow_every": "Compare its gradients with FP32 ones at some steps, rec.compare_gradients(fp32_grads) "
+                                "after record() (docs/api.md),"}[option]
+    return {"trace_modules": "Rerun with --trace-modules", "shadow_every": "Rerun with --shadow-every N"}[option]
+
+
+def scale_basis(twin_hist: np.ndarray | None, recorded_by: str = "run") -> str:
     """What a recommended scale was computed from, said in the advice, so two runs of one script that get
-    different advice say why (``watched``: a watched script, which records no twin)."""
+    different advice say why (``recorded_by``, options.recorded_by: only ``mpdiag run`` records a --pair twin)."""
     if twin_hist is not None:
         return "by the FP32 twin's gradient histograms (nothing flushed)"
-    twin = "" if watched else "; a --pair run's FP32 twin measures them"
+    twin = "; a --pair run's FP32 twin measures them" if recorded_by == "run" else ""
     return ("by this run's recorded histograms, the most headroom that cannot overflow (the values FP16 flushed "
             f"to zero are missing from them{twin})")
 
@@ -129,7 +148,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         severity, title = "info", "Some gradients stay subnormal in FP16 at the largest safe loss scale; the loss tracks FP32"
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
-        flushed = flushed_text(None, shadow_steps, watch_settings(run["config"]) is not None)
+        flushed = flushed_text(None, shadow_steps, recorded_by(run["config"]))
     else:
         per = flushed_to_zero(totals, twin_totals)
         # a tensor whose values all vanished has none left to count above: the twin shows it lost the most
@@ -156,7 +175,7 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series
     twin's when there is one), or BF16 when no single scale fits, or when the run already trained with dynamic
     scaling from that scale (a rerun at the fix's scale was offered the same fix again); and whether that run's
     loss tracks FP32's all the same (``tracks_fp32``): then nothing needs changing (True)."""
-    basis = scale_basis(twin_hist, watch_settings(run["config"]) is not None)
+    basis = scale_basis(twin_hist, recorded_by(run["config"]))
     k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is None:
         return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
@@ -174,9 +193,21 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series
     kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
     # from the run's own histograms the share is of the values recorded: those FP16 flushed are not among them
     of = "the values" if twin_hist is not None else "the values recorded (not those FP16 flushed)"
-    return (f"Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
+    return (f"{_never_grew(run)}Use dynamic loss scaling from 2^{k}: {basis}, it leaves at most "
             f"{kept['underflow'][1] + kept['subnormal'][1]:.2%} of {of} underflowing or subnormal, "
             "with no overflow.", {"loss_scale": "dynamic", "init_scale": float(2**k)}, False)
+
+
+def _never_grew(run: pd.Series) -> str:
+    """Why a dynamically scaled run's scale stayed where it started, where its growth interval is longer than the
+    run (GradScaler(growth_interval=10**9): told only "use dynamic scaling", its user read that it already did);
+    else nothing."""
+    interval, steps = run.get("growth_interval"), run.get("steps_done")
+    if run.get("scaling") != "dynamic" or pd.isna(interval) or pd.isna(steps) or interval <= steps:
+        return ""
+    start = "its initial scale" if pd.isna(run.get("init_scale")) else f"its initial {scale_text(run['init_scale'])}"
+    return (f"The scale could not grow: its GradScaler's growth_interval, {int(interval):,} steps, is longer than the "
+            f"run's {int(steps):,}, so it never rose above {start} (GradScaler's default interval is 2,000). ")
 
 
 def _counted_beyond_kept(totals: pd.DataFrame, signals: pd.Series | None) -> int:
@@ -286,7 +317,8 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.1%}), longest run {longest}; "
                 f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps."
                 + (first_nonfinite(modules) if modules is not None else "")
-                + ("" if modules is not None and len(modules) else " Rerun with --trace-modules to locate the module."))
+                + ("" if modules is not None and len(modules) else
+                   f" {record_again_with(recorded_by(run.get('config')), 'trace_modules')} to locate the module."))
     if forward:
         return Finding(
             rule="scale-collapse", severity="error",
@@ -312,9 +344,13 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     )
 
 
-def dead_gradients(run: pd.Series, totals: pd.DataFrame, signals: pd.Series | None = None) -> Finding | None:
+def dead_gradients(run: pd.Series, totals: pd.DataFrame, signals: pd.Series | None = None,
+                   underflow: Finding | None = None, twin_totals: pd.DataFrame | None = None) -> Finding | None:
     """Tensors whose gradient was exactly zero at every logged step. Exact zeros are counted at the kept steps
-    only: where the run counted more steps (``signals``: Store.step_signal_sums), the evidence says how many."""
+    only: where the run counted more steps (``signals``: Store.step_signal_sums), the evidence says how many. In an
+    FP16 run a gradient is all zero too when FP16 flushed every value of it: where the FP32 twin (``twin_totals``)
+    has values there, or this run's gradients underflow (``underflow``, its gradient-underflow finding), that fix
+    comes first (told to find what blocks the gradient, a user went looking for a detach that was not there)."""
     if totals.empty:
         return None
     dead = totals[(totals["zeros"] == totals["numel"]) & (totals["numel"] > 0)]["tensor"].tolist()
@@ -322,6 +358,22 @@ def dead_gradients(run: pd.Series, totals: pd.DataFrame, signals: pd.Series | No
         return None
     advice = "Find what blocks the gradient upstream of these tensors."
     fix = None
+    live_in_fp32 = [] if twin_totals is None else \
+        twin_totals[twin_totals["tensor"].isin(dead) & (twin_totals["zeros"] < twin_totals["numel"])]["tensor"].tolist()
+    # every gradient zero under a non-zero loss: in FP32 that is next to impossible, in FP16 it is underflow
+    all_flushed = len(dead) == int((totals["numel"] > 0).sum()) and np.isfinite(run.get("final_loss", np.nan)) \
+        and run.get("final_loss") != 0
+    if judged_level(run) in FP16_LEVELS and (live_in_fp32 or underflow is not None or all_flushed):
+        said = (f"{', '.join(live_in_fp32[:5])}{' …' if len(live_in_fp32) > 5 else ''} have non-zero gradients in "
+                "the FP32 twin, so FP16 flushed them" if live_in_fp32 else
+                "This run's gradients underflow FP16 (gradient-underflow), which flushes a small gradient to zero"
+                if underflow is not None else
+                "Every gradient of this FP16 run is zero while its loss is not: its backward pass flushed them all")
+        first = ("apply gradient-underflow's fix first" if underflow is not None else
+                 "train in BF16 (FP32's range), or at a far larger loss scale, first")
+        advice = (f"{said}: {first}; a tensor whose gradient is still all zero then has it blocked upstream (a "
+                  "detach, an unused branch).")
+        fix = underflow.fix if underflow is not None else {"opt_level": "bf16"}
     if run["opt_level"] == "O3":
         advice = ("Pure FP16 (O3) also stores normalization statistics in FP16, where a running variance above "
                   "65504 becomes inf and a BatchNorm outputs zeros: keep normalization in FP32 with --opt-level O2.")
@@ -520,10 +572,11 @@ def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | No
     )
 
 
-def fp32_divergence(ref_id: int | None, store: Store, steps: pd.DataFrame, shadow: pd.DataFrame) -> Finding | None:
+def fp32_divergence(ref_id: int | None, store: Store, steps: pd.DataFrame, shadow: pd.DataFrame,
+                    how: str = "run") -> Finding | None:
     """The loss departs from the FP32 reference run ``ref_id`` (:func:`reference_run`: same script, seed, weights
     and batches). ``steps``: the run's Store.steps, already read; ``shadow``: its Store.shadow_stats, to name the
-    tensors whose gradients lose most."""
+    tensors whose gradients lose most; ``how``: how the run was recorded (options.recorded_by)."""
     if ref_id is None:
         return None
     comparison = loss_comparison(store.steps(ref_id), steps)
@@ -535,7 +588,8 @@ def fp32_divergence(ref_id: int | None, store: Store, steps: pd.DataFrame, shado
     ranked = ranking[ranking["meaningful"]].head(3)
     where = (" Tensors whose gradients differ most from the FP32 shadow: "
              + ", ".join(f"{r.tensor} ({r.median_rel_error:.2g})" for r in ranked.itertuples()) + "."
-             if len(ranked) else " Rerun with --shadow-every N to rank the tensors whose gradients lose precision.")
+             if len(ranked) else f" {record_again_with(how, 'shadow_every')} to rank the tensors whose gradients lose "
+             "precision.")
     return Finding(
         rule="fp32-divergence", severity="warning",
         title=f"The loss departs from FP32 at step {step}",
@@ -781,9 +835,10 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
     twin_row = fp32_twin_row(runs, run)
     twin = None if twin_row is None else int(twin_row["run_id"])
     reference = reference_run(runs, int(run_id))  # read once: the divergence and the underflow's severity use it
-    divergence = fp32_divergence(reference, store, steps, shadow)
+    divergence = fp32_divergence(reference, store, steps, shadow, recorded_by(run["config"]))
+    twin_totals = None if twin is None else store.tensor_totals(twin)
     underflow = None if ignored else low_range(
-        run, totals, hist, None if twin is None else store.tensor_totals(twin), int(shadow["step"].nunique()),
+        run, totals, hist, twin_totals, int(shadow["step"].nunique()),
         None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals,
         tracks_fp32=divergence is None and reference is not None)
     found = [
@@ -796,7 +851,7 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         # after it: where the first inf/NaN was born, once scale-collapse has said what to change
         nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         loss_spike_origin(store.replays(run_id), steps),
-        dead_gradients(run, totals, signals),
+        dead_gradients(run, totals, signals, underflow, twin_totals),
         needs_bf16_range(run, tensors, per_tensor),
         fp16_overflow(run, store),
         divergence,
@@ -846,8 +901,9 @@ def fix_not_rerunnable(run_config: dict, fix: dict, world_size=1, scaling: str |
         return (f"mpdiag watch cannot apply {wanted} to an unmodified script (watch sets the script's autocast "
                 "dtype, its GradScalers and their initial scale; O2, O3 and the pure levels change how it builds "
                 "its model): make the change in the script, or give it the model-script contract and use mpdiag run.")
-    return (f"This run was recorded from your own loop (a Recorder), so mpdiag cannot rerun it: set {wanted} in "
-            "your loop and record it again.")
+    in_code = fix_in_code(fix)
+    change = in_code if in_code is not None else f"set {wanted} in your loop"
+    return f"This run was recorded from your own loop (a Recorder), so mpdiag cannot rerun it: {change}, and record it again."
 
 
 #: anchors of the Findings page's own evidence sections, for findings whose page is "Findings"

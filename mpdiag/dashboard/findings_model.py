@@ -22,7 +22,7 @@ from mpdiag.analysis.findings import (
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import RUN_PX, Column, loss_digits, loss_texts
-from mpdiag.options import fix_text
+from mpdiag.options import fix_in_code, fix_text, watch_settings
 from mpdiag.store import Store
 
 
@@ -37,6 +37,8 @@ class Card:
     blocked: str | None
     options: dict | None
     described: str | None
+    #: a watched script's fix as the change to make in its own code (its rerun changes it from outside), else None
+    in_code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,10 @@ def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> C
     blocked = fix_not_rerunnable(run["config"], finding.fix, run["world_size"], run["scaling"]) \
         if finding.fix and final else None
     offered = finding.fix and final and not blocked
+    in_code = fix_in_code(finding.fix) if finding.fix and watch_settings(run["config"]) is not None else None
     return Card(finding, evidence_link(finding, run_id), where, blocked,
-                fix_options(runs, run_id, finding) if offered else None, fix_text(finding.fix) if offered else None)
+                fix_options(runs, run_id, finding) if offered else None, fix_text(finding.fix) if offered else None,
+                in_code)
 
 
 def shadow(store: Store, run_id: int, final: bool) -> Shadow | None:

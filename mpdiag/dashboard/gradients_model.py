@@ -18,7 +18,7 @@ from mpdiag.analysis.compare import fp32_twin_row
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import Column
 from mpdiag.numerics.formats import LOW_PRECISION
-from mpdiag.options import watch_settings
+from mpdiag.options import recorded_by
 from mpdiag.store import Store
 
 SPECIALS = {"zeros": "zero", "nan": "NaN", "posinf": "+inf", "neginf": "-inf"}
@@ -193,7 +193,7 @@ class GradientsRun:
         if ranking.states_flushed:
             flushed = None if self.twin_totals is None else float(
                 summaries.flushed_to_zero(self.totals, self.twin_totals).get(tensor, np.nan))
-            line += " " + summaries.flushed_text(flushed, self.shadow_steps, watch_settings(self.run["config"]) is not None)
+            line += " " + summaries.flushed_text(flushed, self.shadow_steps, recorded_by(self.run["config"]))
         index, counts = self._columns(tensor, at_scale)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
@@ -241,7 +241,7 @@ class GradientsRun:
                         summaries.cast_shares(at_step, hist, fmt, 0, scale),
                         int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0]), flushed,
                         f"At step {step}: " + summaries.flushed_text(flushed, self.shadow_steps,
-                                                                     watch_settings(self.run["config"]) is not None)
+                                                                     recorded_by(self.run["config"]))
                         if ranking.states_flushed else "",
                         reads.tensors_at_step(self.store, self.run_id, step, self.final).set_index("tensor"),
                         h_index, h_counts)

@@ -396,3 +396,40 @@ def test_a_rerun_left_with_only_information_of_a_rule_has_resolved_it():
     assert finding_resolved(said("warning"), [said("info")])
     assert not finding_resolved(said("warning"), [said("warning")])
     assert finding_resolved(said("warning"), [])
+
+
+def test_an_fp16_run_whose_every_gradient_flushed_is_sent_to_the_underflow_not_upstream(tmp_path):
+    """A user's loop in FP16 at scale 1 with a loss of ~1e-7: FP16's backward flushes every gradient to zero (the
+    same model in FP32 on the same batches has none zero: the ground truth), and the values that underflowed are
+    not in the record, so gradient-underflow has nothing to count. dead-gradients said "find what blocks the gradient
+    upstream", and its user went looking for a detach; it names the flushing and offers BF16."""
+    import copy
+
+    import torch
+
+    from mpdiag import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    fp32 = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    recorder = Recorder(model, store=tmp_path / "runs.db", scaler=scaler, optimizer=optimizer)
+    for _ in range(5):
+        optimizer.zero_grad()
+        fp32.zero_grad()
+        x, y = torch.randn(32, 16), torch.randn(32, 1)
+        (torch.nn.functional.mse_loss(fp32(x), y) * 1e-7).backward()
+        assert all((p.grad != 0).any() for p in fp32.parameters())  # in FP32 no tensor's gradient is all zero
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) * 1e-7
+        scaler.scale(loss).backward()
+        assert all((p.grad == 0).all() for p in model.parameters())  # in FP16 every one is
+        recorder.record(loss)
+        scaler.step(optimizer)
+        scaler.update()
+    recorder.close()
+    finding = {f.rule: f for f in diagnose(Store(tmp_path / "runs.db"), recorder.run_id)}["dead-gradients"]
+    assert finding.recommendation.startswith("Every gradient of this FP16 run is zero while its loss is not: its "
+                                             "backward pass flushed them all: train in BF16"), finding.recommendation
+    assert finding.fix == {"opt_level": "bf16"}

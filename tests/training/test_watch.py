@@ -519,6 +519,18 @@ def test_diagnose_of_a_watched_run_offers_its_rerun_and_probes_nothing(store_pat
     assert "probing" not in out.err
     assert "[error]" in out.out or "[warning]" in out.out  # every step skipped: a scale finding is made
     assert f"python -m mpdiag rerun {run_id} " in out.out and "(repeats the watched command)" in out.out
+    # and the change to make in the script itself (--opt-level bf16 is mpdiag's word for it, not the script's)
+    assert f"rerun {run_id} --opt-level bf16" in out.out, out.out
+    assert "in the script itself: compute in BF16 with no loss scaling: torch.autocast(device_type, " \
+           'dtype=torch.bfloat16) and no GradScaler (Lightning: Trainer(precision="bf16-mixed")' in out.out
+    from mpdiag import Store
+    from mpdiag.dashboard import findings_model
+    from mpdiag.options import fix_in_code
+
+    runs = Store(store_path).runs()  # the Findings page's card says it under its rerun button
+    cards = findings_model.findings(Store(store_path), runs[runs["run_id"] == run_id].iloc[0], True, runs).cards
+    assert [c.in_code for c in cards if c.finding.fix] == [fix_in_code(c.finding.fix) for c in cards if c.finding.fix]
+    assert any(c.in_code and "torch.bfloat16" in c.in_code for c in cards)
 
 
 def test_rerun_of_a_watched_run_repeats_its_command_with_the_fix(store_path, tmp_path, monkeypatch):
