@@ -17,7 +17,14 @@ from conftest import ROOT
 from streamlit.testing.v1 import AppTest
 
 from mpdiag import Recorder, Store
-from mpdiag.analysis.compare import NO_SCALE, NO_STEP, NO_TENSOR, histogram_steps, histogram_tensors, overlaid_histograms
+from mpdiag.analysis.compare import (
+    NO_SCALE,
+    NO_STEP,
+    NO_TENSOR,
+    histogram_steps,
+    histogram_tensors,
+    overlaid_histograms,
+)
 
 TIMEOUT = 60
 STEPS = 6
