@@ -402,13 +402,14 @@ def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VCon
     positive = drawable_on_log(steps["loss_scale"])
     if positive.any():
         on_log = steps[positive]
-        layers = [alt.Chart(on_log).mark_line(interpolate="step-after", **_lone_points(on_log, "loss_scale")).encode(
+        line = alt.Chart(on_log).mark_line(interpolate="step-after").encode(
             x=STEP_X,
             y=alt.Y("loss_scale:Q", scale=log2_scale(on_log["loss_scale"]),
                     axis=_power_of_two_axis("loss scale", on_log["loss_scale"])),
             tooltip=["step:Q", alt.Tooltip("loss_scale:Q", format=".10g", title="loss scale"),
                      alt.Tooltip("scale_after:Q", format=".10g", title="scale after update()"), "skipped:Q"],
-        )]
+        )
+        layers = [line, *_lone_points(line, "loss_scale")]
         said = ["▼ skipped step"] if (on_log["skipped"] == 1).any() else []
         if said:  # an empty layer would give Vega an infinite extent (a console warning)
             layers.append(alt.Chart(on_log[on_log["skipped"] == 1])
@@ -422,19 +423,19 @@ def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VCon
         panels.append(alt.layer(*layers).properties(
             height=220, title="loss scale" + (f" ({'; '.join(said)})" if said else "")))
     if steps["growth_tracker"].notna().any():
-        panels.append(alt.Chart(steps).mark_line(color="#7f7f7f", **_lone_points(steps, "growth_tracker")).encode(
+        panels.append(_with_lone_points(alt.Chart(steps).mark_line(color="#7f7f7f").encode(
             x=STEP_X, y=alt.Y("growth_tracker:Q", title="growth tracker", axis=alt.Axis(format="d", tickMinStep=1)),
             tooltip=["step:Q", alt.Tooltip("growth_tracker:Q", format="d", title="good steps since a change")],
-        ).properties(height=150, title="growth tracker (good steps since the scale last changed)"))
+        ), "growth_tracker").properties(height=150, title="growth tracker (good steps since the scale last changed)"))
     # a log axis where the losses span decades (Vega's linear one read 0.00000, 0.00005 and put 120 of 150 steps on
     # 0), else a linear one whose ticks never write a small loss as 0.00000 (linear_axis)
     log = losses_far_apart(steps["loss"])
     on_axis = steps["loss"].astype(float)[drawable_on_log(steps["loss"])] if log else steps["loss"]
     y = (alt.Y("loss:Q", title="loss", scale=log10_scale(on_axis), axis=_power_of_ten_axis("loss", on_axis)) if log
          else alt.Y("loss:Q", title="loss", axis=linear_axis("loss", steps["loss"])))
-    loss = alt.Chart(_blanked(steps, "loss", log)).mark_line(color="#1f77b4", **_lone_points(steps, "loss")).encode(
+    loss = alt.Chart(_blanked(steps, "loss", log)).mark_line(color="#1f77b4").encode(
         x=STEP_X, y=y, tooltip=["step:Q", alt.Tooltip("loss:Q", format=".6g")])
-    loss = _with_nonfinite_rules(loss, steps, "loss", alt.value("#d62728"), log)
+    loss = _with_nonfinite_rules([loss, *_lone_points(loss, "loss")], steps, "loss", alt.value("#d62728"), log)
     bad = _undrawable(steps["loss"], log).any()
     panels.append(loss.properties(height=200, title="loss" + (" (log axis)" if log else "") + (
         f" (red rules: NaN/inf{' or 0' if log else ''} loss)" if bad else "")))
@@ -454,14 +455,14 @@ def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     # a labelled tick at 0 and each power of ten up to the one above the highest line (the axis's top): Vega's own
     # symlog ticks were 0 and the top alone, so a flat line (an all-NaN run's ~18k a step) could not be read off
     ticks = [0] + [10**k for k in range(1, max(1, math.ceil(math.log10(top)) if top > 0 else 1) + 1)]  # 1 would sit on 0
-    return _fit(alt.Chart(lines).mark_line(interpolate="step-after", **_lone_points(lines, "values", by="line")).encode(
+    return _fit(_with_lone_points(alt.Chart(lines).mark_line(interpolate="step-after").encode(
         x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)",
                           scale=alt.Scale(type="symlog", domain=[0, ticks[-1]]),
                           axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
         # the names ("FP16 underflow at the scale", 27 characters) were cut at Vega's default 160 px
         color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top", labelLimit=280)),
         tooltip=["step:Q", "line:N", alt.Tooltip("values:Q", format=",d")],
-    ).properties(height=180, title="over/underflow per step, kept or not"))
+    ), "values", by="line").properties(height=180, title="over/underflow per step, kept or not"))
 
 
 def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
@@ -474,11 +475,10 @@ def learning_rate_panel(steps: pd.DataFrame) -> alt.Chart | None:
     # from 0 to a tenth above the highest rate, rounded up to a tick: a constant rate is not drawn on the border
     scale = alt.Scale(domainMin=min(0.0, float(lr[np.isfinite(lr)].min())), domainMax=top * 1.1 if top > 0 else 1.0,
                       nice=True)
-    return alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after",
-                                                      **_lone_points(steps, "lr")).encode(
+    return _with_lone_points(alt.Chart(_blanked(steps, "lr")).mark_line(color="#2ca02c", interpolate="step-after").encode(
         x=STEP_X, y=alt.Y("lr:Q", scale=scale, axis=linear_axis("learning rate", lr)),
         tooltip=["step:Q", alt.Tooltip("lr:Q", format=".6g", title="learning rate")],
-    ).properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
+    ), "lr").properties(height=160, title="learning rate (param_groups[0] of the first optimizer, at the step)")
 
 
 def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
@@ -492,10 +492,11 @@ def grad_norm_panel(steps: pd.DataFrame) -> alt.LayerChart | None:
     layers = []
     if drawable_on_log(norm).any():
         on_log = _blanked(recorded, "grad_norm", log=True)
-        layers.append(alt.Chart(on_log).mark_line(color="#9467bd", **_lone_points(on_log, "grad_norm")).encode(
+        line = alt.Chart(on_log).mark_line(color="#9467bd").encode(
             x=STEP_X, y=alt.Y("grad_norm:Q", scale=log10_scale(norm),
                               axis=_power_of_ten_axis("gradient norm", norm)),
-            tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")]))
+            tooltip=["step:Q", alt.Tooltip("grad_norm:Q", format=".6g", title="gradient norm")])
+        layers += [line, *_lone_points(line, "grad_norm")]
     said = []
     for label, rows, colour in (("red rules: inf/NaN", ~np.isfinite(norm), "#d62728"),
                                 ("grey rules: 0", norm == 0, "#7f7f7f")):
@@ -565,16 +566,56 @@ def _undrawable(values: pd.Series, log: bool = False) -> np.ndarray:
     return ~np.isfinite(v) | (v <= 0) if log else ~np.isfinite(v)
 
 
-def _lone_points(data: pd.DataFrame, y: str, by: str | None = None, x: str = "step") -> dict:
-    """``mark_line``'s options for ``data``: a point at every value where some series (``by``'s values; the whole
-    frame without it) has at most one drawable ``y`` value. A line through one point draws nothing: a run's first
-    refresh, or a run of one step, showed empty panels under their titles."""
-    values = pd.to_numeric(data[y], errors="coerce") if y in data else pd.Series(dtype=float)
-    drawn = data[np.isfinite(values.astype(float))]
-    if drawn.empty:
-        return {}
-    per_series = drawn.groupby(by)[x].nunique() if by else pd.Series([drawn[x].nunique()])
-    return {"point": alt.OverlayMarkDef(filled=True, size=40)} if (per_series <= 1).any() else {}
+def _lone_rows(data: pd.DataFrame, y: str, by: str | None = None, x: str = "step") -> pd.DataFrame:
+    """The rows of ``data`` whose ``y`` a line through ``data`` draws nothing at: a finite value whose neighbours
+    in its series (``by``'s values; the whole frame without it), in order of ``x`` as Vega draws a line, are NaN,
+    inf or absent. A line needs two consecutive drawable values for a segment: a run's one step, the first or last
+    finite value beside a gap, and every finite value of steps alternating skipped (NaN) and applied were not drawn."""
+    if data.empty or y not in data or x not in data:
+        return data.iloc[:0]
+    xs = pd.to_numeric(data[x], errors="coerce").to_numpy(dtype=float)
+    ys = pd.to_numeric(data[y], errors="coerce").to_numpy(dtype=float)
+    placed = np.flatnonzero(np.isfinite(xs))  # a row without an x has no place on the line
+    if by is not None and by in data:
+        keys = data[by].to_numpy()[placed]
+        order = placed[np.lexsort((xs[placed], pd.factorize(keys, use_na_sentinel=False)[0]))]
+        series = pd.factorize(data[by].to_numpy()[order], use_na_sentinel=False)[0]
+    else:
+        order = placed[np.argsort(xs[placed], kind="stable")]
+        series = np.zeros(len(order), dtype=int)
+    drawable = np.isfinite(ys[order])
+    same_before = np.r_[False, series[1:] == series[:-1]]
+    same_after = np.r_[series[:-1] == series[1:], False]
+    before = np.r_[False, drawable[:-1]] & same_before
+    after = np.r_[drawable[1:], False] & same_after
+    lone = order[drawable & ~before & ~after]
+    return data.iloc[np.sort(lone)]
+
+
+def _lone_points(line: alt.Chart, y: str, by: str | None = None, x: str = "step") -> list[alt.Chart]:
+    """The layer to draw just after ``line`` (a line of ``y`` over a frame, encoded): a small filled point, in the
+    line's colour and with its tooltip, at each value the line draws nothing at (:func:`_lone_rows`); no layer when
+    there is none (an empty layer would give Vega an infinite extent). Only the lone values: a point at every step
+    of a long run would bury the line."""
+    lone = _lone_rows(line.data, y, by, x)
+    if lone.empty:
+        return []
+    mark = line.mark.to_dict() if isinstance(line.mark, alt.MarkDef) else {}  # mark_line() alone: "line"
+    style = {k: v for k, v in mark.items() if k in ("color", "opacity")}
+    # the line's channels but its dash (a point has none), and no legend of their own: merged with the line's, the
+    # legend's symbols became dots, and the runs' dashes were no longer shown in it
+    channels = {k: v for k, v in line.encoding._kwds.items() if v is not alt.Undefined and k != "strokeDash"}
+    for name, channel in channels.items():
+        if isinstance(channel, alt.SchemaBase) and "legend" in channel._kwds:
+            channels[name] = channel.copy(deep=False)
+            channels[name].legend = None
+    return [alt.Chart(lone).mark_point(filled=True, size=40, **style).encode(**channels)]
+
+
+def _with_lone_points(line: alt.Chart, y: str, by: str | None = None, x: str = "step") -> alt.Chart | alt.LayerChart:
+    """``line`` layered with its :func:`_lone_points`; ``line`` itself when it has none."""
+    points = _lone_points(line, y, by, x)
+    return alt.layer(line, *points) if points else line
 
 
 def _blanked(df: pd.DataFrame, y: str, log: bool = False) -> pd.DataFrame:
@@ -584,20 +625,22 @@ def _blanked(df: pd.DataFrame, y: str, log: bool = False) -> pd.DataFrame:
 
 
 def _with_nonfinite_rules(chart, df: pd.DataFrame, y: str, colour, log: bool = False, x: str = "step") -> alt.LayerChart:
-    """``chart`` (drawn from :func:`_blanked` data) with faint vertical rules at steps where ``y`` is NaN or
-    inf (or, with ``log``, zero or negative), which a line chart would silently drop; without the layer when
-    there are none (an empty layer makes Vega warn of an infinite extent in the browser console), and the
-    rules alone when no value is drawable. ``x``: the x field ("step", or "wall_time_s")."""
+    """``chart`` (drawn from :func:`_blanked` data; or a list of layers: a line and its :func:`_lone_points`) with
+    faint vertical rules at steps where ``y`` is NaN or inf (or, with ``log``, zero or negative), which a line
+    chart would silently drop; without the layer when there are none (an empty layer makes Vega warn of an
+    infinite extent in the browser console), and the rules alone when no value is drawable. ``x``: the x field
+    ("step", or "wall_time_s")."""
+    layers = chart if isinstance(chart, list) else [chart]
     bad_rows = _undrawable(df[y], log)
     bad = df[bad_rows].assign(value=lambda d: d[y].astype(str))
     if bad.empty:
-        return alt.layer(chart)
+        return alt.layer(*layers)
     rules = (
         alt.Chart(bad)
         .mark_rule(opacity=0.35, strokeWidth=2)
         .encode(x=x_axis(x), color=colour, tooltip=[*(["run:N"] if "run" in bad else []), "step:Q", alt.Tooltip("value:N", title=y)])
     )
-    return alt.layer(chart, rules) if not bad_rows.all() else alt.layer(rules)
+    return alt.layer(*layers, rules) if not bad_rows.all() else alt.layer(rules)
 
 
 @_reused
@@ -634,12 +677,15 @@ def runs_overlay(df: pd.DataFrame, y: str, title: str, domain: list[str], log: b
             ~_undrawable(df[f"{y}_smoothed"], log))})
     dash = _run_dash(domain)
     line = alt.Chart(data).mark_line(interpolate="step-after" if log and log_base == 2 else "linear",
-                                     opacity=0.25 if smooth else 1.0, **_lone_points(data, y, by="run", x=x)).encode(
+                                     opacity=0.25 if smooth else 1.0).encode(
         x=x_enc, y=alt.Y(f"{y}:Q", scale=scale, axis=axis), color=colour, strokeDash=dash, tooltip=tooltip)
+    # each line's lone values (between NaN/inf ones: steps alternating skipped and applied) as points after it
+    line = [line, *_lone_points(line, y, by="run", x=x)]
     if smooth:
-        line = alt.layer(line, alt.Chart(data).mark_line(**_lone_points(data, f"{y}_smoothed", by="run", x=x)).encode(
+        smoothed = alt.Chart(data).mark_line().encode(
             x=x_enc, y=alt.Y(f"{y}_smoothed:Q", scale=scale, axis=axis), color=colour, strokeDash=dash,
-            tooltip=[*tooltip, alt.Tooltip(f"{y}_smoothed:Q", format=".6g", title=f"{y} smoothed")]))
+            tooltip=[*tooltip, alt.Tooltip(f"{y}_smoothed:Q", format=".6g", title=f"{y} smoothed")])
+        line = [alt.layer(*line, smoothed, *_lone_points(smoothed, f"{y}_smoothed", by="run", x=x))]
     if _undrawable(df[y], log).any():
         title = f"{title} (faint rules: NaN/inf{' or 0, below any log axis' if log else ''})"
     return _fit(_with_nonfinite_rules(line, df, y, colour, log, x=x).properties(height=height, title=title))
@@ -653,16 +699,17 @@ def loss_difference(df: pd.DataFrame, divergence_step: int | None, domain: list[
     data = _blanked(df.assign(rel_pct=df["rel_diff"] * 100), "rel_pct")
     line = (
         alt.Chart(data)
-        .mark_line(**_lone_points(data, "rel_pct", by="run"))
+        .mark_line()
         .encode(x=STEP_X, y=alt.Y("rel_pct:Q", title="(loss - FP32 loss) / |FP32 loss|, %", axis=alt.Axis(format=PLAIN_FORMAT)),
                 color=_run_colour(domain, orient="top"),
                 tooltip=["run:N", "step:Q", alt.Tooltip("rel_diff:Q", format=".4~%", title="difference")])
     )
+    points = _lone_points(line, "rel_pct", by="run")
     if divergence_step is None:  # no empty rule layer: Vega warns of an infinite extent in the browser console
-        return _fit(alt.layer(line).properties(height=200, title="difference to the FP32 reference"))
+        return _fit(alt.layer(line, *points).properties(height=200, title="difference to the FP32 reference"))
     rule = alt.Chart(pd.DataFrame({"step": [divergence_step]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
         x=STEP_X, tooltip=[alt.Tooltip("step:Q", title=f"first step beyond {threshold:.0%}")])
-    return _fit(alt.layer(line, rule).properties(height=200, title="difference to the FP32 reference (dashed: "
+    return _fit(alt.layer(line, *points, rule).properties(height=200, title="difference to the FP32 reference (dashed: "
                                                                     f"first step beyond {threshold:.0%})"))
 
 
@@ -689,10 +736,10 @@ def runs_bars(df: pd.DataFrame, x: str, y: str, title: str, domain: list[str],
 
 
 @_reused
-def live_loss(steps: pd.DataFrame) -> alt.Chart:
+def live_loss(steps: pd.DataFrame) -> alt.Chart | alt.LayerChart:
     """Small loss curve for a running run."""
-    return alt.Chart(steps).mark_line(**_lone_points(steps, "loss")).encode(
-        x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))).properties(height=160, autosize=_FIT_WIDTH)
+    return _with_lone_points(alt.Chart(steps).mark_line().encode(
+        x=STEP_X, y=alt.Y("loss:Q", scale=alt.Scale(zero=False))), "loss").properties(height=160, autosize=_FIT_WIDTH)
 
 
 @_reused
@@ -726,15 +773,15 @@ def update_share_lines(per_step: pd.DataFrame, fmt: str) -> alt.Chart:
                          var_name="what", value_name="share")
     long["what"] = long["what"].map({"below_resolution_share": f"below {fmt.upper()} resolution",
                                      "unchanged_share": "weight unchanged (lost)"})
-    return (
+    return _with_lone_points(
         alt.Chart(long)
-        .mark_line(**_lone_points(long, "share", by="what"))
+        .mark_line()
         .encode(x=STEP_X, y=alt.Y("share:Q", title="share of updated values", axis=alt.Axis(format="%"),
                                     scale=alt.Scale(domain=[0, 1])),
                 color=alt.Color("what:N", title=None), strokeDash=alt.StrokeDash("what:N", title=None),
-                tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")])
-        .properties(height=220, autosize=_FIT_WIDTH)
-    )
+                tooltip=["step:Q", "what:N", alt.Tooltip("share:Q", format=".2%")]),
+        "share", by="what",
+    ).properties(height=220, autosize=_FIT_WIDTH)
 
 
 #: the FP8 charts' step axis: STEP_X with thousands separators (step 1,000)
@@ -770,7 +817,7 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
                       series.assign(line="limit of the scale", value=series["limit"])])
     colour = alt.Color("line:N", scale=alt.Scale(domain=["amax", "limit of the scale"], range=["#1f77b4", "#7f7f7f"]),
                        legend=alt.Legend(title=None, orient="top"))
-    lines = alt.Chart(long).mark_line(interpolate="step-after", **_lone_points(long, "value", by="line")).encode(
+    lines = alt.Chart(long).mark_line(interpolate="step-after").encode(
         x=_FP8_STEP_X,
         y=alt.Y("value:Q", scale=log2_scale(long["value"]), axis=_power_of_two_axis("largest |value|", long["value"])),
         color=colour,
@@ -779,7 +826,9 @@ def fp8_amax_panel(series: pd.DataFrame, title: str = "") -> alt.LayerChart:
         shape="triangle-up", color="#d62728", size=80, filled=True).encode(
         x=_FP8_STEP_X, y="amax:Q", tooltip=[alt.Tooltip("step:Q", format=",d"), alt.Tooltip("amax:Q", format=",.6~g"),
                                          alt.Tooltip("limit:Q", format=",.6~g"), alt.Tooltip("overflow:Q", format=",d")])
-    drawn = [lines, over] if series["overflows"].any() else [lines]  # no empty marker layer
+    drawn = [lines, *_lone_points(lines, "value", by="line")]
+    if series["overflows"].any():  # no empty marker layer
+        drawn.append(over)
     return _fit(alt.layer(*drawn).properties(title=title, width="container", height=260))
 
 
@@ -793,11 +842,11 @@ def fp8_whatif_lines(df: pd.DataFrame, title: str = "") -> alt.LayerChart:
     band = alt.Chart(data).mark_area(opacity=0.3, color="#d62728").encode(
         x=x, y=alt.Y("low:Q", title="values lost (underflow + overflow)", scale=alt.Scale(domain=[0, top], nice=True),
                      axis=alt.Axis(format=",d", tickMinStep=1)), y2="high:Q")
-    high = alt.Chart(data).mark_line(color="#d62728", **_lone_points(data, "high")).encode(
+    high = alt.Chart(data).mark_line(color="#d62728").encode(
         x=x, y="high:Q", tooltip=[alt.Tooltip("step:Q", format=",d"), alt.Tooltip("low:Q", format=",d", title="at least"),
                                   alt.Tooltip("high:Q", format=",d", title="at most"),
                                   alt.Tooltip("scale:Q", format=",.6~g")])
-    return _fit(alt.layer(band, high).properties(title=title, width="container", height=200))
+    return _fit(alt.layer(band, high, *_lone_points(high, "high")).properties(title=title, width="container", height=200))
 
 
 #: flagged cells of the Modules heatmap: inf/NaN pale, since after the first one every later module and step
