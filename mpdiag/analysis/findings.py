@@ -7,6 +7,7 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 
 from __future__ import annotations
 
+import dataclasses
 from urllib.parse import urlencode
 
 import numpy as np
@@ -841,13 +842,21 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         run, totals, hist, twin_totals, int(shadow["step"].nunique()),
         None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals,
         tracks_fp32=divergence is None and reference is not None)
+    collapse = scale_collapse(run, steps, hist, store.module_stats(run_id))
+    after_collapse = underflow is not None and collapse is not None and _backed_off_below_one(steps)
+    if after_collapse:  # the underflow may be the collapse's doing: said, and listed after it
+        underflow = dataclasses.replace(underflow, evidence=underflow.evidence + (
+            f" The scale backed off to {scale_text(steps['loss_scale'].min())} after overflows (scale-collapse, "
+            "above): below a scale of 1 gradients underflow that would not at the scale the run started at, so fix "
+            "the overflow first and read this again."))
     found = [
         optimizer_step_nonfinite(run),  # first: it explains the non-finite losses and skips that follow
         ignored,
+        *([collapse] if after_collapse else []),
         underflow,
         gradient_error(run, shadow, underflow),
         update_swamping(run, store.update_stats(run_id)),
-        scale_collapse(run, steps, hist, store.module_stats(run_id)),
+        *([] if after_collapse else [collapse]),
         # after it: where the first inf/NaN was born, once scale-collapse has said what to change
         nonfinite_origin(store.replays(run_id), store.replay_modules(run_id)),
         loss_spike_origin(store.replays(run_id), steps),
@@ -862,6 +871,14 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
     if fp8 is not None:
         findings += fp8_findings(store.fp8(run_id), fp8)
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def _backed_off_below_one(steps: pd.DataFrame) -> bool:
+    """Whether GradScaler backed the scale off below 1 (skipped steps, and a scale under 1 after them): an FP16 run
+    whose overflows collapsed its scale then underflows as a consequence (a user read the underflow, listed first,
+    as the cause, where 94 % of its subnormal values came from the steps at a scale below 1)."""
+    scale = steps["loss_scale"].astype(float)
+    return bool((steps["skipped"] == 1).any() and (scale < 1).any() and scale.iloc[0] >= 1)
 
 
 def finding_resolved(before: Finding, after: list[Finding]) -> bool:

@@ -433,3 +433,39 @@ def test_an_fp16_run_whose_every_gradient_flushed_is_sent_to_the_underflow_not_u
     assert finding.recommendation.startswith("Every gradient of this FP16 run is zero while its loss is not: its "
                                              "backward pass flushed them all: train in BF16"), finding.recommendation
     assert finding.fix == {"opt_level": "bf16"}
+
+
+def test_underflow_after_the_scale_collapsed_below_one_is_listed_after_the_collapse_and_says_so(tmp_path):
+    """Overflowing batches back GradScaler's scale off from 2^16 to below 1 (the skipped steps and the scale are
+    GradScaler's own); the steps after them underflow at that scale. The underflow is the collapse's consequence: a
+    user read it, listed first, as the cause. It comes after scale-collapse and says why."""
+    import torch
+
+    from mpdiag import Recorder
+    from mpdiag.analysis.summaries import scale_text
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**6)
+    recorder = Recorder(model, store=tmp_path / "runs.db", scaler=scaler, optimizer=optimizer)
+    scales, skipped = [], 0
+    for step in range(60):
+        optimizer.zero_grad()
+        big = 1e6 if step < 24 else 1.0  # an unnormalised feature: the backward overflows FP16
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(torch.randn(32, 16) * big).float(), torch.randn(32, 1)) * 1e-3
+        scaler.scale(loss).backward()
+        recorder.record(loss)
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        scales.append(scaler.get_scale())
+    recorder.close()
+    assert skipped >= 17 and min(scales) < 1  # GradScaler's own: it backed off below 1
+    rules = [f.rule for f in diagnose(Store(tmp_path / "runs.db"), recorder.run_id)]
+    assert rules.index("scale-collapse") < rules.index("gradient-underflow"), rules
+    underflow = diagnose(Store(tmp_path / "runs.db"), recorder.run_id)[rules.index("gradient-underflow")]
+    assert f"The scale backed off to {scale_text(min(scales))} after overflows (scale-collapse, above)" \
+        in underflow.evidence, underflow.evidence
