@@ -737,12 +737,16 @@ def significant(value, digits: int = 4) -> str:
     return f"{float(value):.{digits}g}"
 
 
-def health(severities: list[str], status: str = "finished") -> str:
+def health(severities: list[str], status: str = "finished", skipped: int = 0) -> str:
     """A run's health badge from the severities of its findings: its errors and warnings counted; without
     any, "healthy" only for a finished run (a failed or crashed one "did not finish", a stopped one "stopped", a
-    live one "no findings yet"). Words only: emoji render as empty boxes where no emoji font is installed (headless Chromium)."""
+    live one "no findings yet"), with the steps GradScaler skipped (``skipped``) too few for a finding beside it:
+    a run with a NaN loss and a skipped step read "healthy" alone. Words only: emoji render as empty boxes where
+    no emoji font is installed (headless Chromium)."""
     errors, warnings = severities.count("error"), severities.count("warning")
     if not errors and not warnings:
+        if status == "finished" and skipped:
+            return f"healthy, {skipped:,} skip{'s' if skipped > 1 else ''}"
         return {"finished": "healthy", "failed": "did not finish", "crashed": "did not finish",
                 "stopped": "stopped"}.get(
             status, "no findings yet")
@@ -803,7 +807,8 @@ def runs_table(runs: pd.DataFrame, severities: list[list[str]]) -> pd.DataFrame:
         "run": runs["run_id"],
         "name": runs["name"],
         "status": runs["status"],
-        "health": [health(s, status) for s, status in zip(severities, runs["status"], strict=True)],
+        "health": [health(s, status, int(skipped)) for s, status, skipped in
+                   zip(severities, runs["status"], runs["skipped_steps"].fillna(0), strict=True)],
         "opt level": runs["opt_level"],
         "final loss": runs["final_loss"].map(significant),
         "steps": [f"{d} / {int(n)}" if pd.notna(n) else str(d) for d, n in zip(done, runs["steps"], strict=True)],

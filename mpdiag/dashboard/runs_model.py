@@ -85,7 +85,8 @@ TABLE_COLUMNS = {
     "name": Column(width=164, pinned=True, help="Rename it below; hover a cell for a long name."),
     "status": Column(width=70),
     "health": Column(width=96, help="The run's findings, counted by severity (each explained on its Findings "
-                                     "page); hover a cell for the whole count."),
+                                     "page); hover a cell for the whole count. \"healthy, 1 skip\": no finding, and "
+                                     "the steps GradScaler skipped (a non-finite gradient), too few to be one."),
     "opt level": Column("level", width=74, help="The opt level the run trained at (O0: FP32; O1-O3: FP16 "
                                                 "mixed precision; bf16...); ×2: a distributed run of 2 ranks."),
     "final loss": Column(width=80, help="The last step's loss, to as many significant digits as tell this store's "

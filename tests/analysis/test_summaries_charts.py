@@ -241,6 +241,11 @@ def test_health_badge_counts_errors_and_warnings():
     assert summaries.health(["error"], "failed") == "1 error"
     assert summaries.health(["warning", "warning", "info"]) == "2 warnings"
     assert summaries.health(["warning", "error"]) == "1 error, 1 warning"
+    # a skipped step too few for a finding (a bad batch's NaN loss) is said beside "healthy"
+    assert summaries.health([], "finished", 1) == "healthy, 1 skip" and summaries.health(["info"], skipped=3) == \
+        "healthy, 3 skips"
+    assert summaries.health(["warning"], skipped=3) == "1 warning" and summaries.health([], "running", 2) == \
+        "no findings yet"
 
 
 def test_a_heatmap_click_picks_the_first_logged_step_of_its_column():

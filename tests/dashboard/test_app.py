@@ -58,8 +58,8 @@ def test_the_runs_view_model_reads_health_from_each_runs_findings_and_shows_a_no
     table = runs_model.table(store, runs, runs).set_index("run")
     for run_id in (1, 2, 3):
         severities = [f.severity for f in diagnose(store, run_id)]
-        assert (table.loc[run_id, "health"] == "healthy") == (not {"error", "warning"} & set(severities)), run_id
-    assert table.loc[3, "health"] != "healthy"  # O3 goes NaN from step 1
+        assert table.loc[run_id, "health"].startswith("healthy") == (not {"error", "warning"} & set(severities))
+    assert not table.loc[3, "health"].startswith("healthy")  # O3 goes NaN from step 1
     assert list(table.columns).index("tags") == list(table.columns).index("loss scale") + 1
     only_o3 = runs[runs["opt_level"] == "O3"]
     assert runs_model.table(store, runs, only_o3)["run"].tolist() == [3]
