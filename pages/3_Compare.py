@@ -127,22 +127,26 @@ def fp16_shares(model: CompareRuns) -> None:
         drawn = [p for p in (FLUSHED_PART, COUNTED_PART) if p in set(shares.under["part"])]
         ui.show_chart(charts.runs_bars(shares.under, "tensor", "share", "FP16 underflow, share of all values", labels,
                                        parts=drawn), width="stretch")
-        st.caption(f"Solid bars, “{FLUSHED_PART}”: the values an FP16 run's backward pass had already made zero "
-                   "when they were recorded, estimated as its zeros beyond its FP32 twin's (same weights and "
-                   f"batches). Light bars, “{COUNTED_PART}”: the recorded gradient at its run's loss scale, cast "
-                   "to FP16 and counted; for a run computed in FP32 or BF16 (O0, bf16) that is what FP16 would "
-                   "lose, not a loss the run had.")
-    else:
-        st.caption("FP16 underflow: no value of any tensor of these runs was flushed to zero or would underflow "
-                   "FP16 at its run's loss scale, so there is nothing to chart.")
-    for lab in shares.no_twin:
-        st.caption(f"{plain(lab)}: {summaries.flushed_text(None)}")
+        said = {FLUSHED_PART: "the values an FP16 run's backward pass had already made zero when they were "
+                              "recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches)",
+                COUNTED_PART: "the recorded gradient at its run's loss scale, cast to FP16 and counted; for a run "
+                              "computed in FP32 or BF16 (O0, bf16) that is what FP16 would lose, not a loss the "
+                              "run had"}
+        st.caption(f"Solid bars, “{drawn[0]}”: {said[drawn[0]]}. Light bars, “{drawn[1]}”: {said[drawn[1]]}."
+                   if len(drawn) > 1 else f"“{drawn[0]}”: {said[drawn[0]]}.")
+    else:  # what an FP16 run without its twin flushed is not known: nothing is said of it here (see below)
+        flushed = "" if shares.no_twin else "was flushed to zero or "
+        st.caption(f"FP16 underflow: no value of any tensor of these runs {flushed}would underflow FP16 at its run's "
+                   "loss scale, so there is nothing to chart.")
+    for lab, how in shares.no_twin:
+        st.caption(f"{plain(lab)}: {summaries.flushed_text(None, recorded_by=how)}")
     if len(shares.over):
         drawn = [p for p in (NONFINITE_PART, OVERFLOW_PART) if p in set(shares.over["part"])]
         ui.show_chart(charts.runs_bars(shares.over, "tensor", "share", "FP16 overflow at the loss scale, share of all "
                                        "values", labels, parts=drawn), width="stretch")
         st.caption(f"Solid bars, “{NONFINITE_PART}”: an FP16 backward pass makes a value that overflows inf "
-                   f"before it is recorded. Light bars, “{OVERFLOW_PART}”: the recorded finite gradient at its run's "
+                   "before it is recorded (a non-finite loss makes them inf or NaN too). Light bars, "
+                   f"“{OVERFLOW_PART}”: the recorded finite gradient at its run's "
                    "loss scale above FP16's largest value, 65,504; for a run computed in FP32 or BF16 (O0, bf16) that "
                    "is what FP16 would do, not an overflow the run had.")
     else:

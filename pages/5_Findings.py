@@ -9,11 +9,12 @@ run names from the user's script: they reach Markdown only through ``plain``.
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis.findings import EVIDENCE_SECTIONS, GRADIENT_REL_ERROR
+from mpdiag.analysis.findings import EVIDENCE_SECTIONS, GRADIENT_REL_ERROR, record_again_with
 from mpdiag.dashboard import actions, charts, findings_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.findings_model import Card, FindingsRun
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.options import recorded_by
 from mpdiag.sandbox.probe import KIND as PROBE_KIND
 
 BADGES = {"error": "Error", "warning": "Warning", "info": "Note"}
@@ -42,11 +43,13 @@ def reruns_table(model: FindingsRun) -> None:
     ui.table(model.reruns, model.rerun_columns)
 
 
-def shadow_section(shadow: findings_model.Shadow | None) -> None:
+def shadow_section(shadow: findings_model.Shadow | None, run: pd.Series) -> None:
     """Gradients against the FP32 shadow (--shadow-every), tensors ranked by lost precision."""
     if shadow is None:
-        st.caption("No FP32 shadow for this run: rerun with --shadow-every N (the run form's "
-                   "'FP32 shadow every') to rank tensors by the precision their gradients lose.")
+        how = recorded_by(run["config"])
+        again = record_again_with(how, "shadow_every") + ("" if how == "recorder" else " (the run form's 'FP32 "
+                                                                                      "shadow every')")
+        st.caption(f"No FP32 shadow for this run. {again} to rank tensors by the precision their gradients lose.")
         return
     error = "‖g − g_fp32‖ / ‖g_fp32‖ at a shadow step: the gradient's error against FP32, relative to its size"
     st.dataframe(shadow.ranking.rename(columns={"meaningful": "reference not negligible"}), hide_index=True,
@@ -123,7 +126,7 @@ def findings_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> Non
         finding_card(store, run, i, card)
     reruns_table(model)
     st.subheader("Gradients against the FP32 shadow", anchor=EVIDENCE_SECTIONS["gradient-error"])
-    shadow_section(model.shadow)
+    shadow_section(model.shadow, model.run)
     st.subheader("Optimizer updates against the weight format", anchor=EVIDENCE_SECTIONS["update-swamping"])
     updates_section(model)
     with st.expander("Console output", expanded=False):  # what the run's process printed, as text

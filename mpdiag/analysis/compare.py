@@ -14,7 +14,7 @@ import pandas as pd
 
 from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, judged_level, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
-from mpdiag.options import applies, watch_settings
+from mpdiag.options import applies, recorded_by, watch_settings
 from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
@@ -81,10 +81,13 @@ def training_of(run: pd.Series) -> tuple | None:
 
 def reference_hint(run: pd.Series) -> str:
     """How to record the FP32 reference a run lacks: a watched script has no twin (watch runs the script once), an
-    O0 rerun of its command is one."""
-    if watch_settings(run["config"]) is not None:
+    O0 rerun of its command is one; a Recorder's loop is the user's to run again in FP32."""
+    how = recorded_by(run["config"])
+    if how == "watch":
         return (f"rerun it at O0: the Runs page's rerun form, or python -m mpdiag rerun {int(run['run_id'])} "
                 "--opt-level O0")
+    if how == "recorder":
+        return "record your loop again in FP32, without autocast, on the same seed and batches"
     return "start runs with 'Also run an FP32 twin', or --pair"
 
 
@@ -248,7 +251,7 @@ def fp16_underflow_parts(totals: pd.DataFrame, twin_totals: pd.DataFrame | None,
     return pd.concat(parts, ignore_index=True).assign(run=label).dropna(subset=["share"])
 
 
-NONFINITE_PART = "inf or NaN when recorded (in an FP16 run: its backward pass overflowed, or its loss was not finite)"
+NONFINITE_PART = "inf or NaN when recorded"
 OVERFLOW_PART = "would overflow if cast to FP16 (counted)"
 
 

@@ -316,7 +316,8 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     where = located.get("fwd" if forward else "bwd", located.get("fwd"))
     page, focus = ("Modules", {"module": where["module"]}) if where is not None else ("Loss_scale", {})
     evidence = (f"{int(skipped.sum())} of {len(steps)} steps skipped ({skipped.mean():.1%}), longest run {longest}; "
-                f"scale fell to {lowest:g}; loss non-finite at {int(nonfinite_loss.sum())} steps."
+                f"scale fell to {scale_text(lowest)}; loss non-finite at {int(nonfinite_loss.sum())} "
+                f"step{'' if int(nonfinite_loss.sum()) == 1 else 's'}."
                 + (first_nonfinite(modules) if modules is not None else "")
                 + ("" if modules is not None and len(modules) else
                    f" {record_again_with(recorded_by(run.get('config')), 'trace_modules')} to locate the module."))

@@ -197,7 +197,7 @@ def gradient_ranking(totals: pd.DataFrame, fmt: str, at_scale: bool, flushed_by_
         keys, said = ["zero_or_low_share", "overflow_share"], (
             f"Ranked by the share of values recorded as exact zeros or as {fmt} subnormals or underflow, then by "
             f"{fmt} overflow: the values FP16 flushed are exact zeros in this record, so its underflow share cannot "
-            "see them, and without an FP32 twin (--pair) the zeros FP16 made cannot be told from genuine ones.")
+            "see them, and without an FP32 twin the zeros FP16 made cannot be told from genuine ones.")
     ranking = ranking.sort_values(keys, ascending=False, na_position="last", kind="stable").reset_index(drop=True)
     return ranking, said
 

@@ -15,6 +15,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from mpdiag.analysis.summaries import IF_CAST, SIGNAL_LINES
 from mpdiag.numerics.formats import FP16
 
 #: Fixed colours for runs on the Compare page, by position of the run in the selection.
@@ -447,6 +448,12 @@ def loss_scale_panel(steps: pd.DataFrame, marked: int | None = None) -> alt.VCon
     return stacked_over_steps(*panels)
 
 
+#: each per-step signal line's colour (summaries.SIGNAL_LINES; a format's line "if cast" in its format's colour)
+SIGNAL_COLOURS = {"NaN values": "#d62728", "+inf values": "#ff7f0e", "-inf values": "#8c564b",
+                  "FP16 overflow at the scale": "#9467bd", "FP16 underflow at the scale": "#1f77b4",
+                  "BF16 overflow at the scale": "#e377c2", "BF16 underflow at the scale": "#17becf"}
+
+
 @_reused
 def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     """The per-step signals (summaries.signal_lines): one line per kind, values summed over the tensors on a
@@ -455,12 +462,19 @@ def signal_lines(lines: pd.DataFrame) -> alt.Chart:
     # a labelled tick at 0 and each power of ten up to the one above the highest line (the axis's top): Vega's own
     # symlog ticks were 0 and the top alone, so a flat line (an all-NaN run's ~18k a step) could not be read off
     ticks = [0] + [10**k for k in range(1, max(1, math.ceil(math.log10(top)) if top > 0 else 1) + 1)]  # 1 would sit on 0
+    order = [*SIGNAL_LINES]
+    names = sorted(set(lines["line"]), key=lambda name: (order.index(name.removesuffix(IF_CAST))
+                                                         if name.removesuffix(IF_CAST) in order else len(order), name))
+    spare = iter(["#7f7f7f", "#bcbd22", "#2ca02c", "#aec7e8"])  # a line outside SIGNAL_LINES (none today)
+    colours = [SIGNAL_COLOURS.get(name.removesuffix(IF_CAST)) or next(spare, "#7f7f7f") for name in names]
     return _fit(_with_lone_points(alt.Chart(lines).mark_line(interpolate="step-after").encode(
         x=STEP_X, y=alt.Y("values:Q", title="values (all tensors)",
                           scale=alt.Scale(type="symlog", domain=[0, ticks[-1]]),
                           axis=alt.Axis(values=ticks, format=",d", labelOverlap=False)),
-        # the names ("FP16 underflow at the scale", 27 characters) were cut at Vega's default 160 px
-        color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top", labelLimit=280)),
+        # the names ("FP16 underflow at the scale", 27 characters) were cut at Vega's default 160 px; each line its
+        # own colour in every run (by order of appearance, NaN was blue in one run and red in the next)
+        color=alt.Color("line:N", title=None, legend=alt.Legend(orient="top", labelLimit=280),
+                        scale=alt.Scale(domain=names, range=colours)),
         tooltip=["step:Q", "line:N", alt.Tooltip("values:Q", format=",d")],
     ), "values", by="line").properties(height=180, title="over/underflow per step, kept or not"))
 

@@ -38,6 +38,7 @@ from mpdiag.analysis.compare import (
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import TABLE_PX, Column, loss_digits
 from mpdiag.dashboard.untrusted import plain
+from mpdiag.options import recorded_by
 from mpdiag.store import Store
 
 
@@ -79,7 +80,8 @@ class Fp16Shares:
     under: pd.DataFrame | None
     over: pd.DataFrame | None
     no_stats: list[str]
-    no_twin: list[str]
+    #: the FP16 runs without an FP32 twin: (label, how it was recorded, options.recorded_by)
+    no_twin: list[tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class CompareRuns:
                 continue
             twin = reads.twin_totals(self.store, fp32_twin_row(self.all_runs, r))
             if twin is None and summaries.judged_level(r) in summaries.FP16_LEVELS:
-                no_twin.append(lab)
+                no_twin.append((lab, recorded_by(r["config"])))
             parts.append(fp16_underflow_parts(totals, twin, summaries.judged_level(r), lab))
             overflow.append(fp16_overflow_parts(totals, lab))
         if not parts:

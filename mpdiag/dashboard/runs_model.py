@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from mpdiag.analysis.run_choice import LIVE_STATUSES
@@ -63,7 +64,9 @@ def table(store: Store, runs: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame
     line. The page shows it in parts (:data:`TABLE_COLUMNS`, :data:`MORE_TABLES`)."""
     version = reads.findings_version(store, runs)
     table = runs_table(shown, [reads.finding_severities(store, run, version, runs) for _, run in shown.iterrows()])
-    table["final loss"] = loss_texts(shown["final_loss"], loss_digits(runs))
+    # blank for a run that recorded no step (one that crashed before its first read "NaN", a loss it never had)
+    table["final loss"] = np.where(shown["steps_done"].fillna(0).to_numpy() > 0,
+                                   loss_texts(shown["final_loss"], loss_digits(runs)), "")
     table["opt level"] = [level_text(level, ranks) for level, ranks in zip(shown["opt_level"], shown["world_size"],
                                                                           strict=True)]
     table.insert(table.columns.get_loc("loss scale") + 1, "tags", shown["tags"].map(", ".join).to_numpy())

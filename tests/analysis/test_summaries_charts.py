@@ -397,3 +397,20 @@ def test_signal_lines_of_a_format_the_run_does_not_compute_in_say_if_cast():
     assert "if cast" not in summaries.signal_note(totals, 2, "custom")
     fp16_only = totals.assign(bf16_underflow_at_scale=0)
     assert "if cast" not in summaries.signal_note(fp16_only, 2, "O1")  # no such line drawn: nothing to explain
+
+
+def test_each_signal_line_keeps_its_colour_whichever_lines_a_run_has():
+    """NaN was blue on a run with no inf (Vega colours by order of appearance) and red beside +inf on the next."""
+    def colours(lines: list[str]) -> dict[str, str]:
+        df = pd.DataFrame({"step": [0, 1] * len(lines), "line": [n for n in lines for _ in (0, 1)],
+                           "values": [1, 2] * len(lines)})
+        spec = charts.signal_lines(df).to_dict()
+        scale = (spec["layer"][0] if "layer" in spec else spec)["encoding"]["color"]["scale"]
+        return dict(zip(scale["domain"], scale["range"], strict=True))
+
+    alone = colours(["NaN values"])
+    beside = colours(["+inf values", "NaN values", "FP16 underflow at the scale, if cast"])
+    assert alone["NaN values"] == beside["NaN values"] != beside["+inf values"]
+    assert list(beside) == ["NaN values", "+inf values", "FP16 underflow at the scale, if cast"]  # drawing order
+    assert beside["FP16 underflow at the scale, if cast"] == colours(["FP16 underflow at the scale"])[
+        "FP16 underflow at the scale"]

@@ -47,6 +47,20 @@ def test_home_lists_runs_with_status_and_crashed_run_explained(filled_store, mon
     assert "exited without closing the run" in texts(at)
 
 
+def test_a_run_that_recorded_no_step_shows_no_final_loss(tmp_path):
+    """A script that failed before its first step read "NaN" as its final loss, a loss it never had."""
+    from mpdiag.dashboard import runs_model
+    from mpdiag.store import StoreWriter
+
+    with StoreWriter(tmp_path / "runs.db", finish_runs=True) as writer:
+        run_id = writer.create_run(name="crashed", opt_level="custom", device="cpu")
+        writer.end_run(run_id, "failed", error="AttributeError: callback bug")
+    store = Store(tmp_path / "runs.db")
+    runs = store.runs()
+    assert int(runs["steps_done"].iloc[0]) == 0
+    assert runs_model.table(store, runs, runs).set_index("run").loc[run_id, "final loss"] == ""
+
+
 def test_the_runs_view_model_reads_health_from_each_runs_findings_and_shows_a_notes_first_line(filled_store):
     """mpdiag.dashboard.runs_model without Streamlit: the table the Runs page draws, against diagnose itself and
     the store's own rows; the filters keep a subset, read from the same one read of the runs table."""

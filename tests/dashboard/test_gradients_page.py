@@ -374,7 +374,7 @@ def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_pa
     runs = store.runs()
     model = compare_model.compare(store, runs.set_index("run_id").loc[[1, 3]].reset_index(), runs, weight=0.0)
     shares = model.fp16_shares()
-    assert shares.no_twin == [model.labels[1]] and not shares.no_stats
+    assert shares.no_twin == [(model.labels[1], "run")] and not shares.no_stats
     flushed = shares.under[shares.under["part"] == FLUSHED_PART]
     assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05
 
