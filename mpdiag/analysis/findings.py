@@ -8,6 +8,7 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 from __future__ import annotations
 
 import dataclasses
+import re
 from urllib.parse import urlencode
 
 import numpy as np
@@ -98,6 +99,26 @@ def recommended_scale(hist: np.ndarray, complete: bool = True, ceiling: int = MA
     if meeting:  # below 2^16 only when 2^16 itself would overflow: then the most headroom that fits
         return min(meeting) if min(meeting) > GRADSCALER_DEFAULT_LOG2 else max(meeting)
     return best if low(best) <= LOW_RANGE_SHARE else None
+
+
+#: mpdiag's options in a recommendation, as a Recorder's user makes the change in their own loop (--init-scale
+#: 2^15 was advised to a loop mpdiag cannot rerun); 2^k becomes Python's 2**k
+_IN_YOUR_LOOP = [
+    (re.compile(r"--loss-scale dynamic --init-scale 2\^(-?\d+)"), r"a dynamic GradScaler(init_scale=2**\1)"),
+    (re.compile(r"--init-scale 2\^(-?\d+)"), r"GradScaler(init_scale=2**\1)"),
+    (re.compile(r"--opt-level bf16"), "BF16 autocast without a GradScaler"),
+    (re.compile(r"--opt-level O1"), "FP16 autocast with FP32 weights and a GradScaler"),
+    (re.compile(r"--opt-level O2"), "O2-style mixed precision (an FP16 model, its normalization layers and the "
+                                    "optimizer's master weights in FP32)"),
+    (re.compile(r"--opt-level O0"), "FP32 (no autocast)"),
+]
+
+
+def in_your_loop(recommendation: str) -> str:
+    """A recommendation as a Recorder's user changes their own loop: mpdiag's options named as the code they are."""
+    for flag, words in _IN_YOUR_LOOP:
+        recommendation = flag.sub(words, recommendation)
+    return recommendation
 
 
 def record_again_with(how: str, option: str) -> str:
@@ -868,6 +889,8 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]
     findings = [f for f in found if f is not None]
+    if recorded_by(run["config"]) == "recorder":
+        findings = [dataclasses.replace(f, recommendation=in_your_loop(f.recommendation)) for f in findings]
     fp8 = recorded_settings(run["config"])
     if fp8 is not None:
         findings += fp8_findings(store.fp8(run_id), fp8)

@@ -469,3 +469,8 @@ def test_underflow_after_the_scale_collapsed_below_one_is_listed_after_the_colla
     underflow = diagnose(Store(tmp_path / "runs.db"), recorder.run_id)[rules.index("gradient-underflow")]
     assert f"The scale backed off to {scale_text(min(scales))} after overflows (scale-collapse, above)" \
         in underflow.evidence, underflow.evidence
+    # a Recorder's loop takes no mpdiag option: "What to change" says the code ("--opt-level bf16" was advised)
+    for finding in diagnose(Store(tmp_path / "runs.db"), recorder.run_id):
+        assert "--" not in finding.recommendation, finding.recommendation
+    assert "BF16 autocast without a GradScaler" in diagnose(Store(tmp_path / "runs.db"), recorder.run_id)[
+        rules.index("scale-collapse")].recommendation
