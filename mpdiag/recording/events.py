@@ -217,6 +217,8 @@ class SpikeRule:
 
 def _scale_words(scale) -> str:
     """A loss scale in an event's summary: 2^27 for a power of two (134217728.0 was written), else its value."""
+    if not isinstance(scale, (int, float)):  # a scaler's state not read (None): as it was written before
+        return str(scale)
     scale = float(scale)
     if math.isfinite(scale) and scale > 0 and math.log2(scale).is_integer():
         return f"2^{int(math.log2(scale))}"
