@@ -594,8 +594,8 @@ RERUN_MARK = " ↻ "
 #: what a rerun's name says about each option that changed, beyond the level (a value of None: the option cleared)
 _CHANGE_WORDS = {
     "loss_scale": lambda v: "the level's scaling" if v is None else "dynamic scaling" if v == "dynamic"
-    else f"static scale {_power_text(v)}",
-    "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {_power_text(v)}",
+    else f"static scale {power_text(v)}",
+    "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {power_text(v)}",
     "steps": lambda v: f"{v} steps",
     "shadow_every": lambda v: "no FP32 shadow" if not v else f"FP32 shadow every {v}",
     "every": lambda v: "statistics thinned after 1000 steps" if v is None else f"statistics every {v}",
@@ -639,19 +639,19 @@ def fix_in_code(fix: Mapping[str, Any]) -> str | None:
                 'Accelerator(mixed_precision="fp16"))')
     if level is None and fix.get("loss_scale") == "dynamic" and fix.get("init_scale") is not None:
         start = f"{float(fix['init_scale']):.0f}"
-        return (f"start the GradScaler at {_power_text(fix['init_scale'])} and let it grow and back off: "
+        return (f"start the GradScaler at {power_text(fix['init_scale'])} and let it grow and back off: "
                 f"torch.amp.GradScaler(init_scale={start}) with growth_interval at its default, 2000 (Lightning: "
                 f'plugins=[MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(init_scale={start}))]; '
                 f"Accelerate: kwargs_handlers=[GradScalerKwargs(init_scale={start})])")
     return None
 
 
-def _power_text(value: Any) -> str:
-    """2^16 for a power of two (as loss scales are written), else the value."""
+def power_text(value: Any) -> str:
+    """2^16 for a power of two (as loss scales are written), else the value (0, 3, inf; None as None)."""
     try:
         exponent = math.log2(float(value))
     except (TypeError, ValueError):
-        return str(value)
+        return f"{value:g}" if isinstance(value, (int, float)) else str(value)
     return f"2^{int(exponent)}" if exponent.is_integer() else f"{float(value):g}"
 
 
