@@ -37,6 +37,9 @@ from mpdiag.numerics.gradstats import DeviceReadback, PendingStats, StepGradStat
 
 #: the name prefix DDP adds to its module's parameters; dropped so a DDP run's tensors are named as the model's
 DDP_PREFIX = "module."
+#: how long a dead rank's naming waits for the exchange rank 0 is in to end (one that succeeds ends in
+#: milliseconds; one the dead rank never joined fails, or blocks until the launcher stops rank 0)
+EXCHANGE_WAIT_S = 0.5
 
 
 def _dtensor_class() -> type | None:
@@ -192,6 +195,8 @@ class RankContext:
     #: every rank's (host name, pid) under torchrun, gathered once when the Recorder starts, to name a dead rank
     _peers: list = field(default_factory=list)
     last_exchanged: int = -1  # the last step whose losses every rank sent (see exchange_loss)
+    #: held by rank 0 through an exchange and the note of its step: a dead rank's naming waits for it
+    _exchanging: threading.Lock = field(default_factory=threading.Lock)
     _dead_watch: DeadRankWatch | None = None
 
     @classmethod
@@ -214,7 +219,16 @@ class RankContext:
         """Rank 0 under torchrun: ``report(text)`` names a rank that dies while the job runs (see
         :class:`DeadRankWatch`; the step is the first whose losses not every rank sent)."""
         if self.is_writer and self._peers:
-            self._dead_watch = DeadRankWatch(self._peers, self.rank, lambda: self.last_exchanged + 1, report)
+            self._dead_watch = DeadRankWatch(self._peers, self.rank, self._unfinished_step, report)
+
+    def _unfinished_step(self) -> int:
+        """The first step whose losses not every rank sent, read once the exchange rank 0 is in, if any, has ended
+        or has been blocked for EXCHANGE_WAIT_S. A rank that finished a step's exchange and then died had sent
+        that step's loss before rank 0 noted the exchange done (CI named a rank killed as step 2 began "died at
+        step 1"); an exchange its dead peer never joined stays blocked until it fails, and its step is the one."""
+        if self._exchanging.acquire(timeout=EXCHANGE_WAIT_S):
+            self._exchanging.release()
+        return self.last_exchanged + 1
 
     @property
     def dead_rank_named(self) -> str | None:
@@ -292,8 +306,9 @@ class RankContext:
             torch.full((1,), float("nan"), dtype=torch.float64, device=device)
         mine = torch.cat([local_loss, counted])
         everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=device)
-        dist.all_gather_single(everyone, mine)
-        self.last_exchanged = step
+        with self._exchanging:
+            dist.all_gather_single(everyone, mine)
+            self.last_exchanged = step
         everyone = everyone.view(self.world_size, 2)
         if self.is_writer:
             self._pending_rows.append((step, DeviceReadback(everyone)))

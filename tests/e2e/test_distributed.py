@@ -180,18 +180,17 @@ def _page(path: str, store_path, run_id: int | None = None, **query):
     return at
 
 
-def _killed_rank_job(start, store_path: Path, named: str) -> tuple[pd.Series, subprocess.CompletedProcess]:
+def _killed_rank_job(start, store_path: Path) -> tuple[pd.Series, subprocess.CompletedProcess]:
     """Run a job whose rank 1 kills itself (``start(store_path)``) and read its run, once more in a fresh store
-    if the first one lost a known race: rank 0 names the death with the step it has itself reached, which lags
-    the dead rank by one when rank 0 is still finishing the step before (CI under load named step 1 for a rank
-    killed at step 2), or torchrun's SIGKILL ends rank 0 before its watch thread has written the naming ("rank 0
-    exited without closing it"). Both are real (docs/distributed.md); what the test asserts is that a job whose
-    rank dies is named so, which a second try on a quiet moment shows."""
+    if the first one lost the known race: torchrun's SIGKILL ends rank 0 before its watch thread has written the
+    naming ("rank 0 exited without closing it", docs/distributed.md). What the test asserts is that a job whose
+    rank dies is named so, which a second try on a quiet moment shows. (The other race, rank 0 naming the step
+    before the dead rank's while still in that step's exchange: tests/recording/test_dead_rank.py.)"""
     for attempt in range(2):
         path = store_path if attempt == 0 else store_path.with_name(f"retry-{store_path.name}")
         done = start(path)
         run = Store(path).runs().iloc[0]
-        if run["status"] == "crashed" and run["error"].startswith(named):
+        if "exited without closing it" not in str(run["error"]):  # named, rightly or not: the test judges it
             break
     return run, done
 
@@ -199,7 +198,7 @@ def _killed_rank_job(start, store_path: Path, named: str) -> tuple[pd.Series, su
 def test_killed_rank_leaves_the_run_crashed_naming_it(tmp_path):
     run, done = _killed_rank_job(
         lambda path: _mpdiag_run(path, "--steps", "6", "--opt-level", "O0", MPDIAG_TEST_KILL_STEP="2"),
-        tmp_path / "runs.db", "rank 1 died (SIGKILL) at step 2")
+        tmp_path / "runs.db")
     assert run["status"] == "crashed", (run["error"], done.stderr[-3000:])
     assert run["error"].startswith("rank 1 died (SIGKILL) at step 2"), run["error"]
 
@@ -290,7 +289,7 @@ def test_a_killed_rank_of_a_users_torchrun_job_is_named(tmp_path, watched):
         return _torchrun(*script, str(store_path), str(out), "ddp", *(["watched"] if watched else []),
                          MPDIAG_TEST_KILL_STEP="1")
 
-    run, done = _killed_rank_job(start, tmp_path / "runs.db", "rank 1 died at step 1")
+    run, done = _killed_rank_job(start, tmp_path / "runs.db")
     assert done.returncode != 0
     # rank 0 either failed in the all-reduce its dead peer left, or was stopped by torchrun first (possibly while
     # blocked in that all-reduce): either way the run names the rank that died and the step it did not finish
