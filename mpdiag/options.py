@@ -594,8 +594,8 @@ RERUN_MARK = " ↻ "
 #: what a rerun's name says about each option that changed, beyond the level (a value of None: the option cleared)
 _CHANGE_WORDS = {
     "loss_scale": lambda v: "the level's scaling" if v is None else "dynamic scaling" if v == "dynamic"
-    else f"static scale {power_text(v)}",
-    "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {power_text(v)}",
+    else f"static scale {scale_text(v)}",
+    "init_scale": lambda v: "the script's initial scale" if v is None else f"initial scale {scale_text(v)}",
     "steps": lambda v: f"{v} steps",
     "shadow_every": lambda v: "no FP32 shadow" if not v else f"FP32 shadow every {v}",
     "every": lambda v: "statistics thinned after 1000 steps" if v is None else f"statistics every {v}",
@@ -639,20 +639,31 @@ def fix_in_code(fix: Mapping[str, Any]) -> str | None:
                 'Accelerator(mixed_precision="fp16"))')
     if level is None and fix.get("loss_scale") == "dynamic" and fix.get("init_scale") is not None:
         start = f"{float(fix['init_scale']):.0f}"
-        return (f"start the GradScaler at {power_text(fix['init_scale'])} and let it grow and back off: "
+        return (f"start the GradScaler at {scale_text(fix['init_scale'])} and let it grow and back off: "
                 f"torch.amp.GradScaler(init_scale={start}) with growth_interval at its default, 2000 (Lightning: "
                 f'plugins=[MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(init_scale={start}))]; '
                 f"Accelerate: kwargs_handlers=[GradScalerKwargs(init_scale={start})])")
     return None
 
 
-def power_text(value: Any) -> str:
-    """2^16 for a power of two (as loss scales are written), else the value (0, 3, inf; None as None)."""
+def scale_text(value: Any, digits: bool = False) -> str:
+    """A loss scale as every page, finding, event and name writes it: a power of two from 2^4 up or from 2^-4 down
+    as 2^k (GradScaler's 2^16, never 65,536 beside 2^28 in one column; ``digits``: 2^16 (65,536) where there is
+    room), other scales as their number (1, 8, 0.5, 1,000, 0); "not recorded" (NaN), "not finite" (inf); a value
+    that is not a number as written ("dynamic", None)."""
     try:
-        exponent = math.log2(float(value))
+        number = float(value)
     except (TypeError, ValueError):
-        return f"{value:g}" if isinstance(value, (int, float)) else str(value)
-    return f"2^{int(exponent)}" if exponent.is_integer() else f"{float(value):g}"
+        return str(value)
+    if math.isnan(number):
+        return "not recorded"
+    if math.isinf(number):
+        return "not finite"
+    mantissa, exponent = math.frexp(number)
+    if mantissa == 0.5 and abs(exponent - 1) >= 4:
+        k = exponent - 1
+        return f"2^{k} ({number:,.0f})" if digits and k > 0 else f"2^{k}"
+    return f"{number:,.10g}" if abs(number) >= 1 or number == 0 else f"{number:.6g}"
 
 
 def rerun_name(parent_name: object, before: Mapping[str, Any], after: Mapping[str, Any]) -> str:

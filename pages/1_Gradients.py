@@ -13,6 +13,7 @@ from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.gradients_model import CATEGORIES, GRID_FIRST, Ranking, StepView, TensorView
 from mpdiag.dashboard.untrusted import plain, url_count
 from mpdiag.numerics.formats import EXP_MIN
+from mpdiag.options import scale_text
 
 
 def gradients_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
@@ -90,7 +91,7 @@ def step_tiles(ranking: Ranking, at: StepView) -> None:
     the what-if's three below. (The tiles always showed S·g: under the default view, g's histogram coloured most
     bars as underflow above tiles saying 0% underflow.)"""
     fmt, step, scale = ranking.fmt, at.step, at.scale
-    scaled = f"S·g at this step's loss scale {summaries.scale_text(scale)}"
+    scaled = f"S·g at this step's loss scale {scale_text(scale)}"
     shown, other = (scaled, "the unscaled gradient g (2^0)") if ranking.at_scale else ("g, unscaled", scaled)
     if at.bars is not None:
         ui.show_chart(charts.step_histogram(at.bars, f"step {step:,}: {shown}, coloured by {fmt} region"),

@@ -8,10 +8,10 @@ torch.
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis import summaries
 from mpdiag.dashboard import charts, loss_scale_model
 from mpdiag.dashboard import frame as ui
 from mpdiag.dashboard.untrusted import plain, url_count
+from mpdiag.options import scale_text
 
 
 def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:
@@ -27,7 +27,7 @@ def loss_scale_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> N
     m[1].metric(f"skipped ({events['skips'] / len(steps):.1%})", f"{events['skips']:,}")
     m[2].metric("backoffs", f"{events['backoffs']:,}")
     m[3].metric("growths", f"{events['growths']:,}")
-    m[4].metric("lowest scale", summaries.scale_text(events["min_scale"]))
+    m[4].metric("lowest scale", scale_text(events["min_scale"]))
     m[5].metric("loss NaN/inf", f"{model.nonfinite_losses:,} step{'' if model.nonfinite_losses == 1 else 's'}")
     if run["scaling"] == "none":
         st.info(f"{plain(run['opt_level'])} does not scale the loss: the scale is 1 at every step.")

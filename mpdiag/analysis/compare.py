@@ -14,7 +14,7 @@ import pandas as pd
 
 from mpdiag.analysis.summaries import FP16_LEVELS, flushed_to_zero, judged_level, tensor_ranking
 from mpdiag.numerics.formats import EXP_MIN
-from mpdiag.options import applies, recorded_by, watch_settings
+from mpdiag.options import applies, recorded_by, scale_text, watch_settings
 from mpdiag.recording.retention import DENSE_START_STEPS, THIN_EVERY
 
 #: Losses diverge at the first step where |loss - loss_ref| > DIVERGENCE_RTOL * |loss_ref|, or where exactly
@@ -323,20 +323,6 @@ def _missing(value) -> bool:
         return False
 
 
-def scale_text(value: float) -> str:
-    """A loss scale: 2^k when it is a power of two (with its digits when k >= 4: 2^23 (8,388,608)), else its
-    number; small powers of two (2^-3 to 2^3) as their number, "1" not "2^0"."""
-    value = float(value)
-    if value > 0 and math.isfinite(value):
-        mantissa, exponent = math.frexp(value)
-        if mantissa == 0.5:
-            k = exponent - 1
-            if -3 <= k <= 3:
-                return f"{value:g}"
-            return f"2^{k} ({value:,.0f})" if k >= 4 else f"2^{k}"
-    return f"{value:,.10g}"
-
-
 def setting_text(field: str, value) -> str:
     """One setting of one run as the Configuration table writes it: MISSING when the run has none (never "nan" or
     "None"), a scale as 2^k, a count with separators, a run link as #id, yes/no for a switch."""
@@ -349,7 +335,7 @@ def setting_text(field: str, value) -> str:
     if isinstance(value, str):
         return value
     if field in SCALE_FIELDS:
-        return scale_text(value)
+        return scale_text(value, digits=True)
     if field in COUNT_FIELDS and float(value) == int(value):
         text = f"{int(value):,}"
         return f"{text} (off)" if field == "shadow_every" and int(value) == 0 else text

@@ -12,6 +12,7 @@ import pandas as pd
 
 from mpdiag.analysis.run_choice import script_names
 from mpdiag.numerics.formats import EXP_MIN, FP16, LOW_PRECISION, Format
+from mpdiag.options import scale_text
 from mpdiag.recording.retention import AFTER, BEFORE, DENSE_START_STEPS, EVERY, START, THIN_EVERY
 
 #: Largest number of marks one chart sends to the browser.
@@ -755,19 +756,8 @@ def health(severities: list[str], status: str = "finished", skipped: int = 0) ->
 
 def _scale_text(scale) -> str:
     """A loss scale as the runs table shows it: blank when the run has none (not "None"), else as
-    :func:`scale_text` says it: 65,536 exactly, 2^35 (its 34,359,738,368 was cut in the column to "3.435973837e+1")."""
+    :func:`mpdiag.options.scale_text` says it: 2^35 (its 34,359,738,368 was cut in the column to "3.435973837e+1")."""
     return "" if scale is None or pd.isna(scale) else scale_text(scale)
-
-
-def scale_text(scale: float) -> str:
-    """A loss scale for a reader: 0, 65,536, 0.5, or 2^-83 / 2^40 for powers of two far from 1 (never 1e-25)."""
-    scale = float(scale)
-    if not math.isfinite(scale):
-        return "not finite" if not math.isnan(scale) else "not recorded"
-    exponent = log2_exponent(scale)
-    if exponent is not None and 2.0**exponent == scale and abs(exponent) > 16:
-        return f"2^{exponent}"
-    return f"{scale:,.10g}" if scale >= 1 or scale == 0 else f"{scale:.6g}"
 
 
 def stall_text(run: pd.Series) -> str:

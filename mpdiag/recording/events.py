@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mpdiag.options import StopOn, power_text
+from mpdiag.options import StopOn, scale_text
 
 NONFINITE, SKIPS, SCALE_COLLAPSE, LOSS_SPIKE, GRAD_NORM_SPIKE = (
     "nonfinite", "skips", "scale-collapse", "loss-spike", "grad-norm-spike")
@@ -133,7 +133,7 @@ class SkipStreakRule:
         return Event(step, self.kind, {
             # said when the streak reaches ``streak`` steps: it may go on (the run's finding counts the longest)
             "summary": f"{self.streak} optimizer steps skipped in a row (steps {step - self.streak + 1}-{step}, "
-                       f"so far); scale now {power_text(row[_SCALE_AFTER])}",
+                       f"so far); scale now {scale_text(row[_SCALE_AFTER])}",
             "first_step": step - self.streak + 1, "streak": self.streak, "scale_after": _json(row[_SCALE_AFTER]),
             "rule": f"{self.streak} skipped optimizer steps in a row"})
 
@@ -155,7 +155,7 @@ class ScaleCollapseRule:
             return None
         self.fired = True
         return Event(row[_STEP], self.kind, {
-            "summary": f"the loss scale fell to {power_text(after)} (from {power_text(row[_SCALE])} at this step)",
+            "summary": f"the loss scale fell to {scale_text(after)} (from {scale_text(row[_SCALE])} at this step)",
             "scale": _json(row[_SCALE]), "scale_after": _json(after), "skipped": row[_SKIPPED],
             "rule": f"the dynamic loss scale below {SCALE_FLOOR:g} after its update"})
 

@@ -442,7 +442,7 @@ def test_underflow_after_the_scale_collapsed_below_one_is_listed_after_the_colla
     import torch
 
     from mpdiag import Recorder
-    from mpdiag.analysis.summaries import scale_text
+    from mpdiag.options import scale_text
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))

@@ -23,6 +23,7 @@ from mpdiag.options import (
     ConfigError,
     RunConfig,
     flag,
+    scale_text,
 )
 from mpdiag.training.policies import POLICIES
 from mpdiag.training.runner import rerun_plan, train
@@ -294,3 +295,16 @@ def test_every_defaults_to_the_thinned_retention_in_the_table_the_flags_and_both
     widget.set_value(1).run()
     assert at.session_state["options"]["every"] == 1
     assert RunConfig(every=1).validate() is None and RunConfig().validate() is None
+
+
+def test_a_loss_scale_is_written_one_way_everywhere():
+    """options.scale_text is the one writer of a loss scale (runs table, Compare, findings, events, rerun names):
+    powers of two from 2^4 up and from 2^-4 down as 2^k, so GradScaler's 2^16 never reads 65,536 beside a 2^28 in
+    one column; small and other scales as their number."""
+    assert [scale_text(2.0**k) for k in (16, 15, 35, 4, -4, -83)] == ["2^16", "2^15", "2^35", "2^4", "2^-4", "2^-83"]
+    assert [scale_text(v) for v in (1.0, 8.0, 0.5, 0.125, 1000.0, 0.0, 3.0)] == ["1", "8", "0.5", "0.125", "1,000",
+                                                                                   "0", "3"]
+    assert scale_text(2.0**16, digits=True) == "2^16 (65,536)" and scale_text(2.0**-20, digits=True) == "2^-20"
+    assert (scale_text(float("nan")), scale_text(float("inf")), scale_text("dynamic")) == ("not recorded",
+                                                                                          "not finite", "dynamic")
+    assert scale_text(134217728.0) == "2^27"  # an event wrote 134217728.0, which read as a streak's length
