@@ -40,6 +40,7 @@ def reruns_table(model: FindingsRun) -> None:
     if model.reruns.empty:
         return
     st.subheader("Reruns of this run")
+    st.caption("The first row is this run itself: each rerun's loss is read against it and against FP32.")
     ui.table(model.reruns, model.rerun_columns)
 
 

@@ -964,26 +964,36 @@ def evidence_link(finding: Finding, run_id: int) -> str:
 
 
 def rerun_outcomes(store: Store, run_id: int, findings: list[Finding], runs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The reruns of a run (its mixed-precision children), one row each: run id, status, final loss; for a
-    finished rerun, per finding of the parent whether its rule is "gone" or "still there", and its final loss
-    against its FP32 reference ("vs FP32": relative difference in percent). Empty when the run was never rerun.
-    ``runs`` as for :func:`diagnose`."""
+    """The reruns of a run (its mixed-precision children), one row each after the run's own (``this run`` True),
+    whose losses they are read against: run id, status, final loss, and for a finished one its final loss against
+    its FP32 reference ("vs FP32": relative difference in percent); for a finished rerun, per finding of the
+    parent whether its rule is "gone" or "still there". Empty when the run was never rerun. ``runs`` as for
+    :func:`diagnose`."""
     runs = store.runs() if runs is None else runs
     if runs.empty:
         return pd.DataFrame()
     children = runs[(runs["parent_run_id"] == int(run_id)) & (runs["opt_level"] != "O0")]
-    rows = []
+    if children.empty:
+        return pd.DataFrame()
+    rows = [{**_loss_outcome(runs, runs.loc[runs["run_id"] == int(run_id)].iloc[0]), "this run": True}]
     for _, child in children.iterrows():
-        row = {"run": int(child["run_id"]), "name": child["name"], "opt level": child["opt_level"],
-               "status": child["status"], "final loss": child["final_loss"]}
+        row = {**_loss_outcome(runs, child), "this run": False}
         if child["status"] == "finished":
             after = diagnose(store, int(child["run_id"]), runs)
             for f in findings:
                 row[f.rule] = "gone" if finding_resolved(f, after) else "still there"
-            ref = reference_run(runs, int(child["run_id"]))
-            if ref is not None:
-                ref_loss = float(runs.loc[runs["run_id"] == ref, "final_loss"].iloc[0])
-                row["FP32 final loss"] = ref_loss
-                row["vs FP32"] = 100 * (child["final_loss"] - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _loss_outcome(runs: pd.DataFrame, run: pd.Series) -> dict:
+    """A run's row of :func:`rerun_outcomes` without its findings; a finished one's loss against its FP32
+    reference too."""
+    row = {"run": int(run["run_id"]), "name": run["name"], "opt level": run["opt_level"], "status": run["status"],
+           "final loss": run["final_loss"]}
+    ref = reference_run(runs, int(run["run_id"])) if run["status"] == "finished" else None
+    if ref is not None:
+        ref_loss = float(runs.loc[runs["run_id"] == ref, "final_loss"].iloc[0])
+        row["FP32 final loss"] = ref_loss
+        row["vs FP32"] = 100 * (run["final_loss"] - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
+    return row

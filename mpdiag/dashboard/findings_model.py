@@ -22,7 +22,7 @@ from mpdiag.analysis.findings import (
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import RUN_PX, Column, loss_digits, loss_texts
-from mpdiag.options import fix_in_code, fix_text, watch_settings
+from mpdiag.options import RERUN_MARK, fix_in_code, fix_text, watch_settings
 from mpdiag.store import Store
 
 
@@ -87,13 +87,15 @@ class FindingsRun:
 #: every column on screen (each finding a column of its own, with its long name, pushed them off)
 RERUN_COLUMNS = {
     "run": Column(width=RUN_PX, kind="number", pinned=True),
-    "name": Column(width=150, help="Hover a cell for a long name."),
+    "name": Column(width=150, help="This run's name, then each rerun's: what it changed (↻), or the name typed for "
+                                   "it. Hover a cell for a long name."),
     "status": Column(width=70),
     "vs FP32": Column(width=80, kind="number", format="%+.3f %%",
-                      help="The rerun's final loss minus its FP32 reference's, in % of the reference's."),
-    "final loss": Column(width=84, help="The rerun's last step's loss, as every page writes it."),
+                      help="The run's final loss minus its FP32 reference's, in % of the reference's: the first "
+                           "row is this run's, to read the reruns' against."),
+    "final loss": Column(width=84, help="The run's last step's loss, as every page writes it."),
     "still there": Column(width=160, help="This run's findings (the cards above) that the rerun raises too; none: "
-                                          "every one went away. Blank until the rerun has finished."),
+                                          "every one went away. Blank until the rerun has finished, and for this run itself."),
     "gone": Column(width=70, help="How many of this run's findings the rerun no longer raises."),
     "opt level": Column("level", width=58),
     "FP32 final loss": Column("FP32 loss", width=100, help="The final loss of the FP32 run the rerun is compared "
@@ -103,9 +105,11 @@ RERUN_COLUMNS = {
 
 def reruns_table(outcomes: pd.DataFrame, findings: list[Finding], runs: pd.DataFrame) -> tuple[pd.DataFrame,
                                                                                                  dict[str, Column]]:
-    """The reruns' outcomes (findings.rerun_outcomes) as the page shows them: per rerun, the run's findings it still
-    raises and how many went away (a column per finding did not fit), its losses as every page writes them (the
-    digits of ``runs``, tables.loss_digits); and the columns it has (none about findings for a run without any)."""
+    """The reruns' outcomes (findings.rerun_outcomes) as the page shows them: the run's own row first, named "this
+    run: ...", whose losses the reruns' are read against (a rerun that removed every finding and ended at a worse
+    loss read "2 of 2" gone and nothing else); per rerun, the run's findings it still raises and how many went away
+    (a column per finding did not fit), its losses as every page writes them (the digits of ``runs``,
+    tables.loss_digits); and the columns it has (none about findings for a run without any)."""
     if outcomes.empty:
         return outcomes, {}
     rules = [f.rule for f in findings if f.rule in outcomes.columns]
@@ -114,8 +118,11 @@ def reruns_table(outcomes: pd.DataFrame, findings: list[Finding], runs: pd.DataF
     digits = loss_digits(runs)
     missing = pd.Series(np.nan, index=outcomes.index)
     reference = outcomes.get("FP32 final loss", missing)
+    own = outcomes.get("this run", pd.Series(False, index=outcomes.index)).eq(True)  # NaN: a rerun
     table = pd.DataFrame({
-        "run": outcomes["run"], "name": outcomes["name"], "status": outcomes["status"],
+        "run": outcomes["run"],
+        "name": [_rerun_label(n, mine) for n, mine in zip(outcomes["name"], own, strict=True)],
+        "status": outcomes["status"],
         "vs FP32": outcomes.get("vs FP32", missing).astype(float),
         "final loss": loss_texts(outcomes["final loss"], digits),
         "still there": [(", ".join(s) or "none") if j else "" for s, j in zip(still, judged, strict=True)],
@@ -126,6 +133,15 @@ def reruns_table(outcomes: pd.DataFrame, findings: list[Finding], runs: pd.DataF
     })
     columns = {c: spec for c, spec in RERUN_COLUMNS.items() if rules or c not in ("still there", "gone")}
     return table, columns
+
+
+def _rerun_label(name: object, this_run: bool) -> str:
+    """A row's name in the reruns table: "this run: ..." for the run itself; a rerun named by mpdiag by what it
+    changed ("↻ bf16"), which its 150 px showed only after the parent's script name, cut ("x.py ↻" twice)."""
+    text = str(name)
+    if this_run:
+        return f"this run: {text}"
+    return RERUN_MARK.lstrip() + text.rsplit(RERUN_MARK, 1)[1] if RERUN_MARK in text else text
 
 
 def card(run: pd.Series, final: bool, runs: pd.DataFrame, finding: Finding) -> Card:

@@ -325,7 +325,8 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert "finished, 6 of 6 steps recorded." in said and "[Gradients](/Gradients?run=2)" in said
     at = app("pages/5_Findings.py", store, monkeypatch, run=str(run_id))
     element = at.dataframe[0]
-    row = element.value.iloc[0]
+    own, row = element.value.iloc[0], element.value.iloc[1]  # this run first, whose loss the rerun's is read against
+    assert own["run"] == run_id and own["name"].startswith("this run: ") and (own["still there"], own["gone"]) == ("", "")
     rules = [f.rule for f in diagnose(Store(store), run_id)]  # the run's findings, a card each
     still = [r for r in rules if r in row["still there"].split(", ")]
     assert "scale-collapse" in rules and "scale-collapse" not in still  # the fix made it go away
@@ -339,7 +340,7 @@ def test_findings_page_reruns_with_the_fix_and_says_the_finding_went_away(tmp_pa
     assert all(config[c].get("help") for c in ("vs FP32", "final loss", "still there", "gone", "FP32 final loss"))
     # its losses read as every page writes them: the Runs page's text for the same runs
     home = runs_table(app("app.py", store, monkeypatch)).set_index("run")
-    assert row["final loss"] == home.loc[row["run"], "final loss"]
+    assert row["final loss"] == home.loc[row["run"], "final loss"] and own["final loss"] == home.loc[run_id, "final loss"]
 
 
 def test_findings_page_shows_update_swamping_and_the_fp32_shadow_ranking(tmp_path, monkeypatch):

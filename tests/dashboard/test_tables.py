@@ -59,20 +59,24 @@ def _finding(rule: str) -> Finding:
 
 def test_the_reruns_table_names_the_findings_still_there_and_counts_those_gone():
     outcomes = pd.DataFrame([
+        {"run": 1, "name": "x.py", "opt level": "O1", "status": "finished", "final loss": 1.5e-05, "this run": True},
         {"run": 3, "name": "fix", "opt level": "O1", "status": "finished", "final loss": 1.48223e-05,
          "a-rule": "gone", "b-rule": "still there", "FP32 final loss": 1.48231e-05, "vs FP32": -0.005},
-        {"run": 4, "name": "all fixed", "opt level": "bf16", "status": "finished", "final loss": 2.0,
+        {"run": 4, "name": "x.py ↻ bf16", "opt level": "bf16", "status": "finished", "final loss": 2.0,
          "a-rule": "gone", "b-rule": "gone"},
         {"run": 5, "name": "going", "opt level": "O1", "status": "running", "final loss": math.nan},
     ])
     runs = pd.DataFrame({"final_loss": [1.48223e-05, 1.48231e-05, 2.0]})
     table, columns = findings_model.reruns_table(outcomes, [_finding("a-rule"), _finding("b-rule")], runs)
     assert table.columns.tolist() == list(findings_model.RERUN_COLUMNS) == list(columns)
-    assert table["still there"].tolist() == ["b-rule", "none", ""]  # blank until the rerun has finished
-    assert table["gone"].tolist() == ["1 of 2", "2 of 2", ""]
-    assert table["final loss"].tolist() == ["1.4822e-05", "2", "NaN"]  # as the Runs page writes them
-    assert table["FP32 final loss"].tolist() == ["1.4823e-05", "", ""]
-    assert table["vs FP32"].iloc[0] == -0.005 and table["vs FP32"].iloc[1:].isna().all()
+    # the run itself first, whose loss the reruns' are read against: no findings of its own to judge
+    # a rerun named by mpdiag by what it changed (its 150 px showed "x.py ↻" for every rerun); a typed name as typed
+    assert table["name"].tolist() == ["this run: x.py", "fix", "↻ bf16", "going"]
+    assert table["still there"].tolist() == ["", "b-rule", "none", ""]  # blank until the rerun has finished
+    assert table["gone"].tolist() == ["", "1 of 2", "2 of 2", ""]
+    assert table["final loss"].tolist() == ["1.5e-05", "1.4822e-05", "2", "NaN"]  # as the Runs page writes them
+    assert table["FP32 final loss"].tolist() == ["", "1.4823e-05", "", ""]
+    assert table["vs FP32"].iloc[1] == -0.005 and table["vs FP32"].drop(index=1).isna().all()
     # a run without findings: its reruns have no findings to count
     table, columns = findings_model.reruns_table(outcomes[["run", "name", "opt level", "status", "final loss"]], [],
                                                  runs)
