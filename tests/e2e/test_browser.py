@@ -207,20 +207,23 @@ def follow_the_newest_step(browser, server, run_id):
         return now
 
     following = agreed()[0]  # the newest step then: a render that follows shows this or a later one
-    page.locator("[data-testid='stSlider'] input[type=range]").first.focus()
-    for _ in range(3):
-        page.keyboard.press("ArrowLeft")
     # The move has landed once slider and tiles agree below that step; each key press lands on its own (CI under
-    # load took over 1.5 s), so the move is read once it has held for 1.5 s.
-    moved, since, deadline = None, time.time(), time.time() + 20
-    while time.time() < deadline:
-        now = shown()
-        if now[0] == now[1] and now[0] < following:
-            if now != moved:
-                moved, since = now, time.time()
-            elif time.time() - since >= 1.5:
-                break
-        time.sleep(0.25)
+    # load took over 1.5 s), so the move is read once it has held for 1.5 s. A refresh that adds steps makes the
+    # slider anew (frame.step_slider), and key presses sent to the one it replaced reach nothing (CI: the page
+    # followed on from 35 to 59), so the presses go to the slider shown now, again until one move lands.
+    moved, deadline = None, time.time() + 40
+    while moved is None and time.time() < deadline:
+        for _ in range(3):
+            page.locator("[data-testid='stSlider'] input[type=range]").first.press("ArrowLeft")
+        since, settled = time.time(), time.time() + 8
+        while time.time() < settled:
+            now = shown()
+            if now[0] == now[1] and now[0] < following:
+                if now != moved:
+                    moved, since = now, time.time()
+                elif time.time() - since >= 1.5:
+                    break
+            time.sleep(0.25)
     assert moved is not None, (following, shown())
     time.sleep(3)  # several refreshes, each adding steps
     assert agreed() == moved, (moved, shown())
