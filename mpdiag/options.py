@@ -620,6 +620,44 @@ def fix_text(fix: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: where a finding's advice names its fix (Finding.fix), rendered by :func:`fix_said` for the way the run was
+#: recorded: the rules state a fix once, as data, and no sentence spells mpdiag's flags itself
+FIX = "{fix}"
+
+#: an opt level as the change to make in a loop of one's own, where mpdiag's --opt-level means nothing
+_LEVEL_IN_CODE = {
+    "bf16": "BF16 autocast without a GradScaler",
+    "O1": "FP16 autocast with FP32 weights and a GradScaler",
+    "O2": "O2-style mixed precision (an FP16 model, its normalization layers and the optimizer's master weights in "
+          "FP32)",
+    "O0": "FP32 (no autocast)",
+}
+
+
+def fix_said(fix: Mapping[str, Any] | None, how: str) -> str:
+    """A finding's fix as a sentence of its advice says it, for a run recorded ``how`` (:func:`recorded_by`):
+    mpdiag's options (``--opt-level bf16``; ``--loss-scale dynamic --init-scale 8388608 (2^23)``), which ``mpdiag run`` and
+    ``watch`` take; for a Recorder in the user's own loop, which takes none (``--init-scale 2^15`` was advised to
+    one), the change in that loop (``BF16 autocast without a GradScaler``; ``a dynamic
+    GradScaler(init_scale=2**23)``)."""
+    fix = fix or {}
+    level, init = fix.get("opt_level"), fix.get("init_scale")
+    if how == "recorder":
+        if level is not None:
+            return _LEVEL_IN_CODE.get(level, f"mpdiag's {level} level")
+        if init is not None:
+            exponent = math.log2(float(init))
+            power = f"2**{int(exponent)}" if exponent.is_integer() else f"{float(init):g}"
+            return f"a {'dynamic ' if fix.get('loss_scale') == 'dynamic' else ''}GradScaler(init_scale={power})"
+    words = [f"--opt-level {level}"] if level is not None else []
+    if fix.get("loss_scale") is not None:
+        words.append(f"--loss-scale {fix['loss_scale']}")
+    if init is not None:  # as the command line takes it (it reads no 2^23), with the power beside it
+        power = scale_text(init)
+        words.append(f"--init-scale {float(init):.17g}" + (f" ({power})" if power.startswith("2^") else ""))
+    return " ".join(words) or fix_text(fix)
+
+
 def fix_in_code(fix: Mapping[str, Any]) -> str | None:
     """A finding's fix as the change to make in the training code itself (a Recorder's loop, or a watched script's
     own lines, where ``--opt-level`` and ``--init-scale`` are mpdiag's words, not the script's), with its spelling in

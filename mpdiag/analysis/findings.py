@@ -8,7 +8,6 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 from __future__ import annotations
 
 import dataclasses
-import re
 from urllib.parse import urlencode
 
 import numpy as np
@@ -32,8 +31,10 @@ from mpdiag.analysis.summaries import (
 )
 from mpdiag.numerics.formats import EXP_MIN, FP16, resolution_log2
 from mpdiag.options import (
+    FIX,
     command_flags,
     fix_in_code,
+    fix_said,
     recorded_by,
     rerunnable_by_watch,
     scale_text,
@@ -99,26 +100,6 @@ def recommended_scale(hist: np.ndarray, complete: bool = True, ceiling: int = MA
     if meeting:  # below 2^16 only when 2^16 itself would overflow: then the most headroom that fits
         return min(meeting) if min(meeting) > GRADSCALER_DEFAULT_LOG2 else max(meeting)
     return best if low(best) <= LOW_RANGE_SHARE else None
-
-
-#: mpdiag's options in a recommendation, as a Recorder's user makes the change in their own loop (--init-scale
-#: 2^15 was advised to a loop mpdiag cannot rerun); 2^k becomes Python's 2**k
-_IN_YOUR_LOOP = [
-    (re.compile(r"--loss-scale dynamic --init-scale 2\^(-?\d+)"), r"a dynamic GradScaler(init_scale=2**\1)"),
-    (re.compile(r"--init-scale 2\^(-?\d+)"), r"GradScaler(init_scale=2**\1)"),
-    (re.compile(r"--opt-level bf16"), "BF16 autocast without a GradScaler"),
-    (re.compile(r"--opt-level O1"), "FP16 autocast with FP32 weights and a GradScaler"),
-    (re.compile(r"--opt-level O2"), "O2-style mixed precision (an FP16 model, its normalization layers and the "
-                                    "optimizer's master weights in FP32)"),
-    (re.compile(r"--opt-level O0"), "FP32 (no autocast)"),
-]
-
-
-def in_your_loop(recommendation: str) -> str:
-    """A recommendation as a Recorder's user changes their own loop: mpdiag's options named as the code they are."""
-    for flag, words in _IN_YOUR_LOOP:
-        recommendation = flag.sub(words, recommendation)
-    return recommendation
 
 
 def record_again_with(how: str, option: str) -> str:
@@ -201,17 +182,17 @@ def _scale_advice(hist: np.ndarray, twin_hist: np.ndarray | None, run: pd.Series
     k = recommended_scale(hist if twin_hist is None else twin_hist, complete=twin_hist is not None)
     if k is None:
         return (f"No single loss scale fits these gradients in FP16 ({basis}, every scale that avoids overflow "
-                f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use --opt-level bf16 "
+                f"leaves more than {LOW_RANGE_SHARE:.0%} of them underflowing or subnormal); use {FIX} "
                 "(FP32's range).", {"opt_level": "bf16"}, False)
     if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k) and tracks_fp32:
         return (f"Nothing to change for the training: its loss stays within {DIVERGENCE_RTOL:.0%} of its FP32 "
                 f"reference's at dynamic loss scaling from 2^{k}, the largest scale its gradients allow without "
-                f"overflow, {basis}. The values that stay subnormal in FP16 would be kept by --opt-level bf16 (FP32's "
+                f"overflow, {basis}. The values that stay subnormal in FP16 would be kept by {FIX} (FP32's "
                 "range), if they come to matter.", {"opt_level": "bf16"}, True)
     if run.get("scaling") == "dynamic" and run.get("init_scale") == float(2**k):
         return (f"This run already used dynamic loss scaling from 2^{k}, the largest scale its gradients allow "
-                f"without overflow, {basis}, and they still underflow or are subnormal in FP16: use --opt-level "
-                "bf16 (FP32's range).", {"opt_level": "bf16"}, False)
+                f"without overflow, {basis}, and they still underflow or are subnormal in FP16: use {FIX} "
+                "(FP32's range).", {"opt_level": "bf16"}, False)
     kept = whatif_shares(hist if twin_hist is None else twin_hist, k)
     # from the run's own histograms the share is of the values recorded: those FP16 flushed are not among them
     of = "the values" if twin_hist is not None else "the values recorded (not those FP16 flushed)"
@@ -297,7 +278,7 @@ def optimizer_step_nonfinite(run: pd.Series) -> Finding | None:
                 "The loss, every gradient, weight and state value were finite before that step.")
     target = FP32_STATE_LEVEL.get(run["opt_level"])
     if target is not None:
-        recommendation = (f"Keep FP32 master weights and FP32 optimizer state: --opt-level {target}. In "
+        recommendation = (f"Keep FP32 master weights and FP32 optimizer state: {FIX}. In "
                           f"{event['state_dtype']} the optimizer's small terms (e.g. Adam's eps=1e-8, squared "
                           "gradients) round to 0 and its update divides by zero.")
     elif "float16" in f"{event['weight_dtype']} {event['state_dtype']}":  # float16 or bfloat16, kept by the loop
@@ -305,8 +286,8 @@ def optimizer_step_nonfinite(run: pd.Series) -> Finding | None:
                           f"({event['state_dtype'] or 'none'}) in low precision itself (e.g. model.half()), where the "
                           "optimizer's small terms (Adam's eps=1e-8, squared gradients) round to 0. Keep the weights "
                           "and the optimizer state in FP32 and compute in low precision under torch.autocast (FP16 "
-                          "with a GradScaler), or let the optimizer update FP32 master weights (a model script at "
-                          "--opt-level O2).")
+                          "with a GradScaler), or let the optimizer update FP32 master weights (what mpdiag's O2 level "
+                          "sets up for a model script).")
     else:
         recommendation = ("The update itself overflows although the optimizer runs in "
                           f"{event['state_dtype'] or event['weight_dtype']}: lower the learning rate or raise "
@@ -347,7 +328,7 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
             rule="scale-collapse", severity="error",
             title="Overflow in the forward pass: every skipped step had a non-finite loss",
             evidence=evidence + " Backing the scale off cannot help an overflow that happens before the loss.",
-            recommendation="Run with BF16 (FP32's exponent range, no loss scaling needed): --opt-level bf16. "
+            recommendation=f"Run with BF16 (FP32's exponent range, no loss scaling needed): {FIX}. "
                            "Or keep the overflowing op in FP32 (torch.amp.custom_fwd(cast_inputs=torch.float32)).",
             fix={"opt_level": "bf16"}, page=page, focus=focus,
         )
@@ -359,9 +340,8 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
         title=("The loss scale is below 1: it shrinks gradients toward FP16's underflow instead of lifting them"
                if shrinks else "Gradients overflow FP16 at the loss scale: steps are skipped"),
         evidence=evidence,
-        recommendation=(("Scale up, not down: --loss-scale dynamic --init-scale" if shrinks else
-                         "Start the scale lower: --init-scale") + f" 2^{k}" if k is not None else
-                        "No single scale fits these gradients: --opt-level bf16."),
+        recommendation=("Scale up, not down: " if shrinks else "Start the scale lower: ") + FIX if k is not None
+        else f"No single scale fits these gradients: {FIX}.",
         fix={"init_scale": float(2**k), "loss_scale": "dynamic"} if k is not None else {"opt_level": "bf16"},
         page=page, focus=focus,
     )
@@ -399,7 +379,7 @@ def dead_gradients(run: pd.Series, totals: pd.DataFrame, signals: pd.Series | No
         fix = underflow.fix if underflow is not None else {"opt_level": "bf16"}
     if run["opt_level"] == "O3":
         advice = ("Pure FP16 (O3) also stores normalization statistics in FP16, where a running variance above "
-                  "65504 becomes inf and a BatchNorm outputs zeros: keep normalization in FP32 with --opt-level O2.")
+                  "65504 becomes inf and a BatchNorm outputs zeros: keep normalization in FP32 with {FIX}.")
         fix = {"opt_level": "O2"}
     return Finding(
         rule="dead-gradients", severity="warning",
@@ -438,7 +418,7 @@ def needs_bf16_range(run: pd.Series, tensors: list[str], per_tensor: np.ndarray)
         title="Gradient ranges wider than FP16 can hold at any single scale",
         evidence="; ".join(f"{t}: 2^{lo} to 2^{hi}" for t, lo, hi in wide[:5])
                  + f" (99.8 % of values; FP16 spans 2^{FP16.min_subnormal_exponent} to 65504, {FP16_SPAN_BINS} bins).",
-        recommendation="BF16 has FP32's exponent range: --opt-level bf16.",
+        recommendation=f"BF16 has FP32's exponent range: {FIX}.",
         tensors=[t for t, _, _ in wide], fix={"opt_level": "bf16"},
     )
 
@@ -520,7 +500,7 @@ def scale_ignored(run: pd.Series, probe: dict | None) -> Finding | None:
                   f"the same gradients (ratio 1), but {len(probe['failing'])} tensor(s) changed by "
                   f"{high / low:g}× the other way: {ratios}.{where}"),
         recommendation=("Multiply by grad_output in the Function's backward (and decorate it with "
-                        "torch.amp.custom_fwd/custom_bwd). Until then train without loss scaling: --opt-level bf16."),
+                        f"torch.amp.custom_fwd/custom_bwd). Until then train without loss scaling: {FIX}."),
         tensors=probe["failing"], fix={"opt_level": "bf16"},
     )
 
@@ -544,8 +524,8 @@ def update_swamping(run: pd.Series, updates: pd.DataFrame) -> Finding | None:
                                   "after each step.")
         else:
             fix = {"fp16": {"opt_level": "O2"}, "bf16": {"opt_level": "bf16"}}[fmt]
-            masters = ("--opt-level O2 (FP16 model, FP32 masters in the optimizer)." if fmt == "fp16" else
-                       "--opt-level bf16 (FP32 weights, BF16 autocast).")
+            masters = (f"{FIX} (FP16 model, FP32 masters in the optimizer)." if fmt == "fp16" else
+                       f"{FIX} (FP32 weights, BF16 autocast).")
         return Finding(
             rule="update-swamping", severity="warning",
             title=f"Weight updates are lost: too small for {fmt.upper()} weights",
@@ -579,7 +559,7 @@ def gradient_error(run: pd.Series, shadow: pd.DataFrame, underflow: Finding | No
         fix = underflow.fix
     elif level in ("O2", "O3", "bf16-pure", "bf16"):
         advice = ("Run the model under autocast FP16 with FP32 weights, which keeps precision-sensitive ops in FP32: "
-                  "--opt-level O1" + (" (FP16 has 3 more mantissa bits than BF16)." if level.startswith("bf16") else "."))
+                  + FIX + (" (FP16 has 3 more mantissa bits than BF16)." if level.startswith("bf16") else "."))
         fix = {"opt_level": "O1"}
     else:
         advice, fix = ("Keep the modules owning these tensors in FP32: wrap them in torch.autocast(device_type, "
@@ -888,9 +868,9 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
         divergence,
         rank_nonfinite(store.rank_steps(run_id), steps),
     ]
-    findings = [f for f in found if f is not None]
-    if recorded_by(run["config"]) == "recorder":
-        findings = [dataclasses.replace(f, recommendation=in_your_loop(f.recommendation)) for f in findings]
+    how = recorded_by(run["config"])  # each advice names its fix as this run's way of recording can make it
+    findings = [dataclasses.replace(f, recommendation=f.recommendation.replace(FIX, fix_said(f.fix, how)))
+                for f in found if f is not None]
     fp8 = recorded_settings(run["config"])
     if fp8 is not None:
         findings += fp8_findings(store.fp8(run_id), fp8)

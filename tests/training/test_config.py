@@ -22,6 +22,7 @@ from mpdiag.options import (
     WATCH_RERUN_OPTIONS,
     ConfigError,
     RunConfig,
+    fix_said,
     flag,
     scale_text,
 )
@@ -308,3 +309,18 @@ def test_a_loss_scale_is_written_one_way_everywhere():
     assert (scale_text(float("nan")), scale_text(float("inf")), scale_text("dynamic")) == ("not recorded",
                                                                                           "not finite", "dynamic")
     assert scale_text(134217728.0) == "2^27"  # an event wrote 134217728.0, which read as a streak's length
+
+
+def test_a_fix_is_said_as_the_way_the_run_was_recorded_can_make_it():
+    """Findings state a fix once, as data (Finding.fix), and their advice names it through options.fix_said: as
+    mpdiag's options, runnable as written, for `mpdiag run` and watch; as the change in the loop for a Recorder's
+    run, which takes no option (--init-scale 2^15 was advised to one)."""
+    rescale = {"loss_scale": "dynamic", "init_scale": 2.0**23}
+    for how in ("run", "watch"):
+        assert fix_said({"opt_level": "bf16"}, how) == "--opt-level bf16"
+        assert fix_said(rescale, how) == "--loss-scale dynamic --init-scale 8388608 (2^23)"
+    assert fix_said({"init_scale": 0.125}, "run") == "--init-scale 0.125"
+    assert fix_said({"opt_level": "bf16"}, "recorder") == "BF16 autocast without a GradScaler"
+    assert fix_said({"opt_level": "O2"}, "recorder").startswith("O2-style mixed precision")
+    assert fix_said(rescale, "recorder") == "a dynamic GradScaler(init_scale=2**23)"
+    assert "--" not in " ".join(fix_said({"opt_level": level}, "recorder") for level in ("O0", "O1", "O2", "bf16"))
