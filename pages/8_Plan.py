@@ -48,6 +48,9 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
 def next_round(store, run: pd.Series, view) -> None:
     """How the verification stands, and the confirmed click that runs its remaining rounds in the background."""
     run_id = int(run["run_id"])
+    if view.refused is not None:
+        st.caption(plain(f"No verification offered: {view.refused}"))
+        return
     if view.next_options is None:
         st.caption("Verified: the last round tracks FP32." if view.verified else
                    "No further round: the rounds are spent or one is still going.")

@@ -41,7 +41,7 @@ class VerifyView:
     """The Verify section: the rounds found among the run's reruns against the FP32 reference, and what one click
     runs next (the whole verification from round ``next_round``, whose plan runs ``next_modules``, after an FP32
     reference when there is none); ``next_options`` None when the plan is verified, the rounds are spent or a
-    round is still going."""
+    round is still going, or when mpdiag cannot rerun the run (``refused`` says why: a watched run, a Recorder's)."""
 
     rounds: pd.DataFrame  # one row per verify round found: predicted against measured
     said: list[str]  # each round in words: verdict and promotion, what ran, predicted, measured
@@ -56,6 +56,7 @@ class VerifyView:
     #: the round still queued or running, in words (its number, run and step), with the share of its steps done
     going: str = ""
     fraction: float | None = None
+    refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,5 +195,12 @@ def verify_view(store: Store, run: pd.Series, runs: pd.DataFrame, plan: Plan) ->
     first = f"rounds {count + 1} to {MAX_ROUNDS}" if count + 1 < MAX_ROUNDS else f"round {MAX_ROUNDS}"
     what = (f"Verify the plan ({first} at most, a promotion after each round that does not track FP32"
             + (", after an FP32 reference: an O0 rerun)" if reference is None else ")"))
-    return VerifyView(next_options=round_options(next_plan, str(run["name"]), count + 1), next_what=what,
-                      next_round=count + 1, next_modules=next_plan.module_flag(), **found)
+    options = round_options(next_plan, str(run["name"]), count + 1)
+    # a round sets per-Linear FP8 recipes, which only mpdiag run applies (a watched run's Verify was offered, and
+    # its job failed)
+    refused = fix_not_rerunnable(run["config"] if isinstance(run["config"], dict) else {},
+                                 {k: v for k, v in options.items() if k != "name"})
+    if refused is not None:
+        return VerifyView(next_options=None, next_what="", refused=refused, **found)
+    return VerifyView(next_options=options, next_what=what, next_round=count + 1,
+                      next_modules=next_plan.module_flag(), **found)

@@ -33,10 +33,12 @@ REFUSED_LEVELS = {
 }
 
 
-def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchConfig:
+def rerun_config(run_id: int, parent_name: str, settings: dict, /, **overrides) -> WatchConfig:
     """The WatchConfig repeating a watched run (its stored ``config.watch``: command line, working directory or
-    uploaded code, options) with ``overrides`` (any of WATCH_RERUN_OPTIONS), recorded as that run's child. Raises
-    ConfigError naming an option watch cannot change, or a script that is no longer where it was."""
+    uploaded code, options) with ``overrides`` (any of WATCH_RERUN_OPTIONS, the rerun's ``name`` among them: the
+    Plan page's Verify passed one, which met the parent's name as a second ``name`` and failed), recorded as that
+    run's child. Raises ConfigError naming an option watch cannot change, or a script that is no longer where it
+    was."""
     refused = sorted(set(overrides) - set(WATCH_RERUN_OPTIONS))
     if refused:
         raise ConfigError(f"run {run_id} was recorded by mpdiag watch: its rerun repeats the script's command "
@@ -44,7 +46,7 @@ def rerun_config(run_id: int, name: str, settings: dict, **overrides) -> WatchCo
                           f"not {', '.join('--' + o.replace('_', '-') for o in refused)}.")
     after = {**settings, **{k: v for k, v in overrides.items() if k != "name"}}
     if overrides.get("name") is None:  # none typed: say what changed, never the parent's twin label
-        overrides = {**overrides, "name": rerun_name(name, settings, after)}
+        overrides = {**overrides, "name": rerun_name(parent_name, settings, after)}
     config = WatchConfig.from_settings(settings, parent_run_id=int(run_id), **overrides)
     if config.bundle is None and not config.module and not os.path.isfile(os.path.join(config.cwd, config.target)):
         raise ConfigError(f"run {run_id} ran {config.target} in {config.cwd}, and that file is no longer there: rerun "

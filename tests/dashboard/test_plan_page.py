@@ -133,3 +133,19 @@ def test_a_run_from_the_users_own_loop_is_told_why_no_rerun_is_offered(plan_runs
     assert view.plan is None and view.record_refused.startswith("This run was recorded from your own loop")
     launched = store.run(plan_runs.all_fp8)
     assert plan_model.plan_view(store, launched, store.runs()).record_refused is None
+
+
+def test_a_watched_runs_plan_offers_no_verification_and_says_why(plan_runs, monkeypatch):
+    """A watched run with FP8 statistics has a plan, but its rounds set per-Linear FP8 recipes (--fp8-modules,
+    fp8-sim), which a rerun of a watched command cannot: Verify was offered, and its job failed at once (a user's
+    trial). The page says why instead; the same run recorded by mpdiag run is offered it."""
+    monkeypatch.setattr(plan_model, "verify_rounds", lambda runs, source: runs.iloc[0:0].assign(fp8_modules=""))
+    store = Store(plan_runs.store)
+    run = store.run(plan_runs.source).copy()
+    run["config"] = {"watch": {"argv": ["train.py"], "cwd": "/tmp", "opt_level": "O0", "init_scale": None,
+                               "every": 4, "trace_modules": False, "shadow_every": 0, "stop_on": "", "fp8": None}}
+    view = plan_model.plan_view(store, run, store.runs())
+    assert view.plan is not None and view.verify.next_options is None
+    assert view.verify.refused.startswith("mpdiag watch cannot apply"), view.verify.refused
+    offered = plan_model.plan_view(store, store.run(plan_runs.source), store.runs()).verify
+    assert offered.refused is None and offered.next_options is not None

@@ -324,3 +324,14 @@ def test_a_fix_is_said_as_the_way_the_run_was_recorded_can_make_it():
     assert fix_said({"opt_level": "O2"}, "recorder").startswith("O2-style mixed precision")
     assert fix_said(rescale, "recorder") == "a dynamic GradScaler(init_scale=2**23)"
     assert "--" not in " ".join(fix_said({"opt_level": level}, "recorder") for level in ("O0", "O1", "O2", "bf16"))
+
+
+def test_a_watched_runs_rerun_takes_a_name_of_its_own(tmp_path):
+    """rerun_config's parent name is positional only: the Plan page's Verify passed the rerun's name too, which
+    met it as a second ``name`` (TypeError, shown as a traceback)."""
+    from mpdiag.training.watch_config import rerun_config
+
+    (tmp_path / "train.py").write_text("")
+    settings = {"argv": ["train.py"], "cwd": str(tmp_path), "opt_level": None, "init_scale": None}
+    assert rerun_config(3, "train.py", settings, name="my rerun", opt_level="bf16").name == "my rerun"
+    assert rerun_config(3, "train.py", settings, opt_level="bf16").name == "train.py ↻ bf16"
