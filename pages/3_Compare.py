@@ -7,7 +7,6 @@ queries, no torch. Run names are the user's: they reach Markdown only through ``
 import pandas as pd
 import streamlit as st
 
-from mpdiag.analysis import summaries
 from mpdiag.analysis.compare import (
     COUNTED_PART,
     DIVERGENCE_RTOL,
@@ -128,7 +127,8 @@ def fp16_shares(model: CompareRuns) -> None:
         ui.show_chart(charts.runs_bars(shares.under, "tensor", "share", "FP16 underflow, share of all values", labels,
                                        parts=drawn), width="stretch")
         said = {FLUSHED_PART: "the values an FP16 run's backward pass had already made zero when they were "
-                              "recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches)",
+                              "recorded, estimated as its zeros beyond its FP32 twin's (same weights and batches, while their losses "
+                              "track)",
                 COUNTED_PART: "the recorded gradient at its run's loss scale, cast to FP16 and counted; for a run "
                               "computed in FP32 or BF16 (O0, bf16) that is what FP16 would lose, not a loss the "
                               "run had"}
@@ -138,8 +138,8 @@ def fp16_shares(model: CompareRuns) -> None:
         flushed = "" if shares.no_twin else "was flushed to zero or "
         st.caption(f"FP16 underflow: no value of any tensor of these runs {flushed}would underflow FP16 at its run's "
                    "loss scale, so there is nothing to chart.")
-    for lab, how in shares.no_twin:
-        st.caption(f"{plain(lab)}: {summaries.flushed_text(None, recorded_by=how)}")
+    for lab, why in shares.no_twin:
+        st.caption(plain(f"{lab}: {why}"))
     if len(shares.over):
         drawn = [p for p in (NONFINITE_PART, OVERFLOW_PART) if p in set(shares.over["part"])]
         ui.show_chart(charts.runs_bars(shares.over, "tensor", "share", "FP16 overflow at the loss scale, share of all "

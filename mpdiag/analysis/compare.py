@@ -65,6 +65,16 @@ def fp32_twin_row(runs: pd.DataFrame, run: pd.Series) -> pd.Series | None:
     return None if reference is None or match.empty else match.iloc[0]
 
 
+def twin_parted_at(steps: pd.DataFrame, twin_steps: pd.DataFrame) -> int | None:
+    """The first step where an FP16 run's loss and its FP32 twin's part (:func:`first_divergence`; ``steps``,
+    ``twin_steps``: their Store.steps), None while they track. The twin starts from the same weights and batches,
+    but once their losses part their weights differ, and its zeros no longer tell which of the run's zeros FP16
+    flushed: a user's watched run read 3 % "flushed" against an O0 run it had parted from at step 3 (dead ReLUs
+    on another path), where FP32 gradients at the run's own weights lost 0.001 %. The flushed share is not
+    estimated against such a twin (:func:`~mpdiag.analysis.summaries.flushed_text` says why)."""
+    return first_divergence(loss_comparison(twin_steps, steps))
+
+
 def training_of(run: pd.Series) -> tuple | None:
     """What makes two runs the same training, so an O0 one is the other's FP32 reference: a watched script's
     command (its target, arguments and folder, or the uploaded code's bundle: the script seeds itself, and its hash and seed are not stored, so

@@ -13,7 +13,14 @@ from urllib.parse import urlencode
 import numpy as np
 import pandas as pd
 
-from mpdiag.analysis.compare import DIVERGENCE_RTOL, first_divergence, fp32_twin_row, loss_comparison, reference_run
+from mpdiag.analysis.compare import (
+    DIVERGENCE_RTOL,
+    first_divergence,
+    fp32_twin_row,
+    loss_comparison,
+    reference_run,
+    twin_parted_at,
+)
 from mpdiag.analysis.finding import SEVERITY_ORDER, Finding
 from mpdiag.analysis.fp8_findings import fp8_findings, recorded_settings
 from mpdiag.analysis.module_trace import first_nonfinite, first_nonfinite_modules, module_said
@@ -124,7 +131,8 @@ def scale_basis(twin_hist: np.ndarray | None, recorded_by: str = "run") -> str:
 
 def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_totals: pd.DataFrame | None = None,
               shadow_steps: int = 0, twin_hist: np.ndarray | None = None,
-              signals: pd.Series | None = None, tracks_fp32: bool = False) -> Finding | None:
+              signals: pd.Series | None = None, tracks_fp32: bool = False,
+              twin_parted_at: int | None = None) -> Finding | None:
     """FP16 levels: gradient values lost (underflow) or kept only as subnormals at the scale in use. The values
     FP16 flushed to zero are exact zeros in the record; their share is estimated against the FP32 twin
     (``twin_totals``, its Store.tensor_totals) when there is one, else the evidence says how to get it. The
@@ -151,7 +159,7 @@ def low_range(run: pd.Series, totals: pd.DataFrame, hist: np.ndarray, twin_total
         severity, title = "info", "Some gradients stay subnormal in FP16 at the largest safe loss scale; the loss tracks FP32"
     tensors = worst or totals.loc[per_tensor.sort_values(ascending=False).index[:5], "tensor"].tolist()
     if twin_totals is None:
-        flushed = flushed_text(None, shadow_steps, recorded_by(run["config"]))
+        flushed = flushed_text(None, shadow_steps, recorded_by(run["config"]), twin_parted_at)
     else:
         per = flushed_to_zero(totals, twin_totals)
         # a tensor whose values all vanished has none left to count above: the twin shows it lost the most
@@ -839,11 +847,13 @@ def diagnose(store: Store, run_id: int, runs: pd.DataFrame | None = None,
     twin = None if twin_row is None else int(twin_row["run_id"])
     reference = reference_run(runs, int(run_id))  # read once: the divergence and the underflow's severity use it
     divergence = fp32_divergence(reference, store, steps, shadow, recorded_by(run["config"]))
-    twin_totals = None if twin is None else store.tensor_totals(twin)
+    # the twin's zeros tell the ones FP16 flushed only while the two runs' weights are alike: not once they part
+    parted = None if twin is None else twin_parted_at(steps, store.steps(twin))
+    twin_totals = None if twin is None or parted is not None else store.tensor_totals(twin)
     underflow = None if ignored else low_range(
         run, totals, hist, twin_totals, int(shadow["step"].nunique()),
         None if twin is None else store.histogram_totals(twin)[1].sum(axis=0), signals,
-        tracks_fp32=divergence is None and reference is not None)
+        tracks_fp32=divergence is None and reference is not None, twin_parted_at=parted)
     collapse = scale_collapse(run, steps, hist, store.module_stats(run_id))
     after_collapse = underflow is not None and collapse is not None and _backed_off_below_one(steps)
     if after_collapse:  # the underflow may be the collapse's doing: said, and listed after it

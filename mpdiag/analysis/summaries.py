@@ -144,21 +144,27 @@ def overall_flushed(totals: pd.DataFrame, flushed: pd.Series) -> float:
     return float((flushed[known] * numel[known]).sum() / numel[known].sum()) if len(known) else math.nan
 
 
-def flushed_text(share: float | None, shadow_steps: int = 0, recorded_by: str = "run") -> str:
+def flushed_text(share: float | None, shadow_steps: int = 0, recorded_by: str = "run",
+                 parted_at: int | None = None) -> str:
     """The flushed share (:func:`flushed_to_zero`) as it is stated wherever an FP16 underflow share is, or, with
     no FP32 twin (``share`` None), why it cannot be known and how to record a run where it can, as the run was
     recorded (``recorded_by``, options.recorded_by: --pair is ``mpdiag run``'s; watch records no twin; a Recorder
-    records what its loop trains)."""
+    records what its loop trains); or, where the twin's loss parted from the run's at step ``parted_at``
+    (compare.twin_parted_at), why it was not estimated."""
     if share is not None and not math.isnan(share):
         return f"{share:.2%} of all values {FLUSHED_LABEL}, estimated against the FP32 twin."
     if share is not None:
         return f"Share {FLUSHED_LABEL}: unknown (the FP32 twin did not record this tensor)."
+    if parted_at is not None:
+        return (f"Share {FLUSHED_LABEL}: not estimated: the FP32 twin's loss parts from this run's at step "
+                f"{parted_at:,}, and from there their weights differ, so its zeros no longer show which of this "
+                "run's FP16 flushed.")
     shadow = (" The FP32 shadow of this run stores only norms and errors per tensor, so it cannot count them."
               if shadow_steps else "")
     how = {"watch": "watch records no FP32 twin; an O0 rerun of the same command shows the loss FP32 reaches",
            "recorder": "record the same loop in FP32 (no autocast, the same seed and batches) beside it, and compare "
                        "the two runs' zero shares on the Compare page"}.get(
-        recorded_by, "record it with --pair (an FP32 twin on the same weights and batches)")
+        recorded_by, "record it with --pair (an FP32 twin from the same weights and batches)")
     return (f"Share {FLUSHED_LABEL}: cannot be known from this run (those values are recorded as exact zeros); "
             f"{how}.{shadow}")
 

@@ -33,6 +33,7 @@ from mpdiag.analysis.compare import (
     setting_label,
     smoothed,
     step_time_outliers,
+    twin_parted_at,
     worst_by_total,
 )
 from mpdiag.dashboard import reads
@@ -80,7 +81,8 @@ class Fp16Shares:
     under: pd.DataFrame | None
     over: pd.DataFrame | None
     no_stats: list[str]
-    #: the FP16 runs without an FP32 twin: (label, how it was recorded, options.recorded_by)
+    #: the FP16 runs whose flushed share is not estimated (no FP32 twin, or one whose loss parted from theirs):
+    #: (label, why, as summaries.flushed_text says it)
     no_twin: list[tuple[str, str]]
 
 
@@ -232,9 +234,14 @@ class CompareRuns:
             if totals.empty:
                 no_stats.append(lab)
                 continue
-            twin = reads.twin_totals(self.store, fp32_twin_row(self.all_runs, r))
+            twin_row, parted = fp32_twin_row(self.all_runs, r), None
+            if twin_row is not None:  # a twin whose loss parted from the run's tells nothing of its flushed values
+                parted = twin_parted_at(reads.steps(self.store, int(r["run_id"]), reads.is_final(r)),
+                                        reads.steps(self.store, int(twin_row["run_id"]), reads.is_final(twin_row)))
+            twin = None if parted is not None else reads.twin_totals(self.store, twin_row)
             if twin is None and summaries.judged_level(r) in summaries.FP16_LEVELS:
-                no_twin.append((lab, recorded_by(r["config"])))
+                no_twin.append((lab, summaries.flushed_text(None, recorded_by=recorded_by(r["config"]),
+                                                            parted_at=parted)))
             parts.append(fp16_underflow_parts(totals, twin, summaries.judged_level(r), lab))
             overflow.append(fp16_overflow_parts(totals, lab))
         if not parts:

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from mpdiag.analysis import summaries
-from mpdiag.analysis.compare import fp32_twin_row
+from mpdiag.analysis.compare import fp32_twin_row, twin_parted_at
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import Column
 from mpdiag.numerics.formats import LOW_PRECISION
@@ -132,13 +132,15 @@ class GradientsRun:
     logged: list[int]
     totals: pd.DataFrame
     steps: pd.DataFrame
-    #: the FP32 twin's runs-table row and its per-tensor totals; None without a twin
+    #: the FP32 twin's runs-table row and its per-tensor totals; None without a twin, and the totals None where
+    #: the two runs' losses part (``twin_parted_at``: compare.twin_parted_at), whose zeros then tell nothing
     twin: pd.Series | None
     twin_totals: pd.DataFrame | None
     #: how many steps the FP32 shadow compared (the flushed text says what they add)
     shadow_steps: int
     #: why each logged step was kept (Store.kept_steps)
     kept: pd.DataFrame | None = None
+    twin_parted_at: int | None = None
     #: what the methods below gave, by their arguments (_held)
     held: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -193,7 +195,8 @@ class GradientsRun:
         if ranking.states_flushed:
             flushed = None if self.twin_totals is None else float(
                 summaries.flushed_to_zero(self.totals, self.twin_totals).get(tensor, np.nan))
-            line += " " + summaries.flushed_text(flushed, self.shadow_steps, recorded_by(self.run["config"]))
+            line += " " + summaries.flushed_text(flushed, self.shadow_steps, recorded_by(self.run["config"]),
+                                                 self.twin_parted_at)
         index, counts = self._columns(tensor, at_scale)
         cells = summaries.heatmap_cells(index, counts, self.steps, at_scale=at_scale)
         title = f"{tensor}: |{what}| per step (click a column to see its step below)"
@@ -241,14 +244,24 @@ class GradientsRun:
                         summaries.cast_shares(at_step, hist, fmt, 0, scale),
                         int(summaries.nonzero_finite(at_step.to_frame().T).iloc[0]), flushed,
                         f"At step {step}: " + summaries.flushed_text(flushed, self.shadow_steps,
-                                                                     recorded_by(self.run["config"]))
+                                                                     recorded_by(self.run["config"]),
+                                                                     self._parted_by(step))
                         if ranking.states_flushed else "",
                         reads.tensors_at_step(self.store, self.run_id, step, self.final).set_index("tensor"),
                         h_index, h_counts)
 
+    def _parted_by(self, step: int) -> int | None:
+        """The step the twin's loss parted from the run's, if it had by ``step`` (before it, a step's weights are
+        still alike, and the twin's row there shows what FP16 flushed)."""
+        parted = self.twin_parted_at
+        return parted if parted is not None and step >= parted else None
+
     def _flushed_at(self, at_step: pd.Series, tensor: str, step: int) -> float | None:
         """The share FP16 flushed of the tensor at the step against the twin's row there (NaN where the twin did not
-        record the tensor); None when the twin did not log the step or there is no twin."""
+        record the tensor); None when the twin did not log the step, there is no twin, or their losses had parted
+        by then."""
+        if self._parted_by(step) is not None:
+            return None
         twin_step = reads.twin_at_step(self.store, self.twin, tensor, step)
         return None if twin_step is None else float(
             summaries.flushed_to_zero(at_step.to_frame().T, twin_step.to_frame().T).iloc[0])
@@ -364,9 +377,11 @@ def gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> 
 
 def _gradients(store: Store, run: pd.Series, final: bool, runs: pd.DataFrame) -> GradientsRun:
     run_id = int(run["run_id"])
-    twin = fp32_twin_row(runs, run)
+    twin, steps = fp32_twin_row(runs, run), reads.steps(store, run_id, final)
+    parted = None if twin is None else twin_parted_at(steps, reads.steps(store, int(twin["run_id"]),
+                                                                        reads.is_final(twin)))
     return GradientsRun(store, run, final, reads.logged_steps(store, run_id, final),
-                        reads.tensor_totals(store, run_id, final), reads.steps(store, run_id, final), twin,
-                        reads.twin_totals(store, twin),
+                        reads.tensor_totals(store, run_id, final), steps, twin,
+                        None if parted is not None else reads.twin_totals(store, twin),
                         int(reads.shadow_stats(store, run_id, final)["step"].nunique()),
-                        reads.kept_steps(store, run_id, final))
+                        reads.kept_steps(store, run_id, final), parted)

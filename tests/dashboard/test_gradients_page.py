@@ -374,7 +374,8 @@ def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_pa
     runs = store.runs()
     model = compare_model.compare(store, runs.set_index("run_id").loc[[1, 3]].reset_index(), runs, weight=0.0)
     shares = model.fp16_shares()
-    assert shares.no_twin == [(model.labels[1], "run")] and not shares.no_stats
+    assert [lab for lab, _ in shares.no_twin] == [model.labels[1]] and not shares.no_stats
+    assert "record it with --pair" in shares.no_twin[0][1]
     flushed = shares.under[shares.under["part"] == FLUSHED_PART]
     assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05
 
@@ -499,3 +500,43 @@ def test_the_zeros_and_low_values_ranking_puts_a_subnormal_tensor_before_one_wit
     ranking, _ = gradient_ranking(totals, "fp16", True, True, None)
     assert ranking["tensor"].tolist() == ["body.2.weight", "body.4.weight"]
 
+
+
+def test_a_twin_whose_loss_parted_gives_no_flushed_share_past_the_parting(tmp_path, monkeypatch):
+    """The flushed share is the run's zeros beyond its FP32 twin's; once their losses part (by more than 5 %), their
+    weights differ and so do their zeros for reasons FP16 has nothing to do with (a user's watched run read 3 %
+    "flushed" against an O0 run it had parted from at step 3, where FP32 gradients at its own weights lost 0.001 %).
+    The README's example at static scale 1 parts from its twin at step 22: the page, the Compare bars and the
+    finding say so and estimate nothing for the run; a step before the parting keeps its estimate from the twin's
+    row there."""
+    from mpdiag.analysis.compare import first_divergence, loss_comparison
+    from mpdiag.analysis.findings import diagnose
+    from mpdiag.dashboard import compare_model, gradients_model
+    from mpdiag.store import Store
+
+    store_path = tmp_path / "runs.db"
+    record(store_path, "--steps", "30", "--pair")
+    store = Store(store_path)
+    runs = store.runs()
+    mixed = runs[runs["opt_level"] == "O1"].iloc[0]
+    twin = runs[runs["opt_level"] == "O0"].iloc[0]
+    # where they part, read from the two runs' stored losses (the losses themselves: tests of the loss rows)
+    losses = loss_comparison(store.steps(int(twin["run_id"])), store.steps(int(mixed["run_id"])))
+    rel = (losses["loss"] - losses["loss_ref"]).abs() / losses["loss_ref"].abs()
+    parted = int(losses.loc[rel > 0.05, "step"].iloc[0])
+    assert parted == first_divergence(losses) and 0 < parted < 29
+    model = gradients_model.gradients(store, mixed, True, runs)
+    assert model.twin_parted_at == parted and model.twin_totals is None
+    ranking = model.ranking("fp16", True)
+    tensor = ranking.rows["tensor"].iloc[0]
+    assert ranking.rows["flushed_share"].isna().all()
+    shown = model.tensor(ranking, tensor, False)
+    assert f"not estimated: the FP32 twin's loss parts from this run's at step {parted}" in shown.summary
+    before, after = model.at_step(ranking, shown, parted - 1), model.at_step(ranking, shown, parted)
+    assert before.flushed is not None and after.flushed is None and "parts from this run's" in after.flushed_said
+    underflow = next(f for f in diagnose(store, int(mixed["run_id"])) if f.rule == "gradient-underflow")
+    assert f"parts from this run's at step {parted}" in underflow.evidence and "estimated against" not in underflow.evidence
+    label_runs = runs.set_index("run_id").loc[[int(mixed["run_id"])]].reset_index()
+    shares = compare_model.compare(store, label_runs, runs, weight=0.0).fp16_shares()
+    assert len(shares.no_twin) == 1 and f"at step {parted}" in shares.no_twin[0][1]
+    page(store_path, monkeypatch, run=str(int(mixed["run_id"])))  # the page itself renders it
