@@ -11,6 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from mpdiag.analysis import fp8_summaries
+from mpdiag.analysis.findings import fp8_record_again
 from mpdiag.analysis.fp8_summaries import TABLE_COLUMNS, percent
 from mpdiag.dashboard import charts, fp8_model
 from mpdiag.dashboard import frame as ui
@@ -35,9 +36,11 @@ def not_recorded(run: pd.Series, run_id: int, asked: bool) -> None:
     elif run["status"] == "running":
         st.info("No FP8 statistics recorded yet; this view updates as the run records its first logged step.")
     else:
-        st.info(f"Run #{run_id} was recorded without FP8 statistics. Record them with "
-                f"`python -m mpdiag rerun {run_id} --fp8 --fp8-recipe both` (or tick \"Record FP8 statistics\" in "
-                "the run form), then open this page on that run.")
+        again, rerunnable = fp8_record_again(run_id, run["config"] if isinstance(run["config"], dict) else {},
+                                             {"fp8": True, "fp8_recipe": "both"})
+        form = " (or tick \"Record FP8 statistics\" in the run form)" if rerunnable else ""
+        st.info(f"Run #{run_id} was recorded without FP8 statistics. To record them, {plain(again)}{form}, then open "
+                "this page on that run.")
 
 
 def fp8_view(store, run: pd.Series, final: bool, runs: pd.DataFrame) -> None:

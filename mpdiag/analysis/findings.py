@@ -8,6 +8,7 @@ the tensors involved, a recommendation, and ``fix``: run options for a rerun tha
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from urllib.parse import urlencode
 
 import numpy as np
@@ -117,6 +118,28 @@ def record_again_with(how: str, option: str) -> str:
                 "shadow_every": "Compare its gradients with FP32 ones at some steps, rec.compare_gradients(fp32_grads) "
                                 "after record() (docs/api.md),"}[option]
     return {"trace_modules": "Rerun with --trace-modules", "shadow_every": "Rerun with --shadow-every N"}[option]
+
+
+def fp8_record_again(run_id: int, run_config: dict, options: dict) -> tuple[str, bool]:
+    """How to record a run again with FP8 statistics (``options``: the run options that add them, e.g. ``--fp8
+    --fp8-recipe both``), as it was recorded; and whether that is a rerun mpdiag can start itself. A watched run's
+    rerun repeats its command with only its level and scale changed, so the FP8 page and the Plan page advised a
+    rerun the CLI refuses, and said watch "cannot apply" what a new ``mpdiag watch`` does: the command to watch
+    the script again is said instead. A Recorder's loop: its ``fp8=`` argument."""
+    how = recorded_by(run_config)
+    if how == "recorder":
+        blocks = tuple(b for b in str(options.get("fp8_blocks") or "").split(",") if b)
+        args = [f'recipe="{options.get("fp8_recipe", "delayed")}"', *([f"block_recipes={blocks!r}"] if blocks else [])]
+        return (f"record it again with Recorder(..., fp8=Fp8Settings({', '.join(args)})) in your loop "
+                "(mpdiag.numerics.fp8_recipes.Fp8Settings; docs/api.md)", False)
+    flags = command_flags(options)
+    if how == "watch":
+        settings = watch_settings(run_config)
+        if settings.get("bundle"):
+            return "upload the code again on the Upload page with \"Record FP8 statistics\" ticked", False
+        return (f"watch the script again with them, from {settings.get('cwd') or 'its folder'}: python -m mpdiag "
+                f"watch {flags} {shlex.join(settings.get('argv') or [])}", False)
+    return f"python -m mpdiag rerun {int(run_id)} {flags}", True
 
 
 def scale_basis(twin_hist: np.ndarray | None, recorded_by: str = "run") -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from mpdiag.analysis.compare import reference_run
-from mpdiag.analysis.findings import fix_not_rerunnable
+from mpdiag.analysis.findings import fix_not_rerunnable, fp8_record_again
 from mpdiag.analysis.plan import (
     LABELS,
     MAX_ROUNDS,
@@ -143,8 +143,9 @@ def plan_view(store: Store, run: pd.Series, runs: pd.DataFrame) -> PlanView:
     except ValueError as exc:
         empty = pd.DataFrame()
         config = run["config"] if isinstance(run["config"], dict) else {}
+        again, rerunnable = fp8_record_again(int(run["run_id"]), config, RECORD_EVERY_RECIPE)
         return PlanView(None, str(exc), empty, empty, empty, None, dict(RECORD_EVERY_RECIPE),
-                        fix_not_rerunnable(config, RECORD_EVERY_RECIPE))
+                        None if rerunnable else f"mpdiag cannot rerun this run with them: {again}.")
     table = plan.table().assign(rejected=["; ".join(f"not {LABELS[k]}: {v}" for k, v in layer.rejected.items())
                                           for layer in plan.layers])
     table["memory saved (bytes)"] = table["memory saved (bytes)"].round().astype(int)

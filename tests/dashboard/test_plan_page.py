@@ -130,7 +130,14 @@ def test_a_run_from_the_users_own_loop_is_told_why_no_rerun_is_offered(plan_runs
     run = store.run(plan_runs.all_fp8).copy()
     run["config"] = {"optimizer": {"class": "Adam"}}
     view = plan_model.plan_view(store, run, store.runs())
-    assert view.plan is None and view.record_refused.startswith("This run was recorded from your own loop")
+    assert view.plan is None and view.record_refused.startswith("mpdiag cannot rerun this run with them: record it "
+                                                                "again with Recorder(..., fp8=Fp8Settings(")
+    # a watched run: its rerun cannot add FP8 statistics (the CLI refuses --fp8 there), a new watch can; the page said
+    # watch "cannot apply" them (a user's trial)
+    run["config"] = {"watch": {"argv": ["train.py", "--lr", "3e-4"], "cwd": "/home/me/proj"}}
+    refused = plan_model.plan_view(store, run, store.runs()).record_refused
+    assert refused.endswith("from /home/me/proj: python -m mpdiag watch --opt-level O0 --fp8 --fp8-recipe both "
+                            "--fp8-blocks mxfp8,nvfp4 train.py --lr 3e-4."), refused
     launched = store.run(plan_runs.all_fp8)
     assert plan_model.plan_view(store, launched, store.runs()).record_refused is None
 
