@@ -42,6 +42,8 @@ def reruns_table(model: FindingsRun) -> None:
     st.subheader("Reruns of this run")
     st.caption("The first row is this run itself: each rerun's loss is read against it and against FP32.")
     ui.table(model.reruns, model.rerun_columns)
+    if model.no_reference:
+        st.caption(plain(model.no_reference))
 
 
 def shadow_section(shadow: findings_model.Shadow | None, run: pd.Series) -> None:

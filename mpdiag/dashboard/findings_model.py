@@ -22,7 +22,7 @@ from mpdiag.analysis.findings import (
 from mpdiag.analysis.summaries import shadow_ranking, update_shares
 from mpdiag.dashboard import reads
 from mpdiag.dashboard.tables import RUN_PX, Column, loss_digits, loss_texts
-from mpdiag.options import RERUN_MARK, fix_in_code, fix_text, watch_settings
+from mpdiag.options import RERUN_MARK, fix_in_code, fix_text, recorded_by, watch_settings
 from mpdiag.store import Store
 
 
@@ -68,6 +68,19 @@ class FindingsRun:
     @property
     def findings(self) -> list[Finding]:
         return [card.finding for card in self.cards]
+
+    @property
+    def no_reference(self) -> str | None:
+        """Why the reruns table has no loss against FP32, and how to get one (a user read "None" beside the fix
+        that had worked and was not told why), or None where some row has one."""
+        if self.reruns.empty or self.reruns["vs FP32"].notna().any():
+            return None
+        run_id = int(self.run["run_id"])
+        how = {"watch": f"an O0 rerun of the same command gives one: python -m mpdiag rerun {run_id} --opt-level O0 "
+                        "(mpdiag watch records no FP32 twin)",
+               "run": f"an O0 run of the same script and seed gives one: python -m mpdiag rerun {run_id} "
+                      "--opt-level O0"}.get(recorded_by(self.run["config"]), "record the same loop in FP32 beside it")
+        return f"No FP32 reference for these runs yet, so no loss against FP32: {how}."
 
     def none_said(self, label: str) -> tuple[bool, str]:
         """Where the run (``label``: its name as the pages write it) has no findings, what the page says: (whether

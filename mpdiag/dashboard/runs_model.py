@@ -85,9 +85,10 @@ _RUN = Column(width=RUN_PX, kind="number", pinned=True)
 #: widths leave room for what grows while a run goes (the browser sizes a column once, to what it first showed)
 TABLE_COLUMNS = {
     "run": _RUN,
-    "name": Column(width=164, pinned=True, help="Rename it below; hover a cell for a long name."),
+    "name": Column(width=120, pinned=True, help="Rename it below; hover a cell for a long name."),
     "status": Column(width=70),
-    "health": Column(width=96, help="The run's findings, counted by severity (each explained on its Findings "
+    # wide enough for "2 errors, 3 warnings" (at 96 px a user read "1 error, 1 warni")
+    "health": Column(width=140, help="The run's findings, counted by severity (each explained on its Findings "
                                      "page); hover a cell for the whole count. \"healthy, 1 skip\": no finding, and "
                                      "the steps GradScaler skipped (a non-finite gradient), too few to be one."),
     "opt level": Column("level", width=74, help="The opt level the run trained at (O0: FP32; O1-O3: FP16 "

@@ -101,3 +101,16 @@ def test_column_specs_become_streamlits_column_config():
     assert config["a"]["label"] == "A" and config["a"]["help"] == "long" and config["a"]["width"] == 80
     assert config["a"]["type_config"]["format"] == "%,d"
     assert config["b"]["type_config"]["display_text"] == "Open"
+
+
+def test_reruns_without_an_fp32_reference_say_how_to_get_one():
+    """A watched run's bf16 fix, rerun: the table's "vs FP32" read None and nothing said why (a user's trial); the page
+    now says an O0 rerun of the same command gives the reference. With a reference in any row it says nothing."""
+    run = pd.Series({"run_id": 1, "config": {"watch": {"argv": ["train.py"], "cwd": "/tmp"}}})
+    table = pd.DataFrame({"run": [1, 2], "vs FP32": [math.nan, math.nan]})
+    view = findings_model.FindingsRun(run, [], pd.DataFrame(), None, None, table)
+    assert view.no_reference == ("No FP32 reference for these runs yet, so no loss against FP32: an O0 rerun of the "
+                                 "same command gives one: python -m mpdiag rerun 1 --opt-level O0 (mpdiag watch "
+                                 "records no FP32 twin).")
+    assert findings_model.FindingsRun(run, [], pd.DataFrame(), None, None, table.assign(**{"vs FP32": [1.0, 0.2]})
+                                      ).no_reference is None
