@@ -741,9 +741,12 @@ def nonfinite_origin(replays: pd.DataFrame, modules: pd.DataFrame) -> Finding | 
                            "non-deterministic kernel (torch.use_deterministic_algorithms(True) to tell); if the loss "
                            "function is outside the model, check it for log(0) or a division by zero.",
             page="Modules", focus=focus)
-    rows = modules[(modules["step"] == step) & (modules["phase"] == phase) & (modules["module"] == name)]
+    at_step = modules[(modules["step"] == step) & (modules["module"] == name)]
+    rows = at_step[at_step["phase"] == phase]
     label = f" ({rows['type'].iloc[0]})" if len(rows) else ""  # a Sequential's child is named 0, 1, ...
-    what, advice = _origin_said(replay, rows.iloc[0] if len(rows) else None, label)
+    forward = at_step[at_step["phase"] == "forward"]
+    what, advice = _origin_said(replay, rows.iloc[0] if len(rows) else None, label,
+                                forward["in_absmax"].iloc[0] if len(forward) else None)
     reproduced = bool(replay["reproduced"])
     verdict = (" The replay reproduced the event: numerics, deterministic given the step's weights, batch and "
                "random state." if reproduced else " The replay met no inf/NaN itself (only a value past the "
@@ -817,9 +820,17 @@ def _rise_at(steps: pd.DataFrame, step: int) -> float | None:
     return float(at.iloc[0] / before.mean() - 1)
 
 
-def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[str, str]:
+#: a module's forward input from which a gradient born in its backward is said to be its input's doing: a
+#: weight's gradient is the output gradient times the input, and FP16 holds at most 65504
+LARGE_INPUT_ABSMAX = 2.0**10
+
+
+def _origin_said(replay: pd.Series, row: pd.Series | None, label: str,
+                 forward_input: float | None = None) -> tuple[str, str]:
     """(what the replay found, what to do) for :func:`nonfinite_origin`: the first offender's stored ``row``
-    (None for the step's inputs or the loss), ``label`` its module type in brackets."""
+    (None for the step's inputs or the loss), ``label`` its module type in brackets, ``forward_input`` the absmax
+    of what it received in the replay's forward (a Linear fed an unnormalised batch, ~15,000 after two layers, made
+    a weight gradient past FP16's max; the advice looked for a custom autograd Function instead)."""
     phase, name = replay["first_phase"], replay["first_module"]
     limit = replay["format_max"] if pd.notna(replay["format_max"]) else None
     if name == "(inputs)":
@@ -834,10 +845,14 @@ def _origin_said(replay: pd.Series, row: pd.Series | None, label: str) -> tuple[
         amount = _amount(row["absmax"], row["nonfinite"], limit) if row is not None else "went bad"
         was = (f" (absmax {row['in_absmax']:g})" if row is not None and pd.notna(row["in_absmax"]) else "")
         what = (f"{module_said(name)}{label} was the first, in execution order, whose {phase} {produced} {amount} while "
-                f"its {received} were finite{was}")
+                f"its {received} {'were' if phase == 'forward' else 'was'} finite{was}")
         advice = (f"Look at what '{name}' computes in its forward: keep it in FP32 (autocast(enabled=False) around "
                   "it), scale its inputs down (attention scores: scale q by 1/sqrt(d) before the product), or train "
                   "in BF16 (FP32's range)." if phase == "forward" else
+                  f"Its input in the forward reached absmax {forward_input:,.0f}, and a weight's gradient is the output "
+                  "gradient times that input: scale the inputs down where they come from (normalise the batch, or "
+                  f"the activations before '{name}'), keep '{name}' in FP32, or train in BF16 (FP32's range)."
+                  if forward_input is not None and forward_input >= LARGE_INPUT_ABSMAX else
                   f"Look at the backward of '{name}' (a custom autograd Function's in particular): it produces a gradient "
                   "FP16 cannot hold even before any loss scale. Compute it in FP32, or train in BF16 (FP32's range).")
     note = replay["note"] if isinstance(replay["note"], str) else None

@@ -58,9 +58,27 @@ MODULES = pd.DataFrame([dict(step=4, phase="backward", ord=0, module="act", type
 def test_an_overflow_past_fp16s_max_is_quoted_and_a_backward_offender_gets_backward_advice():
     origin = nonfinite_origin(replay("act", "backward"), MODULES)
     assert "backward gradient reached 70000, past FP16's largest finite value 65504" in origin.evidence
-    assert "output gradient were finite (absmax 3)" in origin.evidence
+    assert "output gradient was finite (absmax 3)" in origin.evidence
     assert "backward" in origin.recommendation and origin.severity == "error"
     assert origin.title == "step 4: the first inf/NaN was born in module 'act' (Softplus) in the backward"
+
+
+def test_a_backward_offender_fed_a_large_input_is_sent_to_its_input_not_to_a_custom_function():
+    """A user's unnormalised batch (absmax ~30,000) reached a plain Linear at ~15,000, whose weight gradient (output
+    gradient times input) overflowed FP16 in the backward: the advice sent them to "the backward of '4' (a custom
+    autograd Function's in particular)". With the replay's forward row of that module, it names the input."""
+    rows = pd.DataFrame([
+        dict(step=4, phase="backward", ord=1, module="4", type="Linear", absmax=63744.0, nonfinite=74,
+             in_absmax=1077.0, in_nonfinite=0),
+        dict(step=4, phase="forward", ord=4, module="4", type="Linear", absmax=23856.0, nonfinite=0,
+             in_absmax=15432.0, in_nonfinite=0)])
+    origin = nonfinite_origin(replay("4", "backward"), rows)
+    assert origin.title == "step 4: the first inf/NaN was born in module '4' (Linear) in the backward"
+    assert origin.recommendation.startswith("Its input in the forward reached absmax 15,432, and a weight's gradient "
+                                            "is the output gradient times that input: scale the inputs down")
+    assert "custom autograd Function" not in origin.recommendation
+    small = rows.assign(in_absmax=[1077.0, 3.0])  # a small input: the backward itself, as before
+    assert "custom autograd Function" in nonfinite_origin(replay("4", "backward"), small).recommendation
 
 
 def test_not_reproduced_is_a_warning_that_points_away_from_numerics():
