@@ -685,10 +685,10 @@ def fix_in_code(fix: Mapping[str, Any]) -> str | None:
 
 
 def scale_text(value: Any, digits: bool = False) -> str:
-    """A loss scale as every page, finding, event and name writes it: a power of two from 2^4 up or from 2^-4 down
-    as 2^k (GradScaler's 2^16, never 65,536 beside 2^28 in one column; ``digits``: 2^16 (65,536) where there is
-    room), other scales as their number (1, 8, 0.5, 1,000, 0); "not recorded" (NaN), "not finite" (inf); a value
-    that is not a number as written ("dynamic", None)."""
+    """A loss scale as every page, finding, event and name writes it: a power of two but 1 as 2^k (GradScaler's
+    2^16, never 65,536 beside 2^28 in one column, nor 0.125 beside 2^-6 in two findings; ``digits``: 2^16 (65,536)
+    where there is room), other scales as their number (1, 3, 1,000, 0); "not recorded" (NaN), "not finite" (inf);
+    a value that is not a number as written ("dynamic", None)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -698,7 +698,7 @@ def scale_text(value: Any, digits: bool = False) -> str:
     if math.isinf(number):
         return "not finite"
     mantissa, exponent = math.frexp(number)
-    if mantissa == 0.5 and abs(exponent - 1) >= 4:
+    if mantissa == 0.5 and exponent != 1:
         k = exponent - 1
         return f"2^{k} ({number:,.0f})" if digits and k > 0 else f"2^{k}"
     return f"{number:,.10g}" if abs(number) >= 1 or number == 0 else f"{number:.6g}"

@@ -164,7 +164,7 @@ def check_then_run(store, sha: str, bundle, entry: str, args: list[str], as_modu
     subject = "\0".join([sha, entry, str(as_module), *args])
     report = checked(
         store, subject, actions.pending(f"Check {bundle.name}: compile every Python file, read {entry}", bundle.name,
-                                        sha, {"command": command}),
+                                        sha, {"command": command}, runs_code=False),
         "code_check", f"Checking {plain(bundle.name)} in a child process (compiles every file, runs nothing)…",
         lambda: actions.check_code(bundle, entry, args, as_module),
         "Not checked in this session yet: 'Check it' compiles every Python file and reads the entry point in a "

@@ -40,7 +40,10 @@ def verify_body(store, run: pd.Series, plan, job) -> None:
             st.markdown(plain(sentence))
     if len(view.curves):
         st.caption("The loss of the FP32 reference and of each verify round (dashed where they coincide).")
-        ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain), width="stretch")
+        # on a log axis where the losses span more than 100x (a diverged round's 1.8e8 put the rest on 0: a user's trial)
+        ui.show_chart(charts.runs_overlay(view.curves, "loss", "loss", view.domain,
+                                          log=charts.losses_far_apart(view.curves["loss"]), log_base=10),
+                      width="stretch")
     if not running:
         next_round(store, run, view)
 

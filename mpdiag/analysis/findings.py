@@ -366,10 +366,17 @@ def scale_collapse(run: pd.Series, steps: pd.DataFrame, hist: np.ndarray,
     k = recommended_scale(hist, ceiling=GRADSCALER_DEFAULT_LOG2)  # lower, never above GradScaler's default
     # a scale below 1 that nothing backed off to (a static one, or a custom scaler's) shrinks the gradients
     shrinks = not skipped.any()
+    # some skips overflowed before the loss (a user's outlier batches made the loss inf; the card said only that
+    # gradients overflow at the scale)
+    in_forward = int((nonfinite_loss & skipped).sum())
+    if in_forward:
+        evidence += (f" {in_forward} of the {int(skipped.sum())} skipped steps had a non-finite loss: those overflowed "
+                     "in the forward pass, which backing the scale off cannot help.")
     return Finding(
         rule="scale-collapse", severity="warning",
         title=("The loss scale is below 1: it shrinks gradients toward FP16's underflow instead of lifting them"
-               if shrinks else "Gradients overflow FP16 at the loss scale: steps are skipped"),
+               if shrinks else "Gradients overflow FP16 at the loss scale: steps are skipped"
+               + (", some after an overflow in the forward pass" if in_forward else "")),
         evidence=evidence,
         recommendation=("Scale up, not down: " if shrinks else "Start the scale lower: ") + FIX if k is not None
         else f"No single scale fits these gradients: {FIX}.",

@@ -204,7 +204,8 @@ def gradient_ranking(totals: pd.DataFrame, fmt: str, at_scale: bool, flushed_by_
         keys, said = ["zero_or_low_share", "overflow_share"], (
             f"Ranked by the share of values recorded as exact zeros or as {fmt} subnormals or underflow, then by "
             f"{fmt} overflow: the values FP16 flushed are exact zeros in this record, so its underflow share cannot "
-            "see them, and without an FP32 twin the zeros FP16 made cannot be told from genuine ones.")
+            "see them, and without an FP32 twin whose loss tracks this run's the zeros FP16 made cannot be told from "
+            "genuine ones.")
     ranking = ranking.sort_values(keys, ascending=False, na_position="last", kind="stable").reset_index(drop=True)
     return ranking, said
 
@@ -560,7 +561,7 @@ def signal_note(totals: pd.DataFrame, kept_steps: int, opt_level: str) -> str:
             return (f"No inf/NaN or overflow at any step, and no recorded value that would underflow FP16 at the loss "
                     f"scale ({counted}); but this run's backward computed in FP16, so a value it flushed to zero was "
                     "recorded as a zero, which these counts cannot tell from a true zero: the Gradients and Findings "
-                    "pages measure the flushed share against an FP32 twin or shadow.")
+                    "pages estimate the flushed share against an FP32 twin while its loss tracks this run's.")
         return f"No inf/NaN and no FP16/BF16 overflow or underflow at the loss scale at any step ({counted})."
     computes = LEVEL_FORMAT.get(opt_level, "unknown")
     cast_lines = any(_line_name(line, opt_level).endswith(IF_CAST) and (totals[column] > 0).any()

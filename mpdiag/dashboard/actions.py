@@ -51,6 +51,9 @@ class Pending:
     options: tuple[tuple[str, object], ...] = ()
     #: what runs, in lines, where it is not one stored script named by its hash (a watched run's command)
     source: tuple[str, ...] = ()
+    #: whether confirming runs the code (False: an uploaded bundle's check, which compiles and reads it only; its
+    #: confirmation said "this runs the script below as Python", and a user took the check for a run)
+    runs_code: bool = True
 
     def text(self) -> str:
         lines = [self.what, *(self.source or (f"script: {self.script_name}", f"sha256: {self.script_sha256}"))]
@@ -58,8 +61,9 @@ class Pending:
         return "\n".join(lines)
 
 
-def pending(what: str, script_name: str, script_sha256: str, options: dict | None = None) -> Pending:
-    return Pending(what, script_name, script_sha256, tuple(sorted((options or {}).items())))
+def pending(what: str, script_name: str, script_sha256: str, options: dict | None = None,
+            runs_code: bool = True) -> Pending:
+    return Pending(what, script_name, script_sha256, tuple(sorted((options or {}).items())), runs_code=runs_code)
 
 
 def rerun_pending(what: str, run, options: dict | None = None) -> Pending:
@@ -95,7 +99,8 @@ def confirmed(label: str, key: str, action: Pending, **button_args) -> bool:
         return False
     panel = st.empty()
     with panel.container(border=True):
-        st.markdown("**Confirm:** this runs the script below as Python, in a child process.")
+        st.markdown("**Confirm:** this runs the script below as Python, in a child process." if armed.runs_code else
+                    "**Confirm:** this compiles and reads the code below in a child process; nothing of it runs.")
         st.text(armed.text())
         yes, no = st.columns(2)
         go = yes.button("Confirm", key=f"{key}_confirm", type="primary")

@@ -141,6 +141,13 @@ def test_scale_collapse_thresholds():
     assert static.fix == {"init_scale": 2.0**recommended_scale(hist, ceiling=16), "loss_scale": "dynamic"}
     forward = scale_collapse(run, steps(set(range(100)), loss=float("nan")), hist)
     assert forward.severity == "error" and forward.fix == {"opt_level": "bf16"}
+    # some skips after a non-finite loss, some not (a user's outlier batches): said, with how many of each
+    mixed = steps(set(range(10, 20)))
+    mixed.loc[mixed["step"].isin([12, 15, 17]), "loss"] = float("inf")
+    some = scale_collapse(run, mixed, hist)
+    assert some.severity == "warning" and some.title.endswith("some after an overflow in the forward pass")
+    assert "3 of the 10 skipped steps had a non-finite loss" in some.evidence
+    assert "forward" not in scale_collapse(run, steps(set(range(10, 15))), hist).title
 
 
 def test_cli_diagnose_text_and_json(store_path):

@@ -74,7 +74,7 @@ def test_a_setting_only_some_runs_have_is_a_difference(store):
 
 def test_settings_are_written_readably():
     assert scale_text(2.0**16, digits=True) == "2^16 (65,536)" and scale_text(2.0**-20, digits=True) == "2^-20"
-    assert scale_text(1.0) == "1" and scale_text(0.5) == "0.5" and scale_text(1000.0) == "1,000"
+    assert scale_text(1.0) == "1" and scale_text(0.5) == "2^-1" and scale_text(1000.0) == "1,000"
     assert setting_text("init_scale", float("nan")) == MISSING and setting_text("gpu_name", None) == MISSING
     assert setting_text("pair_run_id", pd.NA) == MISSING and setting_text("pair_run_id", 7) == "#7"
     assert setting_text("backoff_factor", 0.5) == "0.5" and setting_text("trace_modules", True) == "yes"

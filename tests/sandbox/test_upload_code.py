@@ -134,6 +134,19 @@ def upload_code(at, name: str, data: bytes, entry: str, args: str):
     return confirm(at, "code_check")
 
 
+def test_the_checks_confirmation_says_nothing_of_the_code_runs(tmp_path, monkeypatch):
+    """The check of uploaded code compiles and reads it: its confirmation said "this runs the script below as
+    Python", and a user took the check for a run. It says what the check does; starting the run still says it runs."""
+    at = app("pages/4_Upload.py", tmp_path / "up.db", monkeypatch)
+    at.radio(key="kind").set_value(TRAINING_CODE).run()
+    at.file_uploader(key="code_upload").set_value([("proj.zip", zipped(PROJECT), "application/zip")]).run()
+    sha = at.selectbox(key="code").value
+    at.selectbox(key=f"entry_{sha}").set_value("launch.py").run()
+    at.button(key="code_check").click().run()
+    said = " ".join(m.value for m in at.markdown)
+    assert "nothing of it runs" in said and "this runs the script below as Python" not in said
+
+
 @pytest.mark.slow
 def test_uploaded_code_runs_unmodified_and_records_what_the_loop_computed(tmp_path, monkeypatch):
     store, log_path = tmp_path / "up.db", tmp_path / "log.json"

@@ -300,11 +300,11 @@ def test_every_defaults_to_the_thinned_retention_in_the_table_the_flags_and_both
 
 def test_a_loss_scale_is_written_one_way_everywhere():
     """options.scale_text is the one writer of a loss scale (runs table, Compare, findings, events, rerun names):
-    powers of two from 2^4 up and from 2^-4 down as 2^k, so GradScaler's 2^16 never reads 65,536 beside a 2^28 in
-    one column; small and other scales as their number."""
-    assert [scale_text(2.0**k) for k in (16, 15, 35, 4, -4, -83)] == ["2^16", "2^15", "2^35", "2^4", "2^-4", "2^-83"]
-    assert [scale_text(v) for v in (1.0, 8.0, 0.5, 0.125, 1000.0, 0.0, 3.0)] == ["1", "8", "0.5", "0.125", "1,000",
-                                                                                   "0", "3"]
+    powers of two but 1 as 2^k, so GradScaler's 2^16 never reads 65,536 beside a 2^28 in one column, nor 0.125
+    beside 2^-6 in two findings (a user's trial); other scales as their number."""
+    assert [scale_text(2.0**k) for k in (16, 15, 35, 3, -1, -3, -83)] == ["2^16", "2^15", "2^35", "2^3", "2^-1",
+                                                                          "2^-3", "2^-83"]
+    assert [scale_text(v) for v in (1.0, 1000.0, 0.0, 3.0, 0.3)] == ["1", "1,000", "0", "3", "0.3"]
     assert scale_text(2.0**16, digits=True) == "2^16 (65,536)" and scale_text(2.0**-20, digits=True) == "2^-20"
     assert (scale_text(float("nan")), scale_text(float("inf")), scale_text("dynamic")) == ("not recorded",
                                                                                           "not finite", "dynamic")
@@ -319,7 +319,7 @@ def test_a_fix_is_said_as_the_way_the_run_was_recorded_can_make_it():
     for how in ("run", "watch"):
         assert fix_said({"opt_level": "bf16"}, how) == "--opt-level bf16"
         assert fix_said(rescale, how) == "--loss-scale dynamic --init-scale 8388608 (2^23)"
-    assert fix_said({"init_scale": 0.125}, "run") == "--init-scale 0.125"
+    assert fix_said({"init_scale": 0.125}, "run") == "--init-scale 0.125 (2^-3)"
     assert fix_said({"opt_level": "bf16"}, "recorder") == "BF16 autocast without a GradScaler"
     assert fix_said({"opt_level": "O2"}, "recorder").startswith("O2-style mixed precision")
     assert fix_said(rescale, "recorder") == "a dynamic GradScaler(init_scale=2**23)"
