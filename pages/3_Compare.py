@@ -134,6 +134,12 @@ def fp16_shares(model: CompareRuns) -> None:
                               "run had"}
         st.caption(f"Solid bars, “{drawn[0]}”: {said[drawn[0]]}. Light bars, “{drawn[1]}”: {said[drawn[1]]}."
                    if len(drawn) > 1 else f"“{drawn[0]}”: {said[drawn[0]]}.")
+        for lab, parts in shares.under.groupby("run", sort=False):  # a run drawn at 0 everywhere looked left out
+            if (parts["share"] == 0).all():
+                what = " or ".join(said_short for part, said_short in ((FLUSHED_PART, "flushed to zero"),
+                                                                       (COUNTED_PART, "would underflow FP16"))
+                                   if part in set(parts["part"]))
+                st.caption(plain(f"{lab}: no value of any tensor {what} (its bars are at 0)."))
     else:  # what an FP16 run without its twin flushed is not known: nothing is said of it here (see below)
         flushed = "" if shares.no_twin else "was flushed to zero or "
         st.caption(f"FP16 underflow: no value of any tensor of these runs {flushed}would underflow FP16 at its run's "

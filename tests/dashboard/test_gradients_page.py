@@ -380,6 +380,29 @@ def test_compare_finds_the_twin_in_the_runs_table_for_the_flushed_share(store_pa
     assert set(flushed["run"]) == {model.labels[0]} and flushed["share"].max() > 0.05
 
 
+def test_compare_says_which_runs_are_drawn_at_zero(store_path, monkeypatch):
+    """Compare's FP16 underflow bars of run 1 (paired: values flushed) and run 3 (no twin; at scale 1 its recorded
+    values are FP16 subnormals, none would underflow): run 3's bars are all at 0, which read as a run left out of the
+    chart (a helper's gallery review); the page says so, in the run's words, from the counts the chart drew."""
+    from mpdiag import Store
+    from mpdiag.dashboard import compare_model
+
+    store = Store(store_path, create=False)
+    runs = store.runs()
+    shares = compare_model.compare(store, runs.set_index("run_id").loc[[1, 3]].reset_index(), runs,
+                                   weight=0.0).fp16_shares()
+    at_zero = [lab for lab, parts in shares.under.groupby("run") if (parts["share"] == 0).all()]
+    assert len(at_zero) == 1 and at_zero[0].startswith("#3")
+    monkeypatch.setenv("MPDIAG_STORE", str(store_path))
+    at = AppTest.from_file(str(ROOT / "pages" / "3_Compare.py"), default_timeout=TIMEOUT)
+    at.query_params["runs"] = ["1", "3"]
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    said = captions(at)
+    assert f"{at_zero[0]}: no value of any tensor would underflow FP16 (its bars are at 0)." in said, said
+    assert "#1" not in [line.split(":")[0][:2] for line in said.splitlines() if "(its bars are at 0)" in line]
+
+
 def _long_run(path) -> tuple[int, dict]:
     """A 6,000-step run of one tensor written through the writer: every step kept, a blank step (no finite
     non-zero value: all zero) at 2,500, the loss scale 2^16 halved to 2^15 at step 3,000; returns its id and the
